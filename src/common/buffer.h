@@ -1,0 +1,82 @@
+// Buffer: one contiguous, immutable-after-publish allocation holding a stored value or a
+// large request argument.
+//
+// Values in Pion are megabytes to gigabytes, so they are never copied between the socket,
+// the store and the reply: the parser reads a large bulk argument straight into a Buffer,
+// a family adopts that Buffer as the stored value, and a reply references it by BufferRef
+// (writev from the stored bytes). Buffers come from a BufferAllocator so that a later
+// allocator can place them in memfd-backed shared memory and hand a same-host client a
+// mapping (segment fd + offset) instead of bytes; Buffer therefore exposes where it lives.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace pion {
+
+class BufferAllocator;
+
+class Buffer {
+ public:
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+
+  uint8_t* data() { return data_; }
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  std::string_view view() const { return {reinterpret_cast<const char*>(data_), size_}; }
+
+  // Shared-memory placement: the segment's fd (-1 for private heap memory) and the offset
+  // of data() inside that segment. Heap buffers report {-1, 0}.
+  int segment_fd() const { return segment_fd_; }
+  uint64_t segment_offset() const { return segment_offset_; }
+
+ private:
+  friend class BufferAllocator;
+  Buffer(BufferAllocator* owner, uint8_t* data, size_t size, int fd, uint64_t off)
+      : owner_(owner), data_(data), size_(size), segment_fd_(fd), segment_offset_(off) {}
+
+  BufferAllocator* owner_;
+  uint8_t* data_;
+  size_t size_;
+  int segment_fd_;
+  uint64_t segment_offset_;
+};
+
+using BufferRef = std::shared_ptr<Buffer>;
+
+// Where Buffers come from. Thread-safe: any shard may allocate, any thread may free.
+class BufferAllocator {
+ public:
+  virtual ~BufferAllocator() = default;
+
+  // Allocates size bytes, 64-byte aligned (SIMD kernels rely on it). The bytes are not
+  // initialised. Returns kOom if the memory cannot be obtained.
+  StatusOr<BufferRef> Allocate(size_t size);
+
+  // The process-wide default allocator (private heap; large sizes are mmap-backed).
+  static BufferAllocator* Default();
+
+ protected:
+  struct Region {
+    uint8_t* data;
+    int fd;
+    uint64_t offset;
+  };
+  virtual bool AllocateRegion(size_t size, Region* out) = 0;
+  virtual void FreeRegion(uint8_t* data, size_t size) = 0;
+
+ private:
+  friend class Buffer;
+};
+
+// Convenience: allocate and copy bytes in.
+StatusOr<BufferRef> CopyToBuffer(std::string_view bytes,
+                                 BufferAllocator* alloc = BufferAllocator::Default());
+
+}  // namespace pion

@@ -1,0 +1,13 @@
+#include "families/families.h"
+
+namespace pion::families {
+
+void RegisterAll(server::Server& server) {
+  RegisterServerFamily(server);
+  RegisterClientFamily(server);
+  RegisterConfigFamily(server);
+  RegisterInfoFamily(server);
+  RegisterStateFamily(server);
+}
+
+}  // namespace pion::families

@@ -1,0 +1,163 @@
+#include "net/connection.h"
+
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "net/socket.h"
+
+namespace pion::net {
+namespace {
+constexpr int kMaxReadsPerEvent = 8;  // fairness between clients of one shard
+constexpr size_t kEagerFlushBytes = 256 * 1024;
+}  // namespace
+
+Connection::Connection(EventLoop* loop, ConnectionHost* host, int fd, uint64_t id)
+    : loop_(loop),
+      host_(host),
+      fd_(fd),
+      id_(id),
+      peer_(SocketAddress(fd)),
+      local_(SocketAddress(fd, true)),
+      rb_(&output_, 2),
+      created_(Clock::now()),
+      last_active_(created_),
+      last_write_progress_(created_) {}
+
+Connection::~Connection() {
+  if (fd_ >= 0) close(fd_);
+}
+
+bool Connection::Start() {
+  interest_ = EPOLLIN;
+  return loop_->Add(fd_, interest_, this);
+}
+
+void Connection::OnEvent(uint32_t events) {
+  if (closed_) return;
+  if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) ReadInput();
+  if (!closed_ && (events & EPOLLOUT)) {
+    Flush();
+    // Draining below the limit may unblock pipelined commands already buffered.
+    if (!closed_ && !async_pending_ && output_.size() < limits_.output_limit) ProcessInput();
+    if (!closed_) Flush();
+  }
+  if (!closed_) UpdateInterest();
+}
+
+void Connection::ReadInput() {
+  for (int i = 0; i < kMaxReadsPerEvent && !closed_; ++i) {
+    if (async_pending_ || close_after_flush_) break;
+    auto span = parser_.ReadSpan();
+    ssize_t n = recv(fd_, span.data(), span.size(), 0);
+    if (n > 0) {
+      parser_.CommitRead(static_cast<size_t>(n));
+      host_->OnNetBytes(static_cast<uint64_t>(n), 0);
+      last_active_ = Clock::now();
+      ProcessInput();
+      if (static_cast<size_t>(n) < span.size()) break;  // socket drained
+      continue;
+    }
+    if (n == 0) {
+      Close(CloseReason::kClient);
+      return;
+    }
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) Close(CloseReason::kIoError);
+    break;
+  }
+  if (!closed_) Flush();
+}
+
+void Connection::ProcessInput() {
+  limits_ = host_->LimitsFor(*this);
+  while (!async_pending_ && !close_after_flush_ && !closed_) {
+    if (output_.size() >= limits_.output_limit) break;  // paced: resume on EPOLLOUT
+    parser_.set_limits(limits_.parser);
+    auto r = parser_.Next(&args_);
+    if (r == proto::RespParser::Result::kNeedMore) break;
+    if (r == proto::RespParser::Result::kError) {
+      rb_.ErrorLine("ERR Protocol error: " + parser_.error());
+      close_after_flush_ = true;
+      pending_close_reason_ =
+          parser_.reason() == proto::RespParser::ErrorReason::kQueryBufferLimit
+              ? CloseReason::kQueryLimit
+              : CloseReason::kProtocol;
+      break;
+    }
+    host_->Dispatch(*this, args_);
+    args_.Clear();
+    if (output_.size() >= kEagerFlushBytes) Flush();
+    // AUTH may have changed the parser's pre-auth caps.
+    limits_ = host_->LimitsFor(*this);
+  }
+}
+
+void Connection::CompleteAsync(proto::ReplyBuffer&& reply) {
+  if (closed_) return;
+  async_pending_ = false;
+  output_.Splice(std::move(reply));
+  ProcessInput();
+  if (!closed_) Flush();
+  if (!closed_) UpdateInterest();
+}
+
+void Connection::Flush() {
+  while (!output_.empty()) {
+    constexpr int kMaxIov = 64;
+    iovec iov[kMaxIov];
+    int cnt = output_.FillIovec(iov, kMaxIov);
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(cnt);
+    ssize_t n = sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    if (n > 0) {
+      output_.Consume(static_cast<size_t>(n));
+      host_->OnNetBytes(0, static_cast<uint64_t>(n));
+      last_write_progress_ = Clock::now();
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    Close(CloseReason::kIoError);
+    return;
+  }
+  last_write_progress_ = Clock::now();
+  if (close_after_flush_) Close(pending_close_reason_);
+}
+
+void Connection::UpdateInterest() {
+  if (closed_) return;
+  uint32_t want = 0;
+  bool paced = output_.size() >= limits_.output_limit;
+  if (!async_pending_ && !close_after_flush_ && !paced) want |= EPOLLIN;
+  if (!output_.empty()) want |= EPOLLOUT;
+  if (want != interest_) {
+    interest_ = want;
+    loop_->Modify(fd_, want, this);
+  }
+}
+
+void Connection::Tick(Clock::time_point now) {
+  if (closed_ || output_.empty()) return;
+  // A client at its output limit, or one being closed, must read to make progress.
+  if (output_.size() < limits_.output_limit && !close_after_flush_) return;
+  auto stalled = std::chrono::duration_cast<std::chrono::milliseconds>(now - last_write_progress_);
+  if (stalled.count() >= limits_.output_timeout_ms) {
+    Close(close_after_flush_ ? pending_close_reason_ : CloseReason::kOutputLimit);
+  }
+}
+
+void Connection::Close(CloseReason reason) {
+  if (closed_) return;
+  closed_ = true;
+  loop_->Remove(fd_);
+  shutdown(fd_, SHUT_RDWR);
+  output_.Clear();
+  host_->OnClosed(*this, reason);
+}
+
+}  // namespace pion::net

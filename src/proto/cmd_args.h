@@ -1,0 +1,54 @@
+// CmdArgs: the arguments of one parsed command.
+//
+// Small arguments are packed into one string; each large bulk argument (at or above the
+// parser's big-argument threshold) lives in its own Buffer that the parser filled straight
+// from the socket, so a family can adopt it as a stored value without copying it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/buffer.h"
+
+namespace pion::proto {
+
+class CmdArgs {
+ public:
+  size_t size() const { return slots_.size(); }
+  bool empty() const { return slots_.empty(); }
+
+  std::string_view operator[](size_t i) const {
+    const Slot& s = slots_[i];
+    if (s.big) return s.big->view();
+    return std::string_view(small_.data() + s.offset, s.length);
+  }
+
+  // True when argument i was read into its own Buffer.
+  bool IsBuffer(size_t i) const { return slots_[i].big != nullptr; }
+
+  // Returns argument i as a Buffer: the parser's own Buffer when it has one (no copy),
+  // otherwise a fresh copy from `alloc`.
+  StatusOr<BufferRef> TakeBuffer(size_t i, BufferAllocator* alloc = BufferAllocator::Default());
+
+  // Total bytes held by the arguments.
+  uint64_t bytes() const { return small_.size() + big_bytes_; }
+
+  void Clear();
+  void Reserve(size_t n) { slots_.reserve(n); }
+  void AppendSmall(std::string_view s);
+  void AppendBuffer(BufferRef buf);
+
+ private:
+  struct Slot {
+    uint32_t offset = 0;
+    uint32_t length = 0;
+    BufferRef big;
+  };
+  std::string small_;
+  std::vector<Slot> slots_;
+  uint64_t big_bytes_ = 0;
+};
+
+}  // namespace pion::proto

@@ -1,0 +1,51 @@
+// ReplyBuffer: pending output bytes of one connection (or one reply in transit between
+// shards), as a list of chunks that are either owned bytes or references into stored Buffers.
+//
+// Large values are referenced, not copied: a chunk holds a BufferRef and the socket writes
+// straight from it with writev. The reference keeps the stored bytes alive until they are sent
+// even if the value is dropped or replaced meanwhile.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <cstddef>
+#include <deque>
+#include <string>
+#include <string_view>
+
+#include "common/buffer.h"
+
+namespace pion::proto {
+
+class ReplyBuffer {
+ public:
+  void Append(std::string_view bytes);
+  void Append(char c);
+  // References len bytes at p inside buf (p must point into buf).
+  void AppendRef(BufferRef buf, const uint8_t* p, size_t len);
+  // Moves all of other's chunks to the end of this buffer.
+  void Splice(ReplyBuffer&& other);
+
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+
+  // Fills up to max iovecs with the pending bytes; returns how many were filled.
+  int FillIovec(struct iovec* iov, int max) const;
+  // Drops n bytes from the front (after a successful write).
+  void Consume(size_t n);
+  void Clear();
+
+ private:
+  struct Chunk {
+    std::string owned;
+    BufferRef ref;
+    const uint8_t* ptr = nullptr;  // for ref chunks
+    size_t len = 0;                // for ref chunks
+    size_t length() const { return ref ? len : owned.size(); }
+  };
+  std::deque<Chunk> chunks_;
+  size_t head_offset_ = 0;  // bytes of chunks_.front() already sent
+  size_t size_ = 0;
+};
+
+}  // namespace pion::proto

@@ -1,0 +1,58 @@
+// ReplyBuilder: writes RESP2 or RESP3 replies into a ReplyBuffer.
+//
+// Families describe replies in protocol-neutral terms (map, array, bulk, null, double) and
+// the builder encodes them for the connection's negotiated protocol (HELLO 2|3). Large bulk
+// replies are referenced from the stored Buffer rather than copied.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "common/buffer.h"
+#include "common/status.h"
+#include "proto/reply_buffer.h"
+
+namespace pion::proto {
+
+class ReplyBuilder {
+ public:
+  ReplyBuilder(ReplyBuffer* out, int resp_version) : out_(out), resp3_(resp_version >= 3) {}
+
+  bool resp3() const { return resp3_; }
+  void set_resp_version(int v) { resp3_ = v >= 3; }
+  ReplyBuffer* buffer() { return out_; }
+  void set_buffer(ReplyBuffer* out) { out_ = out; }
+
+  void Ok() { out_->Append("+OK\r\n"); }
+  void SimpleString(std::string_view s);
+  // "-<PREFIX> <message>\r\n" from a non-ok Status.
+  void Error(const Status& status);
+  // Raw error line without '-' or CRLF, e.g. "ERR unknown command ...". CR/LF are replaced.
+  void ErrorLine(std::string_view line);
+  void Integer(int64_t v);
+  void Double(double v);
+  void Bool(bool v);
+  void Bulk(std::string_view s);
+  // Bulk reply of len bytes at p inside buf; referenced without copying when large.
+  void BulkRef(const BufferRef& buf, const uint8_t* p, size_t len);
+  void BulkRef(const BufferRef& buf) { BulkRef(buf, buf->data(), buf->size()); }
+  void Null();       // RESP2 "$-1", RESP3 "_"
+  void NullArray();  // RESP2 "*-1", RESP3 "_"
+  void Array(size_t n);
+  void Map(size_t n);  // n key/value pairs; RESP2 flattens to an array of 2n
+  void Set(size_t n);
+  // Text for humans (INFO, CLIENT LIST): RESP3 verbatim string, RESP2 bulk.
+  void Verbatim(std::string_view txt);
+
+  // Errors written since construction / the last ResetErrorCount (for command stats).
+  int errors() const { return errors_; }
+  void ResetErrorCount() { errors_ = 0; }
+
+ private:
+  void Header(char type, uint64_t n);
+  ReplyBuffer* out_;
+  bool resp3_;
+  int errors_ = 0;
+};
+
+}  // namespace pion::proto

@@ -1,0 +1,90 @@
+// The command table: every family registers its commands (name, arity, flags, key position,
+// handler) here, and the dispatcher uses it for lookup, arity checks, auth, routing to the
+// owning shard, COMMAND/COMMAND DOCS, and per-command statistics.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "proto/cmd_args.h"
+#include "proto/reply_builder.h"
+
+namespace pion::net {
+class Connection;
+}
+
+namespace pion::server {
+
+class Server;
+class Shard;
+
+enum CommandFlag : uint32_t {
+  kCmdWrite = 1u << 0,       // stores or deletes data
+  kCmdReadOnly = 1u << 1,    // only reads data
+  kCmdAdmin = 1u << 2,       // server administration (CONFIG, SHUTDOWN, ...)
+  kCmdNoAuth = 1u << 3,      // accepted before AUTH (AUTH, HELLO, PING, QUIT)
+  kCmdFast = 1u << 4,        // O(1), never blocks
+  kCmdConnection = 1u << 5,  // runs on the connection's shard with access to the Connection
+  kCmdKvCache = 1u << 6,     // part of the K/V cache families, gated by --kvcache
+  kCmdDenyOom = 1u << 7,     // may allocate; subject to --maxmemory
+};
+
+// What a handler gets. Runs on `shard`, which owns the command's key (or is the connection's
+// shard for keyless commands).
+struct CommandContext {
+  Server* server;
+  Shard* shard;
+  proto::ReplyBuilder* rb;
+  uint32_t tenant;
+  uint64_t client_id;
+  net::Connection* conn;  // non-null only for kCmdConnection commands
+
+  // Writes an error reply and counts OOM/BUSY rejections in the shard's stats.
+  void Error(const Status& status);
+};
+
+using CommandHandler = std::function<void(CommandContext&, proto::CmdArgs&)>;
+
+struct CommandSpec {
+  std::string name;  // upper case, e.g. "STATE.ALLOC"
+  int arity;         // Redis convention: N exact (incl. name), -N at least N
+  uint32_t flags;
+  int first_key = 0;  // argument index of the routing key; 0 = keyless
+  int last_key = 0;
+  int key_step = 0;
+  CommandHandler handler;
+  std::string group;    // "server", "connection", "state", ...
+  std::string summary;  // one line, shown by COMMAND DOCS
+  std::string syntax;   // argument grammar, e.g. "<id> <offset> <len>"
+  size_t index = 0;     // assigned at registration; indexes per-command stats
+  std::string lower_name;
+};
+
+class CommandRegistry {
+ public:
+  // Registers a command. Names are unique; a duplicate aborts start-up (programming error).
+  void Register(CommandSpec spec);
+  // Case-insensitive lookup; does not allocate. Returns nullptr if unknown.
+  const CommandSpec* Find(std::string_view name) const;
+  const std::vector<CommandSpec>& all() const { return specs_; }
+  size_t size() const { return specs_.size(); }
+
+ private:
+  struct Hash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>()(s); }
+  };
+  std::vector<CommandSpec> specs_;
+  std::unordered_map<std::string, size_t, Hash, std::equal_to<>> by_name_;
+};
+
+// Redis-compatible error texts shared by the dispatcher and families.
+std::string UnknownCommandError(const proto::CmdArgs& args);
+std::string ArityError(std::string_view lower_name);
+std::string UnknownSubcommandError(std::string_view sub, std::string_view lower_name);
+
+}  // namespace pion::server

@@ -1,0 +1,181 @@
+#include "server/config.h"
+
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+#include <toml++/toml.h>
+
+#include "common/bytes.h"
+
+namespace pion::server {
+namespace {
+
+constexpr const char* kVersion = "0.1.0";
+
+// CLI11 validator/transform for byte sizes ("512mb", "2gb").
+void AddSize(CLI::App& app, const std::string& name, uint64_t* target, const std::string& help) {
+  app.add_option_function<std::string>(
+         name,
+         [target, name](const std::string& v) {
+           auto parsed = ParseByteSize(v);
+           if (!parsed) throw CLI::ValidationError(name, "expected a size like 512mb, got " + v);
+           *target = *parsed;
+         },
+         help + " (bytes; units b/kb/mb/gb/tb)")
+      ->default_str(std::to_string(*target));
+}
+
+// Turns a TOML table into "--key=value" arguments placed before the real ones.
+Status TomlToArgs(const std::string& path, std::vector<std::string>* out) {
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& err) {
+    return Error("cannot parse config file " + path + ": " + std::string(err.description()) +
+                 " at line " + std::to_string(err.source().begin.line));
+  }
+  for (const auto& [key, node] : table) {
+    std::string value;
+    if (auto s = node.value<std::string>()) {
+      value = *s;
+    } else if (auto i = node.value<int64_t>()) {
+      value = std::to_string(*i);
+    } else if (auto b = node.value<bool>()) {
+      value = *b ? "on" : "off";
+    } else {
+      return Error("config file " + path + ": key '" + std::string(key.str()) +
+                   "' must be a string, integer or boolean");
+    }
+    out->push_back("--" + std::string(key.str()) + "=" + value);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should_exit) {
+  Config c;
+  *should_exit = false;
+  CLI::App app{"pion-server: shared inference-state server (K/V prefixes, attention, SSM state)",
+               "pion-server"};
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.set_version_flag("--version", kVersion);
+  app.get_formatter()->column_width(40);
+
+  app.add_option("--config", c.config_file, "TOML file with the same keys as these flags");
+  app.add_option("--bind", c.bind, "Address to listen on")->capture_default_str();
+  app.add_option("--port", c.port, "RESP port")->capture_default_str()->check(CLI::Range(1, 65535));
+  app.add_option("-w,--workers", c.workers, "Shards (threads); 0 = number of cores")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
+  app.add_option("--dir", c.dir, "Data directory for the disk tier")->capture_default_str();
+  AddSize(app, "--maxmemory", &c.maxmemory, "Memory limit for stored data; 0 = no limit");
+  app.add_option("--metrics-port", c.metrics_port,
+                 "Prometheus /metrics HTTP port on --bind; 0 disables")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
+  app.add_option("--requirepass", c.requirepass,
+                 "Password of the 'default' user (tenant 'default'); enables AUTH");
+  app.add_option("--users", c.users_file,
+                 "Users file: lines of '<user> <password> <tenant>'; enables AUTH")
+      ->check(CLI::ExistingFile);
+  AddSize(app, "--proto-max-bulk-len", &c.proto_max_bulk_len, "Largest bulk argument accepted");
+  app.add_option("--max-multibulk-len", c.max_multibulk_len, "Most arguments in one command")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+  AddSize(app, "--client-query-buffer-limit", &c.client_query_buffer_limit,
+          "Most bytes one client may have buffered for the command being received");
+  AddSize(app, "--client-output-buffer-limit", &c.client_output_buffer_limit,
+          "Pending reply bytes at which a client is paced, and disconnected if it stops reading");
+  app.add_option("--client-output-buffer-timeout-ms", c.client_output_buffer_timeout_ms,
+                 "How long a client may sit at its output limit without reading")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+  app.add_option("--maxclients", c.maxclients, "Most simultaneous client connections")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000000));
+  app.add_option("--shard-queue-depth", c.shard_queue_depth,
+                 "Capacity of each shard's inbox; a full inbox answers -BUSY")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option_function<std::string>(
+         "--kvcache",
+         [&c](const std::string& v) {
+           if (v.empty() || v == "on" || v == "yes" || v == "true" || v == "1") {
+             c.kvcache = true;
+           } else if (v == "off" || v == "no" || v == "false" || v == "0") {
+             c.kvcache = false;
+           } else {
+             throw CLI::ValidationError("--kvcache", "expected on|off, got " + v);
+           }
+         },
+         "K/V cache families (KV.*, V.*, ATTEND.*, STATE.*, SSM.*): on|off")
+      ->default_str("on")
+      ->expected(0, 1)
+      ->default_val("on");
+  app.add_option("--loglevel", c.loglevel, "trace|debug|info|warn|error")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
+  app.add_option("--logfile", c.logfile, "Log file; empty logs to stderr");
+  app.add_option("--slowlog-log-slower-than", c.slowlog_log_slower_than_us,
+                 "Microseconds; commands slower than this enter SLOWLOG (-1 disables)")
+      ->capture_default_str();
+  app.add_option("--slowlog-max-len", c.slowlog_max_len, "SLOWLOG entries kept")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+
+  // First pass: find --config, then re-parse with the file's keys in front of argv.
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  std::string config_path;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--config" && i + 1 < args.size()) config_path = args[i + 1];
+    if (args[i].rfind("--config=", 0) == 0) config_path = args[i].substr(9);
+  }
+  std::vector<std::string> full;
+  if (!config_path.empty()) {
+    Status s = TomlToArgs(config_path, &full);
+    if (!s.ok()) return s;
+  }
+  full.insert(full.end(), args.begin(), args.end());
+  std::reverse(full.begin(), full.end());  // CLI11 parses a reversed vector
+  try {
+    app.parse(full);
+  } catch (const CLI::ParseError& e) {
+    *should_exit = true;
+    *exit_code = app.exit(e);
+    return Error("exit");
+  }
+  if (c.workers == 0) {
+    unsigned hw = std::thread::hardware_concurrency();
+    c.workers = hw == 0 ? 1 : static_cast<int>(hw);
+  }
+  return c;
+}
+
+RuntimeSettings::RuntimeSettings(const Config& c)
+    : proto_max_bulk_len(c.proto_max_bulk_len),
+      max_multibulk_len(c.max_multibulk_len),
+      client_query_buffer_limit(c.client_query_buffer_limit),
+      client_output_buffer_limit(c.client_output_buffer_limit),
+      client_output_buffer_timeout_ms(c.client_output_buffer_timeout_ms),
+      maxclients(c.maxclients),
+      slowlog_log_slower_than_us(c.slowlog_log_slower_than_us),
+      slowlog_max_len(c.slowlog_max_len),
+      auth_required(!c.requirepass.empty() || !c.users_file.empty()),
+      requirepass_(c.requirepass) {}
+
+std::string RuntimeSettings::requirepass() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return requirepass_;
+}
+
+void RuntimeSettings::set_requirepass(std::string p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  requirepass_ = std::move(p);
+}
+
+}  // namespace pion::server

@@ -1,0 +1,69 @@
+// Server configuration: command-line flags (CLI11) and an optional TOML file (toml++) that
+// uses the same names. Flags given on the command line override the file.
+//
+// Settings that CONFIG SET may change at run time live in RuntimeSettings as atomics, so the
+// data path reads them without a lock.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace pion::server {
+
+struct Config {
+  std::string bind = "127.0.0.1";
+  int port = 1974;
+  int workers = 0;  // 0: number of cores
+  std::string dir = "./data";
+  uint64_t maxmemory = 0;  // 0: no limit
+  int metrics_port = 9174;  // 0: disabled
+  std::string requirepass;
+  std::string users_file;
+  uint64_t proto_max_bulk_len = 2ull << 30;
+  int64_t max_multibulk_len = 1024 * 1024;
+  uint64_t client_query_buffer_limit = 4ull << 30;
+  uint64_t client_output_buffer_limit = 1ull << 30;
+  int64_t client_output_buffer_timeout_ms = 30000;
+  int maxclients = 10000;
+  int shard_queue_depth = 1024;
+  bool kvcache = true;
+  std::string loglevel = "info";
+  std::string logfile;  // empty: stderr
+  int64_t slowlog_log_slower_than_us = 10000;
+  int64_t slowlog_max_len = 128;
+  std::string config_file;
+};
+
+// Parses argv (and the --config file it names). On --help/--version prints and sets
+// *exit_code. Returns an error for bad flags or an unreadable config file.
+StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should_exit);
+
+// The subset of Config that CONFIG SET changes while running.
+class RuntimeSettings {
+ public:
+  explicit RuntimeSettings(const Config& c);
+
+  std::atomic<uint64_t> proto_max_bulk_len;
+  std::atomic<int64_t> max_multibulk_len;
+  std::atomic<uint64_t> client_query_buffer_limit;
+  std::atomic<uint64_t> client_output_buffer_limit;
+  std::atomic<int64_t> client_output_buffer_timeout_ms;
+  std::atomic<int64_t> maxclients;
+  std::atomic<int64_t> slowlog_log_slower_than_us;
+  std::atomic<int64_t> slowlog_max_len;
+  std::atomic<bool> auth_required;
+
+  std::string requirepass() const;
+  void set_requirepass(std::string p);
+
+ private:
+  mutable std::mutex mu_;  // guards requirepass_ (read only by AUTH, never on the data path)
+  std::string requirepass_;
+};
+
+}  // namespace pion::server

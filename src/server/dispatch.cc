@@ -1,0 +1,128 @@
+// The command pipeline (Server::Dispatch / Server::Execute).
+#include <chrono>
+
+#include "server/server.h"
+
+namespace pion::server {
+namespace {
+
+bool ArityOk(const CommandSpec& spec, size_t n) {
+  return spec.arity >= 0 ? n == static_cast<size_t>(spec.arity)
+                         : n >= static_cast<size_t>(-spec.arity);
+}
+
+// One command forwarded to the shard that owns its key.
+struct RemoteCall {
+  const CommandSpec* spec;
+  proto::CmdArgs args;
+  proto::ReplyBuffer reply;
+  uint32_t tenant;
+  uint64_t client_id;
+  int origin;
+  int resp;
+  std::string peer;
+  std::string client_name;
+};
+
+}  // namespace
+
+void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args) {
+  ShardStats& st = shard.stats();
+  Bump(st.commands_processed);
+  proto::ReplyBuilder& rb = conn.reply();
+  const CommandSpec* spec = registry_.Find(args[0]);
+  const bool auth_ok = conn.authenticated || !settings_.auth_required.load(std::memory_order_relaxed);
+
+  if (spec == nullptr) {
+    st.Reject(auth_ok ? RejectReason::kUnknownCommand : RejectReason::kNoAuth);
+    rb.ErrorLine(auth_ok ? UnknownCommandError(args) : "NOAUTH Authentication required.");
+    return;
+  }
+  conn.last_command = spec->lower_name;
+  CommandStats& cs = st.commands[spec->index];
+  if (!auth_ok && !(spec->flags & kCmdNoAuth)) {
+    st.Reject(RejectReason::kNoAuth);
+    Bump(cs.rejected);
+    rb.ErrorLine("NOAUTH Authentication required.");
+    return;
+  }
+  if (!ArityOk(*spec, args.size())) {
+    st.Reject(RejectReason::kArity);
+    Bump(cs.rejected);
+    rb.ErrorLine(ArityError(spec->lower_name));
+    return;
+  }
+  if ((spec->flags & kCmdAdmin) && conn.tenant != kDefaultTenant) {
+    Bump(cs.rejected);
+    rb.ErrorLine("NOPERM this user has no permissions to run the '" + spec->lower_name +
+                 "' command (administrative commands need a user of tenant 'default')");
+    return;
+  }
+  if ((spec->flags & kCmdKvCache) && !config_.kvcache) {
+    st.Reject(RejectReason::kKvCacheDisabled);
+    Bump(cs.rejected);
+    rb.ErrorLine("ERR state cache not enabled (use --kvcache)");
+    return;
+  }
+
+  int owner = shard.id();
+  if (spec->first_key > 0 && !(spec->flags & kCmdConnection)) {
+    owner = OwnerOf(conn.tenant, args[static_cast<size_t>(spec->first_key)]);
+  }
+  if (owner == shard.id()) {
+    Execute(*spec, shard, (spec->flags & kCmdConnection) ? &conn : nullptr, conn.tenant,
+            conn.id(), args, rb, conn.peer(), conn.name);
+    return;
+  }
+
+  auto call = std::make_shared<RemoteCall>();
+  call->spec = spec;
+  call->args = std::move(args);
+  call->tenant = conn.tenant;
+  call->client_id = conn.id();
+  call->origin = shard.id();
+  call->resp = conn.resp_version();
+  call->peer = conn.peer();
+  call->client_name = conn.name;
+  const uint64_t conn_id = conn.id();
+  bool posted = shards_[owner]->Post([this, call, conn_id](Shard& target) {
+    proto::ReplyBuilder remote_rb(&call->reply, call->resp);
+    Execute(*call->spec, target, nullptr, call->tenant, call->client_id, call->args, remote_rb,
+            call->peer, call->client_name);
+    call->args.Clear();
+    shards_[call->origin]->PostControl([call, conn_id](Shard& home) {
+      if (net::Connection* c = home.FindConnection(conn_id)) c->CompleteAsync(std::move(call->reply));
+    });
+  });
+  if (!posted) {
+    args = std::move(call->args);
+    st.Reject(RejectReason::kBusy);
+    Bump(cs.rejected);
+    rb.ErrorLine("BUSY shard " + std::to_string(owner) + " inbox is full (" +
+                 std::to_string(shards_[owner]->queued()) + " queued); retry later");
+    return;
+  }
+  Bump(st.forwarded_commands);
+  conn.BeginAsync();
+}
+
+void Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn,
+                     uint32_t tenant, uint64_t client_id, proto::CmdArgs& args,
+                     proto::ReplyBuilder& rb, std::string_view peer,
+                     std::string_view client_name) {
+  auto t0 = std::chrono::steady_clock::now();
+  rb.ResetErrorCount();
+  CommandContext ctx{this, &shard, &rb, tenant, client_id, conn};
+  spec.handler(ctx, args);
+  auto us = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0)
+          .count());
+  shard.stats().commands[spec.index].Record(us, rb.errors() > 0);
+  int64_t slower_than = settings_.slowlog_log_slower_than_us.load(std::memory_order_relaxed);
+  if (slower_than >= 0 && us >= static_cast<uint64_t>(slower_than) && !args.empty()) {
+    slowlog_.Add(args, us, std::string(peer), std::string(client_name),
+                 static_cast<size_t>(settings_.slowlog_max_len.load(std::memory_order_relaxed)));
+  }
+}
+
+}  // namespace pion::server

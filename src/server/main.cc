@@ -1,0 +1,44 @@
+// pion-server entry point: parse configuration, set up logging, register the command
+// families, and run until SHUTDOWN or a signal.
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <filesystem>
+
+#include "families/families.h"
+#include "server/config.h"
+#include "server/server.h"
+
+int main(int argc, char** argv) {
+  int exit_code = 0;
+  bool should_exit = false;
+  auto config = pion::server::ParseConfig(argc, argv, &exit_code, &should_exit);
+  if (should_exit) return exit_code;
+  if (!config.ok()) {
+    std::fprintf(stderr, "pion-server: %s\n", config.status().message().c_str());
+    return 2;
+  }
+  try {
+    auto logger = config->logfile.empty()
+                      ? spdlog::stderr_color_mt("pion")
+                      : spdlog::basic_logger_mt("pion", config->logfile);
+    spdlog::set_default_logger(logger);
+  } catch (const spdlog::spdlog_ex& e) {
+    std::fprintf(stderr, "pion-server: cannot open log file %s: %s\n", config->logfile.c_str(),
+                 e.what());
+    return 2;
+  }
+  spdlog::set_level(spdlog::level::from_str(config->loglevel));
+  spdlog::set_pattern("%Y-%m-%d %H:%M:%S.%e %^%l%$ [%t] %v");
+  spdlog::flush_on(spdlog::level::info);
+
+  pion::server::Server server(std::move(config).value());
+  pion::families::RegisterAll(server);
+  pion::Status s = server.Init();
+  if (!s.ok()) {
+    spdlog::error("cannot start: {}", s.message());
+    return 1;
+  }
+  return server.Run();
+}

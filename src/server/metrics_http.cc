@@ -1,0 +1,195 @@
+#include "server/metrics_http.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "net/socket.h"
+#include "server/process_stats.h"
+#include "server/server.h"
+
+namespace pion::server {
+
+MetricsHttp::~MetricsHttp() {
+  Stop();
+  if (listen_fd_ >= 0) close(listen_fd_);
+}
+
+Status MetricsHttp::Listen(const std::string& host, int port) {
+  auto fd = net::ListenTcp(host, port, 64);
+  if (!fd.ok()) return Status(fd.status().kind(), "metrics endpoint: " + fd.status().message());
+  listen_fd_ = fd.value();
+  return Status::Ok();
+}
+
+void MetricsHttp::Start() {
+  thread_ = std::thread([this] { Run(); });
+}
+
+void MetricsHttp::Stop() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+}
+
+void MetricsHttp::Run() {
+  while (!stop_.load()) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    Serve(fd);
+    close(fd);
+  }
+}
+
+void MetricsHttp::Serve(int fd) {
+  // Read the request head (bounded size and time), answer, close.
+  std::string req;
+  char buf[4096];
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (req.find("\r\n\r\n") == std::string::npos && req.size() < 16384) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return;
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(left.count())) <= 0) return;
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) return;
+    req.append(buf, static_cast<size_t>(n));
+  }
+  std::string status = "200 OK", body, type = "text/plain; version=0.0.4; charset=utf-8";
+  if (req.rfind("GET /metrics", 0) == 0) {
+    body = Render(*server_);
+  } else if (req.rfind("GET / ", 0) == 0) {
+    body = "pion-server metrics: GET /metrics\n";
+  } else {
+    status = "404 Not Found";
+    body = "not found; try GET /metrics\n";
+  }
+  std::string resp = "HTTP/1.1 " + status + "\r\nContent-Type: " + type +
+                     "\r\nContent-Length: " + std::to_string(body.size()) +
+                     "\r\nConnection: close\r\n\r\n" + body;
+  size_t off = 0;
+  while (off < resp.size()) {
+    ssize_t n = send(fd, resp.data() + off, resp.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return;
+    off += static_cast<size_t>(n);
+  }
+}
+
+std::string MetricsHttp::Render(Server& server) {
+  std::string out;
+  out.reserve(64 * 1024);
+  auto metric = [&out](const char* name, const char* type, const char* help) {
+    out += "# HELP ";
+    out += name;
+    out += ' ';
+    out += help;
+    out += "\n# TYPE ";
+    out += name;
+    out += ' ';
+    out += type;
+    out += '\n';
+  };
+  auto line = [&out](const std::string& name_labels, uint64_t v) {
+    out += name_labels;
+    out += ' ';
+    out += std::to_string(v);
+    out += '\n';
+  };
+
+  metric("pion_uptime_seconds", "gauge", "Seconds since the server started.");
+  line("pion_uptime_seconds",
+       static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::seconds>(
+                                 std::chrono::steady_clock::now() - server.start_time())
+                                 .count()));
+  metric("pion_connected_clients", "gauge", "Client connections currently open.");
+  line("pion_connected_clients", server.connected_clients());
+  metric("pion_connections_received_total", "counter", "Client connections accepted.");
+  line("pion_connections_received_total",
+       server.SumStat([](const ShardStats& s) { return Read(s.connections_received); }));
+  metric("pion_net_input_bytes_total", "counter", "Bytes read from clients.");
+  line("pion_net_input_bytes_total",
+       server.SumStat([](const ShardStats& s) { return Read(s.net_input_bytes); }));
+  metric("pion_net_output_bytes_total", "counter", "Bytes written to clients.");
+  line("pion_net_output_bytes_total",
+       server.SumStat([](const ShardStats& s) { return Read(s.net_output_bytes); }));
+  metric("pion_forwarded_commands_total", "counter",
+         "Commands handed to the shard owning their key.");
+  line("pion_forwarded_commands_total",
+       server.SumStat([](const ShardStats& s) { return Read(s.forwarded_commands); }));
+
+  metric("pion_rejected_total", "counter", "Requests or connections refused, by reason.");
+  for (int r = 0; r < static_cast<int>(RejectReason::kCount); ++r) {
+    line("pion_rejected_total{reason=\"" +
+             std::string(RejectReasonName(static_cast<RejectReason>(r))) + "\"}",
+         server.SumStat([r](const ShardStats& s) { return Read(s.rejected[r]); }));
+  }
+
+  auto& mem = server.memory();
+  metric("pion_memory_used_bytes", "gauge", "Accounted memory by family.");
+  for (int f = 0; f < static_cast<int>(MemFamily::kCount); ++f) {
+    line("pion_memory_used_bytes{family=\"" +
+             std::string(MemFamilyName(static_cast<MemFamily>(f))) + "\"}",
+         mem.used(static_cast<MemFamily>(f)));
+  }
+  uint64_t client_bytes = 0;
+  for (int i = 0; i < server.shard_count(); ++i) {
+    client_bytes += server.shard(i).client_query_bytes.load() +
+                    server.shard(i).client_output_bytes.load();
+  }
+  line("pion_memory_used_bytes{family=\"clients\"}", client_bytes);
+  metric("pion_memory_max_bytes", "gauge", "--maxmemory (0 = no limit).");
+  line("pion_memory_max_bytes", mem.maxmemory());
+  metric("pion_process_resident_bytes", "gauge", "Resident set size of the process.");
+  line("pion_process_resident_bytes", ProcessRssBytes());
+
+  const auto& specs = server.registry().all();
+  auto per_cmd = [&](const char* name, const char* help,
+                     std::atomic<uint64_t> CommandStats::*field) {
+    metric(name, "counter", help);
+    for (const auto& spec : specs) {
+      uint64_t v = server.SumStat(
+          [&](const ShardStats& s) { return Read(s.commands[spec.index].*field); });
+      if (v > 0) line(std::string(name) + "{cmd=\"" + spec.lower_name + "\"}", v);
+    }
+  };
+  per_cmd("pion_commands_total", "Commands executed.", &CommandStats::calls);
+  per_cmd("pion_command_errors_total", "Commands that replied with an error.",
+          &CommandStats::failed);
+  per_cmd("pion_command_rejected_total", "Commands refused before running.",
+          &CommandStats::rejected);
+
+  metric("pion_command_duration_seconds", "histogram", "Command execution time.");
+  for (const auto& spec : specs) {
+    uint64_t calls =
+        server.SumStat([&](const ShardStats& s) { return Read(s.commands[spec.index].calls); });
+    if (calls == 0) continue;
+    uint64_t cum = 0;
+    std::string label = "{cmd=\"" + spec.lower_name + "\",le=\"";
+    for (size_t b = 0; b <= kLatencyBucketsUs.size(); ++b) {
+      cum += server.SumStat(
+          [&](const ShardStats& s) { return Read(s.commands[spec.index].buckets[b]); });
+      std::string le = b < kLatencyBucketsUs.size()
+                           ? std::to_string(static_cast<double>(kLatencyBucketsUs[b]) / 1e6)
+                           : "+Inf";
+      if (le.find('.') != std::string::npos) {
+        while (le.back() == '0') le.pop_back();
+        if (le.back() == '.') le.pop_back();
+      }
+      line("pion_command_duration_seconds_bucket" + label + le + "\"}", cum);
+    }
+    uint64_t usec =
+        server.SumStat([&](const ShardStats& s) { return Read(s.commands[spec.index].usec); });
+    char sum[64];
+    std::snprintf(sum, sizeof(sum), "%.6f", static_cast<double>(usec) / 1e6);
+    out += "pion_command_duration_seconds_sum{cmd=\"" + spec.lower_name + "\"} " + sum + "\n";
+    line("pion_command_duration_seconds_count{cmd=\"" + spec.lower_name + "\"}", calls);
+  }
+  return out;
+}
+
+}  // namespace pion::server

@@ -1,0 +1,140 @@
+#include "server/server.h"
+
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <ctime>
+
+#include "net/socket.h"
+#include "server/metrics_http.h"
+
+namespace pion::server {
+
+Server::Server(Config config) : config_(std::move(config)), settings_(config_) {
+  memory_.set_maxmemory(config_.maxmemory);
+}
+
+Server::~Server() {
+  if (listen_fd_ >= 0) close(listen_fd_);
+}
+
+Status Server::Init() {
+  if (!config_.users_file.empty()) {
+    Status s = users_.LoadFile(config_.users_file);
+    if (!s.ok()) return s;
+  }
+  if (!config_.requirepass.empty()) users_.SetDefaultPassword(config_.requirepass);
+
+  auto fd = net::ListenTcp(config_.bind, config_.port);
+  if (!fd.ok()) return fd.status();
+  listen_fd_ = fd.value();
+  bound_port_ = config_.port;
+
+  for (int i = 0; i < config_.workers; ++i) {
+    shards_.push_back(std::make_unique<Shard>(this, i, listen_fd_, registry_.size(),
+                                              static_cast<size_t>(config_.shard_queue_depth)));
+    for (auto& hook : shard_inits_) hook(*shards_.back());
+  }
+  if (config_.metrics_port != 0) {
+    metrics_ = std::make_unique<MetricsHttp>(this);
+    Status s = metrics_->Listen(config_.bind, config_.metrics_port);
+    if (!s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+int Server::Run() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);  // shards inherit the mask; only main waits
+  signal(SIGPIPE, SIG_IGN);
+
+  start_time_ = std::chrono::steady_clock::now();
+  for (auto& s : shards_) s->Start();
+  if (metrics_) metrics_->Start();
+  spdlog::info("Pion ready: RESP on {}:{} with {} shard(s){}, kvcache {}", config_.bind,
+               bound_port_, shards_.size(),
+               metrics_ ? ", metrics on :" + std::to_string(config_.metrics_port) : "",
+               config_.kvcache ? "on" : "off");
+
+  timespec timeout{0, 100 * 1000 * 1000};
+  while (!shutting_down()) {
+    int sig = sigtimedwait(&set, nullptr, &timeout);
+    if (sig == SIGINT || sig == SIGTERM) {
+      spdlog::info("received {}, shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
+      RequestShutdown();
+    }
+  }
+  for (auto& s : shards_) s->Stop();
+  for (auto& s : shards_) s->Join();
+  if (metrics_) metrics_->Stop();
+  spdlog::info("Pion is now ready to exit, bye bye");
+  return 0;
+}
+
+void Server::RequestShutdown() { shutdown_.store(true, std::memory_order_release); }
+
+int Server::OwnerOf(uint32_t tenant, std::string_view key) const {
+  if (shards_.size() == 1) return 0;
+  auto open = key.find('{');
+  if (open != std::string_view::npos) {
+    auto close = key.find('}', open + 1);
+    if (close != std::string_view::npos && close > open + 1) {
+      key = key.substr(open + 1, close - open - 1);
+    }
+  }
+  uint64_t h = XXH3_64bits_withSeed(key.data(), key.size(), tenant);
+  return static_cast<int>(h % shards_.size());
+}
+
+uint64_t Server::connected_clients() const {
+  return SumStat([](const ShardStats& s) { return Read(s.connected_clients); });
+}
+
+uint64_t Server::SumStat(const std::function<uint64_t(const ShardStats&)>& f) const {
+  uint64_t sum = 0;
+  for (const auto& s : shards_) sum += f(s->stats());
+  return sum;
+}
+
+void Server::FanOut(Shard& origin, net::Connection& conn, ShardQuery query, FanOutDone done) {
+  struct State {
+    std::vector<std::string> parts;
+    std::atomic<int> left;
+    ShardQuery query;
+    FanOutDone done;
+    int origin;
+    uint64_t conn_id;
+    int resp;
+  };
+  auto st = std::make_shared<State>();
+  st->parts.resize(shards_.size());
+  st->left.store(static_cast<int>(shards_.size()));
+  st->query = std::move(query);
+  st->done = std::move(done);
+  st->origin = origin.id();
+  st->conn_id = conn.id();
+  st->resp = conn.resp_version();
+  conn.BeginAsync();
+  for (auto& s : shards_) {
+    s->PostControl([this, st](Shard& shard) {
+      st->parts[shard.id()] = st->query(shard);
+      if (st->left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+      shards_[st->origin]->PostControl([st](Shard& home) {
+        net::Connection* c = home.FindConnection(st->conn_id);
+        if (c == nullptr) return;
+        proto::ReplyBuffer buf;
+        proto::ReplyBuilder rb(&buf, st->resp);
+        st->done(st->parts, rb);
+        c->CompleteAsync(std::move(buf));
+      });
+    });
+  }
+}
+
+}  // namespace pion::server

@@ -1,0 +1,95 @@
+// Server: owns the shards, the command table, settings, users, memory accounting, the slow
+// log and the metrics endpoint, and runs the command pipeline that every request goes
+// through (lookup → auth → arity → feature gate → route to the owning shard → execute →
+// stats/slowlog).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "server/auth.h"
+#include "server/command.h"
+#include "server/config.h"
+#include "server/memory.h"
+#include "server/shard.h"
+#include "server/slowlog.h"
+
+namespace pion::server {
+
+class MetricsHttp;
+
+class Server {
+ public:
+  explicit Server(Config config);
+  ~Server();
+
+  // Registers families, loads users, opens listeners. Must succeed before Run().
+  Status Init();
+  // Starts shards and the metrics endpoint; blocks until SHUTDOWN or SIGINT/SIGTERM.
+  // Returns the process exit code.
+  int Run();
+  // Thread-safe.
+  void RequestShutdown();
+  bool shutting_down() const { return shutdown_.load(std::memory_order_acquire); }
+
+  const Config& config() const { return config_; }
+  RuntimeSettings& settings() { return settings_; }
+  CommandRegistry& registry() { return registry_; }
+  MemoryAccountant& memory() { return memory_; }
+  UserTable& users() { return users_; }
+  SlowLog& slowlog() { return slowlog_; }
+  int shard_count() const { return static_cast<int>(shards_.size()); }
+  Shard& shard(int i) { return *shards_[i]; }
+  int port() const { return bound_port_; }
+  size_t shard_queue_depth() const { return shards_.empty() ? 0 : shards_[0]->queue_depth(); }
+  std::chrono::steady_clock::time_point start_time() const { return start_time_; }
+
+  // The shard that owns `key` for `tenant`. A key containing "{tag}" is routed by the tag
+  // alone (Redis hash tags), so related keys can be placed on one shard.
+  int OwnerOf(uint32_t tenant, std::string_view key) const;
+
+  uint64_t NextClientId() { return next_client_id_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t connected_clients() const;
+
+  // The command pipeline. Runs on the connection's shard.
+  void Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args);
+
+  // Runs `query` on every shard (as control tasks), then `done` with the per-shard results
+  // on the connection's shard, which writes the reply. The connection waits meanwhile.
+  using ShardQuery = std::function<std::string(Shard&)>;
+  using FanOutDone = std::function<void(std::vector<std::string>&, proto::ReplyBuilder&)>;
+  void FanOut(Shard& origin, net::Connection& conn, ShardQuery query, FanOutDone done);
+
+  // Families call this while registering to set up their per-shard state (budgets, ...).
+  // Hooks run in Init() once per shard, before the shard's thread starts.
+  void AddShardInit(std::function<void(Shard&)> hook) { shard_inits_.push_back(std::move(hook)); }
+
+  // Sum of a per-shard counter.
+  uint64_t SumStat(const std::function<uint64_t(const ShardStats&)>& f) const;
+
+ private:
+  void Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn, uint32_t tenant,
+               uint64_t client_id, proto::CmdArgs& args, proto::ReplyBuilder& rb,
+               std::string_view peer, std::string_view client_name);
+
+  Config config_;
+  RuntimeSettings settings_;
+  CommandRegistry registry_;
+  MemoryAccountant memory_;
+  UserTable users_;
+  SlowLog slowlog_;
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<std::function<void(Shard&)>> shard_inits_;
+  std::unique_ptr<MetricsHttp> metrics_;
+  int listen_fd_ = -1;
+  int bound_port_ = 0;
+  std::atomic<bool> shutdown_{false};
+  std::atomic<uint64_t> next_client_id_{1};
+  std::chrono::steady_clock::time_point start_time_;
+};
+
+}  // namespace pion::server
