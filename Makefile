@@ -1,0 +1,68 @@
+# Pion — the two set-up commands (see README):
+#   make run    installs dependencies, builds, and runs pion-server with working defaults
+#   make test   installs dependencies, builds, and runs every test (unit, end-to-end, fuzz)
+# Developer targets: build, unit, e2e, fuzz, fuzz-long, asan, tsan, bench, format.
+
+BUILD      ?= build
+JOBS       ?= $(shell nproc)
+PYTHON     ?= /usr/bin/python3
+FUZZ_SECS  ?= 60
+CMAKE_ARGS ?=
+
+.PHONY: deps build run test unit e2e fuzz fuzz-build fuzz-long asan tsan bench format clean
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD)/build.ninja:
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
+
+build: deps $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(JOBS)
+
+run: build
+	$(BUILD)/pion-server
+
+unit: build
+	cd $(BUILD) && ctest --output-on-failure -L unit -j $(JOBS) --timeout 300
+
+e2e: build
+	PION_SERVER=$(CURDIR)/$(BUILD)/pion-server $(PYTHON) -m pytest -q tests
+
+fuzz-build: deps
+	CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DPION_FUZZ=ON -DPION_SANITIZE=address -DPION_BUILD_TESTS=OFF -DPION_CUDA=OFF
+	cmake --build build-fuzz -j $(JOBS) --target resp_parser_fuzz
+
+# Short fuzz run under ASan+UBSan (part of `make test`).
+fuzz: fuzz-build
+	scripts/run-fuzz.sh build-fuzz/resp_parser_fuzz fuzz/corpus/resp $(FUZZ_SECS)
+
+# Long fuzz run: make fuzz-long FUZZ_SECS=3600
+fuzz-long: FUZZ_SECS=3600
+fuzz-long: fuzz
+
+test: build
+	$(MAKE) unit e2e fuzz
+	@echo "make test: all suites passed"
+
+asan: deps
+	cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPION_SANITIZE=address -DPION_CUDA=OFF
+	cmake --build build-asan -j $(JOBS)
+	cd build-asan && ctest --output-on-failure -L unit --timeout 600
+	PION_SERVER=$(CURDIR)/build-asan/pion-server $(PYTHON) -m pytest -q tests
+
+tsan: deps
+	cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPION_SANITIZE=thread -DPION_CUDA=OFF
+	cmake --build build-tsan -j $(JOBS)
+	cd build-tsan && ctest --output-on-failure -L unit --timeout 600
+	PION_SERVER=$(CURDIR)/build-tsan/pion-server $(PYTHON) -m pytest -q tests
+
+bench: build
+	$(PYTHON) bench/bench_protocol.py --pion $(BUILD)/pion-server
+
+format:
+	clang-format -i $$(git ls-files '*.cc' '*.h')
+
+clean:
+	rm -rf $(BUILD) build-fuzz build-asan build-tsan

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what Pion needs to build, run and test, from Debian packages only.
+# Idempotent: does nothing when everything is already installed.
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake ninja-build pkg-config clang
+  libspdlog-dev libfmt-dev libcli11-dev libtomlplusplus-dev libxxhash-dev
+  libgtest-dev libgmock-dev
+  redis-server redis-tools
+  python3 python3-pytest python3-redis python3-numpy python3-psutil
+  curl
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
