@@ -9,7 +9,7 @@ PYTHON     ?= /usr/bin/python3
 FUZZ_SECS  ?= 60
 CMAKE_ARGS ?=
 
-.PHONY: deps build run test unit e2e fuzz fuzz-build fuzz-long asan tsan bench format clean
+.PHONY: deps build run test unit e2e fuzz fuzz-build fuzz-long asan tsan bench format format-check clean
 
 deps:
 	@scripts/install-deps.sh
@@ -43,7 +43,7 @@ fuzz-long: FUZZ_SECS=3600
 fuzz-long: fuzz
 
 test: build
-	$(MAKE) unit e2e fuzz
+	$(MAKE) format-check unit e2e fuzz
 	@echo "make test: all suites passed"
 
 asan: deps
@@ -62,7 +62,10 @@ bench: build
 	$(PYTHON) bench/bench_protocol.py --pion $(BUILD)/pion-server
 
 format:
-	clang-format -i $$(git ls-files '*.cc' '*.h')
+	clang-format -i $$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')
+
+format-check: deps
+	clang-format --dry-run --Werror $$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')
 
 clean:
 	rm -rf $(BUILD) build-fuzz build-asan build-tsan

@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PKGS=(
-  build-essential cmake ninja-build pkg-config clang
+  build-essential cmake ninja-build pkg-config clang clang-format
   libspdlog-dev libfmt-dev libcli11-dev libtomlplusplus-dev libxxhash-dev
   libgtest-dev libgmock-dev
   redis-server redis-tools

@@ -14,7 +14,8 @@ std::optional<uint64_t> ParseByteSize(std::string_view text) {
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + i, base);
   if (ec != std::errc() || ptr != text.data() + i) return std::nullopt;
   std::string unit;
-  for (char c : text.substr(i)) unit += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (char c : text.substr(i))
+    unit += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   uint64_t mult = 1;
   if (unit.empty() || unit == "b") {
     mult = 1;

@@ -4,18 +4,30 @@ namespace pion {
 
 std::string_view ErrorPrefix(ErrorKind kind) {
   switch (kind) {
-    case ErrorKind::kOk: return "";
-    case ErrorKind::kErr: return "ERR";
-    case ErrorKind::kWrongType: return "WRONGTYPE";
-    case ErrorKind::kOom: return "OOM";
-    case ErrorKind::kBusy: return "BUSY";
-    case ErrorKind::kNoAuth: return "NOAUTH";
-    case ErrorKind::kWrongPass: return "WRONGPASS";
-    case ErrorKind::kMismatch: return "MISMATCH";
-    case ErrorKind::kNoPerm: return "NOPERM";
-    case ErrorKind::kProtocol: return "ERR";
-    case ErrorKind::kIo: return "IOERR";
-    case ErrorKind::kCorrupt: return "CORRUPT";
+    case ErrorKind::kOk:
+      return "";
+    case ErrorKind::kErr:
+      return "ERR";
+    case ErrorKind::kWrongType:
+      return "WRONGTYPE";
+    case ErrorKind::kOom:
+      return "OOM";
+    case ErrorKind::kBusy:
+      return "BUSY";
+    case ErrorKind::kNoAuth:
+      return "NOAUTH";
+    case ErrorKind::kWrongPass:
+      return "WRONGPASS";
+    case ErrorKind::kMismatch:
+      return "MISMATCH";
+    case ErrorKind::kNoPerm:
+      return "NOPERM";
+    case ErrorKind::kProtocol:
+      return "ERR";
+    case ErrorKind::kIo:
+      return "IOERR";
+    case ErrorKind::kCorrupt:
+      return "CORRUPT";
   }
   return "ERR";
 }

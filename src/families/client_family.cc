@@ -14,8 +14,8 @@
 namespace pion::families {
 namespace {
 
-using server::CommandContext;
 using proto::CmdArgs;
+using server::CommandContext;
 
 bool ValidClientName(std::string_view name) {
   for (char c : name) {
@@ -192,15 +192,21 @@ void Client(CommandContext& ctx, CmdArgs& args) {
   } else if (EqualsIgnoreCase(sub, "HELP")) {
     static const char* kHelp[] = {
         "CLIENT <subcommand> [<arg> ...]. Subcommands are:",
-        "ID", "    Return the ID of the current connection.",
-        "SETNAME <name>", "    Assign the name <name> to the current connection.",
-        "GETNAME", "    Return the name of the current connection.",
-        "INFO", "    Return information about the current connection.",
-        "LIST [ID <id> ...]", "    Return information about client connections of your tenant.",
+        "ID",
+        "    Return the ID of the current connection.",
+        "SETNAME <name>",
+        "    Assign the name <name> to the current connection.",
+        "GETNAME",
+        "    Return the name of the current connection.",
+        "INFO",
+        "    Return information about the current connection.",
+        "LIST [ID <id> ...]",
+        "    Return information about client connections of your tenant.",
         "KILL <ip:port> | KILL [ID <id>] [ADDR <ip:port>] [LADDR <ip:port>] [USER <user>] "
         "[SKIPME yes|no]",
         "    Kill connections of your tenant.",
-        "HELP", "    Print this help."};
+        "HELP",
+        "    Print this help."};
     rb.Array(std::size(kHelp));
     for (const char* l : kHelp) rb.SimpleString(l);
   } else {

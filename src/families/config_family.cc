@@ -11,8 +11,8 @@
 namespace pion::families {
 namespace {
 
-using server::CommandContext;
 using proto::CmdArgs;
+using server::CommandContext;
 
 // Redis-style glob: * ? [abc] [a-z] [^x] and \ escapes, case-insensitive.
 bool GlobMatch(std::string_view pat, std::string_view str) {
@@ -146,8 +146,7 @@ const std::vector<Param>& Params() {
        [](Server& s, std::string_view v) {
          return SetInt(v, 1, 1000000, [&](int64_t n) { s.settings().maxclients.store(n); });
        }},
-      {"shard-queue-depth",
-       [](Server& s) { return std::to_string(s.shard_queue_depth()); },
+      {"shard-queue-depth", [](Server& s) { return std::to_string(s.shard_queue_depth()); },
        [](Server& s, std::string_view v) {
          return SetInt(v, 1, 1 << 20, [&](int64_t n) {
            for (int i = 0; i < s.shard_count(); ++i) s.shard(i).set_queue_depth(n);
@@ -164,7 +163,8 @@ const std::vector<Param>& Params() {
        [](Server& s, std::string_view v) {
          return SetInt(v, 0, 1 << 20, [&](int64_t n) { s.settings().slowlog_max_len.store(n); });
        }},
-      {"loglevel", [](Server&) {
+      {"loglevel",
+       [](Server&) {
          return std::string(spdlog::level::to_string_view(spdlog::get_level()).data());
        },
        [](Server&, std::string_view v) {
@@ -237,17 +237,20 @@ void Config(CommandContext& ctx, CmdArgs& args) {
     srv.slowlog().Reset();
     rb.Ok();
   } else if (EqualsIgnoreCase(sub, "HELP")) {
-    static const char* kHelp[] = {
-        "CONFIG <subcommand> [<arg> ...]. Subcommands are:",
-        "GET <pattern> [<pattern> ...]", "    Return parameters matching the glob-like patterns.",
-        "SET <parameter> <value> [<parameter> <value> ...]",
-        "    Set parameters (those changeable at run time).",
-        "RESETSTAT", "    Reset the slow log.", "HELP", "    Print this help."};
+    static const char* kHelp[] = {"CONFIG <subcommand> [<arg> ...]. Subcommands are:",
+                                  "GET <pattern> [<pattern> ...]",
+                                  "    Return parameters matching the glob-like patterns.",
+                                  "SET <parameter> <value> [<parameter> <value> ...]",
+                                  "    Set parameters (those changeable at run time).",
+                                  "RESETSTAT",
+                                  "    Reset the slow log.",
+                                  "HELP",
+                                  "    Print this help."};
     rb.Array(std::size(kHelp));
     for (const char* l : kHelp) rb.SimpleString(l);
   } else if (EqualsIgnoreCase(sub, "GET") || EqualsIgnoreCase(sub, "SET")) {
-    rb.ErrorLine(server::ArityError("config|" + std::string(EqualsIgnoreCase(sub, "GET") ? "get"
-                                                                                        : "set")));
+    rb.ErrorLine(
+        server::ArityError("config|" + std::string(EqualsIgnoreCase(sub, "GET") ? "get" : "set")));
   } else {
     rb.ErrorLine(server::UnknownSubcommandError(sub, "config"));
   }

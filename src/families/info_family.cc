@@ -18,10 +18,10 @@
 namespace pion::families {
 namespace {
 
+using proto::CmdArgs;
 using server::CommandContext;
 using server::Read;
 using server::ShardStats;
-using proto::CmdArgs;
 
 constexpr const char* kVersion = "0.1.0";
 
@@ -110,7 +110,8 @@ void StatsSection(server::Server& srv, std::string& out) {
      sum([](const ShardStats& s) { return Read(s.commands_processed); }));
   Kv(out, "total_forwarded_commands",
      sum([](const ShardStats& s) { return Read(s.forwarded_commands); }));
-  Kv(out, "total_net_input_bytes", sum([](const ShardStats& s) { return Read(s.net_input_bytes); }));
+  Kv(out, "total_net_input_bytes",
+     sum([](const ShardStats& s) { return Read(s.net_input_bytes); }));
   Kv(out, "total_net_output_bytes",
      sum([](const ShardStats& s) { return Read(s.net_output_bytes); }));
   for (int r = 0; r < static_cast<int>(server::RejectReason::kCount); ++r) {
@@ -178,9 +179,9 @@ struct Section {
   bool in_default;
 };
 constexpr Section kSections[] = {
-    {"server", ServerSection, true},          {"clients", ClientsSection, true},
-    {"memory", MemorySection, true},          {"persistence", PersistenceSection, true},
-    {"stats", StatsSection, true},            {"commandstats", CommandStatsSection, false},
+    {"server", ServerSection, true},     {"clients", ClientsSection, true},
+    {"memory", MemorySection, true},     {"persistence", PersistenceSection, true},
+    {"stats", StatsSection, true},       {"commandstats", CommandStatsSection, false},
     {"keyspace", KeyspaceSection, true},
 };
 
@@ -239,9 +240,14 @@ void Slowlog(CommandContext& ctx, CmdArgs& args) {
   } else if (EqualsIgnoreCase(sub, "HELP") && args.size() == 2) {
     static const char* kHelp[] = {
         "SLOWLOG <subcommand> [<arg> ...]. Subcommands are:",
-        "GET [<count>]", "    Return top <count> entries from the slowlog (default: 10, -1 all).",
-        "LEN", "    Return the length of the slowlog.",
-        "RESET", "    Reset the slowlog.", "HELP", "    Print this help."};
+        "GET [<count>]",
+        "    Return top <count> entries from the slowlog (default: 10, -1 all).",
+        "LEN",
+        "    Return the length of the slowlog.",
+        "RESET",
+        "    Reset the slowlog.",
+        "HELP",
+        "    Print this help."};
     rb.Array(std::size(kHelp));
     for (const char* l : kHelp) rb.SimpleString(l);
   } else {

@@ -9,9 +9,9 @@
 namespace pion::families {
 namespace {
 
+using proto::CmdArgs;
 using server::CommandContext;
 using server::CommandSpec;
-using proto::CmdArgs;
 
 constexpr const char* kVersion = "0.1.0";
 
@@ -227,14 +227,19 @@ void Command(CommandContext& ctx, CmdArgs& args) {
     rb.Map(list.size());
     for (const CommandSpec* s : list) CommandDocs(*s, rb);
   } else if (EqualsIgnoreCase(sub, "HELP")) {
-    static const char* kHelp[] = {
-        "COMMAND <subcommand> [<arg> ...]. Subcommands are:",
-        "(no subcommand)", "    Return details about all commands.",
-        "COUNT", "    Return the total number of commands.",
-        "LIST", "    Return the names of all commands.",
-        "INFO [<command-name> ...]", "    Return details about the given commands.",
-        "DOCS [<command-name> ...]", "    Return documentation of the given commands.",
-        "HELP", "    Print this help."};
+    static const char* kHelp[] = {"COMMAND <subcommand> [<arg> ...]. Subcommands are:",
+                                  "(no subcommand)",
+                                  "    Return details about all commands.",
+                                  "COUNT",
+                                  "    Return the total number of commands.",
+                                  "LIST",
+                                  "    Return the names of all commands.",
+                                  "INFO [<command-name> ...]",
+                                  "    Return details about the given commands.",
+                                  "DOCS [<command-name> ...]",
+                                  "    Return documentation of the given commands.",
+                                  "HELP",
+                                  "    Print this help."};
     rb.Array(std::size(kHelp));
     for (const char* l : kHelp) rb.SimpleString(l);
   } else {
@@ -262,8 +267,8 @@ void RegisterServerFamily(server::Server& srv) {
               "Closes the connection after replying OK.", ""});
   r.Register({"SHUTDOWN", -1, kCmdAdmin | kCmdConnection, 0, 0, 0, Shutdown, "server",
               "Stops the server.", "[NOSAVE|SAVE] [NOW] [FORCE]"});
-  r.Register({"COMMAND", -1, 0, 0, 0, 0, Command, "server",
-              "Describes the command table.", "[COUNT|LIST|INFO [name ...]|DOCS [name ...]]"});
+  r.Register({"COMMAND", -1, 0, 0, 0, 0, Command, "server", "Describes the command table.",
+              "[COUNT|LIST|INFO [name ...]|DOCS [name ...]]"});
 }
 
 }  // namespace pion::families

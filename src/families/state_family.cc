@@ -8,8 +8,8 @@
 namespace pion::families {
 namespace {
 
-using server::CommandContext;
 using proto::CmdArgs;
+using server::CommandContext;
 
 store::TenantKey Key(const CommandContext& ctx, std::string_view id) {
   return store::TenantKey{ctx.tenant, std::string(id)};

@@ -82,10 +82,9 @@ void Connection::ProcessInput() {
     if (r == proto::RespParser::Result::kError) {
       rb_.ErrorLine("ERR Protocol error: " + parser_.error());
       close_after_flush_ = true;
-      pending_close_reason_ =
-          parser_.reason() == proto::RespParser::ErrorReason::kQueryBufferLimit
-              ? CloseReason::kQueryLimit
-              : CloseReason::kProtocol;
+      pending_close_reason_ = parser_.reason() == proto::RespParser::ErrorReason::kQueryBufferLimit
+                                  ? CloseReason::kQueryLimit
+                                  : CloseReason::kProtocol;
       break;
     }
     host_->Dispatch(*this, args_);

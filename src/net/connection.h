@@ -26,8 +26,16 @@ namespace pion::net {
 
 class Connection;
 
-enum class CloseReason { kClient, kQuit, kKilled, kProtocol, kQueryLimit, kOutputLimit, kIoError,
-                         kShutdown };
+enum class CloseReason {
+  kClient,
+  kQuit,
+  kKilled,
+  kProtocol,
+  kQueryLimit,
+  kOutputLimit,
+  kIoError,
+  kShutdown
+};
 
 struct ConnectionLimits {
   proto::ParserLimits parser;

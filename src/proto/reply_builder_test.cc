@@ -1,1 +1,87 @@
+#include "proto/reply_builder.h"
+
 #include <gtest/gtest.h>
+
+#include <string>
+
+namespace pion::proto {
+namespace {
+
+std::string Drain(const ReplyBuffer& b) {
+  iovec iov[256];
+  int n = b.FillIovec(iov, 256);
+  std::string out;
+  for (int i = 0; i < n; ++i) out.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+  return out;
+}
+
+TEST(ReplyBuilder, Resp2Encodings) {
+  ReplyBuffer b;
+  ReplyBuilder rb(&b, 2);
+  rb.Ok();
+  rb.Integer(-42);
+  rb.Bulk("hi");
+  rb.Null();
+  rb.NullArray();
+  rb.Map(1);
+  rb.Bool(true);
+  rb.Double(1.5);
+  rb.ErrorLine("ERR bad\r\nthing");
+  EXPECT_EQ(
+      Drain(b),
+      "+OK\r\n:-42\r\n$2\r\nhi\r\n$-1\r\n*-1\r\n*2\r\n:1\r\n$3\r\n1.5\r\n-ERR bad  thing\r\n");
+  EXPECT_EQ(rb.errors(), 1);
+}
+
+TEST(ReplyBuilder, Resp3Encodings) {
+  ReplyBuffer b;
+  ReplyBuilder rb(&b, 3);
+  rb.Null();
+  rb.Map(2);
+  rb.Set(0);
+  rb.Bool(false);
+  rb.Double(2.0);
+  rb.Verbatim("abc");
+  EXPECT_EQ(Drain(b), "_\r\n%2\r\n~0\r\n#f\r\n,2\r\n=7\r\ntxt:abc\r\n");
+}
+
+TEST(ReplyBuilder, LargeBulkIsReferencedNotCopied) {
+  auto buf = CopyToBuffer(std::string(1 << 20, 'q')).value();
+  ReplyBuffer b;
+  ReplyBuilder rb(&b, 2);
+  rb.BulkRef(buf);
+  iovec iov[8];
+  int n = b.FillIovec(iov, 8);
+  ASSERT_EQ(n, 3);  // header, the stored bytes, CRLF
+  EXPECT_EQ(iov[1].iov_base, buf->data());
+  EXPECT_EQ(iov[1].iov_len, buf->size());
+  EXPECT_EQ(buf.use_count(), 2);  // the reply keeps the stored bytes alive
+  b.Clear();
+  EXPECT_EQ(buf.use_count(), 1);
+}
+
+TEST(ReplyBuffer, PartialConsumeAndSplice) {
+  auto buf = CopyToBuffer(std::string(20000, 'r')).value();
+  ReplyBuffer a;
+  a.Append("hello ");
+  a.AppendRef(buf, buf->data(), buf->size());
+  a.Append(" end");
+  const std::string full = Drain(a);
+  for (size_t cut : {size_t{3}, size_t{6}, size_t{100}, size_t{20006}, full.size() - 1}) {
+    ReplyBuffer c;
+    c.Append("hello ");
+    c.AppendRef(buf, buf->data(), buf->size());
+    c.Append(" end");
+    c.Consume(cut);
+    EXPECT_EQ(Drain(c), full.substr(cut)) << cut;
+    EXPECT_EQ(c.size(), full.size() - cut);
+    ReplyBuffer d;
+    d.Append("pre:");
+    d.Splice(std::move(c));
+    EXPECT_EQ(Drain(d), "pre:" + full.substr(cut)) << cut;
+    EXPECT_TRUE(c.empty());
+  }
+}
+
+}  // namespace
+}  // namespace pion::proto

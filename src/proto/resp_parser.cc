@@ -16,14 +16,16 @@ int HexVal(char c) {
   if (c >= 'a' && c <= 'f') return c - 'a' + 10;
   return c - 'A' + 10;
 }
-bool IsSpace(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
+bool IsSpace(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+}
 
 }  // namespace
 
 RespParser::RespParser(BufferAllocator* alloc) : alloc_(alloc), buf_(kInitialBuffer) {}
 
 std::span<uint8_t> RespParser::ReadSpan() {
-  if (state_ == State::kBigBulk && avail() == 0) {
+  if (state_ == State::kBigBulk && avail() == 0 && big_filled_ < big_->size()) {
     reading_big_ = true;
     return {big_->data() + big_filled_, big_->size() - big_filled_};
   }
@@ -80,18 +82,31 @@ bool RespParser::SplitInline(std::string_view line, CmdArgs* out) {
       if (in_dq) {
         if (i >= n) return false;
         char c = line[i];
-        if (c == '\\' && i + 3 < n && line[i + 1] == 'x' && IsHex(line[i + 2]) && IsHex(line[i + 3])) {
+        if (c == '\\' && i + 3 < n && line[i + 1] == 'x' && IsHex(line[i + 2]) &&
+            IsHex(line[i + 3])) {
           cur += static_cast<char>(HexVal(line[i + 2]) * 16 + HexVal(line[i + 3]));
           i += 3;
         } else if (c == '\\' && i + 1 < n) {
           char e = line[++i];
           switch (e) {
-            case 'n': cur += '\n'; break;
-            case 'r': cur += '\r'; break;
-            case 't': cur += '\t'; break;
-            case 'b': cur += '\b'; break;
-            case 'a': cur += '\a'; break;
-            default: cur += e; break;
+            case 'n':
+              cur += '\n';
+              break;
+            case 'r':
+              cur += '\r';
+              break;
+            case 't':
+              cur += '\t';
+              break;
+            case 'b':
+              cur += '\b';
+              break;
+            case 'a':
+              cur += '\a';
+              break;
+            default:
+              cur += e;
+              break;
           }
         } else if (c == '"') {
           // A closing quote must be followed by a space or the end.
@@ -219,8 +234,8 @@ RespParser::Result RespParser::Next(CmdArgs* out) {
         if (pending_.bytes() + avail() + bulk_len_ > limits_.query_buffer_limit) {
           return Fail(ErrorReason::kQueryBufferLimit,
                       "query buffer limit of " + std::to_string(limits_.query_buffer_limit) +
-                          " bytes exceeded (" +
-                          std::to_string(pending_.bytes() + bulk_len_) + " bytes in command)");
+                          " bytes exceeded (" + std::to_string(pending_.bytes() + bulk_len_) +
+                          " bytes in command)");
         }
         if (bulk_len_ >= limits_.big_arg_threshold) {
           auto buf = alloc_->Allocate(bulk_len_);

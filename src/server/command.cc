@@ -17,7 +17,8 @@ void CommandContext::Error(const Status& status) {
 void CommandRegistry::Register(CommandSpec spec) {
   for (char& c : spec.name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   spec.lower_name = spec.name;
-  for (char& c : spec.lower_name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (char& c : spec.lower_name)
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (by_name_.count(spec.name)) {
     std::fprintf(stderr, "duplicate command registration: %s\n", spec.name.c_str());
     std::abort();
@@ -53,8 +54,7 @@ std::string ArityError(std::string_view lower_name) {
 std::string UnknownSubcommandError(std::string_view sub, std::string_view lower_name) {
   std::string upper(lower_name);
   for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return "ERR unknown subcommand '" + std::string(sub.substr(0, 64)) + "'. Try " + upper +
-         " HELP.";
+  return "ERR unknown subcommand '" + std::string(sub.substr(0, 64)) + "'. Try " + upper + " HELP.";
 }
 
 }  // namespace pion::server

@@ -1,12 +1,12 @@
 #include "server/config.h"
 
+#include <toml++/toml.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
 #include <thread>
-#include <toml++/toml.h>
 
 #include "common/bytes.h"
 

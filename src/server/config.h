@@ -20,7 +20,7 @@ struct Config {
   int port = 1974;
   int workers = 0;  // 0: number of cores
   std::string dir = "./data";
-  uint64_t maxmemory = 0;  // 0: no limit
+  uint64_t maxmemory = 0;   // 0: no limit
   int metrics_port = 9174;  // 0: disabled
   std::string requirepass;
   std::string users_file;

@@ -31,7 +31,8 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
   Bump(st.commands_processed);
   proto::ReplyBuilder& rb = conn.reply();
   const CommandSpec* spec = registry_.Find(args[0]);
-  const bool auth_ok = conn.authenticated || !settings_.auth_required.load(std::memory_order_relaxed);
+  const bool auth_ok =
+      conn.authenticated || !settings_.auth_required.load(std::memory_order_relaxed);
 
   if (spec == nullptr) {
     st.Reject(auth_ok ? RejectReason::kUnknownCommand : RejectReason::kNoAuth);
@@ -70,8 +71,8 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
     owner = OwnerOf(conn.tenant, args[static_cast<size_t>(spec->first_key)]);
   }
   if (owner == shard.id()) {
-    Execute(*spec, shard, (spec->flags & kCmdConnection) ? &conn : nullptr, conn.tenant,
-            conn.id(), args, rb, conn.peer(), conn.name);
+    Execute(*spec, shard, (spec->flags & kCmdConnection) ? &conn : nullptr, conn.tenant, conn.id(),
+            args, rb, conn.peer(), conn.name);
     return;
   }
 
@@ -91,7 +92,8 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
             call->peer, call->client_name);
     call->args.Clear();
     shards_[call->origin]->PostControl([call, conn_id](Shard& home) {
-      if (net::Connection* c = home.FindConnection(conn_id)) c->CompleteAsync(std::move(call->reply));
+      if (net::Connection* c = home.FindConnection(conn_id))
+        c->CompleteAsync(std::move(call->reply));
     });
   });
   if (!posted) {
@@ -106,10 +108,9 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
   conn.BeginAsync();
 }
 
-void Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn,
-                     uint32_t tenant, uint64_t client_id, proto::CmdArgs& args,
-                     proto::ReplyBuilder& rb, std::string_view peer,
-                     std::string_view client_name) {
+void Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn, uint32_t tenant,
+                     uint64_t client_id, proto::CmdArgs& args, proto::ReplyBuilder& rb,
+                     std::string_view peer, std::string_view client_name) {
   auto t0 = std::chrono::steady_clock::now();
   rb.ResetErrorCount();
   CommandContext ctx{this, &shard, &rb, tenant, client_id, conn};

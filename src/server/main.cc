@@ -20,9 +20,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    auto logger = config->logfile.empty()
-                      ? spdlog::stderr_color_mt("pion")
-                      : spdlog::basic_logger_mt("pion", config->logfile);
+    auto logger = config->logfile.empty() ? spdlog::stderr_color_mt("pion")
+                                          : spdlog::basic_logger_mt("pion", config->logfile);
     spdlog::set_default_logger(logger);
   } catch (const spdlog::spdlog_ex& e) {
     std::fprintf(stderr, "pion-server: cannot open log file %s: %s\n", config->logfile.c_str(),

@@ -6,12 +6,18 @@ namespace pion::server {
 
 std::string_view MemFamilyName(MemFamily f) {
   switch (f) {
-    case MemFamily::kState: return "state";
-    case MemFamily::kSsm: return "ssm";
-    case MemFamily::kVStore: return "vstore";
-    case MemFamily::kAttention: return "attention";
-    case MemFamily::kIndex: return "index";
-    case MemFamily::kCount: break;
+    case MemFamily::kState:
+      return "state";
+    case MemFamily::kSsm:
+      return "ssm";
+    case MemFamily::kVStore:
+      return "vstore";
+    case MemFamily::kAttention:
+      return "attention";
+    case MemFamily::kIndex:
+      return "index";
+    case MemFamily::kCount:
+      break;
   }
   return "other";
 }

@@ -138,8 +138,8 @@ std::string MetricsHttp::Render(Server& server) {
   }
   uint64_t client_bytes = 0;
   for (int i = 0; i < server.shard_count(); ++i) {
-    client_bytes += server.shard(i).client_query_bytes.load() +
-                    server.shard(i).client_output_bytes.load();
+    client_bytes +=
+        server.shard(i).client_query_bytes.load() + server.shard(i).client_output_bytes.load();
   }
   line("pion_memory_used_bytes{family=\"clients\"}", client_bytes);
   metric("pion_memory_max_bytes", "gauge", "--maxmemory (0 = no limit).");
@@ -152,8 +152,8 @@ std::string MetricsHttp::Render(Server& server) {
                      std::atomic<uint64_t> CommandStats::*field) {
     metric(name, "counter", help);
     for (const auto& spec : specs) {
-      uint64_t v = server.SumStat(
-          [&](const ShardStats& s) { return Read(s.commands[spec.index].*field); });
+      uint64_t v =
+          server.SumStat([&](const ShardStats& s) { return Read(s.commands[spec.index].*field); });
       if (v > 0) line(std::string(name) + "{cmd=\"" + spec.lower_name + "\"}", v);
     }
   };

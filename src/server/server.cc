@@ -31,7 +31,8 @@ Status Server::Init() {
   auto fd = net::ListenTcp(config_.bind, config_.port);
   if (!fd.ok()) return fd.status();
   listen_fd_ = fd.value();
-  bound_port_ = config_.port;
+  std::string local = net::SocketAddress(listen_fd_, /*local=*/true);
+  bound_port_ = std::stoi(local.substr(local.rfind(':') + 1));
 
   for (int i = 0; i < config_.workers; ++i) {
     shards_.push_back(std::make_unique<Shard>(this, i, listen_fd_, registry_.size(),

@@ -1,13 +1,13 @@
 #include "server/shard.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <spdlog/spdlog.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 
 #include "server/server.h"
 
@@ -18,7 +18,11 @@ constexpr int kTickMs = 100;
 }  // namespace
 
 Shard::Shard(Server* server, int id, int listen_fd, size_t n_commands, size_t queue_depth)
-    : server_(server), id_(id), listen_fd_(listen_fd), stats_(n_commands), queue_depth_(queue_depth) {}
+    : server_(server),
+      id_(id),
+      listen_fd_(listen_fd),
+      stats_(n_commands),
+      queue_depth_(queue_depth) {}
 
 Shard::~Shard() = default;
 
@@ -123,7 +127,8 @@ void Shard::OnEvent(uint32_t) {
       return;
     }
     Bump(stats_.connections_received);
-    if (server_->connected_clients() >= static_cast<uint64_t>(server_->settings().maxclients.load())) {
+    if (server_->connected_clients() >=
+        static_cast<uint64_t>(server_->settings().maxclients.load())) {
       static constexpr char kMsg[] = "-ERR max number of clients reached\r\n";
       ssize_t w = send(fd, kMsg, sizeof(kMsg) - 1, MSG_NOSIGNAL);
       (void)w;
@@ -170,17 +175,22 @@ void Shard::OnNetBytes(uint64_t in, uint64_t out) {
 
 void Shard::OnClosed(net::Connection& conn, net::CloseReason reason) {
   switch (reason) {
-    case net::CloseReason::kProtocol: stats_.Reject(RejectReason::kProtocol); break;
+    case net::CloseReason::kProtocol:
+      stats_.Reject(RejectReason::kProtocol);
+      break;
     case net::CloseReason::kQueryLimit:
       stats_.Reject(RejectReason::kQueryBufferLimit);
       spdlog::warn("closing client {} ({}): query buffer limit reached", conn.id(), conn.peer());
       break;
     case net::CloseReason::kOutputLimit:
       stats_.Reject(RejectReason::kOutputBufferLimit);
-      spdlog::warn("closing client {} ({}): stopped reading at its output buffer limit "
-                   "({} bytes pending)", conn.id(), conn.peer(), conn.output_bytes());
+      spdlog::warn(
+          "closing client {} ({}): stopped reading at its output buffer limit "
+          "({} bytes pending)",
+          conn.id(), conn.peer(), conn.output_bytes());
       break;
-    default: break;
+    default:
+      break;
   }
   stats_.connected_clients.store(Read(stats_.connected_clients) - 1, std::memory_order_relaxed);
   closed_ids_.push_back(conn.id());

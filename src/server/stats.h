@@ -35,7 +35,7 @@ std::string_view RejectReasonName(RejectReason r);
 
 // Latency histogram bucket upper bounds in microseconds (+Inf is the last bucket).
 inline constexpr std::array<uint64_t, 19> kLatencyBucketsUs = {
-    10,    25,    50,     100,    250,    500,     1000,    2500,    5000,   10000,
+    10,    25,    50,     100,    250,    500,     1000,    2500,    5000,    10000,
     25000, 50000, 100000, 250000, 500000, 1000000, 2500000, 5000000, 10000000};
 
 struct CommandStats {

@@ -15,9 +15,8 @@ Status StateSlots::Alloc(const TenantKey& key, uint64_t size) {
   auto it = slots_.find(key);
   if (it != slots_.end()) {
     if (it->second->size() == size) return Status::Ok();
-    return Error("state slot '" + key.name + "' exists with " +
-                 std::to_string(it->second->size()) + " bytes, not " + std::to_string(size) +
-                 "; STATE.FREE it first");
+    return Error("state slot '" + key.name + "' exists with " + std::to_string(it->second->size()) +
+                 " bytes, not " + std::to_string(size) + "; STATE.FREE it first");
   }
   if (budget_.reserve) {
     Status s = budget_.reserve(size);

@@ -45,7 +45,8 @@ class StateSlots {
   Usage UsageOf(uint32_t tenant) const;
   // Thread-safe snapshot (INFO keyspace reads it from other threads).
   Usage Total() const {
-    return {slot_gauge_.load(std::memory_order_relaxed), bytes_gauge_.load(std::memory_order_relaxed)};
+    return {slot_gauge_.load(std::memory_order_relaxed),
+            bytes_gauge_.load(std::memory_order_relaxed)};
   }
 
  private:

@@ -1,0 +1,68 @@
+// libFuzzer target for the RESP request parser.
+//
+// The first bytes of the input choose the limits and the read-chunk pattern, the rest is the
+// byte stream. The parser must never crash, never read or write out of bounds (ASan), and
+// keep its invariants: every command has at least one argument, a large argument is exactly
+// the declared size, and after an error nothing more is produced.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "proto/resp_parser.h"
+
+using pion::proto::CmdArgs;
+using pion::proto::ParserLimits;
+using pion::proto::RespParser;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 3) return 0;
+  ParserLimits limits;
+  limits.max_bulk_len = 1 + (data[0] % 8) * 4096;
+  limits.max_multibulk_len = 1 + data[1] % 64;
+  limits.big_arg_threshold = 16 + (data[1] >> 6) * 512;
+  limits.query_buffer_limit = 1 << 16;
+  limits.max_inline_len = 1024;
+  limits.authenticated = (data[2] & 1) != 0;
+  const size_t chunk_base = 1 + (data[2] >> 1);
+  data += 3;
+  size -= 3;
+
+  RespParser parser;
+  parser.set_limits(limits);
+  CmdArgs args;
+  size_t off = 0, step = 0;
+  bool failed = false;
+  while (!failed) {
+    auto r = parser.Next(&args);
+    if (r == RespParser::Result::kCommand) {
+      if (args.empty()) __builtin_trap();
+      for (size_t i = 0; i < args.size(); ++i) {
+        volatile char sink = 0;
+        for (char c : args[i]) sink = sink ^ c;  // touch every byte (ASan)
+        (void)sink;
+        if (args[i].size() > limits.max_bulk_len && !args.IsBuffer(i) && args.size() > 1) {
+          // Inline arguments are bounded by the line length instead.
+          if (args[i].size() > limits.max_inline_len) __builtin_trap();
+        }
+      }
+      continue;
+    }
+    if (r == RespParser::Result::kError) {
+      failed = true;
+      if (parser.error().empty()) __builtin_trap();
+      if (parser.Next(&args) != RespParser::Result::kError) __builtin_trap();
+      break;
+    }
+    if (off >= size) break;
+    auto span = parser.ReadSpan();
+    if (span.empty()) __builtin_trap();  // a zero-length recv would look like EOF
+    size_t n = chunk_base + (step++ % 7) * 13;
+    if (n > span.size()) n = span.size();
+    if (n > size - off) n = size - off;
+    std::memcpy(span.data(), data + off, n);
+    parser.CommitRead(n);
+    off += n;
+    if (parser.buffered_bytes() > limits.query_buffer_limit + 2 * 65536) __builtin_trap();
+  }
+  return 0;
+}

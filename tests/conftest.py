@@ -1,0 +1,85 @@
+"""End-to-end test harness for pion-server.
+
+Every test talks to a real pion-server process started on a free loopback port. The
+`pion_factory` fixture starts servers with per-test flags and always stops them (SIGTERM,
+then SIGKILL, with bounded waits) at teardown; `pion` is a function-scoped default server
+and `shared_pion` a module-scoped one for tests that do not change server state.
+
+Run with Debian's interpreter (it has python3-redis, pytest, numpy, psutil):
+
+    PION_SERVER=/work/main/build/pion-server /usr/bin/python3 -m pytest -q tests
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from pionlib import PionServer  # noqa: E402
+
+PER_TEST_TIMEOUT = int(os.environ.get("PION_TEST_TIMEOUT", "90"))
+
+
+class _Factory:
+    def __init__(self, base: Path):
+        self.base = base
+        self.servers: list[PionServer] = []
+
+    def __call__(self, *args: str, metrics: bool = True, config_file: Path | None = None,
+                 password: str | None = None, start: bool = True) -> PionServer:
+        d = self.base / ("srv%d" % len(self.servers))
+        d.mkdir(parents=True, exist_ok=True)
+        srv = PionServer(d, list(args), metrics=metrics, config_file=config_file,
+                         password=password)
+        self.servers.append(srv)
+        return srv.start() if start else srv
+
+    def stop_all(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+@pytest.fixture
+def pion_factory(tmp_path):
+    """Starts pion-server processes: pion_factory("--workers", "2", ...)."""
+    f = _Factory(tmp_path)
+    try:
+        yield f
+    finally:
+        f.stop_all()
+
+
+@pytest.fixture
+def pion(pion_factory) -> PionServer:
+    """A default server (2 shards) for one test."""
+    return pion_factory("--workers", "2")
+
+
+@pytest.fixture(scope="module")
+def shared_pion(tmp_path_factory) -> PionServer:
+    """A default server (2 shards) shared by one test module."""
+    f = _Factory(tmp_path_factory.mktemp("shared"))
+    try:
+        yield f("--workers", "2")
+    finally:
+        f.stop_all()
+
+
+@pytest.fixture(autouse=True)
+def _per_test_time_limit():
+    """Fails (rather than hangs) a test that runs past PER_TEST_TIMEOUT seconds."""
+    def on_alarm(signum, frame):
+        raise TimeoutError("test exceeded %d s" % PER_TEST_TIMEOUT)
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(PER_TEST_TIMEOUT)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
