@@ -38,12 +38,18 @@ class Buffer {
 
  private:
   friend class BufferAllocator;
-  Buffer(BufferAllocator* owner, uint8_t* data, size_t size, int fd, uint64_t off)
-      : owner_(owner), data_(data), size_(size), segment_fd_(fd), segment_offset_(off) {}
+  Buffer(BufferAllocator* owner, uint8_t* data, size_t size, size_t length, int fd, uint64_t off)
+      : owner_(owner),
+        data_(data),
+        size_(size),
+        length_(length),
+        segment_fd_(fd),
+        segment_offset_(off) {}
 
   BufferAllocator* owner_;
   uint8_t* data_;
   size_t size_;
+  size_t length_;  // bytes actually reserved (>= size_), returned to the allocator on free
   int segment_fd_;
   uint64_t segment_offset_;
 };
@@ -59,17 +65,23 @@ class BufferAllocator {
   // initialised. Returns kOom if the memory cannot be obtained.
   StatusOr<BufferRef> Allocate(size_t size);
 
-  // The process-wide default allocator (private heap; large sizes are mmap-backed).
+  // The process-wide default allocator: private heap for small sizes; large sizes are
+  // huge-page-advised anonymous mappings, and freed ones are kept in a bounded cache for
+  // reuse (a fresh mapping costs a page fault per 4 KiB page on first touch).
   static BufferAllocator* Default();
+
+  // Bytes of freed large regions held for reuse (resident, not counted as stored data).
+  virtual uint64_t cached_bytes() const { return 0; }
 
  protected:
   struct Region {
     uint8_t* data;
+    size_t length;  // bytes reserved, >= the size asked
     int fd;
     uint64_t offset;
   };
   virtual bool AllocateRegion(size_t size, Region* out) = 0;
-  virtual void FreeRegion(uint8_t* data, size_t size) = 0;
+  virtual void FreeRegion(uint8_t* data, size_t length) = 0;
 
  private:
   friend class Buffer;

@@ -34,3 +34,29 @@ TEST(Buffer, ImpossibleAllocationIsOom) {
 
 }  // namespace
 }  // namespace pion
+
+namespace pion {
+namespace {
+
+TEST(Buffer, FreedLargeRegionsAreReusedWithoutNewMappings) {
+  auto* alloc = BufferAllocator::Default();
+  const uint8_t* first = nullptr;
+  {
+    auto a = alloc->Allocate(4 << 20);
+    ASSERT_TRUE(a.ok());
+    first = a.value()->data();
+    std::memset(a.value()->data(), 1, 4 << 20);
+  }
+  EXPECT_GE(alloc->cached_bytes(), uint64_t{4} << 20);
+  auto b = alloc->Allocate((4 << 20) - 100);  // same size class: the cached region comes back
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b.value()->data(), first);
+  EXPECT_EQ(b.value()->size(), size_t{(4 << 20) - 100});
+  // A much smaller request does not take a far larger cached region.
+  auto c = alloc->Allocate(1 << 20);
+  ASSERT_TRUE(c.ok());
+  EXPECT_NE(c.value()->data(), first);
+}
+
+}  // namespace
+}  // namespace pion

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <ctime>
 
+#include "common/buffer.h"
 #include "common/bytes.h"
 #include "families/args.h"
 #include "families/families.h"
@@ -98,6 +99,7 @@ void MemorySection(server::Server& srv, std::string& out) {
     clients += srv.shard(i).client_query_bytes.load() + srv.shard(i).client_output_bytes.load();
   }
   Kv(out, "used_memory_clients", clients);
+  Kv(out, "buffer_cache_bytes", BufferAllocator::Default()->cached_bytes());
   Kv(out, "oom_rejections", mem.oom_rejections());
 }
 
