@@ -14,40 +14,20 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pionlib import PionServer  # noqa: E402
+from pionlib import PionServer, ServerFactory  # noqa: E402
 
 PER_TEST_TIMEOUT = int(os.environ.get("PION_TEST_TIMEOUT", "90"))
-
-
-class _Factory:
-    def __init__(self, base: Path):
-        self.base = base
-        self.servers: list[PionServer] = []
-
-    def __call__(self, *args: str, metrics: bool = True, config_file: Path | None = None,
-                 password: str | None = None, start: bool = True) -> PionServer:
-        d = self.base / ("srv%d" % len(self.servers))
-        d.mkdir(parents=True, exist_ok=True)
-        srv = PionServer(d, list(args), metrics=metrics, config_file=config_file,
-                         password=password)
-        self.servers.append(srv)
-        return srv.start() if start else srv
-
-    def stop_all(self) -> None:
-        for s in self.servers:
-            s.stop()
 
 
 @pytest.fixture
 def pion_factory(tmp_path):
     """Starts pion-server processes: pion_factory("--workers", "2", ...)."""
-    f = _Factory(tmp_path)
+    f = ServerFactory(tmp_path)
     try:
         yield f
     finally:
@@ -63,7 +43,7 @@ def pion(pion_factory) -> PionServer:
 @pytest.fixture(scope="module")
 def shared_pion(tmp_path_factory) -> PionServer:
     """A default server (2 shards) shared by one test module."""
-    f = _Factory(tmp_path_factory.mktemp("shared"))
+    f = ServerFactory(tmp_path_factory.mktemp("shared"))
     try:
         yield f("--workers", "2")
     finally:

@@ -53,6 +53,17 @@ def _stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int | No
         _LIVE.discard(proc)
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: the server gets SIGKILL if the test process dies without cleaning up."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     """A currently free loopback TCP port (bind to port 0, read it, close)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -66,6 +77,12 @@ def free_port() -> int:
 
 class RespError(Exception):
     """An error reply ('-...') read from a raw socket; str() is the text without '-'."""
+
+    def __eq__(self, other):
+        return isinstance(other, RespError) and str(self) == str(other)
+
+    def __hash__(self):
+        return hash(str(self))
 
 
 class Closed(Exception):
@@ -136,6 +153,19 @@ class RawConn:
         self.buf += chunk
 
     def read_exact(self, n: int) -> bytes:
+        have = len(self.buf) - self.pos
+        if n - have > (1 << 20):  # large: receive straight into the result
+            out = bytearray(n)
+            out[:have] = self.buf[self.pos:]
+            self.buf = bytearray()
+            self.pos = 0
+            view = memoryview(out)
+            while have < n:
+                got = self.sock.recv_into(view[have:], n - have)
+                if got == 0:
+                    raise Closed("connection closed by server after %d of %d bytes" % (have, n))
+                have += got
+            return bytes(out)
         while len(self.buf) - self.pos < n:
             self._fill()
         out = bytes(self.buf[self.pos: self.pos + n])
@@ -149,6 +179,17 @@ class RawConn:
                 out = bytes(self.buf[self.pos: i])
                 self.pos = i + 2
                 return out
+            self._fill()
+
+    def read_until(self, marker: bytes, limit: int = 1 << 20) -> bytes:
+        """Raw bytes up to and including the first occurrence of marker."""
+        while True:
+            i = self.buf.find(marker, self.pos)
+            if i >= 0:
+                out = bytes(self.buf[self.pos: i + len(marker)])
+                self.pos = i + len(marker)
+                return out
+            assert len(self.buf) - self.pos <= limit, "marker %r not found" % marker
             self._fill()
 
     def read_until_closed(self, limit: int = 1 << 20) -> bytes:
@@ -264,7 +305,8 @@ class PionServer:
             try:
                 self.proc = subprocess.Popen(self.command_line(), stdin=subprocess.DEVNULL,
                                              stdout=log, stderr=subprocess.STDOUT,
-                                             cwd=str(self.workdir))
+                                             cwd=str(self.workdir),
+                                             preexec_fn=_die_with_parent)
             finally:
                 log.close()
             _LIVE.add(self.proc)
@@ -401,3 +443,22 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.05, what: str = "c
     raise AssertionError("timed out after %.1f s waiting for %s (last: %r)" % (timeout, what, last))
 
 
+class ServerFactory:
+    """Starts servers under one base directory and stops them all on stop_all()."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.servers: list[PionServer] = []
+
+    def __call__(self, *args: str, metrics: bool = True, config_file: Path | None = None,
+                 password: str | None = None, start: bool = True) -> PionServer:
+        d = self.base / ("srv%d" % len(self.servers))
+        d.mkdir(parents=True, exist_ok=True)
+        srv = PionServer(d, list(args), metrics=metrics, config_file=config_file,
+                         password=password)
+        self.servers.append(srv)
+        return srv.start() if start else srv
+
+    def stop_all(self) -> None:
+        for s in self.servers:
+            s.stop()

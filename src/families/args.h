@@ -22,6 +22,17 @@ inline bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
   return true;
 }
 
+// Client names (CLIENT SETNAME, HELLO SETNAME): printable ASCII without spaces, so that
+// CLIENT LIST lines cannot be forged.
+inline bool ValidClientName(std::string_view name) {
+  for (char c : name) {
+    if (c < '!' || c > '~') return false;
+  }
+  return true;
+}
+inline constexpr const char* kBadClientName =
+    "ERR Client names cannot contain spaces, newlines or special characters.";
+
 // Parses a non-negative integer argument named `what`.
 inline Status ParseUint(std::string_view text, std::string_view what, uint64_t* out) {
   int64_t v = 0;

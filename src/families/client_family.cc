@@ -17,13 +17,6 @@ namespace {
 using proto::CmdArgs;
 using server::CommandContext;
 
-bool ValidClientName(std::string_view name) {
-  for (char c : name) {
-    if (c < '!' || c > '~') return false;  // no spaces, newlines or non-printables
-  }
-  return true;
-}
-
 std::string Describe(server::Server& srv, const server::Shard& shard, const net::Connection& c) {
   using std::chrono::duration_cast;
   using std::chrono::seconds;
@@ -172,7 +165,7 @@ void Client(CommandContext& ctx, CmdArgs& args) {
     rb.Integer(static_cast<int64_t>(conn.id()));
   } else if (EqualsIgnoreCase(sub, "SETNAME") && args.size() == 3) {
     if (!ValidClientName(args[2])) {
-      rb.ErrorLine("ERR Client names cannot contain spaces, newlines or special characters.");
+      rb.ErrorLine(kBadClientName);
       return;
     }
     conn.name = std::string(args[2]);

@@ -68,27 +68,45 @@ bool GlobMatch(std::string_view pat, std::string_view str) {
 struct Param {
   const char* name;
   std::function<std::string(server::Server&)> get;
-  // Empty for immutable parameters. Returns an error text or "".
-  std::function<std::string(server::Server&, std::string_view)> set;
+  // Empty for immutable parameters. Validates v and, when apply is true, applies it.
+  // Returns an error text or "".
+  std::function<std::string(server::Server&, std::string_view v, bool apply)> set;
 };
 
-std::string SetSize(std::string_view v, const std::function<void(uint64_t)>& apply) {
+std::string SetSize(std::string_view v, bool apply, const std::function<void(uint64_t)>& set) {
   auto n = ParseByteSize(v);
   if (!n) return "argument must be a memory value";
-  apply(*n);
+  if (apply) set(*n);
   return "";
 }
 
-std::string SetInt(std::string_view v, int64_t lo, int64_t hi,
-                   const std::function<void(int64_t)>& apply) {
+std::string SetInt(std::string_view v, int64_t lo, int64_t hi, bool apply,
+                   const std::function<void(int64_t)>& set) {
   int64_t n;
   if (!ParseInt64(v, &n)) return "argument couldn't be parsed into an integer";
   if (n < lo || n > hi) {
     return "argument must be between " + std::to_string(lo) + " and " + std::to_string(hi) +
            " inclusive";
   }
-  apply(n);
+  if (apply) set(n);
   return "";
+}
+
+// Our level names (the ones --loglevel accepts), not spdlog's ("warning", "err").
+constexpr const char* kLogLevels[] = {"trace", "debug", "info", "warn", "error"};
+std::string CurrentLogLevel() {
+  switch (spdlog::get_level()) {
+    case spdlog::level::trace:
+      return "trace";
+    case spdlog::level::debug:
+      return "debug";
+    case spdlog::level::info:
+      return "info";
+    case spdlog::level::warn:
+      return "warn";
+    default:
+      return "error";
+  }
 }
 
 const std::vector<Param>& Params() {
@@ -103,11 +121,12 @@ const std::vector<Param>& Params() {
        nullptr},
       {"users", [](Server& s) { return s.config().users_file; }, nullptr},
       {"maxmemory", [](Server& s) { return std::to_string(s.memory().maxmemory()); },
-       [](Server& s, std::string_view v) {
-         return SetSize(v, [&](uint64_t n) { s.memory().set_maxmemory(n); });
+       [](Server& s, std::string_view v, bool apply) {
+         return SetSize(v, apply, [&](uint64_t n) { s.memory().set_maxmemory(n); });
        }},
       {"requirepass", [](Server& s) { return s.settings().requirepass(); },
-       [](Server& s, std::string_view v) {
+       [](Server& s, std::string_view v, bool apply) {
+         if (!apply) return std::string();
          s.settings().set_requirepass(std::string(v));
          s.users().SetDefaultPassword(std::string(v));
          s.settings().auth_required.store(!v.empty() || !s.config().users_file.empty());
@@ -115,63 +134,62 @@ const std::vector<Param>& Params() {
        }},
       {"proto-max-bulk-len",
        [](Server& s) { return std::to_string(s.settings().proto_max_bulk_len.load()); },
-       [](Server& s, std::string_view v) {
-         return SetSize(v, [&](uint64_t n) { s.settings().proto_max_bulk_len.store(n); });
+       [](Server& s, std::string_view v, bool apply) {
+         return SetSize(v, apply, [&](uint64_t n) { s.settings().proto_max_bulk_len.store(n); });
        }},
       {"max-multibulk-len",
        [](Server& s) { return std::to_string(s.settings().max_multibulk_len.load()); },
-       [](Server& s, std::string_view v) {
-         return SetInt(v, 1, int64_t{1} << 31,
+       [](Server& s, std::string_view v, bool apply) {
+         return SetInt(v, 1, int64_t{1} << 31, apply,
                        [&](int64_t n) { s.settings().max_multibulk_len.store(n); });
        }},
       {"client-query-buffer-limit",
        [](Server& s) { return std::to_string(s.settings().client_query_buffer_limit.load()); },
-       [](Server& s, std::string_view v) {
-         return SetSize(v, [&](uint64_t n) { s.settings().client_query_buffer_limit.store(n); });
+       [](Server& s, std::string_view v, bool apply) {
+         return SetSize(v, apply,
+                        [&](uint64_t n) { s.settings().client_query_buffer_limit.store(n); });
        }},
       {"client-output-buffer-limit",
        [](Server& s) { return std::to_string(s.settings().client_output_buffer_limit.load()); },
-       [](Server& s, std::string_view v) {
-         return SetSize(v, [&](uint64_t n) { s.settings().client_output_buffer_limit.store(n); });
+       [](Server& s, std::string_view v, bool apply) {
+         return SetSize(v, apply,
+                        [&](uint64_t n) { s.settings().client_output_buffer_limit.store(n); });
        }},
       {"client-output-buffer-timeout-ms",
        [](Server& s) {
          return std::to_string(s.settings().client_output_buffer_timeout_ms.load());
        },
-       [](Server& s, std::string_view v) {
-         return SetInt(v, 1, 86400000,
+       [](Server& s, std::string_view v, bool apply) {
+         return SetInt(v, 1, 86400000, apply,
                        [&](int64_t n) { s.settings().client_output_buffer_timeout_ms.store(n); });
        }},
       {"maxclients", [](Server& s) { return std::to_string(s.settings().maxclients.load()); },
-       [](Server& s, std::string_view v) {
-         return SetInt(v, 1, 1000000, [&](int64_t n) { s.settings().maxclients.store(n); });
+       [](Server& s, std::string_view v, bool apply) {
+         return SetInt(v, 1, 1000000, apply, [&](int64_t n) { s.settings().maxclients.store(n); });
        }},
       {"shard-queue-depth", [](Server& s) { return std::to_string(s.shard_queue_depth()); },
-       [](Server& s, std::string_view v) {
-         return SetInt(v, 1, 1 << 20, [&](int64_t n) {
+       [](Server& s, std::string_view v, bool apply) {
+         return SetInt(v, 1, 1 << 20, apply, [&](int64_t n) {
            for (int i = 0; i < s.shard_count(); ++i) s.shard(i).set_queue_depth(n);
          });
        }},
       {"slowlog-log-slower-than",
        [](Server& s) { return std::to_string(s.settings().slowlog_log_slower_than_us.load()); },
-       [](Server& s, std::string_view v) {
-         return SetInt(v, -1, INT64_MAX,
+       [](Server& s, std::string_view v, bool apply) {
+         return SetInt(v, -1, INT64_MAX, apply,
                        [&](int64_t n) { s.settings().slowlog_log_slower_than_us.store(n); });
        }},
       {"slowlog-max-len",
        [](Server& s) { return std::to_string(s.settings().slowlog_max_len.load()); },
-       [](Server& s, std::string_view v) {
-         return SetInt(v, 0, 1 << 20, [&](int64_t n) { s.settings().slowlog_max_len.store(n); });
+       [](Server& s, std::string_view v, bool apply) {
+         return SetInt(v, 0, 1 << 20, apply,
+                       [&](int64_t n) { s.settings().slowlog_max_len.store(n); });
        }},
-      {"loglevel",
-       [](Server&) {
-         return std::string(spdlog::level::to_string_view(spdlog::get_level()).data());
-       },
-       [](Server&, std::string_view v) {
-         static const char* kLevels[] = {"trace", "debug", "info", "warn", "error"};
-         for (const char* l : kLevels) {
+      {"loglevel", [](Server&) { return CurrentLogLevel(); },
+       [](Server&, std::string_view v, bool apply) {
+         for (const char* l : kLogLevels) {
            if (EqualsIgnoreCase(v, l)) {
-             spdlog::set_level(spdlog::level::from_str(l));
+             if (apply) spdlog::set_level(spdlog::level::from_str(l));
              return std::string();
            }
          }
@@ -218,16 +236,17 @@ void Config(CommandContext& ctx, CmdArgs& args) {
                      std::string(found->name) + "') - can't set immutable config");
         return;
       }
+      std::string err = found->set(srv, args[i + 1], /*apply=*/false);
+      if (!err.empty()) {
+        rb.ErrorLine("ERR CONFIG SET failed (possibly related to argument '" +
+                     std::string(found->name) + "') - " + err);
+        return;
+      }
       todo.emplace_back(found, args[i + 1]);
     }
     for (auto& [p, v] : todo) {
       std::string before = p->get(srv);
-      std::string err = p->set(srv, v);
-      if (!err.empty()) {
-        rb.ErrorLine("ERR CONFIG SET failed (possibly related to argument '" +
-                     std::string(p->name) + "') - " + err);
-        return;
-      }
+      (void)p->set(srv, v, /*apply=*/true);
       spdlog::info("CONFIG SET {}: {} -> {}", p->name,
                    std::string(p->name) == "requirepass" ? "***" : before,
                    std::string(p->name) == "requirepass" ? "***" : p->get(srv));

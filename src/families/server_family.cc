@@ -89,12 +89,15 @@ void Hello(CommandContext& ctx, CmdArgs& args) {
     proto = static_cast<int>(v);
     i = 2;
   }
-  std::string_view setname;
-  bool has_setname = false;
+  // Parse and validate every option before acting on any: a refused HELLO changes nothing.
+  std::string_view setname, auth_user, auth_pass;
+  bool has_setname = false, has_auth = false;
   for (; i < args.size(); ++i) {
     bool more = i + 1 < args.size();
     if (EqualsIgnoreCase(args[i], "AUTH") && i + 2 < args.size()) {
-      if (!DoAuth(ctx, args[i + 1], args[i + 2])) return;
+      auth_user = args[i + 1];
+      auth_pass = args[i + 2];
+      has_auth = true;
       i += 2;
     } else if (EqualsIgnoreCase(args[i], "SETNAME") && more) {
       setname = args[++i];
@@ -105,13 +108,18 @@ void Hello(CommandContext& ctx, CmdArgs& args) {
       return;
     }
   }
-  if (!conn.authenticated && ctx.server->settings().auth_required.load()) {
+  if (has_setname && !ValidClientName(setname)) {
+    ctx.rb->ErrorLine(kBadClientName);
+    return;
+  }
+  if (!has_auth && !conn.authenticated && ctx.server->settings().auth_required.load()) {
     ctx.rb->ErrorLine(
         "NOAUTH HELLO must be called with the client already authenticated, otherwise the "
         "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client and "
         "select the RESP protocol version at the same time");
     return;
   }
+  if (has_auth && !DoAuth(ctx, auth_user, auth_pass)) return;
   if (has_setname) conn.name = std::string(setname);
   conn.set_resp_version(proto);
   auto& rb = *ctx.rb;

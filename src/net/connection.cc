@@ -39,25 +39,20 @@ bool Connection::Start() {
 void Connection::OnEvent(uint32_t events) {
   if (closed_) return;
   if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) ReadInput();
-  if (!closed_ && (events & EPOLLOUT)) {
-    Flush();
-    // Draining below the limit may unblock pipelined commands already buffered.
-    if (!closed_ && !async_pending_ && output_.size() < limits_.output_limit) ProcessInput();
-    if (!closed_) Flush();
-  }
+  if (!closed_ && (events & EPOLLOUT)) Pump();
   if (!closed_) UpdateInterest();
 }
 
 void Connection::ReadInput() {
   for (int i = 0; i < kMaxReadsPerEvent && !closed_; ++i) {
-    if (async_pending_ || close_after_flush_) break;
+    if (async_pending_ || close_after_flush_ || paced_) break;
     auto span = parser_.ReadSpan();
     ssize_t n = recv(fd_, span.data(), span.size(), 0);
     if (n > 0) {
       parser_.CommitRead(static_cast<size_t>(n));
       host_->OnNetBytes(static_cast<uint64_t>(n), 0);
       last_active_ = Clock::now();
-      ProcessInput();
+      Pump();
       if (static_cast<size_t>(n) < span.size()) break;  // socket drained
       continue;
     }
@@ -72,10 +67,24 @@ void Connection::ReadInput() {
   if (!closed_) Flush();
 }
 
+void Connection::Pump() {
+  while (!closed_) {
+    ProcessInput();
+    if (closed_) return;
+    Flush();
+    // Paced, but the socket took enough to go below the limit: run what is buffered.
+    if (closed_ || !paced_ || output_.size() >= limits_.output_limit) return;
+  }
+}
+
 void Connection::ProcessInput() {
   limits_ = host_->LimitsFor(*this);
+  paced_ = false;
   while (!async_pending_ && !close_after_flush_ && !closed_) {
-    if (output_.size() >= limits_.output_limit) break;  // paced: resume on EPOLLOUT
+    if (output_.size() >= limits_.output_limit) {
+      paced_ = true;  // resumes from Pump() once the output drains
+      break;
+    }
     parser_.set_limits(limits_.parser);
     auto r = parser_.Next(&args_);
     if (r == proto::RespParser::Result::kNeedMore) break;
@@ -99,8 +108,7 @@ void Connection::CompleteAsync(proto::ReplyBuffer&& reply) {
   if (closed_) return;
   async_pending_ = false;
   output_.Splice(std::move(reply));
-  ProcessInput();
-  if (!closed_) Flush();
+  Pump();
   if (!closed_) UpdateInterest();
 }
 
@@ -131,8 +139,7 @@ void Connection::Flush() {
 void Connection::UpdateInterest() {
   if (closed_) return;
   uint32_t want = 0;
-  bool paced = output_.size() >= limits_.output_limit;
-  if (!async_pending_ && !close_after_flush_ && !paced) want |= EPOLLIN;
+  if (!async_pending_ && !close_after_flush_ && !paced_) want |= EPOLLIN;
   if (!output_.empty()) want |= EPOLLOUT;
   if (want != interest_) {
     interest_ = want;

@@ -105,6 +105,9 @@ class Connection final : public EventHandler {
 
  private:
   void ReadInput();
+  // Runs buffered commands and writes replies until blocked on input, output or a forwarded
+  // command; keeps going when a flush drains the output below the limit.
+  void Pump();
   void ProcessInput();
   void Flush();
   void UpdateInterest();
@@ -122,6 +125,7 @@ class Connection final : public EventHandler {
   proto::ReplyBuilder rb_;
   ConnectionLimits limits_;
   bool async_pending_ = false;
+  bool paced_ = false;  // stopped starting commands because output is at the limit
   bool close_after_flush_ = false;
   CloseReason pending_close_reason_ = CloseReason::kQuit;
   bool closed_ = false;

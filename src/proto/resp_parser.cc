@@ -231,7 +231,9 @@ RespParser::Result RespParser::Next(CmdArgs* out) {
         }
         rpos_ += len + 2;
         bulk_len_ = static_cast<uint64_t>(blen);
-        if (pending_.bytes() + avail() + bulk_len_ > limits_.query_buffer_limit) {
+        // The command's arguments so far plus this one (bytes already buffered for this bulk
+        // are part of bulk_len_; bytes after it belong to later commands).
+        if (pending_.bytes() + bulk_len_ > limits_.query_buffer_limit) {
           return Fail(ErrorReason::kQueryBufferLimit,
                       "query buffer limit of " + std::to_string(limits_.query_buffer_limit) +
                           " bytes exceeded (" + std::to_string(pending_.bytes() + bulk_len_) +

@@ -1,0 +1,492 @@
+// The SIMD kernels against an independent scalar reference, on every Highway target this CPU
+// can run (pinned one at a time). The reference below is written from README.md with different
+// algorithms where the format allows it (fp16 via frexp/nearbyint, bf16 by comparing the two
+// neighbours, turbo with plain loops and a bit-by-bit packer); it shares nothing with the
+// kernels but the Lloyd-Max tables, which lloyd_max_test checks on their own.
+//
+// Contract: fp16, bf16 and int8 bit for bit; turbo within 1e-6 relative. The turbo kernels are
+// in fact designed to be bit-exact too (fixed summation order, no FMA), so the bytes are also
+// compared exactly.
+
+#include <hwy/targets.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "store/codec/codec.h"
+#include "store/codec/codec_internal.h"
+#include "store/codec/lloyd_max_tables.h"
+
+namespace pion::codec {
+namespace {
+
+// ---- Scalar reference ------------------------------------------------------------------------
+
+uint32_t Bits(float f) { return std::bit_cast<uint32_t>(f); }
+float FromBits(uint32_t u) { return std::bit_cast<float>(u); }
+
+// fp16 by frexp and nearbyint in double (exact there), RNE; NaN keeps sign + top payload, quiet.
+uint16_t RefF16(float f) {
+  const uint16_t sign = (Bits(f) >> 31) ? 0x8000 : 0;
+  if (std::isnan(f)) return sign | 0x7E00 | ((Bits(f) >> 13) & 0x3FF);
+  const double a = std::fabs(static_cast<double>(f));
+  if (std::isinf(f)) return sign | 0x7C00;
+  if (a < std::ldexp(1.0, -14)) {  // subnormal range: multiples of 2^-24
+    return sign | static_cast<uint16_t>(std::nearbyint(std::ldexp(a, 24)));  // 1024 = min normal
+  }
+  int e2;
+  const double m = std::frexp(a, &e2);  // a = m * 2^e2, m in [0.5, 1)
+  int e = e2 - 1;                       // a = (2m) * 2^e, 2m in [1, 2)
+  double frac = std::nearbyint((2 * m - 1) * 1024);
+  if (frac == 1024) frac = 0, ++e;
+  if (e > 15) return sign | 0x7C00;
+  return sign | static_cast<uint16_t>(((e + 15) << 10) | static_cast<int>(frac));
+}
+
+float RefF16ToF32(uint16_t h) {
+  const double sign = (h & 0x8000) ? -1.0 : 1.0;
+  const int e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  if (e == 0x1F) {
+    if (m == 0) return static_cast<float>(sign * std::numeric_limits<double>::infinity());
+    return FromBits((h & 0x8000u) << 16 | 0x7FC00000u | (static_cast<uint32_t>(m) << 13));
+  }
+  if (e == 0) return static_cast<float>(sign * std::ldexp(m, -24));
+  return static_cast<float>(sign * std::ldexp(1024 + m, e - 25));
+}
+
+// bf16: pick the nearer of the truncation and the next bf16 up (2^128 stands in for inf), ties
+// to even; NaN -> quiet NaN with the same sign and top payload.
+uint16_t RefBf16(float f) {
+  const uint32_t u = Bits(f);
+  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);
+  if (std::isinf(f)) return static_cast<uint16_t>(u >> 16);
+  const uint32_t lo = u & 0xFFFF0000u;
+  const uint32_t mag_hi = (lo & 0x7FFFFFFFu) + 0x10000u;  // next bf16 away from zero
+  const double a = std::fabs(static_cast<double>(f));
+  const double lo_v = std::fabs(static_cast<double>(FromBits(lo)));
+  const double hi_v = mag_hi == 0x7F800000u ? std::ldexp(1.0, 128) : FromBits(mag_hi);
+  const bool up = (a - lo_v > hi_v - a) || (a - lo_v == hi_v - a && ((lo >> 16) & 1));
+  return static_cast<uint16_t>((up ? (mag_hi | (u & 0x80000000u)) : lo) >> 16);
+}
+
+std::vector<uint8_t> RefEncodeInt8(const std::vector<float>& x, size_t n_rows, uint32_t dim) {
+  std::vector<uint8_t> out;
+  for (size_t r = 0; r < n_rows; ++r) {
+    for (uint32_t b = 0; b < dim; b += 32) {
+      const uint32_t len = std::min<uint32_t>(32, dim - b);
+      const float* v = &x[r * dim + b];
+      float amax = 0;
+      for (uint32_t j = 0; j < len; ++j) {
+        if (!std::isnan(v[j])) amax = std::max(amax, std::fabs(v[j]));
+      }
+      uint16_t h = RefF16(amax / 127.0f);
+      if ((h & 0x7FFF) >= 0x7C00) h = 0x7BFF;  // saturate the scale at 65504
+      const float d = RefF16ToF32(h);
+      const float id = d == 0 ? 0.0f : 1.0f / d;
+      out.push_back(h & 0xFF);
+      out.push_back(h >> 8);
+      for (uint32_t j = 0; j < len; ++j) {
+        float q = std::round((std::isnan(v[j]) ? 0.0f : v[j]) * id);
+        q = std::clamp(q, -127.0f, 127.0f);
+        out.push_back(static_cast<uint8_t>(static_cast<int8_t>(q)));
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<float> RefDecodeInt8(const std::vector<uint8_t>& in, size_t n_rows, uint32_t dim) {
+  std::vector<float> out;
+  size_t p = 0;
+  for (size_t r = 0; r < n_rows; ++r) {
+    for (uint32_t b = 0; b < dim; b += 32) {
+      const uint32_t len = std::min<uint32_t>(32, dim - b);
+      const float d = RefF16ToF32(static_cast<uint16_t>(in[p] | in[p + 1] << 8));
+      p += 2;
+      for (uint32_t j = 0; j < len; ++j) out.push_back(static_cast<float>(int8_t(in[p++])) * d);
+    }
+  }
+  return out;
+}
+
+// ---- turbo reference
+
+struct RefTurbo {
+  int bits;
+  uint32_t n;
+  std::vector<float> centroids, bounds;  // ascending; 2^bits and 2^bits - 1 entries
+  std::vector<float> s1, s2;             // +-1
+
+  static std::vector<float> Signs(uint64_t seed, uint32_t n) {
+    std::vector<float> s(n);
+    uint64_t state = seed, word = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      if (i % 64 == 0) {
+        state += 0x9E3779B97F4A7C15ull;
+        uint64_t z = state;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        word = z ^ (z >> 31);
+      }
+      s[i] = ((word >> (i % 64)) & 1) ? -1.0f : 1.0f;
+    }
+    return s;
+  }
+
+  RefTurbo(int b, uint32_t block) : bits(b), n(block) {
+    const float* c = b == 4 ? internal::kLloydMax4Centroids
+                     : b == 3 ? internal::kLloydMax3Centroids
+                              : internal::kLloydMax2Centroids;
+    const float* bd = b == 4 ? internal::kLloydMax4Boundaries
+                      : b == 3 ? internal::kLloydMax3Boundaries
+                               : internal::kLloydMax2Boundaries;
+    centroids.assign(c, c + (1 << b));
+    bounds.assign(bd, bd + (1 << b) - 1);
+    s1 = Signs(0x50494F4E00000001ull, n);
+    s2 = Signs(0x50494F4E00000002ull, n);
+  }
+
+  static void Fwht(std::vector<float>& v) {
+    for (size_t h = 1; h < v.size(); h *= 2) {
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (i & h) continue;
+        const float a = v[i], b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }
+    }
+  }
+
+  // README: eight partial sums over i mod 8, folded 4, 2, 1.
+  static float Sum8(const std::vector<float>& v) {
+    float p[8] = {};
+    for (size_t i = 0; i < v.size(); ++i) p[i % 8] += v[i];
+    for (int w = 4; w >= 1; w /= 2) {
+      for (int j = 0; j < w; ++j) p[j] += p[j + w];
+    }
+    return p[0];
+  }
+
+  int Index(float t) const {
+    // Symmetric cells: count the positive boundaries <= |t|, mirror for t < 0.
+    const int half = 1 << (bits - 1);
+    int c = 0;
+    for (int k = half; k < (1 << bits) - 1; ++k) c += std::fabs(t) >= bounds[k];
+    return t < 0 ? half - 1 - c : half + c;
+  }
+
+  void EncodeBlock(const float* x, uint8_t* out) const {
+    std::vector<float> sq(n), w(n);
+    for (uint32_t i = 0; i < n; ++i) sq[i] = x[i] * x[i];
+    const float norm = std::sqrt(Sum8(sq));
+    std::vector<int> idx(n, 1 << (bits - 1));
+    uint16_t stored = 0;
+    if (norm > 0 && std::isfinite(norm)) {
+      for (uint32_t i = 0; i < n; ++i) w[i] = x[i] * s1[i];
+      Fwht(w);
+      const float inv = 1.0f / norm;
+      for (uint32_t i = 0; i < n; ++i) idx[i] = Index((w[i] * s2[i]) * inv);
+      for (uint32_t i = 0; i < n; ++i) sq[i] = centroids[idx[i]] * centroids[idx[i]];
+      const float cnorm = std::sqrt(Sum8(sq));
+      stored = RefF16((norm / cnorm) * std::sqrt(static_cast<float>(n)));
+      if ((stored & 0x7FFF) >= 0x7C00) stored = 0x7BFF;
+    }
+    out[0] = stored & 0xFF;
+    out[1] = stored >> 8;
+    uint8_t* packed = out + 2;
+    std::memset(packed, 0, n * bits / 8);
+    for (uint32_t i = 0; i < n; ++i) {
+      for (int b = 0; b < bits; ++b) {
+        const size_t k = size_t{i} * bits + b;  // LSB-first bit stream
+        if ((idx[i] >> b) & 1) packed[k / 8] |= static_cast<uint8_t>(1u << (k % 8));
+      }
+    }
+  }
+
+  void DecodeBlock(const uint8_t* in, float* x) const {
+    const float k = RefF16ToF32(static_cast<uint16_t>(in[0] | in[1] << 8)) / static_cast<float>(n);
+    std::vector<float> v(n);
+    for (uint32_t i = 0; i < n; ++i) {
+      int q = 0;
+      for (int b = 0; b < bits; ++b) {
+        const size_t bit = size_t{i} * bits + b;
+        q |= ((in[2 + bit / 8] >> (bit % 8)) & 1) << b;
+      }
+      v[i] = centroids[q] * s2[i];
+    }
+    Fwht(v);
+    for (uint32_t i = 0; i < n; ++i) x[i] = (v[i] * k) * s1[i];
+  }
+
+  size_t BlockBytes() const { return 2 + size_t{n} * bits / 8; }
+};
+
+// ---- Test data -------------------------------------------------------------------------------
+
+// Gaussian rows at scales from 1e-9 to 1e9 (fp16 underflow and overflow), plus sprinkled special
+// values when `specials` is set.
+std::vector<float> MakeRows(size_t n_rows, uint32_t dim, uint64_t seed, bool specials) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> gauss;
+  std::uniform_int_distribution<int> scale_exp(-9, 9);
+  std::vector<float> x(n_rows * dim);
+  for (size_t r = 0; r < n_rows; ++r) {
+    const float scale = r % 4 == 0 ? 1.0f : std::pow(10.0f, static_cast<float>(scale_exp(rng)));
+    for (uint32_t j = 0; j < dim; ++j) x[r * dim + j] = gauss(rng) * scale;
+  }
+  if (specials) {
+    const float kSpecial[] = {0.0f,
+                              -0.0f,
+                              std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity(),
+                              std::numeric_limits<float>::quiet_NaN(),
+                              -std::numeric_limits<float>::quiet_NaN(),
+                              FromBits(0x7F800001u),  // signalling NaN
+                              FromBits(0x7FBFFFFFu),
+                              std::numeric_limits<float>::max(),
+                              std::numeric_limits<float>::denorm_min(),
+                              65504.0f,
+                              65519.996f,
+                              65520.0f,
+                              0x1p-24f,
+                              0x1p-25f,
+                              0x1.000002p-25f,
+                              0x1.8p-24f,
+                              0x1p-14f};
+    std::uniform_int_distribution<size_t> where(0, x.size() - 1);
+    for (size_t i = 0; i < x.size() / 16 + 1; ++i) x[where(rng)] = kSpecial[i % std::size(kSpecial)];
+  }
+  return x;
+}
+
+template <class Fn>
+void ForEachTarget(Fn fn) {
+  const std::vector<int64_t> targets = internal::CompiledTargets();
+  ASSERT_FALSE(targets.empty());
+  for (int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    ASSERT_EQ(internal::DispatchedTarget(), target);
+    fn();
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+// Bitwise equality of float vectors; reports the first few differences.
+void ExpectSameBits(const std::vector<float>& got, const std::vector<float>& want,
+                    const std::string& what) {
+  ASSERT_EQ(got.size(), want.size());
+  int reported = 0;
+  for (size_t i = 0; i < got.size() && reported < 5; ++i) {
+    if (Bits(got[i]) != Bits(want[i])) {
+      ADD_FAILURE() << what << " [" << i << "]: got " << got[i] << " (0x" << std::hex
+                    << Bits(got[i]) << "), want " << want[i] << " (0x" << Bits(want[i]) << ")"
+                    << std::dec;
+      ++reported;
+    }
+  }
+}
+
+void ExpectSameBytes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want,
+                     const std::string& what) {
+  ASSERT_EQ(got.size(), want.size());
+  int reported = 0;
+  for (size_t i = 0; i < got.size() && reported < 5; ++i) {
+    if (got[i] != want[i]) {
+      ADD_FAILURE() << what << " byte " << i << ": got " << int{got[i]} << ", want "
+                    << int{want[i]};
+      ++reported;
+    }
+  }
+}
+
+// ---- Tests -----------------------------------------------------------------------------------
+
+TEST(CodecReference, TargetsIncludeAvx2OrBetterWhenTheCpuHasIt) {
+  // Not a correctness check: documents which kernels ran in this test binary.
+  std::string names;
+  for (int64_t t : internal::CompiledTargets()) names += std::string(hwy::TargetName(t)) + " ";
+  RecordProperty("targets", names);
+  std::cout << "codec kernels compiled and runnable here: " << names << "\n";
+  EXPECT_FALSE(names.empty());
+}
+
+TEST(CodecReference, Fp16ReferenceMatchesKnownValues) {
+  // Sanity of the reference itself before it judges the kernels.
+  EXPECT_EQ(RefF16(1.0f), 0x3C00);
+  EXPECT_EQ(RefF16(-2.0f), 0xC000);
+  EXPECT_EQ(RefF16(65504.0f), 0x7BFF);
+  EXPECT_EQ(RefF16(65519.996f), 0x7BFF);
+  EXPECT_EQ(RefF16(65520.0f), 0x7C00);
+  EXPECT_EQ(RefF16(0x1p-24f), 0x0001);
+  EXPECT_EQ(RefF16(0x1p-25f), 0x0000);         // tie to even (0)
+  EXPECT_EQ(RefF16(0x1.000002p-25f), 0x0001);  // just above the tie
+  EXPECT_EQ(RefF16(0x1.8p-24f), 0x0002);       // 1.5 ulp: tie to even (2)
+  EXPECT_EQ(RefF16(1.0f + 0x1p-11f), 0x3C00);  // tie to even
+  EXPECT_EQ(RefF16(1.0f + 0x1.8p-11f), 0x3C01);
+  EXPECT_EQ(RefBf16(1.0f + 0x1p-8f), 0x3F80);  // tie to even
+  EXPECT_EQ(RefBf16(FromBits(0x3F818000u)), 0x3F82);  // tie, odd -> up
+  EXPECT_EQ(RefBf16(std::numeric_limits<float>::max()), 0x7F80);
+  EXPECT_EQ(RefBf16(FromBits(0x7F800001u)), 0x7FC0);
+}
+
+TEST(CodecReference, Fp16EveryHalfAndItsRoundingNeighbours) {
+  // For every fp16 value h: h itself, the float just below and above h, and the float just below,
+  // at and above the midpoint to the next fp16: every rounding decision the encoder can take.
+  std::vector<float> in;
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    if (((h >> 10) & 0x1F) == 0x1F) continue;  // inf/NaN: in MakeRows' specials
+    const float v = RefF16ToF32(static_cast<uint16_t>(h));
+    const float next = RefF16ToF32(static_cast<uint16_t>(h + 1 == 0x7C00 || h + 1 == 0xFC00
+                                                              ? h
+                                                              : h + 1));
+    const float mid = static_cast<float>((static_cast<double>(v) + next) / 2);
+    for (float f : {v, std::nextafter(v, -INFINITY), std::nextafter(v, INFINITY), mid,
+                    std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)}) {
+      in.push_back(f);
+    }
+  }
+  for (float f : {65519.0f, 65519.996f, 65520.0f, 65520.004f, 1e30f, INFINITY}) {
+    in.push_back(f);
+    in.push_back(-f);
+  }
+  std::vector<uint8_t> want(in.size() * 2);
+  for (size_t i = 0; i < in.size(); ++i) {
+    const uint16_t h = RefF16(in[i]);
+    std::memcpy(&want[2 * i], &h, 2);
+  }
+  ForEachTarget([&] {
+    std::vector<uint8_t> got(want.size());
+    internal::EncodeFp16(in.data(), in.size(), got.data());
+    ExpectSameBytes(got, want, "fp16 encode");
+  });
+}
+
+TEST(CodecReference, Fp16DecodeEveryBitPattern) {
+  std::vector<uint8_t> in(0x10000 * 2);
+  std::vector<float> want(0x10000);
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    in[2 * h] = h & 0xFF;
+    in[2 * h + 1] = h >> 8;
+    want[h] = RefF16ToF32(static_cast<uint16_t>(h));
+  }
+  ForEachTarget([&] {
+    std::vector<float> got(want.size());
+    internal::DecodeFp16(in.data(), want.size(), got.data());
+    ExpectSameBits(got, want, "fp16 decode");
+  });
+}
+
+TEST(CodecReference, RawFormatsMatchOnRandomRowsWithSpecials) {
+  for (uint32_t dim : {1u, 3u, 17u, 100u, 128u, 1000u, 1024u}) {
+    SCOPED_TRACE("dim " + std::to_string(dim));
+    const size_t rows = 37;
+    const std::vector<float> x = MakeRows(rows, dim, dim, /*specials=*/true);
+    for (Format f : {Format::kFp16, Format::kBf16}) {
+      SCOPED_TRACE(std::string(FormatName(f)));
+      std::vector<uint8_t> want(x.size() * 2);
+      for (size_t i = 0; i < x.size(); ++i) {
+        const uint16_t h = f == Format::kFp16 ? RefF16(x[i]) : RefBf16(x[i]);
+        std::memcpy(&want[2 * i], &h, 2);
+      }
+      std::vector<float> want_dec(x.size());
+      for (size_t i = 0; i < x.size(); ++i) {
+        const uint16_t h = static_cast<uint16_t>(want[2 * i] | want[2 * i + 1] << 8);
+        want_dec[i] = f == Format::kFp16 ? RefF16ToF32(h) : FromBits(uint32_t{h} << 16);
+      }
+      auto codec = RowCodec::Create(f, dim);
+      ASSERT_TRUE(codec.ok());
+      ForEachTarget([&] {
+        std::vector<uint8_t> got(rows * codec->row_bytes());
+        codec->Encode(x.data(), rows, got.data());
+        ExpectSameBytes(got, want, "encode");
+        std::vector<float> dec(x.size());
+        codec->Decode(got.data(), rows, dec.data());
+        ExpectSameBits(dec, want_dec, "decode");
+      });
+    }
+  }
+}
+
+TEST(CodecReference, Int8MatchesBitForBit) {
+  std::vector<uint32_t> dims;
+  for (uint32_t d = 1; d <= 70; ++d) dims.push_back(d);
+  for (uint32_t d : {96u, 100u, 1000u, 1024u, 4096u}) dims.push_back(d);
+  for (uint32_t dim : dims) {
+    SCOPED_TRACE("dim " + std::to_string(dim));
+    const size_t rows = 9;
+    const std::vector<float> x = MakeRows(rows, dim, 1000 + dim, /*specials=*/true);
+    const std::vector<uint8_t> want = RefEncodeInt8(x, rows, dim);
+    const std::vector<float> want_dec = RefDecodeInt8(want, rows, dim);
+    auto codec = RowCodec::Create(Format::kInt8, dim);
+    ASSERT_TRUE(codec.ok());
+    ASSERT_EQ(codec->row_bytes() * rows, want.size());
+    ForEachTarget([&] {
+      std::vector<uint8_t> got(want.size());
+      codec->Encode(x.data(), rows, got.data());
+      ExpectSameBytes(got, want, "encode");
+      std::vector<float> dec(x.size());
+      codec->Decode(got.data(), rows, dec.data());
+      ExpectSameBits(dec, want_dec, "decode");
+    });
+  }
+}
+
+TEST(CodecReference, TurboMatchesWithinOneMillionth) {
+  struct Case {
+    uint32_t dim, block;
+  };
+  const Case kCases[] = {{8, 8},     {64, 8},   {64, 32},   {128, 128}, {256, 64},
+                         {384, 128}, {1024, 128}, {1024, 1024}, {4096, 4096}};
+  for (Format f : {Format::kTurbo4, Format::kTurbo3, Format::kTurbo2}) {
+    const int bits = f == Format::kTurbo4 ? 4 : f == Format::kTurbo3 ? 3 : 2;
+    for (const Case& c : kCases) {
+      SCOPED_TRACE(std::string(FormatName(f)) + " dim " + std::to_string(c.dim) + " block " +
+                   std::to_string(c.block));
+      const size_t rows = c.dim >= 1024 ? 16 : 64;
+      std::vector<float> x = MakeRows(rows, c.dim, 7 * c.dim + c.block, /*specials=*/false);
+      std::fill(x.begin(), x.begin() + c.dim, 0.0f);                     // a zero row
+      x[c.dim + 1] = std::numeric_limits<float>::quiet_NaN();             // block -> zeros
+      x[2 * c.dim + c.dim - 1] = std::numeric_limits<float>::infinity();  // last block -> zeros
+
+      const RefTurbo ref(bits, c.block);
+      const size_t n_blocks = rows * (c.dim / c.block);
+      std::vector<uint8_t> want(n_blocks * ref.BlockBytes());
+      std::vector<float> want_dec(x.size());
+      for (size_t b = 0; b < n_blocks; ++b) {
+        ref.EncodeBlock(&x[b * c.block], &want[b * ref.BlockBytes()]);
+        ref.DecodeBlock(&want[b * ref.BlockBytes()], &want_dec[b * c.block]);
+      }
+      auto codec = RowCodec::Create(f, c.dim, c.block);
+      ASSERT_TRUE(codec.ok()) << codec.status().message();
+      ASSERT_EQ(codec->row_bytes() * rows, want.size());
+      ForEachTarget([&] {
+        std::vector<uint8_t> got(want.size());
+        codec->Encode(x.data(), rows, got.data());
+        ExpectSameBytes(got, want, "encode");
+        std::vector<float> dec(x.size());
+        codec->Decode(got.data(), rows, dec.data());
+        // Contract: |got - want| <= 1e-6 * max |want| over the row.
+        for (size_t r = 0; r < rows; ++r) {
+          float amax = 0, worst = 0;
+          for (uint32_t j = 0; j < c.dim; ++j) {
+            amax = std::max(amax, std::fabs(want_dec[r * c.dim + j]));
+            worst = std::max(worst, std::fabs(dec[r * c.dim + j] - want_dec[r * c.dim + j]));
+          }
+          ASSERT_LE(worst, 1e-6f * amax) << "row " << r;
+        }
+        ExpectSameBits(dec, want_dec, "decode (designed bit-exact)");
+      });
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pion::codec

@@ -1,0 +1,518 @@
+// SIMD kernels of the value codecs. Highway compiles this file once per x86 target
+// (foreach_target) and HWY_DYNAMIC_DISPATCH picks the best one the CPU supports at run time.
+//
+// Every kernel performs the same IEEE operations in the same order on every target, so the bytes
+// and floats do not depend on the CPU: no FMA contraction (-ffp-contract=off), sums of squares in
+// the canonical 8-partial-sum order below (not a target-width reduction), and the Hadamard
+// butterflies stage by stage in increasing stride. README.md documents the resulting arithmetic.
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "store/codec/codec_simd.cc"
+#include <hwy/foreach_target.h>  // must precede highway.h
+// clang-format: keep foreach_target.h first.
+#include <hwy/aligned_allocator.h>
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "store/codec/codec_internal.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace pion::codec::internal {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+
+// ---- fp16 ------------------------------------------------------------------------------------
+// AVX2 and AVX-512 targets have F16C (vcvtps2ph with imm 8 = round to nearest even, vcvtph2ps);
+// Highway's emulation on older targets truncates and mishandles inf/NaN, so they use the scalar
+// conversion, which the tests pin to the F16C results bit for bit.
+
+void EncodeFp16(const float* HWY_RESTRICT in, size_t n, uint8_t* HWY_RESTRICT out) {
+  size_t i = 0;
+#if HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+  const DF df;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const size_t lanes = hn::Lanes(df);
+  auto* out16 = reinterpret_cast<hwy::float16_t*>(out);
+  for (; i + 2 * lanes <= n; i += 2 * lanes) {
+    hn::StoreU(hn::DemoteTo(dh, hn::LoadU(df, in + i)), dh, out16 + i);
+    hn::StoreU(hn::DemoteTo(dh, hn::LoadU(df, in + i + lanes)), dh, out16 + i + lanes);
+  }
+  for (; i + lanes <= n; i += lanes) hn::StoreU(hn::DemoteTo(dh, hn::LoadU(df, in + i)), dh, out16 + i);
+#endif
+  for (; i < n; ++i) StoreLe16(out + 2 * i, F32ToF16Bits(in[i]));
+}
+
+void DecodeFp16(const uint8_t* HWY_RESTRICT in, size_t n, float* HWY_RESTRICT out) {
+  size_t i = 0;
+#if HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+  const DF df;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const size_t lanes = hn::Lanes(df);
+  const auto* in16 = reinterpret_cast<const hwy::float16_t*>(in);
+  for (; i + 2 * lanes <= n; i += 2 * lanes) {
+    hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in16 + i)), df, out + i);
+    hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in16 + i + lanes)), df, out + i + lanes);
+  }
+  for (; i + lanes <= n; i += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in16 + i)), df, out + i);
+#endif
+  for (; i < n; ++i) out[i] = F16BitsToF32(LoadLe16(in + 2 * i));
+}
+
+// ---- bf16 ------------------------------------------------------------------------------------
+// Round to nearest even by integer arithmetic: add 0x7FFF plus the lowest kept bit, keep the top
+// 16 bits (finite values past the largest bf16 round to inf). NaN -> top 16 bits | 0x0040 (quiet).
+
+inline uint16_t F32ToBf16Bits(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+void EncodeBf16(const float* HWY_RESTRICT in, size_t n, uint8_t* HWY_RESTRICT out) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint16_t, DF> du16;
+  const size_t lanes = hn::Lanes(df);
+  auto* out16 = reinterpret_cast<uint16_t*>(out);
+  size_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto bits = hn::BitCast(du, hn::LoadU(df, in + i));
+    const auto high = hn::ShiftRight<16>(bits);
+    const auto rounded =
+        hn::ShiftRight<16>(hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), hn::And(high, hn::Set(du, 1u)))));
+    const auto is_nan = hn::Gt(hn::BitCast(di, hn::And(bits, hn::Set(du, 0x7FFFFFFFu))),
+                               hn::Set(di, 0x7F800000));
+    const auto result =
+        hn::IfThenElse(hn::RebindMask(du, is_nan), hn::Or(high, hn::Set(du, 0x40u)), rounded);
+    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di, result)), du16, out16 + i);
+  }
+  for (; i < n; ++i) StoreLe16(out + 2 * i, F32ToBf16Bits(in[i]));
+}
+
+void DecodeBf16(const uint8_t* HWY_RESTRICT in, size_t n, float* HWY_RESTRICT out) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint16_t, DF> du16;
+  const size_t lanes = hn::Lanes(df);
+  const auto* in16 = reinterpret_cast<const uint16_t*>(in);
+  size_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto wide = hn::PromoteTo(du, hn::LoadU(du16, in16 + i));
+    hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(wide)), df, out + i);
+  }
+  for (; i < n; ++i) out[i] = std::bit_cast<float>(static_cast<uint32_t>(LoadLe16(in + 2 * i)) << 16);
+}
+
+// ---- int8 ------------------------------------------------------------------------------------
+// Per block of 32 (the last one may be shorter): d = fp16(amax / 127), saturated at 65504;
+// q = clamp(round_half_away(x * (1 / d)), -127, 127) with 1/d computed from the stored fp16 d
+// (0 when d is 0); NaN inputs count as 0.
+
+constexpr uint32_t kInt8Block = 32;
+
+// Rounds half away from zero exactly like std::round: x - trunc(x) is exact in float.
+template <class D, class V>
+HWY_INLINE V RoundHalfAway(D d, V x) {
+  const V t = hn::Trunc(x);
+  const auto away = hn::Ge(hn::Abs(hn::Sub(x, t)), hn::Set(d, 0.5f));
+  return hn::Add(t, hn::IfThenElseZero(away, hn::CopySign(hn::Set(d, 1.0f), x)));
+}
+
+inline int8_t QuantizeInt8(float x, float inv_scale) {
+  const float xs = x == x ? x : 0.0f;
+  const float r = std::round(xs * inv_scale);
+  return static_cast<int8_t>(r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r));
+}
+
+void EncodeInt8(const float* HWY_RESTRICT rows, size_t n_rows, uint32_t dim,
+                uint8_t* HWY_RESTRICT out) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<int8_t, DF> di8;
+  const size_t lanes = hn::Lanes(df);
+  for (size_t r = 0; r < n_rows; ++r) {
+    const float* row = rows + r * dim;
+    for (uint32_t b = 0; b < dim; b += kInt8Block) {
+      const size_t len = std::min(kInt8Block, dim - b);
+      const float* x = row + b;
+      float amax = 0.0f;
+      size_t j = 0;
+      if (len >= lanes) {
+        auto m = hn::Zero(df);
+        for (; j + lanes <= len; j += lanes) {
+          const auto v = hn::LoadU(df, x + j);
+          m = hn::Max(m, hn::Abs(hn::IfThenElseZero(hn::Eq(v, v), v)));
+        }
+        amax = hn::GetLane(hn::MaxOfLanes(df, m));
+      }
+      for (; j < len; ++j) amax = std::fabs(x[j]) > amax ? std::fabs(x[j]) : amax;  // NaN: skip
+
+      const uint16_t scale_bits = ScaleToF16(amax / 127.0f);
+      const float scale = F16BitsToF32(scale_bits);
+      const float inv_scale = scale != 0.0f ? 1.0f / scale : 0.0f;
+      StoreLe16(out, scale_bits);
+      auto* q = reinterpret_cast<int8_t*>(out + 2);
+      const auto vinv = hn::Set(df, inv_scale);
+      const auto lo = hn::Set(df, -127.0f);
+      const auto hi = hn::Set(df, 127.0f);
+      j = 0;
+      for (; j + lanes <= len; j += lanes) {
+        auto v = hn::LoadU(df, x + j);
+        v = hn::IfThenElseZero(hn::Eq(v, v), v);
+        const auto rounded = RoundHalfAway(df, hn::Mul(v, vinv));
+        const auto clamped = hn::Min(hn::Max(rounded, lo), hi);
+        hn::StoreU(hn::DemoteTo(di8, hn::ConvertTo(di, clamped)), di8, q + j);
+      }
+      for (; j < len; ++j) q[j] = QuantizeInt8(x[j], inv_scale);
+      out += 2 + len;
+    }
+  }
+}
+
+void DecodeInt8(const uint8_t* HWY_RESTRICT in, size_t n_rows, uint32_t dim,
+                float* HWY_RESTRICT out) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<int8_t, DF> di8;
+  const size_t lanes = hn::Lanes(df);
+  for (size_t r = 0; r < n_rows; ++r) {
+    for (uint32_t b = 0; b < dim; b += kInt8Block) {
+      const size_t len = std::min(kInt8Block, dim - b);
+      const float scale = F16BitsToF32(LoadLe16(in));
+      const auto* q = reinterpret_cast<const int8_t*>(in + 2);
+      const auto vscale = hn::Set(df, scale);
+      size_t j = 0;
+      for (; j + lanes <= len; j += lanes) {
+        const auto qf = hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(di8, q + j)));
+        hn::StoreU(hn::Mul(qf, vscale), df, out + j);
+      }
+      for (; j < len; ++j) out[j] = static_cast<float>(q[j]) * scale;
+      in += 2 + len;
+      out += len;
+    }
+  }
+}
+
+// ---- turbo -----------------------------------------------------------------------------------
+
+// Sum of v[i] (or v[i]^2) in the canonical order: eight partial sums s[j] over i = j (mod 8),
+// each accumulated in increasing i, then folded s[j] += s[j+4], s[j] += s[j+2], s[0] += s[1].
+// Uses vectors of at most 8 lanes so every target adds the same numbers in the same order.
+template <bool kSquare>
+HWY_INLINE float CanonicalSum(const float* HWY_RESTRICT v, size_t n) {
+  const hn::CappedTag<float, 8> d8;
+  constexpr size_t kLanes = hn::MaxLanes(decltype(d8)());
+  static_assert(8 % kLanes == 0, "lanes must divide 8");
+  constexpr size_t kAcc = 8 / kLanes;
+  hn::Vec<decltype(d8)> acc[kAcc];
+  for (size_t a = 0; a < kAcc; ++a) acc[a] = hn::Zero(d8);
+  for (size_t i = 0; i < n; i += 8) {
+    for (size_t a = 0; a < kAcc; ++a) {
+      const auto x = hn::LoadU(d8, v + i + a * kLanes);
+      acc[a] = hn::Add(acc[a], kSquare ? hn::Mul(x, x) : x);
+    }
+  }
+  alignas(32) float part[8];
+  for (size_t a = 0; a < kAcc; ++a) hn::StoreU(acc[a], d8, part + a * kLanes);
+  for (size_t w = 4; w >= 1; w /= 2) {
+    for (size_t j = 0; j < w; ++j) part[j] += part[j + w];
+  }
+  return part[0];
+}
+
+// Butterfly stages with stride h < lanes act within one vector: lane i pairs with lane i ^ h and
+// becomes v[i] + v[i^h] (i & h == 0) or v[i^h] - v[i] (i & h != 0), i.e. (a, b) -> (a+b, a-b).
+template <class D>
+struct InVectorStages {
+  using IndicesT = decltype(hn::IndicesFromVec(D(), hn::Zero(hn::RebindToSigned<D>())));
+  static constexpr size_t kMaxStages = 5;  // up to 32 lanes
+  IndicesT partner[kMaxStages];
+  hn::Vec<D> negate[kMaxStages];
+  size_t count = 0;
+
+  explicit InVectorStages(D d) {
+    const hn::RebindToSigned<D> di;
+    const auto iota = hn::Iota(di, 0);
+    for (size_t h = 1; h < hn::Lanes(d) && count < kMaxStages; h *= 2, ++count) {
+      const auto hv = hn::Set(di, static_cast<int32_t>(h));
+      partner[count] = hn::IndicesFromVec(d, hn::Xor(iota, hv));
+      const auto upper = hn::Ne(hn::And(iota, hv), hn::Zero(di));
+      negate[count] = hn::BitCast(d, hn::IfThenElseZero(upper, hn::Set(di, INT32_MIN)));
+    }
+  }
+
+  HWY_INLINE hn::Vec<D> Apply(hn::Vec<D> v) const {
+    for (size_t s = 0; s < count; ++s) {
+      v = hn::Add(hn::Xor(v, negate[s]), hn::TableLookupLanes(v, partner[s]));
+    }
+    return v;
+  }
+};
+
+// The remaining stages (stride h >= lanes) over an aligned block w of n floats, two stages per
+// pass where possible; each element sees the same adds in the same order as stage-by-stage.
+template <class D>
+HWY_INLINE void CrossVectorStages(D d, float* HWY_RESTRICT w, size_t n) {
+  const size_t lanes = hn::Lanes(d);
+  size_t h = lanes;
+  for (; 4 * h <= n; h *= 4) {
+    for (size_t base = 0; base < n; base += 4 * h) {
+      for (size_t j = base; j < base + h; j += lanes) {
+        const auto a = hn::Load(d, w + j);
+        const auto b = hn::Load(d, w + j + h);
+        const auto c = hn::Load(d, w + j + 2 * h);
+        const auto e = hn::Load(d, w + j + 3 * h);
+        const auto ab0 = hn::Add(a, b), ab1 = hn::Sub(a, b);
+        const auto ce0 = hn::Add(c, e), ce1 = hn::Sub(c, e);
+        hn::Store(hn::Add(ab0, ce0), d, w + j);
+        hn::Store(hn::Add(ab1, ce1), d, w + j + h);
+        hn::Store(hn::Sub(ab0, ce0), d, w + j + 2 * h);
+        hn::Store(hn::Sub(ab1, ce1), d, w + j + 3 * h);
+      }
+    }
+  }
+  if (2 * h <= n) {
+    for (size_t j = 0; j < h; j += lanes) {
+      const auto a = hn::Load(d, w + j);
+      const auto b = hn::Load(d, w + j + h);
+      hn::Store(hn::Add(a, b), d, w + j);
+      hn::Store(hn::Sub(a, b), d, w + j + h);
+    }
+  }
+}
+
+// Centroid (or squared centroid) for each index lane; tables hold 16 floats.
+template <int kBits, class D, class VI>
+HWY_INLINE hn::Vec<D> LookupTable(D d, VI idx, const float* HWY_RESTRICT table) {
+  constexpr size_t kLevels = size_t{1} << kBits;
+  constexpr size_t kLanes = hn::MaxLanes(D());
+  if constexpr (kLanes >= kLevels) {
+    return hn::TableLookupLanes(hn::LoadU(d, table), hn::IndicesFromVec(d, idx));
+  } else {
+    const hn::RebindToSigned<D> di;
+    const auto lane = hn::IndicesFromVec(d, hn::And(idx, hn::Set(di, kLanes - 1)));
+    auto r = hn::TableLookupLanes(hn::LoadU(d, table), lane);
+    for (size_t c = 1; c < kLevels / kLanes; ++c) {
+      const auto first = hn::Set(di, static_cast<int32_t>(c * kLanes) - 1);
+      const auto in_chunk = hn::RebindMask(d, hn::Gt(idx, first));  // idx >= c * kLanes
+      r = hn::IfThenElse(in_chunk, hn::TableLookupLanes(hn::LoadU(d, table + c * kLanes), lane), r);
+    }
+    return r;
+  }
+}
+
+// Index of the Lloyd-Max cell of t (a coordinate scaled to N(0,1)): with c = the number of
+// positive boundaries b <= |t|, t < 0 -> levels/2 - 1 - c, otherwise levels/2 + c.
+template <int kBits, class D>
+HWY_INLINE hn::Vec<hn::RebindToSigned<D>> QuantizeIndex(D d, hn::Vec<D> t,
+                                                         const TurboTable& table) {
+  constexpr int kHalf = 1 << (kBits - 1);
+  const hn::RebindToSigned<D> di;
+  const auto a = hn::Abs(t);
+  auto count = hn::Zero(di);
+  for (int k = 0; k < kHalf - 1; ++k) {
+    const auto ge = hn::RebindMask(di, hn::Ge(a, hn::Set(d, table.positive_bounds[k])));
+    count = hn::Sub(count, hn::VecFromMask(di, ge));  // mask lanes are -1
+  }
+  const auto negative = hn::RebindMask(di, hn::Lt(t, hn::Zero(d)));
+  return hn::IfThenElse(negative, hn::Sub(hn::Set(di, kHalf - 1), count),
+                        hn::Add(hn::Set(di, kHalf), count));
+}
+
+// Scratch for one block: w (rotated values), squares (chosen centroids squared), idx (one index
+// per byte).
+struct TurboScratch {
+  hwy::AlignedFreeUniquePtr<float[]> w, squares;
+  hwy::AlignedFreeUniquePtr<uint8_t[]> idx;
+  explicit TurboScratch(size_t n)
+      : w(hwy::AllocateAligned<float>(n)),
+        squares(hwy::AllocateAligned<float>(n)),
+        idx(hwy::AllocateAligned<uint8_t>(n)) {}
+};
+
+template <int kBits, class D>
+void EncodeTurboRows(D d, const float* HWY_RESTRICT rows, size_t n_blocks, size_t n,
+                     uint8_t* HWY_RESTRICT out) {
+  constexpr int kHalf = 1 << (kBits - 1);
+  const hn::RebindToUnsigned<D> du;
+  const hn::Rebind<uint8_t, D> du8;
+  const size_t lanes = hn::Lanes(d);
+  const TurboTable& table = TurboTableFor(kBits);
+  const uint32_t* sign1 = SignMasks(1);
+  const uint32_t* sign2 = SignMasks(2);
+  const float sqrt_n = std::sqrt(static_cast<float>(n));
+  const InVectorStages<D> stages(d);
+  TurboScratch scratch(n);
+  float* HWY_RESTRICT w = scratch.w.get();
+  float* HWY_RESTRICT squares = scratch.squares.get();
+  uint8_t* HWY_RESTRICT idx = scratch.idx.get();
+  const size_t packed_bytes = n * kBits / 8;
+
+  for (size_t blk = 0; blk < n_blocks; ++blk, rows += n, out += 2 + packed_bytes) {
+    const float* HWY_RESTRICT x = rows;
+    const float norm = std::sqrt(CanonicalSum<true>(x, n));
+    if (!(norm > 0.0f) || !std::isfinite(norm)) {  // zero or non-finite: decodes to zeros
+      StoreLe16(out, 0);
+      std::memset(idx, kHalf, n);
+      PackIndices<kBits>(idx, n, out + 2);
+      continue;
+    }
+    // w = H * D1 * x (unnormalized), then t = D2 * w / ||x|| ~ N(0, 1) per coordinate.
+    for (size_t i = 0; i < n; i += lanes) {
+      const auto v = hn::Xor(hn::LoadU(d, x + i), hn::BitCast(d, hn::LoadU(du, sign1 + i)));
+      hn::Store(stages.Apply(v), d, w + i);
+    }
+    CrossVectorStages(d, w, n);
+    const auto inv_norm = hn::Set(d, 1.0f / norm);
+    for (size_t i = 0; i < n; i += lanes) {
+      const auto t =
+          hn::Mul(hn::Xor(hn::Load(d, w + i), hn::BitCast(d, hn::LoadU(du, sign2 + i))), inv_norm);
+      const auto q = QuantizeIndex<kBits>(d, t, table);
+      hn::StoreU(hn::DemoteTo(du8, q), du8, idx + i);
+      hn::Store(LookupTable<kBits>(d, q, table.centroid_squares), d, squares + i);
+    }
+    // Decoded norm = stored * ||c|| / sqrt(n) with c the chosen N(0,1) centroids; make it ||x||.
+    const float centroid_norm = std::sqrt(CanonicalSum<false>(squares, n));
+    StoreLe16(out, ScaleToF16((norm / centroid_norm) * sqrt_n));
+    PackIndices<kBits>(idx, n, out + 2);
+  }
+}
+
+template <int kBits, class D>
+void DecodeTurboRows(D d, const uint8_t* HWY_RESTRICT in, size_t n_blocks, size_t n,
+                     float* HWY_RESTRICT out) {
+  const hn::RebindToUnsigned<D> du;
+  const hn::RebindToSigned<D> di;
+  const hn::Rebind<uint8_t, D> du8;
+  const size_t lanes = hn::Lanes(d);
+  const TurboTable& table = TurboTableFor(kBits);
+  const uint32_t* sign1 = SignMasks(1);
+  const uint32_t* sign2 = SignMasks(2);
+  const float inv_n = 1.0f / static_cast<float>(n);  // exact: n is a power of two
+  const InVectorStages<D> stages(d);
+  TurboScratch scratch(n);
+  float* HWY_RESTRICT w = scratch.w.get();
+  uint8_t* HWY_RESTRICT idx = scratch.idx.get();
+  const size_t packed_bytes = n * kBits / 8;
+
+  for (size_t blk = 0; blk < n_blocks; ++blk, in += 2 + packed_bytes, out += n) {
+    const auto k = hn::Set(d, F16BitsToF32(LoadLe16(in)) * inv_n);
+    UnpackIndices<kBits>(in + 2, n, idx);
+    // x = D1 * H * (D2 * c) * (stored / n).
+    for (size_t i = 0; i < n; i += lanes) {
+      const auto q = hn::PromoteTo(di, hn::LoadU(du8, idx + i));
+      const auto c = LookupTable<kBits>(d, q, table.centroids);
+      hn::Store(stages.Apply(hn::Xor(c, hn::BitCast(d, hn::LoadU(du, sign2 + i)))), d, w + i);
+    }
+    CrossVectorStages(d, w, n);
+    for (size_t i = 0; i < n; i += lanes) {
+      const auto v = hn::Mul(hn::Load(d, w + i), k);
+      hn::StoreU(hn::Xor(v, hn::BitCast(d, hn::LoadU(du, sign1 + i))), d, out + i);
+    }
+  }
+}
+
+// Blocks smaller than a full vector (block 8 on AVX-512) use 8-lane vectors.
+template <int kBits>
+void EncodeTurboBits(const float* rows, size_t n_blocks, size_t n, uint8_t* out) {
+  if (n >= hn::Lanes(DF())) {
+    EncodeTurboRows<kBits>(DF(), rows, n_blocks, n, out);
+  } else {
+    EncodeTurboRows<kBits>(hn::CappedTag<float, 8>(), rows, n_blocks, n, out);
+  }
+}
+
+template <int kBits>
+void DecodeTurboBits(const uint8_t* in, size_t n_blocks, size_t n, float* out) {
+  if (n >= hn::Lanes(DF())) {
+    DecodeTurboRows<kBits>(DF(), in, n_blocks, n, out);
+  } else {
+    DecodeTurboRows<kBits>(hn::CappedTag<float, 8>(), in, n_blocks, n, out);
+  }
+}
+
+void EncodeTurbo(int bits, const float* rows, size_t n_rows, uint32_t dim, uint32_t block,
+                 uint8_t* out) {
+  const size_t n_blocks = n_rows * (dim / block);
+  if (n_blocks == 0) return;
+  switch (bits) {
+    case 4:
+      return EncodeTurboBits<4>(rows, n_blocks, block, out);
+    case 3:
+      return EncodeTurboBits<3>(rows, n_blocks, block, out);
+    default:
+      return EncodeTurboBits<2>(rows, n_blocks, block, out);
+  }
+}
+
+void DecodeTurbo(int bits, const uint8_t* in, size_t n_rows, uint32_t dim, uint32_t block,
+                 float* out) {
+  const size_t n_blocks = n_rows * (dim / block);
+  if (n_blocks == 0) return;
+  switch (bits) {
+    case 4:
+      return DecodeTurboBits<4>(in, n_blocks, block, out);
+    case 3:
+      return DecodeTurboBits<3>(in, n_blocks, block, out);
+    default:
+      return DecodeTurboBits<2>(in, n_blocks, block, out);
+  }
+}
+
+int64_t DispatchedTarget() { return HWY_TARGET; }
+
+}  // namespace HWY_NAMESPACE
+}  // namespace pion::codec::internal
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace pion::codec::internal {
+
+HWY_EXPORT(EncodeFp16);
+HWY_EXPORT(DecodeFp16);
+HWY_EXPORT(EncodeBf16);
+HWY_EXPORT(DecodeBf16);
+HWY_EXPORT(EncodeInt8);
+HWY_EXPORT(DecodeInt8);
+HWY_EXPORT(EncodeTurbo);
+HWY_EXPORT(DecodeTurbo);
+HWY_EXPORT(DispatchedTarget);
+
+void EncodeFp16(const float* in, size_t n, uint8_t* out) {
+  HWY_DYNAMIC_DISPATCH(EncodeFp16)(in, n, out);
+}
+void DecodeFp16(const uint8_t* in, size_t n, float* out) {
+  HWY_DYNAMIC_DISPATCH(DecodeFp16)(in, n, out);
+}
+void EncodeBf16(const float* in, size_t n, uint8_t* out) {
+  HWY_DYNAMIC_DISPATCH(EncodeBf16)(in, n, out);
+}
+void DecodeBf16(const uint8_t* in, size_t n, float* out) {
+  HWY_DYNAMIC_DISPATCH(DecodeBf16)(in, n, out);
+}
+void EncodeInt8(const float* rows, size_t n_rows, uint32_t dim, uint8_t* out) {
+  HWY_DYNAMIC_DISPATCH(EncodeInt8)(rows, n_rows, dim, out);
+}
+void DecodeInt8(const uint8_t* in, size_t n_rows, uint32_t dim, float* out) {
+  HWY_DYNAMIC_DISPATCH(DecodeInt8)(in, n_rows, dim, out);
+}
+void EncodeTurbo(int bits, const float* rows, size_t n_rows, uint32_t dim, uint32_t block,
+                 uint8_t* out) {
+  HWY_DYNAMIC_DISPATCH(EncodeTurbo)(bits, rows, n_rows, dim, block, out);
+}
+void DecodeTurbo(int bits, const uint8_t* in, size_t n_rows, uint32_t dim, uint32_t block,
+                 float* out) {
+  HWY_DYNAMIC_DISPATCH(DecodeTurbo)(bits, in, n_rows, dim, block, out);
+}
+
+std::vector<int64_t> CompiledTargets() { return hwy::SupportedAndGeneratedTargets(); }
+int64_t DispatchedTarget() { return HWY_DYNAMIC_DISPATCH(DispatchedTarget)(); }
+
+}  // namespace pion::codec::internal
+#endif  // HWY_ONCE
