@@ -56,16 +56,17 @@ struct Options {
 };
 
 [[noreturn]] void Usage(int code) {
-  std::fprintf(code == 0 ? stdout : stderr,
-               "usage: pion-echo-bench [--host H] [--port P] [--size BYTES] [--connections C]\n"
-               "                       [--seconds S | --requests N] [--pipeline P] [--warmup S]\n"
-               "                       [--verify-every N] [--seed N]\n"
-               "  --size         payload bytes per ECHO (default 4194304; k/m/g suffixes = KiB/MiB/GiB)\n"
-               "  --connections  parallel connections, one thread each (default 1)\n"
-               "  --seconds      measured duration (default 10), after --warmup seconds (default 0)\n"
-               "  --requests     total requests over all connections (instead of --seconds)\n"
-               "  --pipeline     requests in flight per connection (default 1)\n"
-               "  --verify-every compare payload bytes every N replies (default 64; first always)\n");
+  std::fprintf(
+      code == 0 ? stdout : stderr,
+      "usage: pion-echo-bench [--host H] [--port P] [--size BYTES] [--connections C]\n"
+      "                       [--seconds S | --requests N] [--pipeline P] [--warmup S]\n"
+      "                       [--verify-every N] [--seed N]\n"
+      "  --size         payload bytes per ECHO (default 4194304; k/m/g suffixes = KiB/MiB/GiB)\n"
+      "  --connections  parallel connections, one thread each (default 1)\n"
+      "  --seconds      measured duration (default 10), after --warmup seconds (default 0)\n"
+      "  --requests     total requests over all connections (instead of --seconds)\n"
+      "  --pipeline     requests in flight per connection (default 1)\n"
+      "  --verify-every compare payload bytes every N replies (default 64; first always)\n");
   std::exit(code);
 }
 
@@ -77,10 +78,20 @@ uint64_t ParseSize(const char* s) {
     std::exit(2);
   }
   switch (*end) {
-    case 'k': case 'K': v *= 1024.0; break;
-    case 'm': case 'M': v *= 1024.0 * 1024; break;
-    case 'g': case 'G': v *= 1024.0 * 1024 * 1024; break;
-    case '\0': break;
+    case 'k':
+    case 'K':
+      v *= 1024.0;
+      break;
+    case 'm':
+    case 'M':
+      v *= 1024.0 * 1024;
+      break;
+    case 'g':
+    case 'G':
+      v *= 1024.0 * 1024 * 1024;
+      break;
+    case '\0':
+      break;
     default:
       std::fprintf(stderr, "pion-echo-bench: bad size '%s'\n", s);
       std::exit(2);
@@ -104,16 +115,27 @@ Options ParseArgs(int argc, char** argv) {
       if (i + 1 >= argc) Usage(2);
       val = argv[++i];
     }
-    if (a == "--host") o.host = val;
-    else if (a == "--port") o.port = std::atoi(val);
-    else if (a == "--size") o.size = ParseSize(val);
-    else if (a == "--connections" || a == "-c") o.connections = std::atoi(val);
-    else if (a == "--seconds") { o.seconds = std::atof(val); have_seconds = true; }
-    else if (a == "--requests" || a == "-n") o.requests = std::strtoull(val, nullptr, 10);
-    else if (a == "--pipeline" || a == "-P") o.pipeline = std::atoi(val);
-    else if (a == "--warmup") o.warmup = std::atof(val);
-    else if (a == "--verify-every") o.verify_every = std::strtoull(val, nullptr, 10);
-    else if (a == "--seed") o.seed = std::strtoull(val, nullptr, 10);
+    if (a == "--host")
+      o.host = val;
+    else if (a == "--port")
+      o.port = std::atoi(val);
+    else if (a == "--size")
+      o.size = ParseSize(val);
+    else if (a == "--connections" || a == "-c")
+      o.connections = std::atoi(val);
+    else if (a == "--seconds") {
+      o.seconds = std::atof(val);
+      have_seconds = true;
+    } else if (a == "--requests" || a == "-n")
+      o.requests = std::strtoull(val, nullptr, 10);
+    else if (a == "--pipeline" || a == "-P")
+      o.pipeline = std::atoi(val);
+    else if (a == "--warmup")
+      o.warmup = std::atof(val);
+    else if (a == "--verify-every")
+      o.verify_every = std::strtoull(val, nullptr, 10);
+    else if (a == "--seed")
+      o.seed = std::strtoull(val, nullptr, 10);
     else {
       std::fprintf(stderr, "pion-echo-bench: unknown option '%.*s'\n", static_cast<int>(a.size()),
                    a.data());
@@ -191,8 +213,10 @@ void RunConnection(Shared* sh, int fd, uint64_t quota, Result* out) {
   const size_t reply_len = rhead_len + o.size + 2;
   std::vector<uint8_t> rbuf(reply_len);  // whole reply: header, payload, CRLF
   std::vector<Clock::time_point> started(static_cast<size_t>(o.pipeline));
-  if (quota == 0) out->lat_us.reserve(1 << 16);
-  else out->lat_us.reserve(quota);
+  if (quota == 0)
+    out->lat_us.reserve(1 << 16);
+  else
+    out->lat_us.reserve(quota);
 
   uint64_t sent = 0, received = 0;  // fully sent requests / fully received replies
   bool sending = false;
@@ -210,8 +234,10 @@ void RunConnection(Shared* sh, int fd, uint64_t quota, Result* out) {
 
   while (!sh->failed.load(std::memory_order_relaxed)) {
     if (!stop) {
-      if (quota > 0) stop = sent >= quota && !sending;
-      else stop = !sending && Clock::now() >= sh->deadline;
+      if (quota > 0)
+        stop = sent >= quota && !sending;
+      else
+        stop = !sending && Clock::now() >= sh->deadline;
     }
     if (stop && !sending && received == sent) break;
     if (!sending && !stop && sent - received < static_cast<uint64_t>(o.pipeline) &&
@@ -274,8 +300,8 @@ void RunConnection(Shared* sh, int fd, uint64_t quota, Result* out) {
               break;
             }
           }
-          fail("unexpected reply: " + std::string(reinterpret_cast<char*>(rbuf.data()),
-                                                    std::min<size_t>(len, 200)));
+          fail("unexpected reply: " +
+               std::string(reinterpret_cast<char*>(rbuf.data()), std::min<size_t>(len, 200)));
           break;
         }
         if (before < rhead_len && recv_off >= rhead_len &&
@@ -410,13 +436,14 @@ int main(int argc, char** argv) {
   for (uint32_t v : lat) mean += v;
   if (!lat.empty()) mean /= static_cast<double>(lat.size());
 
-  std::printf(
-      "{\"host\": \"%s\", \"port\": %d, \"size\": %" PRIu64 ", \"connections\": %d, "
-      "\"pipeline\": %d, \"requests\": %" PRIu64 ", \"seconds\": %.4f, \"req_per_s\": %.2f, "
-      "\"gb_per_s\": %.4f, \"gib_per_s\": %.4f, \"p50_us\": %.0f, \"p99_us\": %.0f, "
-      "\"max_us\": %.0f, \"mean_us\": %.1f, \"verified\": %" PRIu64 "}\n",
-      o.host.c_str(), o.port, o.size, o.connections, o.pipeline, requests, secs, rps, gbps,
-      rps * static_cast<double>(o.size) / (1024.0 * 1024 * 1024), Percentile(lat, 0.50),
-      Percentile(lat, 0.99), lat.empty() ? 0.0 : lat.back(), mean, verified);
+  std::printf("{\"host\": \"%s\", \"port\": %d, \"size\": %" PRIu64
+              ", \"connections\": %d, "
+              "\"pipeline\": %d, \"requests\": %" PRIu64
+              ", \"seconds\": %.4f, \"req_per_s\": %.2f, "
+              "\"gb_per_s\": %.4f, \"gib_per_s\": %.4f, \"p50_us\": %.0f, \"p99_us\": %.0f, "
+              "\"max_us\": %.0f, \"mean_us\": %.1f, \"verified\": %" PRIu64 "}\n",
+              o.host.c_str(), o.port, o.size, o.connections, o.pipeline, requests, secs, rps, gbps,
+              rps * static_cast<double>(o.size) / (1024.0 * 1024 * 1024), Percentile(lat, 0.50),
+              Percentile(lat, 0.99), lat.empty() ? 0.0 : lat.back(), mean, verified);
   return 0;
 }
