@@ -8,7 +8,8 @@
 namespace pion::codec {
 namespace {
 
-constexpr std::string_view kNames[] = {"fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2"};
+constexpr std::string_view kNames[] = {"fp32",   "fp16",   "bf16",  "int8",
+                                       "turbo4", "turbo3", "turbo2"};
 constexpr uint32_t kInt8Block = 32;
 constexpr uint32_t kDefaultTurboBlock = 128;
 constexpr uint32_t kMinTurboBlock = 8;
@@ -87,8 +88,8 @@ StatusOr<RowCodec> RowCodec::Create(Format f, uint32_t dim, uint32_t block) {
       }
       if (dim % n != 0) {
         return Error(Name(f) + " block " + std::to_string(n) + which +
-                     " must divide dim, got dim " + std::to_string(dim) + " (dim % block = " +
-                     std::to_string(dim % n) + ")");
+                     " must divide dim, got dim " + std::to_string(dim) +
+                     " (dim % block = " + std::to_string(dim % n) + ")");
       }
       const size_t block_bytes = 2 + size_t{n} * TurboBits(f) / 8;
       return RowCodec(f, dim, n, (dim / n) * block_bytes);

@@ -24,8 +24,8 @@ inline uint16_t F32ToF16Bits(float f) {
   const uint32_t abs = x & 0x7FFFFFFFu;
   if (abs > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((abs >> 13) & 0x3FFu));
   if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 or inf
-  if (abs >= 0x38800000u) {                                               // normal: >= 2^-14
-    const uint32_t rebiased = abs - 0x38000000u;                          // exponent 127 -> 15
+  if (abs >= 0x38800000u) {                                              // normal: >= 2^-14
+    const uint32_t rebiased = abs - 0x38000000u;                         // exponent 127 -> 15
     return static_cast<uint16_t>(sign | ((rebiased + 0xFFFu + ((abs >> 13) & 1u)) >> 13));
   }
   const uint32_t exp = abs >> 23;
@@ -99,6 +99,32 @@ inline constexpr uint64_t kPairMask = ((1ull << (2 * kBits)) - 1) * 0x0001000100
 template <int kBits>
 inline constexpr uint64_t kQuadMask = ((1ull << (4 * kBits)) - 1) * 0x0000000100000001ull;
 
+// kBits little-endian bytes <-> the low bits of a uint64. Built from whole-width loads and stores
+// (not a memcpy into a zeroed word, whose narrow stores stall the wide reload).
+template <int kBits>
+inline uint64_t LoadGroup(const uint8_t* p) {
+  if constexpr (kBits == 4) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  } else {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return kBits == 2 ? v : (v | uint64_t{p[2]} << 16);
+  }
+}
+template <int kBits>
+inline void StoreGroup(uint8_t* p, uint64_t x) {
+  if constexpr (kBits == 4) {
+    const auto v = static_cast<uint32_t>(x);
+    std::memcpy(p, &v, 4);
+  } else {
+    const auto v = static_cast<uint16_t>(x);
+    std::memcpy(p, &v, 2);
+    if constexpr (kBits == 3) p[2] = static_cast<uint8_t>(x >> 16);
+  }
+}
+
 // idx: n bytes, each < 2^kBits, n a multiple of 8; out: n * kBits / 8 bytes.
 template <int kBits>
 inline void PackIndices(const uint8_t* idx, size_t n, uint8_t* out) {
@@ -107,8 +133,7 @@ inline void PackIndices(const uint8_t* idx, size_t n, uint8_t* out) {
     std::memcpy(&x, idx + g, 8);
     x = (x | (x >> (8 - kBits))) & kPairMask<kBits>;
     x = (x | (x >> (16 - 2 * kBits))) & kQuadMask<kBits>;
-    x = x | (x >> (32 - 4 * kBits));
-    std::memcpy(out, &x, kBits);
+    StoreGroup<kBits>(out, x | (x >> (32 - 4 * kBits)));
   }
 }
 
@@ -116,8 +141,7 @@ inline void PackIndices(const uint8_t* idx, size_t n, uint8_t* out) {
 template <int kBits>
 inline void UnpackIndices(const uint8_t* in, size_t n, uint8_t* idx) {
   for (size_t g = 0; g < n; g += 8, in += kBits) {
-    uint64_t x = 0;
-    std::memcpy(&x, in, kBits);
+    uint64_t x = LoadGroup<kBits>(in);
     x = (x | (x << (32 - 4 * kBits))) & kQuadMask<kBits>;
     x = (x | (x << (16 - 2 * kBits))) & kPairMask<kBits>;
     x = (x | (x << (8 - kBits))) & kLaneMask<kBits>;
@@ -144,5 +168,8 @@ void DecodeTurbo(int bits, const uint8_t* in, size_t n_rows, uint32_t dim, uint3
 std::vector<int64_t> CompiledTargets();
 // The target HWY_DYNAMIC_DISPATCH currently picks (to check that pinning took effect).
 int64_t DispatchedTarget();
+// sum x[i]^2 over a turbo block (n a power of two >= 8) exactly as the turbo encoder computes
+// ||x||^2, to pin the canonical summation order in tests.
+float CanonicalSumOfSquares(const float* x, size_t n);
 
 }  // namespace pion::codec::internal

@@ -8,6 +8,7 @@
 // in fact designed to be bit-exact too (fixed summation order, no FMA), so the bytes are also
 // compared exactly.
 
+#include <gtest/gtest.h>
 #include <hwy/targets.h>
 
 #include <bit>
@@ -17,8 +18,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "store/codec/codec.h"
 #include "store/codec/codec_internal.h"
@@ -141,10 +140,10 @@ struct RefTurbo {
   }
 
   RefTurbo(int b, uint32_t block) : bits(b), n(block) {
-    const float* c = b == 4 ? internal::kLloydMax4Centroids
+    const float* c = b == 4   ? internal::kLloydMax4Centroids
                      : b == 3 ? internal::kLloydMax3Centroids
                               : internal::kLloydMax2Centroids;
-    const float* bd = b == 4 ? internal::kLloydMax4Boundaries
+    const float* bd = b == 4   ? internal::kLloydMax4Boundaries
                       : b == 3 ? internal::kLloydMax3Boundaries
                                : internal::kLloydMax2Boundaries;
     centroids.assign(c, c + (1 << b));
@@ -164,11 +163,11 @@ struct RefTurbo {
     }
   }
 
-  // README: eight partial sums over i mod 8, folded 4, 2, 1.
-  static float Sum8(const std::vector<float>& v) {
-    float p[8] = {};
-    for (size_t i = 0; i < v.size(); ++i) p[i % 8] += v[i];
-    for (int w = 4; w >= 1; w /= 2) {
+  // README: 32 partial sums over i mod 32 (zero when unused), folded 16, 8, 4, 2, 1.
+  static float Sum32(const std::vector<float>& v) {
+    float p[32] = {};
+    for (size_t i = 0; i < v.size(); ++i) p[i % 32] += v[i];
+    for (int w = 16; w >= 1; w /= 2) {
       for (int j = 0; j < w; ++j) p[j] += p[j + w];
     }
     return p[0];
@@ -185,7 +184,7 @@ struct RefTurbo {
   void EncodeBlock(const float* x, uint8_t* out) const {
     std::vector<float> sq(n), w(n);
     for (uint32_t i = 0; i < n; ++i) sq[i] = x[i] * x[i];
-    const float norm = std::sqrt(Sum8(sq));
+    const float norm = std::sqrt(Sum32(sq));
     std::vector<int> idx(n, 1 << (bits - 1));
     uint16_t stored = 0;
     if (norm > 0 && std::isfinite(norm)) {
@@ -194,7 +193,7 @@ struct RefTurbo {
       const float inv = 1.0f / norm;
       for (uint32_t i = 0; i < n; ++i) idx[i] = Index((w[i] * s2[i]) * inv);
       for (uint32_t i = 0; i < n; ++i) sq[i] = centroids[idx[i]] * centroids[idx[i]];
-      const float cnorm = std::sqrt(Sum8(sq));
+      const float cnorm = std::sqrt(Sum32(sq));
       stored = RefF16((norm / cnorm) * std::sqrt(static_cast<float>(n)));
       if ((stored & 0x7FFF) >= 0x7C00) stored = 0x7BFF;
     }
@@ -261,7 +260,9 @@ std::vector<float> MakeRows(size_t n_rows, uint32_t dim, uint64_t seed, bool spe
                               0x1.8p-24f,
                               0x1p-14f};
     std::uniform_int_distribution<size_t> where(0, x.size() - 1);
-    for (size_t i = 0; i < x.size() / 16 + 1; ++i) x[where(rng)] = kSpecial[i % std::size(kSpecial)];
+    for (size_t i = 0; i < x.size() / 16 + 1; ++i) {
+      x[where(rng)] = kSpecial[i % std::size(kSpecial)];
+    }
   }
   return x;
 }
@@ -331,7 +332,7 @@ TEST(CodecReference, Fp16ReferenceMatchesKnownValues) {
   EXPECT_EQ(RefF16(0x1.8p-24f), 0x0002);       // 1.5 ulp: tie to even (2)
   EXPECT_EQ(RefF16(1.0f + 0x1p-11f), 0x3C00);  // tie to even
   EXPECT_EQ(RefF16(1.0f + 0x1.8p-11f), 0x3C01);
-  EXPECT_EQ(RefBf16(1.0f + 0x1p-8f), 0x3F80);  // tie to even
+  EXPECT_EQ(RefBf16(1.0f + 0x1p-8f), 0x3F80);         // tie to even
   EXPECT_EQ(RefBf16(FromBits(0x3F818000u)), 0x3F82);  // tie, odd -> up
   EXPECT_EQ(RefBf16(std::numeric_limits<float>::max()), 0x7F80);
   EXPECT_EQ(RefBf16(FromBits(0x7F800001u)), 0x7FC0);
@@ -344,9 +345,8 @@ TEST(CodecReference, Fp16EveryHalfAndItsRoundingNeighbours) {
   for (uint32_t h = 0; h < 0x10000; ++h) {
     if (((h >> 10) & 0x1F) == 0x1F) continue;  // inf/NaN: in MakeRows' specials
     const float v = RefF16ToF32(static_cast<uint16_t>(h));
-    const float next = RefF16ToF32(static_cast<uint16_t>(h + 1 == 0x7C00 || h + 1 == 0xFC00
-                                                              ? h
-                                                              : h + 1));
+    const float next =
+        RefF16ToF32(static_cast<uint16_t>(h + 1 == 0x7C00 || h + 1 == 0xFC00 ? h : h + 1));
     const float mid = static_cast<float>((static_cast<double>(v) + next) / 2);
     for (float f : {v, std::nextafter(v, -INFINITY), std::nextafter(v, INFINITY), mid,
                     std::nextafter(mid, -INFINITY), std::nextafter(mid, INFINITY)}) {
@@ -439,11 +439,36 @@ TEST(CodecReference, Int8MatchesBitForBit) {
   }
 }
 
+TEST(CodecReference, TurboNormUsesTheCanonicalSummationOrder) {
+  // Data where the order matters: a few big values among small ones that a single running sum
+  // would absorb; a different partial-sum layout gives a different float.
+  for (uint32_t n : {8u, 16u, 32u, 64u, 128u, 1024u, 4096u}) {
+    std::mt19937_64 rng(n);
+    std::uniform_real_distribution<float> small(0.5f, 1.5f);
+    std::vector<float> x(n), sq(n);
+    for (uint32_t rep = 0; rep < 50; ++rep) {
+      for (uint32_t i = 0; i < n; ++i) {
+        x[i] = (i % 37 == rep % 37) ? 4096.0f * small(rng) : small(rng);
+      }
+      for (uint32_t i = 0; i < n; ++i) sq[i] = x[i] * x[i];
+      const float want = RefTurbo::Sum32(sq);
+      float sequential = 0;
+      for (float v : sq) sequential += v;
+      if (n >= 64 && rep == 0) {
+        EXPECT_NE(want, sequential) << "the data does not discriminate summation orders";
+      }
+      ForEachTarget([&] {
+        EXPECT_EQ(Bits(internal::CanonicalSumOfSquares(x.data(), n)), Bits(want)) << "n " << n;
+      });
+    }
+  }
+}
+
 TEST(CodecReference, TurboMatchesWithinOneMillionth) {
   struct Case {
     uint32_t dim, block;
   };
-  const Case kCases[] = {{8, 8},     {64, 8},   {64, 32},   {128, 128}, {256, 64},
+  const Case kCases[] = {{8, 8},     {64, 8},     {64, 32},     {128, 128},  {256, 64},
                          {384, 128}, {1024, 128}, {1024, 1024}, {4096, 4096}};
   for (Format f : {Format::kTurbo4, Format::kTurbo3, Format::kTurbo2}) {
     const int bits = f == Format::kTurbo4 ? 4 : f == Format::kTurbo3 ? 3 : 2;
@@ -452,7 +477,7 @@ TEST(CodecReference, TurboMatchesWithinOneMillionth) {
                    std::to_string(c.block));
       const size_t rows = c.dim >= 1024 ? 16 : 64;
       std::vector<float> x = MakeRows(rows, c.dim, 7 * c.dim + c.block, /*specials=*/false);
-      std::fill(x.begin(), x.begin() + c.dim, 0.0f);                     // a zero row
+      std::fill(x.begin(), x.begin() + c.dim, 0.0f);                      // a zero row
       x[c.dim + 1] = std::numeric_limits<float>::quiet_NaN();             // block -> zeros
       x[2 * c.dim + c.dim - 1] = std::numeric_limits<float>::infinity();  // last block -> zeros
 

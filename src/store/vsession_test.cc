@@ -1,0 +1,139 @@
+#include "store/vsession.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+namespace pion::store {
+namespace {
+
+std::vector<float> RandomRows(size_t n, uint32_t dim, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d;
+  std::vector<float> v(n * dim);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+VSession Make(codec::Format f, uint32_t dim, const ByteBudget* budget = nullptr) {
+  return VSession(codec::RowCodec::Create(f, dim).value(), budget);
+}
+
+TEST(VSession, Fp32RangeRoundTripIsExact) {
+  auto s = Make(codec::Format::kFp32, 96);
+  auto rows = RandomRows(200, 96, 1);
+  ASSERT_TRUE(s.StoreRange(10, rows.data(), 200).ok());
+  EXPECT_EQ(s.rows(), 200u);
+  ASSERT_TRUE(s.CheckRange(10, 210).ok());
+  std::vector<float> out(200 * 96);
+  s.DecodeRange(10, 210, out.data());
+  EXPECT_EQ(out, rows);
+  // Partial ranges across chunk boundaries.
+  std::vector<float> part(70 * 96);
+  s.DecodeRange(60, 130, part.data());
+  EXPECT_TRUE(std::equal(part.begin(), part.end(), rows.begin() + 50 * 96));
+}
+
+TEST(VSession, MissingIdsAreNamed) {
+  auto s = Make(codec::Format::kFp16, 32);
+  auto rows = RandomRows(5, 32, 2);
+  ASSERT_TRUE(s.StoreRange(0, rows.data(), 5).ok());
+  EXPECT_EQ(s.CheckRange(0, 6).message(), "id 5 was never stored");
+  EXPECT_EQ(s.CheckRange(100, 101).message(), "id 100 was never stored");
+  int64_t ids[] = {1, 3, 9};
+  EXPECT_EQ(s.CheckIds(ids, 3).message(), "id 9 was never stored");
+  EXPECT_EQ(s.CountWritten(0, 64), 5u);
+  EXPECT_FALSE(s.StoreRange(-1, rows.data(), 1).ok());
+}
+
+TEST(VSession, ScatteredIdsLastWriteWins) {
+  auto s = Make(codec::Format::kFp32, 32);
+  auto rows = RandomRows(3, 32, 3);
+  int64_t ids[] = {1000, 7, 1000};
+  ASSERT_TRUE(s.StoreIds(ids, rows.data(), 3).ok());
+  EXPECT_EQ(s.rows(), 2u);
+  std::vector<float> out(2 * 32);
+  int64_t want[] = {7, 1000};
+  ASSERT_TRUE(s.CheckIds(want, 2).ok());
+  s.DecodeIds(want, 2, out.data());
+  EXPECT_TRUE(std::equal(out.begin(), out.begin() + 32, rows.begin() + 32));
+  EXPECT_TRUE(std::equal(out.begin() + 32, out.end(), rows.begin() + 64));
+}
+
+TEST(VSession, SnapshotIsPointInTime) {
+  auto s = Make(codec::Format::kFp32, 32);
+  auto a = RandomRows(100, 32, 4), b = RandomRows(100, 32, 5);
+  ASSERT_TRUE(s.StoreRange(0, a.data(), 100).ok());
+  auto snap = s.TakeSnapshot();
+  ASSERT_TRUE(s.StoreRange(0, b.data(), 100).ok());
+  ASSERT_TRUE(s.StoreRange(100, b.data(), 10).ok());
+  std::vector<float> out(100 * 32);
+  s.DecodeRange(0, 100, out.data());
+  EXPECT_EQ(out, b);
+  s.Restore(snap);
+  s.DecodeRange(0, 100, out.data());
+  EXPECT_EQ(out, a);
+  EXPECT_EQ(s.rows(), 100u);
+  EXPECT_FALSE(s.CheckRange(100, 101).ok());
+}
+
+TEST(VSession, RawPiecesReferenceChunkBytesAndSurviveLaterWrites) {
+  auto s = Make(codec::Format::kFp16, 64);
+  auto rows = RandomRows(130, 64, 6);
+  ASSERT_TRUE(s.StoreRange(0, rows.data(), 130).ok());
+  std::vector<std::pair<BufferRef, std::string>> pieces;
+  s.RawRange(10, 130, [&](const BufferRef& b, const uint8_t* p, size_t n) {
+    pieces.emplace_back(b, std::string(reinterpret_cast<const char*>(p), n));
+  });
+  ASSERT_EQ(pieces.size(), 3u);  // ids 10..63, 64..127, 128..129: chunks 0, 1, 2
+  ASSERT_TRUE(s.StoreRange(0, RandomRows(130, 64, 7).data(), 130).ok());
+  // The referenced bytes did not change under the holder: the write copied the chunk.
+  std::string first(reinterpret_cast<const char*>(pieces[0].first->data()) + 10 * 128,
+                    pieces[0].second.size());
+  EXPECT_EQ(first, pieces[0].second);
+}
+
+TEST(VSession, BudgetChargesEveryLiveChunkAndRefusesAtomically) {
+  uint64_t used = 0, limit = 0;
+  ByteBudget budget{[&](uint64_t n) {
+                      if (used + n > limit) return Status(ErrorKind::kOom, "full");
+                      used += n;
+                      return Status::Ok();
+                    },
+                    [&](uint64_t n) { used -= n; }};
+  const uint64_t chunk = 64 * 32 * 4;
+  limit = 2 * chunk;
+  {
+    auto s = Make(codec::Format::kFp32, 32, &budget);
+    auto rows = RandomRows(200, 32, 8);
+    EXPECT_EQ(s.StoreRange(0, rows.data(), 200).kind(), ErrorKind::kOom);  // needs 4 chunks
+    EXPECT_EQ(s.rows(), 0u);
+    ASSERT_TRUE(s.StoreRange(0, rows.data(), 128).ok());
+    EXPECT_EQ(used, 2 * chunk);
+    auto snap = s.TakeSnapshot();
+    EXPECT_EQ(s.StoreRange(0, rows.data(), 1).kind(), ErrorKind::kOom);  // COW needs a chunk
+    limit = 3 * chunk;
+    ASSERT_TRUE(s.StoreRange(0, rows.data(), 1).ok());
+    EXPECT_EQ(used, 3 * chunk);  // the snapshot's chunk and the session's copy
+  }
+  EXPECT_EQ(used, 0u);
+}
+
+TEST(VSession, LossyCodecsStoreEncodedBytes) {
+  for (auto f : {codec::Format::kInt8, codec::Format::kTurbo4, codec::Format::kTurbo2}) {
+    auto s = Make(f, 128);
+    auto rows = RandomRows(64, 128, 9);
+    ASSERT_TRUE(s.StoreRange(0, rows.data(), 64).ok());
+    std::vector<float> out(64 * 128), ref(64 * 128);
+    s.DecodeRange(0, 64, out.data());
+    std::vector<uint8_t> enc(64 * s.codec().row_bytes());
+    s.codec().Encode(rows.data(), 64, enc.data());
+    s.codec().Decode(enc.data(), 64, ref.data());
+    EXPECT_EQ(out, ref);
+    EXPECT_NE(out, rows);
+  }
+}
+
+}  // namespace
+}  // namespace pion::store
