@@ -14,6 +14,7 @@ void RegisterClientFamily(server::Server& server);  // CLIENT
 void RegisterConfigFamily(server::Server& server);  // CONFIG
 void RegisterInfoFamily(server::Server& server);    // INFO SLOWLOG
 void RegisterStateFamily(server::Server& server);   // STATE.*
+void RegisterVStoreFamily(server::Server& server);  // V.*
 
 // Every family, in table order.
 void RegisterAll(server::Server& server);

@@ -8,6 +8,7 @@ void RegisterAll(server::Server& server) {
   RegisterConfigFamily(server);
   RegisterInfoFamily(server);
   RegisterStateFamily(server);
+  RegisterVStoreFamily(server);
 }
 
 }  // namespace pion::families

@@ -92,6 +92,14 @@ void ReplyBuilder::BulkRef(const BufferRef& buf, const uint8_t* p, size_t len) {
   out_->Append("\r\n");
 }
 
+void ReplyBuilder::BulkPiece(const BufferRef& buf, const uint8_t* p, size_t len) {
+  if (len < kRefThreshold) {
+    out_->Append(std::string_view(reinterpret_cast<const char*>(p), len));
+  } else {
+    out_->AppendRef(buf, p, len);
+  }
+}
+
 void ReplyBuilder::Null() { out_->Append(resp3_ ? "_\r\n" : "$-1\r\n"); }
 void ReplyBuilder::NullArray() { out_->Append(resp3_ ? "_\r\n" : "*-1\r\n"); }
 void ReplyBuilder::Array(size_t n) { Header('*', n); }

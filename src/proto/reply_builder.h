@@ -36,6 +36,11 @@ class ReplyBuilder {
   // Bulk reply of len bytes at p inside buf; referenced without copying when large.
   void BulkRef(const BufferRef& buf, const uint8_t* p, size_t len);
   void BulkRef(const BufferRef& buf) { BulkRef(buf, buf->data(), buf->size()); }
+  // A bulk reply assembled from pieces: BulkStart(total), BulkPiece()... summing to total,
+  // then BulkEnd(). Large pieces are referenced, small ones copied.
+  void BulkStart(size_t total) { Header('$', total); }
+  void BulkPiece(const BufferRef& buf, const uint8_t* p, size_t len);
+  void BulkEnd() { out_->Append("\r\n"); }
   void Null();       // RESP2 "$-1", RESP3 "_"
   void NullArray();  // RESP2 "*-1", RESP3 "_"
   void Array(size_t n);

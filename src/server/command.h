@@ -62,6 +62,9 @@ struct CommandSpec {
   std::string syntax;   // argument grammar, e.g. "<id> <offset> <len>"
   size_t index = 0;     // assigned at registration; indexes per-command stats
   std::string lower_name;
+  // Maps the key argument to the string that is hashed for routing (default: the key).
+  // Lets a family co-locate related keys, e.g. "<ns>_pk" with "<ns>".
+  std::string_view (*route_key)(std::string_view key) = nullptr;
 };
 
 class CommandRegistry {

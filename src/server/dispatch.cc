@@ -66,9 +66,14 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
     return;
   }
 
+  // Commands route by their key when it is present (V.INFO <sid>); without it (or keyless)
+  // they run on the connection's shard, which is also where kCmdConnection handlers get
+  // the Connection.
   int owner = shard.id();
-  if (spec->first_key > 0 && !(spec->flags & kCmdConnection)) {
-    owner = OwnerOf(conn.tenant, args[static_cast<size_t>(spec->first_key)]);
+  if (spec->first_key > 0 && args.size() > static_cast<size_t>(spec->first_key)) {
+    std::string_view key = args[static_cast<size_t>(spec->first_key)];
+    if (spec->route_key != nullptr) key = spec->route_key(key);
+    owner = OwnerOf(conn.tenant, key);
   }
   if (owner == shard.id()) {
     Execute(*spec, shard, (spec->flags & kCmdConnection) ? &conn : nullptr, conn.tenant, conn.id(),

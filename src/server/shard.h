@@ -21,6 +21,7 @@
 #include "net/event_loop.h"
 #include "server/stats.h"
 #include "store/state_slots.h"
+#include "store/vstore.h"
 
 namespace pion::server {
 
@@ -29,6 +30,7 @@ class Server;
 // The per-shard data of every family. Each member is touched only by its shard's thread.
 struct ShardStore {
   store::StateSlots state;
+  store::VStore vstore;
 };
 
 class Shard final : public net::ConnectionHost, public net::EventHandler {

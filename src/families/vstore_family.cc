@@ -1,0 +1,301 @@
+// V.* — token-indexed value sessions (seed 000): V.CREATE, V.STOREBATCH, V.FETCH, V.INFO,
+// V.DROP, V.SNAPSHOT, V.RESTORE. Rows arrive as little-endian fp32 and are quantized to the
+// session's codec on store; V.FETCH decodes to fp32, or with RAW sends the stored encoding
+// (layout: src/store/codec/README.md) straight from the stored chunks.
+//
+// A session id "<ns>_pk" / "<ns>_pv" is routed like "<ns>", so a KV.PREFIX namespace and its
+// two sessions live on one shard.
+#include <cstring>
+#include <vector>
+
+#include "families/args.h"
+#include "families/families.h"
+#include "net/connection.h"
+#include "server/server.h"
+
+namespace pion::families {
+namespace {
+
+using proto::CmdArgs;
+using server::CommandContext;
+
+std::string_view SessionRouteKey(std::string_view sid) {
+  if (sid.size() > 3 && (sid.ends_with("_pk") || sid.ends_with("_pv"))) {
+    return sid.substr(0, sid.size() - 3);
+  }
+  return sid;
+}
+
+store::TenantKey Key(const CommandContext& ctx, std::string_view sid) {
+  return store::TenantKey{ctx.tenant, std::string(sid)};
+}
+
+// Views a little-endian blob as T elements; copies into `scratch` when it is not aligned.
+template <typename T>
+const T* BlobAs(std::string_view blob, std::vector<T>* scratch) {
+  if (reinterpret_cast<uintptr_t>(blob.data()) % alignof(T) == 0) {
+    return reinterpret_cast<const T*>(blob.data());
+  }
+  scratch->resize(blob.size() / sizeof(T));
+  std::memcpy(scratch->data(), blob.data(), scratch->size() * sizeof(T));
+  return scratch->data();
+}
+
+void Create(CommandContext& ctx, CmdArgs& args) {
+  uint64_t dim = 0, block = 0;
+  Status s = ParseUint(args[2], "dim", &dim);
+  if (!s.ok()) return ctx.Error(s);
+  auto format = codec::ParseFormat(args[3]);
+  if (!format) {
+    return ctx.Error(Error("format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2, got '" +
+                           std::string(args[3].substr(0, 32)) + "'"));
+  }
+  if (args.size() == 6 && EqualsIgnoreCase(args[4], "BLOCK")) {
+    s = ParseUint(args[5], "BLOCK", &block);
+    if (!s.ok()) return ctx.Error(s);
+  } else if (args.size() != 4) {
+    return ctx.Error(Error("syntax: V.CREATE <sid> <dim> <format> [BLOCK <n>]"));
+  }
+  if (dim == 0 || dim > codec::RowCodec::kMaxDim || block > codec::RowCodec::kMaxTurboBlock) {
+    return ctx.Error(Error("dim must be in [1, " + std::to_string(codec::RowCodec::kMaxDim) +
+                           "], got " + std::to_string(dim)));
+  }
+  auto codec =
+      codec::RowCodec::Create(*format, static_cast<uint32_t>(dim), static_cast<uint32_t>(block));
+  if (!codec.ok()) return ctx.Error(codec.status());
+  s = ctx.shard->store().vstore.Create(Key(ctx, args[1]), codec.value());
+  if (!s.ok()) return ctx.Error(s);
+  ctx.rb->Ok();
+}
+
+void StoreBatch(CommandContext& ctx, CmdArgs& args) {
+  auto& vs = ctx.shard->store().vstore;
+  auto entry = vs.Get(Key(ctx, args[1]));
+  if (!entry.ok()) return ctx.Error(entry.status());
+  store::VSession& session = *entry.value()->session;
+  const size_t row_floats_bytes = size_t{4} * session.dim();
+  const uint64_t rows_before = session.rows();
+  Status s;
+  std::vector<float> fscratch;
+  if (EqualsIgnoreCase(args[2], "IDS")) {
+    if (args.size() != 5)
+      return ctx.Error(Error("syntax: V.STOREBATCH <sid> IDS <ids> <fp32_blob>"));
+    std::string_view ids_blob = args[3], data = args[4];
+    if (ids_blob.size() % 8 != 0) {
+      return ctx.Error(Error("int64_ids_blob has " + std::to_string(ids_blob.size()) +
+                             " bytes, expected a multiple of 8"));
+    }
+    size_t n = ids_blob.size() / 8;
+    if (data.size() != n * row_floats_bytes) {
+      return ctx.Error(Error("fp32_blob has " + std::to_string(data.size()) + " bytes, expected " +
+                             std::to_string(n) +
+                             " ids * 4*dim = " + std::to_string(n * row_floats_bytes)));
+    }
+    std::vector<int64_t> iscratch;
+    s = session.StoreIds(BlobAs<int64_t>(ids_blob, &iscratch), BlobAs<float>(data, &fscratch), n);
+  } else {
+    if (args.size() != 4) {
+      return ctx.Error(Error("syntax: V.STOREBATCH <sid> <start_id> <fp32_blob>"));
+    }
+    int64_t start = 0;
+    s = ParseInt(args[2], "start_id", &start);
+    if (!s.ok()) return ctx.Error(s);
+    std::string_view data = args[3];
+    if (data.empty() || data.size() % row_floats_bytes != 0) {
+      return ctx.Error(Error(
+          "fp32_blob has " + std::to_string(data.size()) +
+          " bytes, expected a non-zero multiple of 4*dim = " + std::to_string(row_floats_bytes)));
+    }
+    s = session.StoreRange(start, BlobAs<float>(data, &fscratch), data.size() / row_floats_bytes);
+  }
+  if (!s.ok()) return ctx.Error(s);
+  vs.NoteRows(static_cast<int64_t>(session.rows() - rows_before));
+  size_t stored =
+      EqualsIgnoreCase(args[2], "IDS") ? args[3].size() / 8 : args[3].size() / row_floats_bytes;
+  ctx.rb->Integer(static_cast<int64_t>(stored));
+}
+
+void Fetch(CommandContext& ctx, CmdArgs& args) {
+  auto entry = ctx.shard->store().vstore.Get(Key(ctx, args[1]));
+  if (!entry.ok()) return ctx.Error(entry.status());
+  const store::VSession& session = *entry.value()->session;
+  size_t end_arg = args.size();
+  const bool raw = EqualsIgnoreCase(args[end_arg - 1], "RAW");
+  if (raw) --end_arg;
+  const bool range = end_arg > 2 && EqualsIgnoreCase(args[2], "RANGE");
+  int64_t start = 0, end = 0;
+  std::vector<int64_t> ids;
+  Status s;
+  if (range) {
+    if (end_arg != 5) return ctx.Error(Error("syntax: V.FETCH <sid> RANGE <start> <end> [RAW]"));
+    s = ParseInt(args[3], "start", &start);
+    if (s.ok()) s = ParseInt(args[4], "end", &end);
+    if (s.ok() && (start < 0 || end <= start)) {
+      s = Error("RANGE needs 0 <= start < end, got " + std::to_string(start) + " " +
+                std::to_string(end));
+    }
+    if (s.ok()) s = session.CheckRange(start, end);
+  } else {
+    if (end_arg < 3) return ctx.Error(Error("syntax: V.FETCH <sid> <id> [<id> ...] [RAW]"));
+    ids.resize(end_arg - 2);
+    for (size_t i = 2; i < end_arg && s.ok(); ++i) s = ParseInt(args[i], "id", &ids[i - 2]);
+    if (s.ok()) s = session.CheckIds(ids.data(), ids.size());
+  }
+  if (!s.ok()) {
+    return ctx.Error(Error(s.message() + " in session '" + std::string(args[1]) + "'"));
+  }
+  const uint64_t n = range ? static_cast<uint64_t>(end - start) : ids.size();
+  const uint64_t bytes = n * (raw ? session.codec().row_bytes() : size_t{4} * session.dim());
+  const uint64_t max = ctx.server->settings().proto_max_bulk_len.load();
+  if (bytes > max) {
+    return ctx.Error(Error("reply of " + std::to_string(n) + " rows is " + std::to_string(bytes) +
+                           " bytes, more than proto-max-bulk-len " + std::to_string(max) +
+                           "; fetch it in parts"));
+  }
+  if (raw && range) {  // straight from the stored chunks, no copy
+    ctx.rb->BulkStart(bytes);
+    session.RawRange(start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
+      ctx.rb->BulkPiece(b, p, len);
+    });
+    ctx.rb->BulkEnd();
+    return;
+  }
+  auto out = BufferAllocator::Default()->Allocate(bytes);
+  if (!out.ok()) return ctx.Error(out.status());
+  uint8_t* dst = out.value()->data();
+  if (raw) {
+    session.RawIds(ids.data(), ids.size(), dst);
+  } else if (range) {
+    session.DecodeRange(start, end, reinterpret_cast<float*>(dst));
+  } else {
+    session.DecodeIds(ids.data(), ids.size(), reinterpret_cast<float*>(dst));
+  }
+  ctx.rb->BulkRef(out.value());
+}
+
+void Drop(CommandContext& ctx, CmdArgs& args) {
+  ctx.rb->Integer(ctx.shard->store().vstore.Drop(Key(ctx, args[1])) ? 1 : 0);
+}
+
+void Snapshot(CommandContext& ctx, CmdArgs& args) {
+  auto entry = ctx.shard->store().vstore.Get(Key(ctx, args[1]));
+  if (!entry.ok()) return ctx.Error(entry.status());
+  auto* e = entry.value();
+  uint64_t id = e->next_snapshot++;
+  e->snapshots.emplace(id, e->session->TakeSnapshot());
+  ctx.rb->Integer(static_cast<int64_t>(id));
+}
+
+void Restore(CommandContext& ctx, CmdArgs& args) {
+  auto& vs = ctx.shard->store().vstore;
+  auto entry = vs.Get(Key(ctx, args[1]));
+  if (!entry.ok()) return ctx.Error(entry.status());
+  uint64_t id = 0;
+  Status s = ParseUint(args[2], "snapshot", &id);
+  if (!s.ok()) return ctx.Error(s);
+  auto* e = entry.value();
+  auto it = e->snapshots.find(id);
+  if (it == e->snapshots.end()) {
+    return ctx.Error(
+        Error("no snapshot " + std::to_string(id) + " of session '" + std::string(args[1]) + "'"));
+  }
+  uint64_t before = e->session->rows();
+  e->session->Restore(it->second);
+  vs.NoteRows(static_cast<int64_t>(e->session->rows()) - static_cast<int64_t>(before));
+  ctx.rb->Ok();
+}
+
+void InfoOne(CommandContext& ctx, std::string_view sid) {
+  auto entry = ctx.shard->store().vstore.Get(Key(ctx, sid));
+  if (!entry.ok()) return ctx.Error(entry.status());
+  const auto& e = *entry.value();
+  const auto& c = e.session->codec();
+  auto& rb = *ctx.rb;
+  rb.Map(8);
+  rb.Bulk("dim");
+  rb.Integer(c.dim());
+  rb.Bulk("format");
+  rb.Bulk(codec::FormatName(c.format()));
+  rb.Bulk("block");
+  rb.Integer(c.block());
+  rb.Bulk("row_bytes");
+  rb.Integer(static_cast<int64_t>(c.row_bytes()));
+  rb.Bulk("rows");
+  rb.Integer(static_cast<int64_t>(e.session->rows()));
+  rb.Bulk("chunks");
+  rb.Integer(static_cast<int64_t>(e.session->chunk_count()));
+  rb.Bulk("bytes");
+  rb.Integer(static_cast<int64_t>(e.session->chunk_bytes()));
+  rb.Bulk("snapshots");
+  rb.Integer(static_cast<int64_t>(e.snapshots.size()));
+}
+
+void Info(CommandContext& ctx, CmdArgs& args) {
+  if (args.size() == 2) return InfoOne(ctx, args[1]);  // on the session's shard
+  if (args.size() > 2) return ctx.Error(Error("syntax: V.INFO [<sid>]"));
+  uint32_t tenant = ctx.tenant;
+  ctx.server->FanOut(
+      *ctx.shard, *ctx.conn,
+      [tenant](server::Shard& shard) {
+        auto u = shard.store().vstore.UsageOf(tenant);
+        return std::to_string(u.sessions) + " " + std::to_string(u.rows) + " " +
+               std::to_string(u.snapshots);
+      },
+      [](std::vector<std::string>& parts, proto::ReplyBuilder& rb) {
+        uint64_t sessions = 0, rows = 0, snaps = 0;
+        for (auto& p : parts) {
+          uint64_t a, b, c;
+          if (std::sscanf(p.c_str(), "%lu %lu %lu", &a, &b, &c) == 3) {
+            sessions += a;
+            rows += b;
+            snaps += c;
+          }
+        }
+        rb.Map(3);
+        rb.Bulk("sessions");
+        rb.Integer(static_cast<int64_t>(sessions));
+        rb.Bulk("rows");
+        rb.Integer(static_cast<int64_t>(rows));
+        rb.Bulk("snapshots");
+        rb.Integer(static_cast<int64_t>(snaps));
+      });
+}
+
+}  // namespace
+
+void RegisterVStoreFamily(server::Server& srv) {
+  using namespace server;
+  auto& r = srv.registry();
+  constexpr uint32_t kKv = kCmdKvCache;
+  auto reg = [&](CommandSpec spec) {
+    if (spec.first_key == 1) spec.route_key = SessionRouteKey;
+    r.Register(std::move(spec));
+  };
+  reg({"V.CREATE", -4, kKv | kCmdWrite, 1, 1, 1, Create, "vstore",
+       "Creates a token-indexed session of fixed row width in one codec.",
+       "<sid> <dim> fp32|fp16|bf16|int8|turbo4|turbo3|turbo2 [BLOCK <n>]"});
+  reg({"V.STOREBATCH", -4, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, StoreBatch, "vstore",
+       "Stores fp32 rows (quantized to the session's codec) at consecutive or given ids.",
+       "<sid> <start_id> <fp32_blob> | <sid> IDS <int64_ids_blob> <fp32_blob>"});
+  reg({"V.FETCH", -3, kKv | kCmdReadOnly, 1, 1, 1, Fetch, "vstore",
+       "Fetches rows as fp32 (or RAW stored encoding) by ids or an id range.",
+       "<sid> <id> [<id> ...] [RAW] | <sid> RANGE <start> <end> [RAW]"});
+  reg({"V.DROP", 2, kKv | kCmdWrite, 1, 1, 1, Drop, "vstore",
+       "Deletes a session and its snapshots; replies 1 if it existed.", "<sid>"});
+  reg({"V.SNAPSHOT", 2, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, Snapshot, "vstore",
+       "Takes a point-in-time snapshot (later writes do not change it); replies its id.", "<sid>"});
+  reg({"V.RESTORE", 3, kKv | kCmdWrite, 1, 1, 1, Restore, "vstore",
+       "Makes the session's content equal to a snapshot.", "<sid> <snapshot>"});
+  // V.INFO <sid> is routed to the session's shard; bare V.INFO runs on the connection's shard
+  // and fans out.
+  reg({"V.INFO", -1, kKv | kCmdReadOnly | kCmdConnection, 1, 1, 1, Info, "vstore",
+       "Per-session statistics, or the caller's totals without a sid.", "[<sid>]"});
+  srv.AddShardInit([&srv](Shard& shard) {
+    auto& mem = srv.memory();
+    shard.store().vstore.set_budget(
+        {[&mem](uint64_t n) { return mem.Reserve(MemFamily::kVStore, n); },
+         [&mem](uint64_t n) { mem.Release(MemFamily::kVStore, n); }});
+  });
+}
+
+}  // namespace pion::families

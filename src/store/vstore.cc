@@ -1,0 +1,64 @@
+#include "store/vstore.h"
+
+namespace pion::store {
+namespace {
+
+std::string Describe(const codec::RowCodec& c) {
+  std::string s =
+      "dim " + std::to_string(c.dim()) + " format " + std::string(FormatName(c.format()));
+  if (c.block() != 0) s += " block " + std::to_string(c.block());
+  return s;
+}
+
+}  // namespace
+
+Status VStore::Create(const TenantKey& key, const codec::RowCodec& codec) {
+  auto it = sessions_.find(key);
+  if (it != sessions_.end()) {
+    const auto& have = it->second.session->codec();
+    if (have.dim() == codec.dim() && have.format() == codec.format() &&
+        have.block() == codec.block()) {
+      return Status::Ok();
+    }
+    return Error("session '" + key.name + "' exists with " + Describe(have) + ", not " +
+                 Describe(codec) + "; V.DROP it first");
+  }
+  Entry e;
+  e.session = std::make_unique<VSession>(codec, &budget_);
+  sessions_.emplace(key, std::move(e));
+  sessions_gauge_.store(sessions_.size(), std::memory_order_relaxed);
+  return Status::Ok();
+}
+
+VStore::Entry* VStore::Find(const TenantKey& key) {
+  auto it = sessions_.find(key);
+  return it == sessions_.end() ? nullptr : &it->second;
+}
+
+StatusOr<VStore::Entry*> VStore::Get(const TenantKey& key) {
+  Entry* e = Find(key);
+  if (e == nullptr) return Error("no such session '" + key.name + "'");
+  return e;
+}
+
+bool VStore::Drop(const TenantKey& key) {
+  auto it = sessions_.find(key);
+  if (it == sessions_.end()) return false;
+  NoteRows(-static_cast<int64_t>(it->second.session->rows()));
+  sessions_.erase(it);  // chunks still referenced by replies in flight are freed after them
+  sessions_gauge_.store(sessions_.size(), std::memory_order_relaxed);
+  return true;
+}
+
+VStore::Usage VStore::UsageOf(uint32_t tenant) const {
+  Usage u;
+  for (const auto& [k, e] : sessions_) {
+    if (k.tenant != tenant) continue;
+    ++u.sessions;
+    u.rows += e.session->rows();
+    u.snapshots += e.snapshots.size();
+  }
+  return u;
+}
+
+}  // namespace pion::store

@@ -1,0 +1,55 @@
+// VStore: the V-store sessions a shard owns, keyed by tenant and session id, with their
+// point-in-time snapshots. Runs on the owning shard; Total() is readable from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <unordered_map>
+
+#include "store/tenant_key.h"
+#include "store/vsession.h"
+
+namespace pion::store {
+
+class VStore {
+ public:
+  struct Entry {
+    std::unique_ptr<VSession> session;
+    std::map<uint64_t, VSession::Snapshot> snapshots;
+    uint64_t next_snapshot = 1;
+  };
+
+  void set_budget(ByteBudget b) { budget_ = std::move(b); }
+
+  // Creates a session. An existing session with the same codec parameters is kept as is;
+  // one with different parameters is an error naming both.
+  Status Create(const TenantKey& key, const codec::RowCodec& codec);
+  Entry* Find(const TenantKey& key);
+  // Returns kErr "no such session" when absent.
+  StatusOr<Entry*> Get(const TenantKey& key);
+  bool Drop(const TenantKey& key);
+
+  // Keeps the rows gauge in step after a store into a session (rows_after - rows_before).
+  void NoteRows(int64_t delta) { rows_gauge_.fetch_add(delta, std::memory_order_relaxed); }
+
+  struct Usage {
+    uint64_t sessions = 0;
+    uint64_t rows = 0;
+    uint64_t snapshots = 0;
+  };
+  Usage UsageOf(uint32_t tenant) const;
+  Usage Total() const {
+    return {sessions_gauge_.load(std::memory_order_relaxed),
+            static_cast<uint64_t>(rows_gauge_.load(std::memory_order_relaxed)), 0};
+  }
+
+ private:
+  ByteBudget budget_;
+  std::unordered_map<TenantKey, Entry, TenantKeyHash> sessions_;
+  std::atomic<uint64_t> sessions_gauge_{0};
+  std::atomic<int64_t> rows_gauge_{0};
+};
+
+}  // namespace pion::store
