@@ -134,14 +134,16 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
       s = Error("RANGE needs 0 <= start < end, got " + std::to_string(start) + " " +
                 std::to_string(end));
     }
-    if (s.ok()) s = session.CheckRange(start, end);
+    if (!s.ok()) return ctx.Error(s);
+    s = session.CheckRange(start, end);
   } else {
     if (end_arg < 3) return ctx.Error(Error("syntax: V.FETCH <sid> <id> [<id> ...] [RAW]"));
     ids.resize(end_arg - 2);
     for (size_t i = 2; i < end_arg && s.ok(); ++i) s = ParseInt(args[i], "id", &ids[i - 2]);
-    if (s.ok()) s = session.CheckIds(ids.data(), ids.size());
+    if (!s.ok()) return ctx.Error(s);
+    s = session.CheckIds(ids.data(), ids.size());
   }
-  if (!s.ok()) {
+  if (!s.ok()) {  // a missing id: name the session too
     return ctx.Error(Error(s.message() + " in session '" + std::string(args[1]) + "'"));
   }
   const uint64_t n = range ? static_cast<uint64_t>(end - start) : ids.size();

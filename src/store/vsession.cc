@@ -1,5 +1,6 @@
 #include "store/vsession.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -56,6 +57,20 @@ StatusOr<VSession::Chunk*> VSession::WritableChunk(int64_t index) {
   return chunk.get();
 }
 
+Status VSession::PrepareChunks(const std::vector<int64_t>& indexes) {
+  std::vector<int64_t> created;
+  for (int64_t c : indexes) {
+    bool existed = chunks_.count(c) != 0;
+    auto w = WritableChunk(c);
+    if (!w.ok()) {
+      for (int64_t e : created) chunks_.erase(e);
+      return w.status();
+    }
+    if (!existed) created.push_back(c);
+  }
+  return Status::Ok();
+}
+
 Status VSession::StoreRange(int64_t start, const float* rows, size_t n) {
   if (start < 0) return Error("start id must be >= 0, got " + std::to_string(start));
   if (n == 0) return Status::Ok();
@@ -63,12 +78,12 @@ Status VSession::StoreRange(int64_t start, const float* rows, size_t n) {
     return Error("id range overflows int64");
   }
   const int64_t end = start + static_cast<int64_t>(n);
-  // Reserve every chunk first so that an OOM leaves the session unchanged. Chunks already
-  // made writable keep their (identical) contents, so no rollback is needed.
-  for (int64_t c = ChunkOf(start); c <= ChunkOf(end - 1); ++c) {
-    auto w = WritableChunk(c);
-    if (!w.ok()) return w.status();
-  }
+  // Reserve every chunk first so that an OOM leaves the session unchanged (chunks copied for
+  // writing keep identical contents).
+  std::vector<int64_t> need;
+  for (int64_t c = ChunkOf(start); c <= ChunkOf(end - 1); ++c) need.push_back(c);
+  Status prepared = PrepareChunks(need);
+  if (!prepared.ok()) return prepared;
   const size_t rb = codec_.row_bytes();
   int64_t id = start;
   while (id < end) {
@@ -92,10 +107,12 @@ Status VSession::StoreIds(const int64_t* ids, const float* rows, size_t n) {
                    " is negative");
     }
   }
-  for (size_t i = 0; i < n; ++i) {
-    auto w = WritableChunk(ChunkOf(ids[i]));
-    if (!w.ok()) return w.status();
-  }
+  std::vector<int64_t> need;
+  for (size_t i = 0; i < n; ++i) need.push_back(ChunkOf(ids[i]));
+  std::sort(need.begin(), need.end());
+  need.erase(std::unique(need.begin(), need.end()), need.end());
+  Status prepared = PrepareChunks(need);
+  if (!prepared.ok()) return prepared;
   const size_t rb = codec_.row_bytes();
   for (size_t i = 0; i < n; ++i) {
     Chunk* chunk = chunks_[ChunkOf(ids[i])].get();

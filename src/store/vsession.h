@@ -80,6 +80,9 @@ class VSession {
  private:
   // Returns a chunk this session may write (allocated or copied as needed), or kOom.
   StatusOr<Chunk*> WritableChunk(int64_t index);
+  // Makes every listed chunk writable, or on failure removes the chunks it had to create
+  // (they hold no rows yet) so a refused store leaves neither rows nor charged bytes behind.
+  Status PrepareChunks(const std::vector<int64_t>& indexes);
   const Chunk* FindChunk(int64_t index) const;
 
   codec::RowCodec codec_;

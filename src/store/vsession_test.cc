@@ -109,6 +109,8 @@ TEST(VSession, BudgetChargesEveryLiveChunkAndRefusesAtomically) {
     auto rows = RandomRows(200, 32, 8);
     EXPECT_EQ(s.StoreRange(0, rows.data(), 200).kind(), ErrorKind::kOom);  // needs 4 chunks
     EXPECT_EQ(s.rows(), 0u);
+    EXPECT_EQ(used, 0u);  // the chunks it could reserve were given back
+    EXPECT_EQ(s.chunk_count(), 0u);
     ASSERT_TRUE(s.StoreRange(0, rows.data(), 128).ok());
     EXPECT_EQ(used, 2 * chunk);
     auto snap = s.TakeSnapshot();
