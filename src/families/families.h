@@ -15,6 +15,7 @@ void RegisterConfigFamily(server::Server& server);  // CONFIG
 void RegisterInfoFamily(server::Server& server);    // INFO SLOWLOG
 void RegisterStateFamily(server::Server& server);   // STATE.*
 void RegisterVStoreFamily(server::Server& server);  // V.*
+void RegisterSsmFamily(server::Server& server);     // SSM.PREFIX.*
 
 // Every family, in table order.
 void RegisterAll(server::Server& server);

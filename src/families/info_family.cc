@@ -173,6 +173,22 @@ void KeyspaceSection(server::Server& srv, std::string& out) {
     bytes += t.bytes;
   }
   Kv(out, "state", "slots=" + std::to_string(slots) + ",bytes=" + std::to_string(bytes));
+  uint64_t sessions = 0, rows = 0, ssm_sessions = 0, blobs = 0, ssm_bytes = 0;
+  for (int i = 0; i < srv.shard_count(); ++i) {
+    auto v = srv.shard(i).store().vstore.Total();
+    sessions += v.sessions;
+    rows += v.rows;
+    auto s = srv.shard(i).store().ssm.Total();
+    ssm_sessions += s.sessions;
+    blobs += s.blobs;
+    ssm_bytes += s.bytes;
+  }
+  Kv(out, "vstore",
+     "sessions=" + std::to_string(sessions) + ",rows=" + std::to_string(rows) +
+         ",bytes=" + std::to_string(srv.memory().used(server::MemFamily::kVStore)));
+  Kv(out, "ssm",
+     "sessions=" + std::to_string(ssm_sessions) + ",blobs=" + std::to_string(blobs) +
+         ",bytes=" + std::to_string(ssm_bytes));
 }
 
 struct Section {

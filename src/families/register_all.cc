@@ -9,6 +9,7 @@ void RegisterAll(server::Server& server) {
   RegisterInfoFamily(server);
   RegisterStateFamily(server);
   RegisterVStoreFamily(server);
+  RegisterSsmFamily(server);
 }
 
 }  // namespace pion::families

@@ -20,6 +20,7 @@
 #include "net/connection.h"
 #include "net/event_loop.h"
 #include "server/stats.h"
+#include "store/ssm_store.h"
 #include "store/state_slots.h"
 #include "store/vstore.h"
 
@@ -31,6 +32,7 @@ class Server;
 struct ShardStore {
   store::StateSlots state;
   store::VStore vstore;
+  store::SsmStore ssm;
 };
 
 class Shard final : public net::ConnectionHost, public net::EventHandler {
