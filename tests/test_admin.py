@@ -18,7 +18,10 @@ from pionlib import (SERVER_BIN, RespError, ServerFactory, encode, free_port, pa
 
 ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", "client",
                 "config", "info", "slowlog", "state.alloc", "state.write", "state.read",
-                "state.free", "state.info"}
+                "state.free", "state.info",
+                "v.create", "v.storebatch", "v.fetch", "v.info", "v.drop", "v.snapshot",
+                "v.restore",
+                "ssm.prefix.store", "ssm.prefix.fetch", "ssm.prefix.drop"}
 
 CONFIG_PARAMS = ["bind", "port", "workers", "dir", "metrics-port", "kvcache", "users",
                  "maxmemory", "requirepass", "proto-max-bulk-len", "max-multibulk-len",
@@ -503,7 +506,9 @@ def test_info_sections(pion):
         assert int(st["total_commands_processed"]) >= 3
         assert st["shard_queue_depth"] == "1024"
 
-        assert parse_info(c.call("INFO", "keyspace")) == {"state": "slots=1,bytes=10"}
+        assert parse_info(c.call("INFO", "keyspace")) == {
+            "state": "slots=1,bytes=10", "vstore": "sessions=0,rows=0,bytes=0",
+            "ssm": "sessions=0,blobs=0,bytes=0"}
 
 
 def test_info_commandstats_counts(pion):

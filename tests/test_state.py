@@ -100,7 +100,9 @@ def test_state_info_and_keyspace(pion):
         for i in range(10):
             assert c.call("STATE.ALLOC", "ks:%d" % i, 100 + i) == "OK"
         assert c.call("STATE.INFO") == [b"slots", 10, b"bytes", 1045]
-        assert c.call("INFO", "keyspace") == b"# Keyspace\r\nstate:slots=10,bytes=1045\r\n"
+        assert c.call("INFO", "keyspace") == (b"# Keyspace\r\nstate:slots=10,bytes=1045\r\n"
+                                              b"vstore:sessions=0,rows=0,bytes=0\r\n"
+                                              b"ssm:sessions=0,blobs=0,bytes=0\r\n")
         c.call("HELLO", "3")
         assert c.call("STATE.INFO") == {b"slots": 10, b"bytes": 1045}
         for i in range(10):

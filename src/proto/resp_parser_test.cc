@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -147,6 +148,8 @@ struct BadInput {
   std::string input;
   const char* error;
 };
+
+void PrintTo(const BadInput& b, std::ostream* os) { *os << b.name; }
 
 class RespParserErrors : public ::testing::TestWithParam<BadInput> {};
 
