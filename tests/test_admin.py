@@ -21,7 +21,9 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "state.free", "state.info",
                 "v.create", "v.storebatch", "v.fetch", "v.info", "v.drop", "v.snapshot",
                 "v.restore",
-                "ssm.prefix.store", "ssm.prefix.fetch", "ssm.prefix.drop"}
+                "ssm.prefix.store", "ssm.prefix.fetch", "ssm.prefix.drop",
+                "kv.prefix.register", "kv.prefix.lookup", "kv.prefix.info", "kv.prefix.blocks",
+                "kv.prefix.membership", "kv.prefix.owner", "kv.prefix.drop"}
 
 CONFIG_PARAMS = ["bind", "port", "workers", "dir", "metrics-port", "kvcache", "users",
                  "maxmemory", "requirepass", "proto-max-bulk-len", "max-multibulk-len",

@@ -9,13 +9,14 @@ class Server;
 
 namespace pion::families {
 
-void RegisterServerFamily(server::Server& server);  // PING ECHO HELLO AUTH QUIT SHUTDOWN COMMAND
-void RegisterClientFamily(server::Server& server);  // CLIENT
-void RegisterConfigFamily(server::Server& server);  // CONFIG
-void RegisterInfoFamily(server::Server& server);    // INFO SLOWLOG
-void RegisterStateFamily(server::Server& server);   // STATE.*
-void RegisterVStoreFamily(server::Server& server);  // V.*
-void RegisterSsmFamily(server::Server& server);     // SSM.PREFIX.*
+void RegisterServerFamily(server::Server& server);    // PING ECHO HELLO AUTH QUIT SHUTDOWN COMMAND
+void RegisterClientFamily(server::Server& server);    // CLIENT
+void RegisterConfigFamily(server::Server& server);    // CONFIG
+void RegisterInfoFamily(server::Server& server);      // INFO SLOWLOG
+void RegisterStateFamily(server::Server& server);     // STATE.*
+void RegisterVStoreFamily(server::Server& server);    // V.*
+void RegisterSsmFamily(server::Server& server);       // SSM.PREFIX.*
+void RegisterKvPrefixFamily(server::Server& server);  // KV.PREFIX.*
 
 // Every family, in table order.
 void RegisterAll(server::Server& server);

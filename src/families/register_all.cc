@@ -10,6 +10,7 @@ void RegisterAll(server::Server& server) {
   RegisterStateFamily(server);
   RegisterVStoreFamily(server);
   RegisterSsmFamily(server);
+  RegisterKvPrefixFamily(server);
 }
 
 }  // namespace pion::families

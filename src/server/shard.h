@@ -20,6 +20,7 @@
 #include "net/connection.h"
 #include "net/event_loop.h"
 #include "server/stats.h"
+#include "store/prefix_registry.h"
 #include "store/ssm_store.h"
 #include "store/state_slots.h"
 #include "store/vstore.h"
@@ -33,6 +34,7 @@ struct ShardStore {
   store::StateSlots state;
   store::VStore vstore;
   store::SsmStore ssm;
+  store::PrefixRegistry prefixes;
 };
 
 class Shard final : public net::ConnectionHost, public net::EventHandler {

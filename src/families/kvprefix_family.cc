@@ -1,0 +1,374 @@
+// KV.PREFIX.* — shared prefix K/V namespaces. REGISTER creates the namespace's identity
+// manifest and its V-store sessions "<ns>_pk"/"<ns>_pv"; clients write layers with
+// V.STOREBATCH and read them with V.FETCH RANGE. LOOKUP answers HIT only for a complete prefix
+// whose identity matches (a half-written prefix is never a hit); INFO/BLOCKS/MEMBERSHIP/OWNER
+// describe it; DROP deletes it and fences its generation.
+#include <algorithm>
+#include <cstdio>
+
+#include "families/args.h"
+#include "families/families.h"
+#include "net/connection.h"
+#include "server/server.h"
+
+namespace pion::families {
+namespace {
+
+using proto::CmdArgs;
+using server::CommandContext;
+using store::PrefixEntry;
+using store::PrefixManifest;
+
+constexpr uint32_t kBlockTokens = 64;
+
+store::TenantKey Key(const CommandContext& ctx, std::string_view name) {
+  return store::TenantKey{ctx.tenant, std::string(name)};
+}
+
+// The namespace's two sessions, when both exist with the manifest's codec; else nullptr.
+struct PrefixSessions {
+  const store::VSession* k = nullptr;
+  const store::VSession* v = nullptr;
+  bool ok() const { return k != nullptr && v != nullptr; }
+};
+
+PrefixSessions SessionsOf(CommandContext& ctx, std::string_view ns, const PrefixManifest& m) {
+  auto& vs = ctx.shard->store().vstore;
+  PrefixSessions out;
+  auto* k = vs.Find(Key(ctx, std::string(ns) + "_pk"));
+  auto* v = vs.Find(Key(ctx, std::string(ns) + "_pv"));
+  auto matches = [&](store::VStore::Entry* e) {
+    return e != nullptr && e->session->dim() == m.dim() && e->session->codec().format() == m.format;
+  };
+  if (matches(k) && matches(v)) {
+    out.k = k->session.get();
+    out.v = v->session.get();
+  }
+  return out;
+}
+
+// The committed frontier (seed 004 §0x04G): the largest t such that tokens [0, t) of every
+// layer are written in both K and V.
+uint64_t CommittedFrontier(const PrefixSessions& s, const PrefixManifest& m) {
+  const uint64_t T = m.n_tokens;
+  for (uint64_t t0 = 0; t0 < T; t0 += kBlockTokens) {
+    const uint64_t block = std::min<uint64_t>(kBlockTokens, T - t0);
+    uint64_t head = block;  // the shortest written run from t0, over layers and K/V
+    for (uint64_t l = 0; l < m.n_layers && head > 0; ++l) {
+      for (const store::VSession* sess : {s.k, s.v}) {
+        const int64_t a = static_cast<int64_t>(l * T + t0);
+        if (sess->CountWritten(a, a + static_cast<int64_t>(head)) == head) continue;
+        uint64_t h = 0;
+        while (h < head && sess->RangeWritten(a + h, a + h + 1)) ++h;
+        head = h;
+      }
+    }
+    if (head < block) return t0 + head;
+  }
+  return T;
+}
+
+bool Complete(const PrefixSessions& s, const PrefixManifest& m) {
+  int64_t n = static_cast<int64_t>(m.rows());
+  return s.ok() && s.k->RangeWritten(0, n) && s.v->RangeWritten(0, n);
+}
+
+Status ParseDim(std::string_view text, const char* what, uint32_t max, uint32_t* out) {
+  uint64_t v = 0;
+  Status s = ParseUint(text, what, &v);
+  if (!s.ok()) return s;
+  if (v == 0 || v > max) {
+    return Error(std::string(what) + " must be in [1, " + std::to_string(max) + "], got " +
+                 std::to_string(v));
+  }
+  *out = static_cast<uint32_t>(v);
+  return Status::Ok();
+}
+
+void Register(CommandContext& ctx, CmdArgs& args) {
+  PrefixManifest m;
+  Status s = ParseDim(args[2], "n_layers", 4096, &m.n_layers);
+  if (s.ok()) s = ParseDim(args[3], "n_tokens", 1u << 28, &m.n_tokens);
+  if (s.ok()) s = ParseDim(args[4], "kv_heads", 1024, &m.kv_heads);
+  if (s.ok()) s = ParseDim(args[5], "head_dim", 4096, &m.head_dim);
+  if (!s.ok()) return ctx.Error(s);
+  auto format = codec::ParseFormat(args[6]);
+  if (!format) {
+    return ctx.Error(Error("format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2, got '" +
+                           std::string(args[6].substr(0, 32)) + "'"));
+  }
+  m.format = *format;
+  double prefill_ms = 0;
+  for (size_t i = 7; i < args.size(); i += 2) {
+    if (i + 1 >= args.size())
+      return ctx.Error(Error("option '" + std::string(args[i]) + "' needs a value"));
+    std::string_view opt = args[i], val = args[i + 1];
+    if (EqualsIgnoreCase(opt, "MODEL")) {
+      m.model = std::string(val);
+    } else if (EqualsIgnoreCase(opt, "POSITION")) {
+      m.position = std::string(val);
+    } else if (EqualsIgnoreCase(opt, "PREFILL_MS")) {
+      char* end = nullptr;
+      std::string v(val);
+      prefill_ms = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || prefill_ms < 0) {
+        return ctx.Error(Error("PREFILL_MS must be a non-negative number, got '" + v + "'"));
+      }
+    } else {
+      return ctx.Error(Error("unknown option '" + std::string(opt.substr(0, 32)) +
+                             "'; expected MODEL, POSITION or PREFILL_MS"));
+    }
+  }
+  auto codec = codec::RowCodec::Create(m.format, m.dim());
+  if (!codec.ok()) return ctx.Error(codec.status());
+  // Sessions first: an existing "<ns>_pk" of another shape refuses the registration.
+  auto& vs = ctx.shard->store().vstore;
+  std::string ns(args[1]);
+  auto* registry = &ctx.shard->store().prefixes;
+  if (registry->Find(Key(ctx, ns)) == nullptr) {
+    for (const char* suffix : {"_pk", "_pv"}) {
+      s = vs.Create(Key(ctx, ns + suffix), codec.value());
+      if (!s.ok()) return ctx.Error(Status(ErrorKind::kMismatch, s.message()));
+    }
+  }
+  auto entry = registry->Register(Key(ctx, ns), m, prefill_ms);
+  if (!entry.ok()) return ctx.Error(entry.status());
+  // A re-registration may follow a V.DROP of a session: recreate what is missing.
+  for (const char* suffix : {"_pk", "_pv"}) {
+    s = vs.Create(Key(ctx, ns + suffix), codec.value());
+    if (!s.ok()) return ctx.Error(Status(ErrorKind::kMismatch, s.message()));
+  }
+  ctx.rb->Ok();
+}
+
+void Lookup(CommandContext& ctx, CmdArgs& args) {
+  PrefixEntry* e = ctx.shard->store().prefixes.Find(Key(ctx, args[1]));
+  std::optional<std::string> model, position;
+  std::optional<uint64_t> generation;
+  for (size_t i = 2; i < args.size(); i += 2) {
+    if (i + 1 >= args.size())
+      return ctx.Error(Error("option '" + std::string(args[i]) + "' needs a value"));
+    if (EqualsIgnoreCase(args[i], "MODEL")) {
+      model = std::string(args[i + 1]);
+    } else if (EqualsIgnoreCase(args[i], "POSITION")) {
+      position = std::string(args[i + 1]);
+    } else if (EqualsIgnoreCase(args[i], "GENERATION")) {
+      uint64_t g;
+      Status s = ParseUint(args[i + 1], "GENERATION", &g);
+      if (!s.ok()) return ctx.Error(s);
+      generation = g;
+    } else {
+      return ctx.Error(Error("unknown option '" + std::string(args[i].substr(0, 32)) +
+                             "'; expected MODEL, POSITION or GENERATION"));
+    }
+  }
+  if (e == nullptr) return ctx.rb->SimpleString("MISS");
+  const PrefixManifest& m = e->manifest;
+  if (generation && *generation != m.cache_generation) {
+    return ctx.Error(Status(ErrorKind::kMismatch, "namespace '" + std::string(args[1]) +
+                                                      "' is at generation " +
+                                                      std::to_string(m.cache_generation) +
+                                                      ", not " + std::to_string(*generation) +
+                                                      " (it was dropped and registered again)"));
+  }
+  // Another model's or position contract's K/V is never a hit.
+  if ((model && *model != m.model) || (position && *position != m.position)) {
+    return ctx.rb->SimpleString("MISS");
+  }
+  if (!Complete(SessionsOf(ctx, args[1], m), m)) return ctx.rb->SimpleString("MISS");
+  ctx.shard->store().prefixes.Publish(e);
+  ++e->hits;
+  ctx.rb->SimpleString("HIT");
+}
+
+void InfoOne(CommandContext& ctx, std::string_view ns) {
+  PrefixEntry* e = ctx.shard->store().prefixes.Find(Key(ctx, ns));
+  if (e == nullptr) return ctx.Error(Error("no such prefix namespace '" + std::string(ns) + "'"));
+  const PrefixManifest& m = e->manifest;
+  PrefixSessions s = SessionsOf(ctx, ns, m);
+  uint64_t frontier = s.ok() ? CommittedFrontier(s, m) : 0;
+  uint64_t bytes = s.ok() ? s.k->chunk_bytes() + s.v->chunk_bytes() : 0;
+  auto& rb = *ctx.rb;
+  rb.Map(17);
+  rb.Bulk("model");
+  rb.Bulk(m.model);
+  rb.Bulk("position");
+  rb.Bulk(m.position);
+  rb.Bulk("n_layers");
+  rb.Integer(m.n_layers);
+  rb.Bulk("n_tokens");
+  rb.Integer(m.n_tokens);
+  rb.Bulk("kv_heads");
+  rb.Integer(m.kv_heads);
+  rb.Bulk("head_dim");
+  rb.Integer(m.head_dim);
+  rb.Bulk("format");
+  rb.Bulk(codec::FormatName(m.format));
+  rb.Bulk("cache_generation");
+  rb.Integer(static_cast<int64_t>(m.cache_generation));
+  rb.Bulk("publication_generation");
+  rb.Integer(static_cast<int64_t>(e->publication));
+  rb.Bulk("committed_frontier");
+  rb.Integer(static_cast<int64_t>(frontier));
+  rb.Bulk("complete");
+  rb.Integer(frontier == m.n_tokens ? 1 : 0);
+  rb.Bulk("prefill_ms");
+  rb.Double(e->prefill_ms);
+  rb.Bulk("fetches");
+  rb.Integer(static_cast<int64_t>(e->hits));
+  rb.Bulk("saved_prefill_ms");
+  rb.Double(e->prefill_ms * static_cast<double>(e->hits));
+  rb.Bulk("bytes_ram");
+  rb.Integer(static_cast<int64_t>(bytes));
+  rb.Bulk("bytes_disk");
+  rb.Integer(0);
+  rb.Bulk("owner");
+  rb.Integer(ctx.shard->id());
+}
+
+void Info(CommandContext& ctx, CmdArgs& args) {
+  if (args.size() == 2) return InfoOne(ctx, args[1]);  // routed to the namespace's shard
+  if (args.size() > 2) return ctx.Error(Error("syntax: KV.PREFIX.INFO [<ns>]"));
+  uint32_t tenant = ctx.tenant;
+  ctx.server->FanOut(
+      *ctx.shard, *ctx.conn,
+      [tenant](server::Shard& shard) {
+        uint64_t prefixes = 0, tokens = 0, fetches = 0, bytes = 0;
+        double saved = 0;
+        auto& vs = shard.store().vstore;
+        shard.store().prefixes.ForEach(
+            tenant, [&](const store::TenantKey& k, const PrefixEntry& e) {
+              ++prefixes;
+              tokens += e.manifest.n_tokens;
+              fetches += e.hits;
+              saved += e.prefill_ms * static_cast<double>(e.hits);
+              for (const char* suffix : {"_pk", "_pv"}) {
+                if (auto* s = vs.Find(store::TenantKey{tenant, k.name + suffix})) {
+                  bytes += s->session->chunk_bytes();
+                }
+              }
+            });
+        char buf[160];
+        std::snprintf(buf, sizeof(buf), "%lu %lu %lu %lu %.6f", prefixes, tokens, fetches, bytes,
+                      saved);
+        return std::string(buf);
+      },
+      [](std::vector<std::string>& parts, proto::ReplyBuilder& rb) {
+        uint64_t prefixes = 0, tokens = 0, fetches = 0, bytes = 0;
+        double saved = 0;
+        for (auto& p : parts) {
+          uint64_t a, b, c, d;
+          double e;
+          if (std::sscanf(p.c_str(), "%lu %lu %lu %lu %lf", &a, &b, &c, &d, &e) == 5) {
+            prefixes += a;
+            tokens += b;
+            fetches += c;
+            bytes += d;
+            saved += e;
+          }
+        }
+        rb.Map(6);
+        rb.Bulk("prefixes");
+        rb.Integer(static_cast<int64_t>(prefixes));
+        rb.Bulk("tokens");
+        rb.Integer(static_cast<int64_t>(tokens));
+        rb.Bulk("fetches");
+        rb.Integer(static_cast<int64_t>(fetches));
+        rb.Bulk("saved_prefill_ms");
+        rb.Double(saved);
+        rb.Bulk("bytes_ram");
+        rb.Integer(static_cast<int64_t>(bytes));
+        rb.Bulk("bytes_disk");
+        rb.Integer(0);
+      });
+}
+
+// Per 64-token block: rows written (K and V, all layers) and where the block is resident.
+void Blocks(CommandContext& ctx, CmdArgs& args, bool membership_only) {
+  PrefixEntry* e = ctx.shard->store().prefixes.Find(Key(ctx, args[1]));
+  if (e == nullptr)
+    return ctx.Error(Error("no such prefix namespace '" + std::string(args[1]) + "'"));
+  const PrefixManifest& m = e->manifest;
+  PrefixSessions s = SessionsOf(ctx, args[1], m);
+  const uint64_t n_blocks = (m.n_tokens + kBlockTokens - 1) / kBlockTokens;
+  std::vector<uint64_t> rows(n_blocks, 0), want(n_blocks, 0);
+  for (uint64_t b = 0; b < n_blocks; ++b) {
+    uint64_t t0 = b * kBlockTokens, t1 = std::min<uint64_t>(t0 + kBlockTokens, m.n_tokens);
+    want[b] = 2 * m.n_layers * (t1 - t0);
+    if (!s.ok()) continue;
+    for (uint64_t l = 0; l < m.n_layers; ++l) {
+      int64_t a = static_cast<int64_t>(l * m.n_tokens + t0),
+              z = static_cast<int64_t>(l * m.n_tokens + t1);
+      rows[b] += s.k->CountWritten(a, z) + s.v->CountWritten(a, z);
+    }
+  }
+  auto& rb = *ctx.rb;
+  if (membership_only) {
+    std::vector<uint64_t> resident;
+    for (uint64_t b = 0; b < n_blocks; ++b) {
+      if (rows[b] > 0) resident.push_back(b);
+    }
+    rb.Array(resident.size());
+    for (uint64_t b : resident) rb.Integer(static_cast<int64_t>(b));
+    return;
+  }
+  rb.Array(n_blocks);
+  for (uint64_t b = 0; b < n_blocks; ++b) {
+    rb.Map(5);
+    rb.Bulk("block");
+    rb.Integer(static_cast<int64_t>(b));
+    rb.Bulk("written");
+    rb.Integer(rows[b] == want[b] ? 1 : 0);
+    rb.Bulk("rows");
+    rb.Integer(static_cast<int64_t>(rows[b]));
+    rb.Bulk("tier");
+    rb.Bulk(rows[b] > 0 ? "ram" : "none");
+    rb.Bulk("saved");
+    rb.Integer(0);
+  }
+}
+
+void BlocksCmd(CommandContext& ctx, CmdArgs& args) { Blocks(ctx, args, false); }
+void Membership(CommandContext& ctx, CmdArgs& args) { Blocks(ctx, args, true); }
+
+void Owner(CommandContext& ctx, CmdArgs& args) { ctx.rb->Integer(ctx.shard->id()); }
+
+void Drop(CommandContext& ctx, CmdArgs& args) {
+  std::string ns(args[1]);
+  bool existed = ctx.shard->store().prefixes.Drop(Key(ctx, ns));
+  if (existed) {
+    auto& vs = ctx.shard->store().vstore;
+    vs.Drop(Key(ctx, ns + "_pk"));
+    vs.Drop(Key(ctx, ns + "_pv"));
+  }
+  ctx.rb->Integer(existed ? 1 : 0);
+}
+
+}  // namespace
+
+void RegisterKvPrefixFamily(server::Server& srv) {
+  using namespace server;
+  auto& r = srv.registry();
+  constexpr uint32_t kKv = kCmdKvCache;
+  r.Register({"KV.PREFIX.REGISTER", -7, kKv | kCmdWrite, 1, 1, 1, Register, "kvprefix",
+              "Registers a shared prefix namespace and its <ns>_pk/<ns>_pv V-store sessions.",
+              "<ns> <n_layers> <n_tokens> <kv_heads> <head_dim> <format> [MODEL <id>] "
+              "[POSITION <digest>] [PREFILL_MS <ms>]"});
+  r.Register({"KV.PREFIX.LOOKUP", -2, kKv | kCmdReadOnly, 1, 1, 1, Lookup, "kvprefix",
+              "HIT when the prefix is complete and its identity matches; MISS otherwise.",
+              "<ns> [MODEL <id>] [POSITION <digest>] [GENERATION <g>]"});
+  r.Register({"KV.PREFIX.INFO", -1, kKv | kCmdReadOnly | kCmdConnection, 1, 1, 1, Info, "kvprefix",
+              "A namespace's manifest and state, or the caller's totals without a namespace.",
+              "[<ns>]"});
+  r.Register({"KV.PREFIX.BLOCKS", 2, kKv | kCmdReadOnly, 1, 1, 1, BlocksCmd, "kvprefix",
+              "Per 64-token block: written, rows, resident tier, saved.", "<ns>"});
+  r.Register({"KV.PREFIX.MEMBERSHIP", 2, kKv | kCmdReadOnly, 1, 1, 1, Membership, "kvprefix",
+              "Indexes of the blocks resident in memory.", "<ns>"});
+  r.Register({"KV.PREFIX.OWNER", 2, kKv | kCmdReadOnly, 1, 1, 1, Owner, "kvprefix",
+              "The shard that owns the namespace.", "<ns>"});
+  r.Register({"KV.PREFIX.DROP", 2, kKv | kCmdWrite, 1, 1, 1, Drop, "kvprefix",
+              "Deletes a namespace and its sessions; the next REGISTER gets a new generation.",
+              "<ns>"});
+}
+
+}  // namespace pion::families

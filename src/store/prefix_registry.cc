@@ -1,0 +1,44 @@
+#include "store/prefix_registry.h"
+
+namespace pion::store {
+
+std::string PrefixManifest::Describe() const {
+  std::string s = "model '" + model + "' layout " + std::to_string(n_layers) + "x" +
+                  std::to_string(n_tokens) + "x" + std::to_string(kv_heads) + "x" +
+                  std::to_string(head_dim) + " " + std::string(codec::FormatName(format));
+  s += " position '" + position + "'";
+  return s;
+}
+
+StatusOr<PrefixEntry*> PrefixRegistry::Register(const TenantKey& ns, PrefixManifest m,
+                                                double prefill_ms) {
+  auto it = entries_.find(ns);
+  if (it != entries_.end()) {
+    if (!it->second.manifest.SameIdentity(m)) {
+      return Status(ErrorKind::kMismatch, "namespace '" + ns.name + "' is registered with " +
+                                              it->second.manifest.Describe() + ", not " +
+                                              m.Describe() + "; KV.PREFIX.DROP it first");
+    }
+    if (prefill_ms > 0) it->second.prefill_ms = prefill_ms;
+    return &it->second;
+  }
+  m.cache_generation = ++generations_[ns];
+  PrefixEntry e;
+  e.manifest = std::move(m);
+  e.prefill_ms = prefill_ms;
+  return &entries_.emplace(ns, std::move(e)).first->second;
+}
+
+PrefixEntry* PrefixRegistry::Find(const TenantKey& ns) {
+  auto it = entries_.find(ns);
+  return it == entries_.end() ? nullptr : &it->second;
+}
+
+bool PrefixRegistry::Drop(const TenantKey& ns) { return entries_.erase(ns) > 0; }
+
+uint64_t PrefixRegistry::Publish(PrefixEntry* e) {
+  if (e->publication == 0) e->publication = next_publication_++;
+  return e->publication;
+}
+
+}  // namespace pion::store

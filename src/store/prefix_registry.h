@@ -1,0 +1,76 @@
+// PrefixRegistry: the KV.PREFIX namespaces a shard owns, each with an immutable identity
+// manifest (seed 004 §0x01): who stored it, for which model, in which layout and codec, under
+// which position/RoPE contract, and at which generation.
+//
+// A namespace's K and V rows live in the V-store sessions "<ns>_pk" and "<ns>_pv" (same
+// shard); layer l's rows are ids [l*n_tokens, (l+1)*n_tokens). The registry never serves rows
+// itself: it decides whether a prefix is complete and whose it is. Generations are fences:
+// DROP + REGISTER of the same name gives a higher cache generation, so a reader holding the
+// old one is refused. Runs on the owning shard.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+
+#include "common/status.h"
+#include "store/codec/codec.h"
+#include "store/tenant_key.h"
+
+namespace pion::store {
+
+struct PrefixManifest {
+  std::string model;     // MODEL id ("" when the client gave none)
+  std::string position;  // POSITION / RoPE digest ("" when none)
+  uint32_t n_layers = 0;
+  uint32_t n_tokens = 0;
+  uint32_t kv_heads = 0;
+  uint32_t head_dim = 0;
+  codec::Format format = codec::Format::kFp16;
+  uint64_t cache_generation = 0;  // bumped by every DROP + REGISTER of the name
+
+  uint32_t dim() const { return kv_heads * head_dim; }
+  uint64_t rows() const { return uint64_t{n_layers} * n_tokens; }
+  // Fields that define the contents (not the generation).
+  bool SameIdentity(const PrefixManifest& o) const {
+    return model == o.model && position == o.position && n_layers == o.n_layers &&
+           n_tokens == o.n_tokens && kv_heads == o.kv_heads && head_dim == o.head_dim &&
+           format == o.format;
+  }
+  // "model m layout 32x4096x8x128 fp16 position p" for error messages.
+  std::string Describe() const;
+};
+
+struct PrefixEntry {
+  PrefixManifest manifest;
+  double prefill_ms = 0;     // the client's measured cold prefill (value receipt)
+  uint64_t hits = 0;         // LOOKUPs answered HIT
+  uint64_t publication = 0;  // the publication generation once complete (0: not yet)
+};
+
+class PrefixRegistry {
+ public:
+  // Registers ns. The same identity again is Ok (idempotent; PREFILL_MS may be updated);
+  // another identity is kMismatch until the namespace is dropped.
+  StatusOr<PrefixEntry*> Register(const TenantKey& ns, PrefixManifest m, double prefill_ms);
+  PrefixEntry* Find(const TenantKey& ns);
+  // Removes ns; the next REGISTER of the name gets a higher generation. True if it existed.
+  bool Drop(const TenantKey& ns);
+  // Marks a complete prefix as published (first time only); returns its publication generation.
+  uint64_t Publish(PrefixEntry* e);
+
+  template <typename F>
+  void ForEach(uint32_t tenant, F&& f) const {
+    for (const auto& [k, e] : entries_) {
+      if (k.tenant == tenant) f(k, e);
+    }
+  }
+
+ private:
+  std::unordered_map<TenantKey, PrefixEntry, TenantKeyHash> entries_;
+  // Last generation handed out per name, kept after DROP so generations never repeat.
+  std::unordered_map<TenantKey, uint64_t, TenantKeyHash> generations_;
+  uint64_t next_publication_ = 1;
+};
+
+}  // namespace pion::store

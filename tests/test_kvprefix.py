@@ -1,0 +1,220 @@
+"""KV.PREFIX.* namespaces: identity manifest and fences, publish-before-visible, committed
+frontier and blocks, generations, tenants, and many readers of one prefix."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from pionlib import RespError
+
+L, T, H, D = 4, 200, 2, 64  # layers, tokens (not a multiple of 64), kv heads, head dim
+DIM = H * D
+
+
+def register(r, ns, *extra, layers=L, tokens=T, heads=H, dim=D, fmt="fp16"):
+    return r.execute_command("KV.PREFIX.REGISTER", ns, layers, tokens, heads, dim, fmt, *extra)
+
+
+def fill(r, ns, layers=range(L), tokens=T, seed=0, upto=None):
+    rng = np.random.default_rng(seed)
+    kv = {}
+    for l in layers:
+        for part in ("pk", "pv"):
+            x = rng.standard_normal((tokens, DIM)).astype(np.float32)
+            n = tokens if upto is None else upto
+            r.execute_command("V.STOREBATCH", f"{ns}_{part}", l * tokens, x[:n].tobytes())
+            kv[(l, part)] = x
+    return kv
+
+
+def info(r, ns):
+    flat = r.execute_command("KV.PREFIX.INFO", ns)
+    return {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+def test_register_fill_lookup_fetch(shared_pion):
+    r = shared_pion.client()
+    assert register(r, "p1", "MODEL", "llama-3-8b@abc", "POSITION", "rope:500000",
+                    "PREFILL_MS", "812.5") == b"OK"
+    assert register(r, "p1", "MODEL", "llama-3-8b@abc", "POSITION", "rope:500000") == b"OK"
+    assert r.execute_command("KV.PREFIX.LOOKUP", "p1") == b"MISS"
+    kv = fill(r, "p1")
+    assert r.execute_command("KV.PREFIX.LOOKUP", "p1", "MODEL", "llama-3-8b@abc") == b"HIT"
+    # One layer in one round trip, as V.FETCH RANGE on the namespace's session.
+    layer2 = np.frombuffer(r.execute_command("V.FETCH", "p1_pv", "RANGE", 2 * T, 3 * T), np.float32)
+    np.testing.assert_array_equal(layer2.reshape(T, DIM),
+                                  kv[(2, "pv")].astype(np.float16).astype(np.float32))
+    i = info(r, "p1")
+    assert i["complete"] == 1 and i["committed_frontier"] == T
+    assert i["fetches"] == 1 and float(i["saved_prefill_ms"]) == pytest.approx(812.5)
+    assert i["cache_generation"] >= 1 and i["publication_generation"] >= 1
+    assert i["model"] == b"llama-3-8b@abc" and i["position"] == b"rope:500000"
+    chunks = -(-L * T // 64)  # layers are consecutive ids: ceil(800 / 64) chunks per session
+    assert i["bytes_ram"] == 2 * chunks * 64 * DIM * 2
+    total = r.execute_command("KV.PREFIX.INFO")
+    assert total[total.index(b"prefixes") + 1] >= 1
+
+
+def test_half_written_prefix_is_never_a_hit(shared_pion):
+    r = shared_pion.client()
+    register(r, "half")
+    fill(r, "half", layers=range(L - 1))          # last layer missing entirely
+    assert r.execute_command("KV.PREFIX.LOOKUP", "half") == b"MISS"
+    fill(r, "half", layers=[L - 1], upto=T - 1)    # last token of the last layer missing
+    assert r.execute_command("KV.PREFIX.LOOKUP", "half") == b"MISS"
+    assert info(r, "half")["committed_frontier"] == T - 1
+    x = np.ones((1, DIM), np.float32)
+    r.execute_command("V.STOREBATCH", "half_pk", L * T - 1, x.tobytes())
+    assert r.execute_command("KV.PREFIX.LOOKUP", "half") == b"MISS"  # V still missing
+    r.execute_command("V.STOREBATCH", "half_pv", L * T - 1, x.tobytes())
+    assert r.execute_command("KV.PREFIX.LOOKUP", "half") == b"HIT"
+
+
+def test_frontier_blocks_and_membership(shared_pion):
+    r = shared_pion.client()
+    register(r, "blk")
+    fill(r, "blk", upto=100)  # tokens 0..99 of every layer
+    assert info(r, "blk")["committed_frontier"] == 100
+    blocks = r.execute_command("KV.PREFIX.BLOCKS", "blk")
+    assert len(blocks) == 4  # 200 tokens = 3 full blocks + 8
+    as_maps = [{b[i].decode(): b[i + 1] for i in range(0, len(b), 2)} for b in blocks]
+    assert [m["written"] for m in as_maps] == [1, 0, 0, 0]
+    assert [m["rows"] for m in as_maps] == [2 * L * 64, 2 * L * 36, 0, 0]
+    assert [m["tier"] for m in as_maps] == [b"ram", b"ram", b"none", b"none"]
+    assert r.execute_command("KV.PREFIX.MEMBERSHIP", "blk") == [0, 1]
+    assert isinstance(r.execute_command("KV.PREFIX.OWNER", "blk"), int)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model", "other-model"), ("position", "rope:10000"), ("layers", L + 1),
+    ("tokens", T * 2), ("heads", H * 2), ("dim", D * 2), ("fmt", "int8")])
+def test_identity_mutations_are_refused(shared_pion, field, value):
+    """Each manifest field changed alone: REGISTER is a typed MISMATCH and the original bytes
+    are untouched; a LOOKUP naming another model or position is a MISS."""
+    r = shared_pion.client()
+    ns = "id_" + field
+    base = dict(layers=L, tokens=T, heads=H, dim=D, fmt="fp16")
+    register(r, ns, "MODEL", "m1", "POSITION", "rope:500000", **base)
+    fill(r, ns, seed=1)
+    extra = {"model": ["MODEL", "m1"], "position": ["POSITION", "rope:500000"]}
+    args = dict(base)
+    if field in ("model", "position"):
+        extra[field] = [field.upper(), value]
+    else:
+        args[field] = value
+    with pytest.raises(Exception, match=r"is registered with model 'm1' layout 4x200x2x64 fp16"):
+        register(r, ns, *extra["model"], *extra["position"], **args)
+    if field in ("model", "position"):
+        assert r.execute_command("KV.PREFIX.LOOKUP", ns, field.upper(), value) == b"MISS"
+    assert r.execute_command("KV.PREFIX.LOOKUP", ns, "MODEL", "m1",
+                             "POSITION", "rope:500000") == b"HIT"
+
+
+def test_tenant_never_sees_another_tenants_prefix(pion_factory, tmp_path):
+    users = tmp_path / "users.txt"
+    users.write_text("alice apw teamA\nbob bpw teamB\n")
+    srv = pion_factory("-w", "2", "--users", str(users))
+    a = srv.client(username="alice", password="apw")
+    b = srv.client(username="bob", password="bpw")
+    register(a, "sys-prompt", "MODEL", "m")
+    fill(a, "sys-prompt")
+    assert a.execute_command("KV.PREFIX.LOOKUP", "sys-prompt", "MODEL", "m") == b"HIT"
+    assert b.execute_command("KV.PREFIX.LOOKUP", "sys-prompt", "MODEL", "m") == b"MISS"
+    with pytest.raises(Exception, match="no such session 'sys-prompt_pk'"):
+        b.execute_command("V.FETCH", "sys-prompt_pk", 0)
+    register(b, "sys-prompt", "MODEL", "other")  # same name, other tenant: independent
+    assert b.execute_command("KV.PREFIX.LOOKUP", "sys-prompt") == b"MISS"
+    assert a.execute_command("KV.PREFIX.LOOKUP", "sys-prompt") == b"HIT"
+
+
+def test_drop_and_reregister_fences_the_old_generation(shared_pion):
+    r = shared_pion.client()
+    register(r, "gen", "MODEL", "m")
+    fill(r, "gen")
+    g1 = info(r, "gen")["cache_generation"]
+    assert r.execute_command("KV.PREFIX.LOOKUP", "gen", "GENERATION", g1) == b"HIT"
+    assert r.execute_command("KV.PREFIX.DROP", "gen") == 1
+    assert r.execute_command("KV.PREFIX.DROP", "gen") == 0
+    assert r.execute_command("KV.PREFIX.LOOKUP", "gen") == b"MISS"
+    with pytest.raises(Exception, match="no such session 'gen_pk'"):
+        r.execute_command("V.FETCH", "gen_pk", 0)
+    register(r, "gen", "MODEL", "m")
+    g2 = info(r, "gen")["cache_generation"]
+    assert g2 > g1
+    fill(r, "gen", seed=9)
+    with shared_pion.raw() as c:
+        err = c.call("KV.PREFIX.LOOKUP", "gen", "GENERATION", g1)
+        assert str(err).startswith(f"MISMATCH namespace 'gen' is at generation {g2}, not {g1}")
+    assert r.execute_command("KV.PREFIX.LOOKUP", "gen", "GENERATION", g2) == b"HIT"
+
+
+def test_existing_session_of_another_shape_refuses_register(shared_pion):
+    r = shared_pion.client()
+    r.execute_command("V.CREATE", "clash_pk", 64, "fp32")
+    with shared_pion.raw() as c:
+        err = c.call("KV.PREFIX.REGISTER", "clash", L, T, H, D, "fp16")
+        assert str(err).startswith("MISMATCH session 'clash_pk' exists with dim 64 format fp32")
+    assert r.execute_command("KV.PREFIX.LOOKUP", "clash") == b"MISS"
+
+
+BAD = [
+    (("KV.PREFIX.REGISTER", "x", 0, T, H, D, "fp16"), "ERR n_layers must be in [1, 4096], got 0"),
+    (("KV.PREFIX.REGISTER", "x", L, "t", H, D, "fp16"), "ERR n_tokens must be a non-negative integer, got 't'"),
+    (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp9"), "ERR format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2, got 'fp9'"),
+    (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp16", "MODEL"), "ERR option 'MODEL' needs a value"),
+    (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp16", "COLOR", "red"), "ERR unknown option 'COLOR'; expected MODEL, POSITION or PREFILL_MS"),
+    (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp16", "PREFILL_MS", "-1"), "ERR PREFILL_MS must be a non-negative number, got '-1'"),
+    (("KV.PREFIX.LOOKUP", "x", "GENERATION", "g"), "ERR GENERATION must be a non-negative integer, got 'g'"),
+    (("KV.PREFIX.LOOKUP", "x", "SIZE", "1"), "ERR unknown option 'SIZE'; expected MODEL, POSITION or GENERATION"),
+    (("KV.PREFIX.INFO", "nosuch"), "ERR no such prefix namespace 'nosuch'"),
+    (("KV.PREFIX.BLOCKS", "nosuch"), "ERR no such prefix namespace 'nosuch'"),
+    (("KV.PREFIX.REGISTER", "x", L, T, H, D), "ERR wrong number of arguments for 'kv.prefix.register' command"),
+]
+
+
+@pytest.mark.parametrize("cmd,err", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_input(shared_pion, cmd, err):
+    with shared_pion.raw() as c:
+        assert str(c.call(*cmd)) == err
+        assert c.call("PING") == "PONG"
+
+
+def test_hundred_clients_fetch_one_prefix(shared_pion):
+    r = shared_pion.client()
+    layers, tokens = 8, 512
+    r.execute_command("KV.PREFIX.REGISTER", "hot", layers, tokens, H, D, "bf16", "MODEL", "m")
+    rng = np.random.default_rng(4)
+    for part in ("pk", "pv"):
+        x = rng.standard_normal((layers * tokens, DIM)).astype(np.float32)
+        r.execute_command("V.STOREBATCH", f"hot_{part}", 0, x.tobytes())
+    want = [r.execute_command("V.FETCH", "hot_pk", "RANGE", l * tokens, (l + 1) * tokens, "RAW")
+            for l in range(layers)]
+    errors, barrier = [], threading.Barrier(100)
+
+    def client(i):
+        try:
+            c = shared_pion.client()
+            barrier.wait(30)
+            assert c.execute_command("KV.PREFIX.LOOKUP", "hot", "MODEL", "m") == b"HIT"
+            l = i % layers
+            got = c.execute_command("V.FETCH", "hot_pk", "RANGE", l * tokens, (l + 1) * tokens, "RAW")
+            if got != want[l]:
+                errors.append(f"client {i}: layer {l} differs")
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"client {i}: {e!r}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(100)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+    assert info(r, "hot")["fetches"] >= 100
+
+
+def test_kvcache_off(pion_factory):
+    srv = pion_factory("--kvcache=off")
+    with srv.raw() as c:
+        assert str(c.call("KV.PREFIX.LOOKUP", "a")) == "ERR state cache not enabled (use --kvcache)"
