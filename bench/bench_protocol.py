@@ -329,7 +329,7 @@ def main() -> int:
                 print(f"  ping rep {rep} {srv:5s}: MBULK {res['PING_MBULK']:>10.0f} req/s  "
                       f"INLINE {res.get('PING_INLINE', float('nan')):>10.0f} req/s  "
                       f"(server {cpu['server_cpu']:.2f} cores, client {cpu['client_cpu']:.2f}, "
-                      f"other {cpu['other_cpu']:.2f})", flush=True)
+                      f"other {cpu['other_cpu']:.2f}; idle wait {bg:.2f})", flush=True)
                 time.sleep(0.5)
 
         # (b) ECHO round trips via pion-echo-bench.
@@ -352,7 +352,8 @@ def main() -> int:
                     print(f"  {test} rep {rep} {srv:5s}: {res['gb_per_s']:.3f} GB/s "
                           f"{res['req_per_s']:.1f} req/s p50 {res['p50_us'] / 1000:.1f} ms "
                           f"p99 {res['p99_us'] / 1000:.1f} ms  (server {cpu['server_cpu']:.2f} "
-                          f"cores, client {cpu['client_cpu']:.2f}, other {cpu['other_cpu']:.2f})",
+                          f"cores, client {cpu['client_cpu']:.2f}, other {cpu['other_cpu']:.2f}; "
+                          f"idle wait {bg:.2f})",
                           flush=True)
                     time.sleep(0.5)
     finally:
@@ -379,6 +380,10 @@ def main() -> int:
             row[srv + "_other"] = median([r["other_cpu"] for r in rs])
             if rs and "req_per_s" in rs[0]:
                 row[srv + "_rps"] = median([r["req_per_s"] for r in rs])
+            # Server CPU time per request: efficiency that does not depend on whether the
+            # (shared-CPU) client or the server is the bottleneck.
+            row[srv + "_us_per_req"] = median([r["server_cpu"] * 1e6 / r.get("req_per_s", r["value"])
+                                               for r in rs if r.get("req_per_s", r["value"])])
         row["ratio"] = ratio(row["pion"], row["redis"])
         row["ratio_all"] = ratio(row["pion_all"], row["redis_all"])
         goal = GOALS["ping"] if t == "PING_MBULK" else GOALS["echo"] if t.startswith("ECHO") else None
@@ -429,7 +434,8 @@ def main() -> int:
              f"≤ {a.max_background:g} cores (`idle wait` column: what it measured last).")
     L.append("- Servers, client and any other load share the same CPUs; `cpu` columns are CPU cores "
              "busy on average during the run (server process; everything else on the machine "
-             "except server and client = `other`).\n")
+             "except server and client = `other`); `cpu µs/req` is server CPU time per request, "
+             "which compares the servers' efficiency even where the client is the bottleneck.\n")
 
     L.append("## Summary (medians)\n")
     L.append(f"Medians over the runs with other CPU use ≤ {a.clean_threshold:g} cores (`runs used`: "
@@ -447,13 +453,15 @@ def main() -> int:
                  f"{fmt(s['redis_all'], s['unit'])} | {s['ratio_all']:.2f} |")
     L.append("")
     L.append("| test | pion p50 ms | redis p50 ms | pion p99 ms | redis p99 ms | pion req/s | "
-             "redis req/s | pion server cpu | redis server cpu |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+             "redis req/s | pion server cpu | redis server cpu | pion cpu µs/req | "
+             "redis cpu µs/req |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in summary:
         L.append(f"| {s['test']} | {s['pion_p50_ms']:.2f} | {s['redis_p50_ms']:.2f} | "
                  f"{s['pion_p99_ms']:.2f} | {s['redis_p99_ms']:.2f} | "
                  f"{s.get('pion_rps', s['pion']):,.1f} | {s.get('redis_rps', s['redis']):,.1f} | "
-                 f"{s['pion_cpu']:.2f} | {s['redis_cpu']:.2f} |")
+                 f"{s['pion_cpu']:.2f} | {s['redis_cpu']:.2f} | {s['pion_us_per_req']:.2f} | "
+                 f"{s['redis_us_per_req']:.2f} |")
     L.append("")
     L.append("## Raw runs\n")
     L.append("| test | rep | server | value | unit | p50 ms | p99 ms | wall s | server cpu | "

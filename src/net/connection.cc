@@ -48,10 +48,11 @@ void Connection::ReadInput() {
     if (async_pending_ || close_after_flush_ || paced_) break;
     auto span = parser_.ReadSpan();
     ssize_t n = recv(fd_, span.data(), span.size(), 0);
+    loop_->NoteIo();
     if (n > 0) {
       parser_.CommitRead(static_cast<size_t>(n));
       host_->OnNetBytes(static_cast<uint64_t>(n), 0);
-      last_active_ = Clock::now();
+      last_active_ = loop_->now();
       Pump();
       if (static_cast<size_t>(n) < span.size()) break;  // socket drained
       continue;
@@ -121,10 +122,11 @@ void Connection::Flush() {
     msg.msg_iov = iov;
     msg.msg_iovlen = static_cast<size_t>(cnt);
     ssize_t n = sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    loop_->NoteIo();
     if (n > 0) {
       output_.Consume(static_cast<size_t>(n));
       host_->OnNetBytes(0, static_cast<uint64_t>(n));
-      last_write_progress_ = Clock::now();
+      last_write_progress_ = loop_->now();
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
@@ -132,7 +134,7 @@ void Connection::Flush() {
     Close(CloseReason::kIoError);
     return;
   }
-  last_write_progress_ = Clock::now();
+  last_write_progress_ = loop_->now();
   if (close_after_flush_) Close(pending_close_reason_);
 }
 

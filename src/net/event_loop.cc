@@ -42,6 +42,8 @@ bool EventLoop::RunOnce(int timeout_ms, const std::function<void()>& on_wake) {
   constexpr int kMaxEvents = 256;
   epoll_event events[kMaxEvents];
   int n = epoll_wait(epoll_fd_, events, kMaxEvents, timeout_ms);
+  now_ = std::chrono::steady_clock::now();
+  ++io_epoch_;
   if (n < 0) return errno == EINTR;
   bool woken = false;
   for (int i = 0; i < n; ++i) {

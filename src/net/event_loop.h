@@ -6,6 +6,7 @@
 // docs/ARCHITECTURE.md ("Why epoll").
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 
@@ -37,7 +38,17 @@ class EventLoop {
   // Thread-safe: interrupts a blocked RunOnce.
   void Wake();
 
+  // The time when the current iteration's epoll_wait returned: one clock read per iteration
+  // serves every connection's bookkeeping (idle time, write progress).
+  std::chrono::steady_clock::time_point now() const { return now_; }
+  // Counts socket I/O on this loop. Command timing reuses the previous command's end time as
+  // the next one's start only while no I/O happened in between (pipelined batches).
+  void NoteIo() { ++io_epoch_; }
+  uint64_t io_epoch() const { return io_epoch_; }
+
  private:
+  std::chrono::steady_clock::time_point now_ = std::chrono::steady_clock::now();
+  uint64_t io_epoch_ = 0;
   int epoll_fd_;
   int wake_fd_;
 };

@@ -83,7 +83,7 @@ void Shard::Run() {
   while (!stop_.load(std::memory_order_acquire)) {
     loop_.RunOnce(kTickMs, [this] { DrainInbox(); });
     ReapClosed();
-    auto now = std::chrono::steady_clock::now();
+    auto now = loop_.now();
     if (now - last_tick_ >= std::chrono::milliseconds(kTickMs)) {
       last_tick_ = now;
       Tick();
