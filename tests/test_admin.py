@@ -23,7 +23,8 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "v.restore",
                 "ssm.prefix.store", "ssm.prefix.fetch", "ssm.prefix.drop",
                 "kv.prefix.register", "kv.prefix.lookup", "kv.prefix.info", "kv.prefix.blocks",
-                "kv.prefix.membership", "kv.prefix.owner", "kv.prefix.drop"}
+                "kv.prefix.membership", "kv.prefix.owner", "kv.prefix.drop",
+                "kv.prefix.save", "kv.prefix.warm"}
 
 CONFIG_PARAMS = ["bind", "port", "workers", "dir", "metrics-port", "kvcache", "users",
                  "maxmemory", "requirepass", "proto-max-bulk-len", "max-multibulk-len",
@@ -491,8 +492,10 @@ def test_info_sections(pion):
         assert int(mem["buffer_cache_bytes"]) >= 0
         assert mem["used_memory_human"] == "10B"
 
-        assert parse_info(c.call("INFO", "persistence")) == {"loading": "0",
-                                                             "dir": str(pion.data_dir)}
+        assert parse_info(c.call("INFO", "persistence")) == {
+            "loading": "0", "dir": str(pion.data_dir), "disk_objects_loaded": "0",
+            "disk_objects_corrupt": "0", "disk_saves": "0", "disk_save_failures": "0",
+            "disk_warms": "0", "io_queued": "0"}
 
         st = parse_info(c.call("INFO", "stats"))
         for k in ("total_connections_received", "total_commands_processed",

@@ -160,8 +160,15 @@ void CommandStatsSection(server::Server& srv, std::string& out) {
 
 void PersistenceSection(server::Server& srv, std::string& out) {
   out += "# Persistence\r\n";
+  auto& d = srv.disk_stats();
   Kv(out, "loading", uint64_t{0});
   Kv(out, "dir", srv.config().dir);
+  Kv(out, "disk_objects_loaded", d.objects_loaded.load());
+  Kv(out, "disk_objects_corrupt", d.objects_corrupt.load());
+  Kv(out, "disk_saves", d.saves.load());
+  Kv(out, "disk_save_failures", d.save_failures.load());
+  Kv(out, "disk_warms", d.warms.load());
+  Kv(out, "io_queued", static_cast<uint64_t>(srv.io() ? srv.io()->queued() : 0));
 }
 
 void KeyspaceSection(server::Server& srv, std::string& out) {

@@ -8,35 +8,21 @@
 
 #include "families/args.h"
 #include "families/families.h"
+#include "families/kvprefix_internal.h"
 #include "net/connection.h"
 #include "server/server.h"
+#include "store/disk/object_file.h"
+#include "store/prefix_object.h"
 
 namespace pion::families {
-namespace {
+namespace kvprefix {
 
-using proto::CmdArgs;
-using server::CommandContext;
-using store::PrefixEntry;
-using store::PrefixManifest;
-
-constexpr uint32_t kBlockTokens = 64;
-
-store::TenantKey Key(const CommandContext& ctx, std::string_view name) {
-  return store::TenantKey{ctx.tenant, std::string(name)};
-}
-
-// The namespace's two sessions, when both exist with the manifest's codec; else nullptr.
-struct PrefixSessions {
-  const store::VSession* k = nullptr;
-  const store::VSession* v = nullptr;
-  bool ok() const { return k != nullptr && v != nullptr; }
-};
-
-PrefixSessions SessionsOf(CommandContext& ctx, std::string_view ns, const PrefixManifest& m) {
-  auto& vs = ctx.shard->store().vstore;
+PrefixSessions SessionsOf(server::Shard& shard, uint32_t tenant, std::string_view ns,
+                          const store::PrefixManifest& m) {
+  auto& vs = shard.store().vstore;
   PrefixSessions out;
-  auto* k = vs.Find(Key(ctx, std::string(ns) + "_pk"));
-  auto* v = vs.Find(Key(ctx, std::string(ns) + "_pv"));
+  auto* k = vs.Find(store::TenantKey{tenant, std::string(ns) + "_pk"});
+  auto* v = vs.Find(store::TenantKey{tenant, std::string(ns) + "_pv"});
   auto matches = [&](store::VStore::Entry* e) {
     return e != nullptr && e->session->dim() == m.dim() && e->session->codec().format() == m.format;
   };
@@ -46,6 +32,29 @@ PrefixSessions SessionsOf(CommandContext& ctx, std::string_view ns, const Prefix
   }
   return out;
 }
+
+bool Complete(const PrefixSessions& s, const store::PrefixManifest& m) {
+  int64_t n = static_cast<int64_t>(m.rows());
+  return s.ok() && s.k->RangeWritten(0, n) && s.v->RangeWritten(0, n);
+}
+
+}  // namespace kvprefix
+
+namespace {
+
+using kvprefix::Key;
+using kvprefix::PrefixSessions;
+using proto::CmdArgs;
+using server::CommandContext;
+using store::PrefixEntry;
+using store::PrefixManifest;
+
+constexpr uint32_t kBlockTokens = 64;
+
+PrefixSessions SessionsOf(CommandContext& ctx, std::string_view ns, const PrefixManifest& m) {
+  return kvprefix::SessionsOf(*ctx.shard, ctx.tenant, ns, m);
+}
+using kvprefix::Complete;
 
 // The committed frontier (seed 004 §0x04G): the largest t such that tokens [0, t) of every
 // layer are written in both K and V.
@@ -66,11 +75,6 @@ uint64_t CommittedFrontier(const PrefixSessions& s, const PrefixManifest& m) {
     if (head < block) return t0 + head;
   }
   return T;
-}
-
-bool Complete(const PrefixSessions& s, const PrefixManifest& m) {
-  int64_t n = static_cast<int64_t>(m.rows());
-  return s.ok() && s.k->RangeWritten(0, n) && s.v->RangeWritten(0, n);
 }
 
 Status ParseDim(std::string_view text, const char* what, uint32_t max, uint32_t* out) {
@@ -133,6 +137,7 @@ void Register(CommandContext& ctx, CmdArgs& args) {
   }
   auto entry = registry->Register(Key(ctx, ns), m, prefill_ms);
   if (!entry.ok()) return ctx.Error(entry.status());
+  if (!entry.value()->resident) return ctx.rb->Ok();  // saved on disk; promoted on demand
   // A re-registration may follow a V.DROP of a session: recreate what is missing.
   for (const char* suffix : {"_pk", "_pv"}) {
     s = vs.Create(Key(ctx, ns + suffix), codec.value());
@@ -175,6 +180,31 @@ void Lookup(CommandContext& ctx, CmdArgs& args) {
   if ((model && *model != m.model) || (position && *position != m.position)) {
     return ctx.rb->SimpleString("MISS");
   }
+  if (!e->resident) {
+    // Saved on disk only: promote it (once, however many clients ask), then answer.
+    if (!e->corrupt.empty() || !e->saved_complete) return ctx.rb->SimpleString("MISS");
+    auto reply = ctx.Defer();
+    const store::TenantKey key = Key(ctx, args[1]);
+    server::Shard* shard = ctx.shard;
+    kvprefix::Warm(*ctx.server, *ctx.shard, key, [reply, key, shard](const Status& s) {
+      PrefixEntry* cur = shard->store().prefixes.Find(key);
+      bool hit = s.ok() && cur != nullptr &&
+                 Complete(kvprefix::SessionsOf(*shard, key.tenant, key.name, cur->manifest),
+                          cur->manifest);
+      if (hit) {
+        shard->store().prefixes.Publish(cur);
+        ++cur->hits;
+      }
+      reply([hit, s](proto::ReplyBuilder& rb) {
+        if (hit || s.ok() || s.kind() == ErrorKind::kCorrupt) {
+          rb.SimpleString(hit ? "HIT" : "MISS");  // a corrupt copy is never served: a miss
+        } else {
+          rb.Error(s);  // -OOM / -BUSY: the prefix exists but could not be brought in now
+        }
+      });
+    });
+    return;
+  }
   if (!Complete(SessionsOf(ctx, args[1], m), m)) return ctx.rb->SimpleString("MISS");
   ctx.shard->store().prefixes.Publish(e);
   ++e->hits;
@@ -186,10 +216,11 @@ void InfoOne(CommandContext& ctx, std::string_view ns) {
   if (e == nullptr) return ctx.Error(Error("no such prefix namespace '" + std::string(ns) + "'"));
   const PrefixManifest& m = e->manifest;
   PrefixSessions s = SessionsOf(ctx, ns, m);
-  uint64_t frontier = s.ok() ? CommittedFrontier(s, m) : 0;
+  uint64_t frontier =
+      e->resident ? (s.ok() ? CommittedFrontier(s, m) : 0) : (e->saved_complete ? m.n_tokens : 0);
   uint64_t bytes = s.ok() ? s.k->chunk_bytes() + s.v->chunk_bytes() : 0;
   auto& rb = *ctx.rb;
-  rb.Map(17);
+  rb.Map(21);
   rb.Bulk("model");
   rb.Bulk(m.model);
   rb.Bulk("position");
@@ -221,7 +252,15 @@ void InfoOne(CommandContext& ctx, std::string_view ns) {
   rb.Bulk("bytes_ram");
   rb.Integer(static_cast<int64_t>(bytes));
   rb.Bulk("bytes_disk");
-  rb.Integer(0);
+  rb.Integer(static_cast<int64_t>(e->disk_bytes));
+  rb.Bulk("saved_version");
+  rb.Integer(static_cast<int64_t>(e->saved_version));
+  rb.Bulk("resident");
+  rb.Integer(e->resident ? 1 : 0);
+  rb.Bulk("corrupt");
+  rb.Bulk(e->corrupt);
+  rb.Bulk("warming");
+  rb.Integer(e->warming ? 1 : 0);
   rb.Bulk("owner");
   rb.Integer(ctx.shard->id());
 }
@@ -233,7 +272,7 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   ctx.server->FanOut(
       *ctx.shard, *ctx.conn,
       [tenant](server::Shard& shard) {
-        uint64_t prefixes = 0, tokens = 0, fetches = 0, bytes = 0;
+        uint64_t prefixes = 0, tokens = 0, fetches = 0, bytes = 0, disk = 0;
         double saved = 0;
         auto& vs = shard.store().vstore;
         shard.store().prefixes.ForEach(
@@ -241,6 +280,7 @@ void Info(CommandContext& ctx, CmdArgs& args) {
               ++prefixes;
               tokens += e.manifest.n_tokens;
               fetches += e.hits;
+              disk += e.disk_bytes;
               saved += e.prefill_ms * static_cast<double>(e.hits);
               for (const char* suffix : {"_pk", "_pv"}) {
                 if (auto* s = vs.Find(store::TenantKey{tenant, k.name + suffix})) {
@@ -248,18 +288,19 @@ void Info(CommandContext& ctx, CmdArgs& args) {
                 }
               }
             });
-        char buf[160];
-        std::snprintf(buf, sizeof(buf), "%lu %lu %lu %lu %.6f", prefixes, tokens, fetches, bytes,
-                      saved);
+        char buf[200];
+        std::snprintf(buf, sizeof(buf), "%lu %lu %lu %lu %.6f %lu", prefixes, tokens, fetches,
+                      bytes, saved, disk);
         return std::string(buf);
       },
       [](std::vector<std::string>& parts, proto::ReplyBuilder& rb) {
-        uint64_t prefixes = 0, tokens = 0, fetches = 0, bytes = 0;
+        uint64_t prefixes = 0, tokens = 0, fetches = 0, bytes = 0, disk = 0;
         double saved = 0;
         for (auto& p : parts) {
-          uint64_t a, b, c, d;
+          uint64_t a, b, c, d, f;
           double e;
-          if (std::sscanf(p.c_str(), "%lu %lu %lu %lu %lf", &a, &b, &c, &d, &e) == 5) {
+          if (std::sscanf(p.c_str(), "%lu %lu %lu %lu %lf %lu", &a, &b, &c, &d, &e, &f) == 6) {
+            disk += f;
             prefixes += a;
             tokens += b;
             fetches += c;
@@ -279,7 +320,7 @@ void Info(CommandContext& ctx, CmdArgs& args) {
         rb.Bulk("bytes_ram");
         rb.Integer(static_cast<int64_t>(bytes));
         rb.Bulk("bytes_disk");
-        rb.Integer(0);
+        rb.Integer(static_cast<int64_t>(disk));
       });
 }
 
@@ -322,9 +363,9 @@ void Blocks(CommandContext& ctx, CmdArgs& args, bool membership_only) {
     rb.Bulk("rows");
     rb.Integer(static_cast<int64_t>(rows[b]));
     rb.Bulk("tier");
-    rb.Bulk(rows[b] > 0 ? "ram" : "none");
+    rb.Bulk(!e->resident ? (e->saved_version > 0 ? "disk" : "none") : rows[b] > 0 ? "ram" : "none");
     rb.Bulk("saved");
-    rb.Integer(0);
+    rb.Integer(e->saved_version > 0 ? 1 : 0);
   }
 }
 
@@ -335,6 +376,16 @@ void Owner(CommandContext& ctx, CmdArgs& args) { ctx.rb->Integer(ctx.shard->id()
 
 void Drop(CommandContext& ctx, CmdArgs& args) {
   std::string ns(args[1]);
+  if (PrefixEntry* e = ctx.shard->store().prefixes.Find(Key(ctx, ns))) {
+    if (e->warming) kvprefix::CancelWarm(e, Error("namespace '" + ns + "' was dropped"));
+    if (e->saved_version > 0 || !e->corrupt.empty()) {
+      // Delete everywhere, disk included (a few file unlinks and one directory fsync).
+      Status s = store::disk::RemoveObject(
+          kvprefix::PrefixDir(*ctx.server),
+          store::PrefixObjectName(ctx.server->users().TenantName(ctx.tenant), ns));
+      if (!s.ok()) return ctx.Error(s);
+    }
+  }
   bool existed = ctx.shard->store().prefixes.Drop(Key(ctx, ns));
   if (existed) {
     auto& vs = ctx.shard->store().vstore;
@@ -347,6 +398,7 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
 }  // namespace
 
 void RegisterKvPrefixFamily(server::Server& srv) {
+  kvprefix::RegisterTierCommands(srv);
   using namespace server;
   auto& r = srv.registry();
   constexpr uint32_t kKv = kCmdKvCache;

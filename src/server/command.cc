@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "net/connection.h"
+#include "server/server.h"
 #include "server/shard.h"
 
 namespace pion::server {
@@ -12,6 +14,24 @@ void CommandContext::Error(const Status& status) {
   if (status.kind() == ErrorKind::kOom) shard->stats().Reject(RejectReason::kOom);
   if (status.kind() == ErrorKind::kBusy) shard->stats().Reject(RejectReason::kBusy);
   rb->Error(status);
+}
+
+std::function<void(CommandContext::ReplyWriter)> CommandContext::Defer() {
+  deferred = true;
+  Server* srv = server;
+  const int origin = origin_shard;
+  const uint64_t conn_id = client_id;
+  const int version = resp;
+  return [srv, origin, conn_id, version](ReplyWriter write) {
+    srv->shard(origin).PostControl([conn_id, version, write = std::move(write)](Shard& home) {
+      net::Connection* c = home.FindConnection(conn_id);
+      if (c == nullptr) return;  // the client went away meanwhile
+      proto::ReplyBuffer buf;
+      proto::ReplyBuilder rb(&buf, version);
+      write(rb);
+      c->CompleteAsync(std::move(buf));
+    });
+  };
 }
 
 void CommandRegistry::Register(CommandSpec spec) {

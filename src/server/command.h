@@ -42,9 +42,18 @@ struct CommandContext {
   uint32_t tenant;
   uint64_t client_id;
   net::Connection* conn;  // non-null only for kCmdConnection commands
+  int origin_shard = 0;   // the shard of the client's connection
+  int resp = 2;           // the client's protocol version
+  bool deferred = false;  // set by Defer()
 
   // Writes an error reply and counts OOM/BUSY rejections in the shard's stats.
   void Error(const Status& status);
+
+  // For handlers that finish later (disk I/O): the handler writes no reply now, and must
+  // call the returned function exactly once, from any thread, with a writer of the reply.
+  // The client's later pipelined commands wait, so replies keep their order.
+  using ReplyWriter = std::function<void(proto::ReplyBuilder&)>;
+  std::function<void(ReplyWriter)> Defer();
 };
 
 using CommandHandler = std::function<void(CommandContext&, proto::CmdArgs&)>;

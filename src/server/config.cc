@@ -101,6 +101,10 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
                  "Capacity of each shard's inbox; a full inbox answers -BUSY")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--io-threads", c.io_threads,
+                 "Threads for disk-tier reads and writes (no event loop waits on the disk)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   app.add_option_function<std::string>(
          "--kvcache",
          [&c](const std::string& v) {

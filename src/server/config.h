@@ -31,6 +31,7 @@ struct Config {
   int64_t client_output_buffer_timeout_ms = 30000;
   int maxclients = 10000;
   int shard_queue_depth = 1024;
+  int io_threads = 2;
   bool kvcache = true;
   std::string loglevel = "info";
   std::string logfile;  // empty: stderr

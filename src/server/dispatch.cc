@@ -76,8 +76,10 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
     owner = OwnerOf(conn.tenant, key);
   }
   if (owner == shard.id()) {
-    Execute(*spec, shard, (spec->flags & kCmdConnection) ? &conn : nullptr, conn.tenant, conn.id(),
-            args, rb, conn.peer(), conn.name);
+    if (Execute(*spec, shard, (spec->flags & kCmdConnection) ? &conn : nullptr, conn.tenant,
+                conn.id(), shard.id(), args, rb, conn.peer(), conn.name)) {
+      conn.BeginAsync();  // the reply arrives through the deferred writer
+    }
     return;
   }
 
@@ -93,9 +95,10 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
   const uint64_t conn_id = conn.id();
   bool posted = shards_[owner]->Post([this, call, conn_id](Shard& target) {
     proto::ReplyBuilder remote_rb(&call->reply, call->resp);
-    Execute(*call->spec, target, nullptr, call->tenant, call->client_id, call->args, remote_rb,
-            call->peer, call->client_name);
+    bool deferred = Execute(*call->spec, target, nullptr, call->tenant, call->client_id,
+                            call->origin, call->args, remote_rb, call->peer, call->client_name);
     call->args.Clear();
+    if (deferred) return;  // the deferred writer delivers to the origin shard itself
     shards_[call->origin]->PostControl([call, conn_id](Shard& home) {
       if (net::Connection* c = home.FindConnection(conn_id))
         c->CompleteAsync(std::move(call->reply));
@@ -113,9 +116,9 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
   conn.BeginAsync();
 }
 
-void Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn, uint32_t tenant,
-                     uint64_t client_id, proto::CmdArgs& args, proto::ReplyBuilder& rb,
-                     std::string_view peer, std::string_view client_name) {
+bool Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn, uint32_t tenant,
+                     uint64_t client_id, int origin_shard, proto::CmdArgs& args,
+                     proto::ReplyBuilder& rb, std::string_view peer, std::string_view client_name) {
   // Consecutive commands of a pipelined batch share a clock reading (the end of one is the
   // start of the next) as long as no socket I/O happened in between: one read per command.
   using Clock = std::chrono::steady_clock;
@@ -125,6 +128,8 @@ void Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* con
   const Clock::time_point t0 = last_epoch == loop.io_epoch() ? last_end : Clock::now();
   rb.ResetErrorCount();
   CommandContext ctx{this, &shard, &rb, tenant, client_id, conn};
+  ctx.origin_shard = origin_shard;
+  ctx.resp = rb.resp3() ? 3 : 2;
   spec.handler(ctx, args);
   const Clock::time_point t1 = Clock::now();
   last_end = t1;
@@ -137,6 +142,7 @@ void Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* con
     slowlog_.Add(args, us, std::string(peer), std::string(client_name),
                  static_cast<size_t>(settings_.slowlog_max_len.load(std::memory_order_relaxed)));
   }
+  return ctx.deferred;
 }
 
 }  // namespace pion::server

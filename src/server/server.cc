@@ -39,6 +39,11 @@ Status Server::Init() {
                                               static_cast<size_t>(config_.shard_queue_depth)));
     for (auto& hook : shard_inits_) hook(*shards_.back());
   }
+  io_ = std::make_unique<IoPool>(config_.io_threads, 1024);
+  for (auto& hook : startup_) {
+    Status s = hook(*this);
+    if (!s.ok()) return s;
+  }
   if (config_.metrics_port != 0) {
     metrics_ = std::make_unique<MetricsHttp>(this);
     Status s = metrics_->Listen(config_.bind, config_.metrics_port);
@@ -73,6 +78,7 @@ int Server::Run() {
   }
   for (auto& s : shards_) s->Stop();
   for (auto& s : shards_) s->Join();
+  io_.reset();  // finishes queued disk work (their replies have nowhere to go; the data does)
   if (metrics_) metrics_->Stop();
   spdlog::info("Pion is now ready to exit, bye bye");
   return 0;

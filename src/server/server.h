@@ -14,6 +14,7 @@
 #include "server/auth.h"
 #include "server/command.h"
 #include "server/config.h"
+#include "server/io_pool.h"
 #include "server/memory.h"
 #include "server/shard.h"
 #include "server/slowlog.h"
@@ -52,6 +53,13 @@ class Server {
   // alone (Redis hash tags), so related keys can be placed on one shard.
   int OwnerOf(uint32_t tenant, std::string_view key) const;
 
+  // Blocking disk work (see IoPool). Null until Init().
+  IoPool* io() { return io_.get(); }
+
+  // Families add start-up work (loading the disk tier) that runs in Init() after the shards
+  // exist and before any of them runs, on the main thread.
+  void AddStartupHook(std::function<Status(Server&)> hook) { startup_.push_back(std::move(hook)); }
+
   uint64_t NextClientId() { return next_client_id_.fetch_add(1, std::memory_order_relaxed); }
   uint64_t connected_clients() const;
 
@@ -68,12 +76,23 @@ class Server {
   // Hooks run in Init() once per shard, before the shard's thread starts.
   void AddShardInit(std::function<void(Shard&)> hook) { shard_inits_.push_back(std::move(hook)); }
 
+  // Disk-tier counters for INFO persistence (any thread).
+  struct DiskStats {
+    std::atomic<uint64_t> objects_loaded{0};
+    std::atomic<uint64_t> objects_corrupt{0};
+    std::atomic<uint64_t> saves{0};
+    std::atomic<uint64_t> save_failures{0};
+    std::atomic<uint64_t> warms{0};
+  };
+  DiskStats& disk_stats() { return disk_stats_; }
+
   // Sum of a per-shard counter.
   uint64_t SumStat(const std::function<uint64_t(const ShardStats&)>& f) const;
 
  private:
-  void Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn, uint32_t tenant,
-               uint64_t client_id, proto::CmdArgs& args, proto::ReplyBuilder& rb,
+  // Returns true when the handler deferred its reply (CommandContext::Defer).
+  bool Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn, uint32_t tenant,
+               uint64_t client_id, int origin_shard, proto::CmdArgs& args, proto::ReplyBuilder& rb,
                std::string_view peer, std::string_view client_name);
 
   Config config_;
@@ -84,6 +103,9 @@ class Server {
   SlowLog slowlog_;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<std::function<void(Shard&)>> shard_inits_;
+  std::vector<std::function<Status(Server&)>> startup_;
+  std::unique_ptr<IoPool> io_;
+  DiskStats disk_stats_;
   std::unique_ptr<MetricsHttp> metrics_;
   int listen_fd_ = -1;
   int bound_port_ = 0;

@@ -29,6 +29,16 @@ StatusOr<PrefixEntry*> PrefixRegistry::Register(const TenantKey& ns, PrefixManif
   return &entries_.emplace(ns, std::move(e)).first->second;
 }
 
+PrefixEntry* PrefixRegistry::AddFromDisk(const TenantKey& ns, PrefixManifest m, double prefill_ms) {
+  uint64_t& last = generations_[ns];
+  if (m.cache_generation > last) last = m.cache_generation;
+  PrefixEntry e;
+  e.manifest = std::move(m);
+  e.prefill_ms = prefill_ms;
+  e.resident = false;
+  return &(entries_[ns] = std::move(e));
+}
+
 PrefixEntry* PrefixRegistry::Find(const TenantKey& ns) {
   auto it = entries_.find(ns);
   return it == entries_.end() ? nullptr : &it->second;

@@ -10,8 +10,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "common/status.h"
 #include "store/codec/codec.h"
@@ -46,6 +48,16 @@ struct PrefixEntry {
   double prefill_ms = 0;     // the client's measured cold prefill (value receipt)
   uint64_t hits = 0;         // LOOKUPs answered HIT
   uint64_t publication = 0;  // the publication generation once complete (0: not yet)
+
+  // Disk tier.
+  uint64_t saved_version = 0;  // newest durable version on disk (0: never saved)
+  std::string disk_path;
+  uint64_t disk_bytes = 0;
+  bool saved_complete = false;  // the saved version holds every row
+  bool resident = true;         // the sessions are in memory
+  std::string corrupt;          // non-empty: the disk copy failed validation; never served
+  bool warming = false;         // a promotion from disk is in flight
+  std::vector<std::function<void(const Status&)>> warm_waiters;  // coalesced WARM/LOOKUPs
 };
 
 class PrefixRegistry {
@@ -56,6 +68,15 @@ class PrefixRegistry {
   PrefixEntry* Find(const TenantKey& ns);
   // Removes ns; the next REGISTER of the name gets a higher generation. True if it existed.
   bool Drop(const TenantKey& ns);
+  // Adds a namespace found in the disk tier at start-up (not resident). Its generation is
+  // kept, and later generations of the name stay above it.
+  PrefixEntry* AddFromDisk(const TenantKey& ns, PrefixManifest m, double prefill_ms);
+  // The version the next save of ns writes: above every version ever written for the name,
+  // across DROP and restarts (NoteVersion() records versions found on disk).
+  uint64_t NextVersion(const TenantKey& ns) { return ++versions_[ns]; }
+  void NoteVersion(const TenantKey& ns, uint64_t v) {
+    if (v > versions_[ns]) versions_[ns] = v;
+  }
   // Marks a complete prefix as published (first time only); returns its publication generation.
   uint64_t Publish(PrefixEntry* e);
 
@@ -70,6 +91,7 @@ class PrefixRegistry {
   std::unordered_map<TenantKey, PrefixEntry, TenantKeyHash> entries_;
   // Last generation handed out per name, kept after DROP so generations never repeat.
   std::unordered_map<TenantKey, uint64_t, TenantKeyHash> generations_;
+  std::unordered_map<TenantKey, uint64_t, TenantKeyHash> versions_;
   uint64_t next_publication_ = 1;
 };
 

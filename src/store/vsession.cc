@@ -206,6 +206,33 @@ void VSession::RawIds(const int64_t* ids, size_t n, uint8_t* out) const {
   }
 }
 
+Status VSession::Load(const std::vector<std::tuple<int64_t, BufferRef, uint64_t>>& chunks) {
+  const size_t size = static_cast<size_t>(kRowsPerChunk) * codec_.row_bytes();
+  for (const auto& [index, bytes, written] : chunks) {
+    if (index < 0 || bytes == nullptr || bytes->size() != size) {
+      return Status(ErrorKind::kCorrupt, "chunk " + std::to_string(index) + " has " +
+                                             std::to_string(bytes ? bytes->size() : 0) +
+                                             " bytes, expected " + std::to_string(size));
+    }
+  }
+  const uint64_t total = static_cast<uint64_t>(size) * chunks.size();
+  if (budget_ != nullptr && budget_->reserve) {
+    Status s = budget_->reserve(total);
+    if (!s.ok()) return s;
+  }
+  ChunkMap loaded;
+  uint64_t rows = 0;
+  for (const auto& [index, bytes, written] : chunks) {
+    auto chunk = std::make_shared<Chunk>(bytes, budget_);  // releases its share when freed
+    chunk->written = written;
+    rows += static_cast<uint64_t>(std::popcount(written));
+    loaded[index] = std::move(chunk);
+  }
+  chunks_ = std::move(loaded);
+  rows_ = rows;
+  return Status::Ok();
+}
+
 void VSession::Restore(const Snapshot& s) {
   chunks_ = s.chunks;
   rows_ = s.rows;

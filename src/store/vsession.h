@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "common/buffer.h"
@@ -75,6 +76,11 @@ class VSession {
   void RawIds(const int64_t* ids, size_t n, uint8_t* out) const;
 
   Snapshot TakeSnapshot() const { return Snapshot{chunks_, rows_}; }
+
+  // Replaces the contents with chunks read back from disk (index -> bytes, written bitmap).
+  // Each buffer must be kRowsPerChunk * row_bytes. All chunks are charged first; kOom leaves
+  // the session unchanged.
+  Status Load(const std::vector<std::tuple<int64_t, BufferRef, uint64_t>>& chunks);
   void Restore(const Snapshot& s);
 
  private:

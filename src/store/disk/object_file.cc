@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <map>
 
 namespace pion::store::disk {
@@ -101,8 +102,10 @@ Status FsyncDir(const std::string& dir) {
 }
 
 Status EnsureDir(const std::string& dir) {
-  if (mkdir(dir.c_str(), 0755) == 0 || errno == EEXIST) return Status::Ok();
-  return IoError("cannot create directory", dir);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);  // like mkdir -p: --dir may not exist yet
+  if (ec) return Status(ErrorKind::kIo, "cannot create directory " + dir + ": " + ec.message());
+  return Status::Ok();
 }
 
 // Parses "<hex>.<version>.pobj".
@@ -119,6 +122,10 @@ bool ParseFileName(const std::string& file, std::string* name, uint64_t* version
 }
 
 }  // namespace
+
+std::string ObjectPath(const std::string& dir, std::string_view name, uint64_t version) {
+  return dir + "/" + HexName(name) + "." + std::to_string(version) + kSuffix;
+}
 
 Status WriteObject(const std::string& dir, std::string_view name, uint64_t version,
                    std::string_view meta, const std::vector<std::span<const uint8_t>>& blocks) {

@@ -27,6 +27,9 @@
 
 namespace pion::store::disk {
 
+// The file that holds version `version` of object `name`.
+std::string ObjectPath(const std::string& dir, std::string_view name, uint64_t version);
+
 // Writes version `version` of object `name` durably, then removes older versions of it.
 Status WriteObject(const std::string& dir, std::string_view name, uint64_t version,
                    std::string_view meta, const std::vector<std::span<const uint8_t>>& blocks);

@@ -1,0 +1,149 @@
+#include "store/prefix_object.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+namespace pion::store {
+
+std::string PrefixObjectName(const std::string& tenant, const std::string& ns) {
+  std::string name = "prefix";
+  name.push_back('\0');
+  name += tenant;
+  name.push_back('\0');
+  name += ns;
+  return name;
+}
+
+std::string EncodePrefixMeta(const PrefixRecord& r) {
+  // Values are hex-escaped so any byte (newlines, '=') survives.
+  auto hex = [](const std::string& s) {
+    static const char* k = "0123456789abcdef";
+    std::string out;
+    for (unsigned char c : s) {
+      out.push_back(k[c >> 4]);
+      out.push_back(k[c & 15]);
+    }
+    return out;
+  };
+  const auto& m = r.manifest;
+  char num[512];
+  std::snprintf(num, sizeof(num),
+                "layers=%u\ntokens=%u\nkv_heads=%u\nhead_dim=%u\nformat=%s\ngeneration=%llu\n"
+                "prefill_ms=%.17g\ncomplete=%d\n",
+                m.n_layers, m.n_tokens, m.kv_heads, m.head_dim,
+                std::string(codec::FormatName(m.format)).c_str(),
+                static_cast<unsigned long long>(m.cache_generation), r.prefill_ms,
+                r.complete ? 1 : 0);
+  return "pion-prefix v1\ntenant=" + hex(r.tenant) + "\nns=" + hex(r.ns) +
+         "\nmodel=" + hex(m.model) + "\nposition=" + hex(m.position) + "\n" + num;
+}
+
+StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta) {
+  std::istringstream in{std::string(meta)};
+  std::string line;
+  if (!std::getline(in, line) || line != "pion-prefix v1") {
+    return Status(ErrorKind::kCorrupt, "prefix manifest has an unknown header");
+  }
+  auto unhex = [](const std::string& h, std::string* out) {
+    if (h.size() % 2) return false;
+    out->clear();
+    for (size_t i = 0; i < h.size(); i += 2) {
+      char* end = nullptr;
+      std::string byte = h.substr(i, 2);
+      long v = std::strtol(byte.c_str(), &end, 16);
+      if (*end != '\0') return false;
+      out->push_back(static_cast<char>(v));
+    }
+    return true;
+  };
+  PrefixRecord r;
+  int seen = 0;
+  while (std::getline(in, line)) {
+    auto eq = line.find('=');
+    if (eq == std::string::npos) continue;
+    std::string k = line.substr(0, eq), v = line.substr(eq + 1);
+    auto& m = r.manifest;
+    bool ok = true;
+    if (k == "tenant") {
+      ok = unhex(v, &r.tenant);
+    } else if (k == "ns") {
+      ok = unhex(v, &r.ns);
+    } else if (k == "model") {
+      ok = unhex(v, &m.model);
+    } else if (k == "position") {
+      ok = unhex(v, &m.position);
+    } else if (k == "layers") {
+      m.n_layers = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
+    } else if (k == "tokens") {
+      m.n_tokens = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
+    } else if (k == "kv_heads") {
+      m.kv_heads = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
+    } else if (k == "head_dim") {
+      m.head_dim = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
+    } else if (k == "format") {
+      auto f = codec::ParseFormat(v);
+      ok = f.has_value();
+      if (ok) m.format = *f;
+    } else if (k == "generation") {
+      m.cache_generation = std::strtoull(v.c_str(), nullptr, 10);
+    } else if (k == "prefill_ms") {
+      r.prefill_ms = std::strtod(v.c_str(), nullptr);
+    } else if (k == "complete") {
+      r.complete = v == "1";
+    } else {
+      continue;
+    }
+    if (!ok) return Status(ErrorKind::kCorrupt, "prefix manifest field '" + k + "' is malformed");
+    ++seen;
+  }
+  if (seen < 12 || r.manifest.n_layers == 0 || r.manifest.n_tokens == 0 ||
+      r.manifest.kv_heads == 0 || r.manifest.head_dim == 0) {
+    return Status(ErrorKind::kCorrupt, "prefix manifest is incomplete");
+  }
+  return r;
+}
+
+std::vector<std::span<const uint8_t>> PrefixBlocks(const VSession::Snapshot& k,
+                                                   const VSession::Snapshot& v,
+                                                   std::string* index) {
+  std::vector<std::span<const uint8_t>> blocks(1);
+  index->clear();
+  int part = 0;
+  for (const auto* snap : {&k, &v}) {
+    for (const auto& [i, chunk] : snap->chunks) {
+      index->push_back(static_cast<char>(part));
+      uint64_t fields[2] = {static_cast<uint64_t>(i), chunk->written};
+      for (uint64_t f : fields) {
+        for (int b = 0; b < 8; ++b) index->push_back(static_cast<char>((f >> (8 * b)) & 0xff));
+      }
+      blocks.emplace_back(chunk->bytes->data(), chunk->bytes->size());
+    }
+    ++part;
+  }
+  blocks[0] =
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(index->data()), index->size());
+  return blocks;
+}
+
+StatusOr<std::vector<LoadedChunk>> ParsePrefixIndex(std::string_view block0) {
+  if (block0.size() % 17 != 0) {
+    return Status(ErrorKind::kCorrupt, "prefix chunk index has a partial entry");
+  }
+  std::vector<LoadedChunk> out;
+  for (size_t off = 0; off < block0.size(); off += 17) {
+    const auto* p = reinterpret_cast<const uint8_t*>(block0.data() + off);
+    uint64_t f[2] = {0, 0};
+    for (int j = 0; j < 2; ++j) {
+      for (int b = 0; b < 8; ++b) f[j] |= static_cast<uint64_t>(p[1 + 8 * j + b]) << (8 * b);
+    }
+    if (p[0] > 1 || static_cast<int64_t>(f[0]) < 0) {
+      return Status(ErrorKind::kCorrupt, "prefix chunk index entry is malformed");
+    }
+    out.push_back(LoadedChunk{p[0], static_cast<int64_t>(f[0]), f[1], nullptr});
+  }
+  return out;
+}
+
+}  // namespace pion::store

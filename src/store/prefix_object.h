@@ -1,0 +1,51 @@
+// How a KV.PREFIX namespace is laid out as a disk-tier object (store/disk/object_file.h).
+//
+// meta:    "pion-prefix v1" lines of key=value (tenant, ns, model, position, layout, codec,
+//          cache generation, prefill ms, committed rows); text, so a person can read it.
+// block 0: the chunk index: per chunk u8 part (0 = K, 1 = V), i64 chunk index, u64 written
+//          bitmap (little-endian, 17 bytes each).
+// block i: the i-th indexed chunk's stored bytes (64 rows in the session's codec), written
+//          straight from the chunk buffers of a snapshot, no copy.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/buffer.h"
+#include "store/prefix_registry.h"
+#include "store/vsession.h"
+
+namespace pion::store {
+
+struct PrefixRecord {
+  std::string tenant;  // tenant name (ids are per process)
+  std::string ns;
+  PrefixManifest manifest;
+  double prefill_ms = 0;
+  bool complete = false;
+};
+
+// The object name of a namespace (tenant and ns may hold any bytes).
+std::string PrefixObjectName(const std::string& tenant, const std::string& ns);
+
+std::string EncodePrefixMeta(const PrefixRecord& r);
+StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta);
+
+// Blocks for WriteObject from snapshots of the K and V sessions. `index` receives block 0's
+// bytes and must outlive the spans; the chunk spans point into the snapshots' buffers.
+std::vector<std::span<const uint8_t>> PrefixBlocks(const VSession::Snapshot& k,
+                                                   const VSession::Snapshot& v, std::string* index);
+
+// One chunk read back from disk.
+struct LoadedChunk {
+  int part;  // 0 = K, 1 = V
+  int64_t index;
+  uint64_t written;
+  BufferRef bytes;
+};
+// Parses block 0 into (part, index, written) entries.
+StatusOr<std::vector<LoadedChunk>> ParsePrefixIndex(std::string_view block0);
+
+}  // namespace pion::store
