@@ -231,3 +231,30 @@ def test_crash_loop_acknowledged_saves_survive(pion_factory):
     # No temp file survives a restart, and nothing that failed validation was served.
     assert list((srv.data_dir / "prefixes").glob("*.tmp")) == []
     assert int(srv.info("persistence")["disk_objects_corrupt"]) == 0
+
+
+def test_memory_pressure_demotes_lru_saved_prefixes_never_unsaved(pion_factory):
+    """--maxmemory: the least recently used saved, unmodified namespace gives up its memory
+    copy (the disk copy stays and is promoted back on demand); unsaved data is never dropped."""
+    prefix_bytes = 2 * L * T * DIM * 2  # K and V, fp16: 512 KiB
+    srv = pion_factory("-w", "1", "--maxmemory", str(int(prefix_bytes * 2.5)))
+    r = srv.client()
+    want = {ns: make_prefix(r, ns, seed=i) for i, ns in enumerate(("a", "b"))}
+    for ns in ("a", "b"):
+        assert r.execute_command("KV.PREFIX.SAVE", ns) == b"OK"
+    assert r.execute_command("KV.PREFIX.LOOKUP", "a") == b"HIT"  # a is now more recent than b
+    want["c"] = make_prefix(r, "c", seed=2)  # needs room: b (LRU, saved, clean) is demoted
+    assert info(r, "b")["resident"] == 0 and info(r, "a")["resident"] == 1
+    assert int(srv.info("persistence")["disk_demotions"]) == 1
+    assert int(srv.info("memory")["used_memory"]) <= int(prefix_bytes * 2.5)
+    # b comes back on demand (making room by demoting a, the only clean saved one left).
+    assert r.execute_command("KV.PREFIX.LOOKUP", "b") == b"HIT"
+    assert r.execute_command("V.FETCH", "b_pk", "RANGE", 0, L * T, "RAW") == want["b"]["pk"]
+    assert info(r, "a")["resident"] == 0
+    # c was never saved and b is written after its save: neither may be dropped, so a new
+    # prefix that does not fit is refused instead.
+    r.execute_command("V.STOREBATCH", "b_pv", 0, np.ones((1, DIM), np.float32).tobytes())
+    with pytest.raises(Exception, match="OOM"):
+        make_prefix(r, "d", seed=3)
+    assert info(r, "c")["resident"] == 1 and info(r, "b")["resident"] == 1
+    assert r.execute_command("V.FETCH", "c_pv", "RANGE", 0, L * T, "RAW") == want["c"]["pv"]

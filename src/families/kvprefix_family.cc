@@ -205,6 +205,7 @@ void Lookup(CommandContext& ctx, CmdArgs& args) {
     });
     return;
   }
+  ctx.shard->store().prefixes.Touch(e);
   if (!Complete(SessionsOf(ctx, args[1], m), m)) return ctx.rb->SimpleString("MISS");
   ctx.shard->store().prefixes.Publish(e);
   ++e->hits;

@@ -9,6 +9,7 @@
 // corrupted or truncated object is logged, counted in INFO, refused on access, never served.
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "families/args.h"
@@ -109,6 +110,8 @@ void FinishWarm(server::Server& srv, server::Shard& shard, const store::TenantKe
     }
     if (s.ok()) {
       e->resident = true;
+      e->dirty = false;
+      shard.store().prefixes.Touch(e);
       srv.disk_stats().warms.fetch_add(1);
     } else {
       vs.Drop({key.tenant, key.name + "_pk"});
@@ -149,6 +152,8 @@ void Save(CommandContext& ctx, CmdArgs& args) {
   auto snap_k = std::make_shared<store::VSession::Snapshot>(s.k->TakeSnapshot());
   auto snap_v = std::make_shared<store::VSession::Snapshot>(s.v->TakeSnapshot());
   const uint64_t version = ctx.shard->store().prefixes.NextVersion(key);
+  e->dirty = false;  // a write from now on sets it again
+  ctx.shard->store().prefixes.Touch(e);
   const uint64_t generation = e->manifest.cache_generation;
   const std::string dir = PrefixDir(srv);
   const std::string name = store::PrefixObjectName(rec.tenant, rec.ns);
@@ -172,6 +177,7 @@ void Save(CommandContext& ctx, CmdArgs& args) {
         });
       }
       if (!st.ok()) {
+        cur->dirty = true;  // the snapshot never reached the disk
         server->disk_stats().save_failures.fetch_add(1);
         spdlog::error("disk tier: saving prefix '{}' failed: {}", key.name, st.message());
         return reply([st](proto::ReplyBuilder& rb) { rb.Error(st); });
@@ -256,6 +262,37 @@ Status LoadDiskTier(server::Server& srv) {
   return Status::Ok();
 }
 
+// The kVStore reclaimer (runs on the shard whose write needs room): drops the memory copy of
+// the least recently used namespaces whose newest content is safely on disk. Never a
+// namespace with unsaved writes, one being promoted, or one being written (StoreBatch marks
+// it dirty before it allocates). Replies in flight keep their chunks alive until sent.
+uint64_t DemoteForRoom(server::Server& srv, uint64_t need) {
+  server::Shard* shard = server::Shard::Current();
+  if (shard == nullptr) return 0;
+  auto& reg = shard->store().prefixes;
+  auto& vs = shard->store().vstore;
+  std::vector<std::pair<uint64_t, store::TenantKey>> candidates;
+  reg.ForEachEntry([&](const store::TenantKey& k, PrefixEntry& e) {
+    if (e.resident && !e.dirty && !e.warming && e.saved_version > 0 && e.corrupt.empty()) {
+      candidates.emplace_back(e.last_used, k);
+    }
+  });
+  std::sort(candidates.begin(), candidates.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  uint64_t freed = 0;
+  for (const auto& [used, key] : candidates) {
+    if (freed >= need) break;
+    for (const char* suffix : {"_pk", "_pv"}) {
+      store::TenantKey sk{key.tenant, key.name + suffix};
+      if (auto* s = vs.Find(sk)) freed += s->session->chunk_bytes();
+      vs.Drop(sk);
+    }
+    reg.Find(key)->resident = false;
+    srv.disk_stats().demotions.fetch_add(1);
+  }
+  return freed;
+}
+
 }  // namespace
 
 std::string PrefixDir(server::Server& srv) { return srv.config().dir + "/prefixes"; }
@@ -302,6 +339,8 @@ void RegisterTierCommands(server::Server& srv) {
   r.Register({"KV.PREFIX.WARM", 2, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, WarmCmd, "kvprefix",
               "Promotes a saved namespace from disk to memory (verifying checksums).", "<ns>"});
   srv.AddStartupHook(LoadDiskTier);
+  srv.memory().SetReclaimer(server::MemFamily::kVStore,
+                            [&srv](uint64_t need) { return DemoteForRoom(srv, need); });
 }
 
 }  // namespace pion::families::kvprefix

@@ -68,10 +68,20 @@ void Create(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->Ok();
 }
 
+// The KV.PREFIX namespace whose session this is, if any ("<ns>_pk" / "<ns>_pv").
+store::PrefixEntry* PrefixOf(CommandContext& ctx, std::string_view sid) {
+  std::string_view ns = SessionRouteKey(sid);
+  if (ns.size() == sid.size()) return nullptr;
+  return ctx.shard->store().prefixes.Find(Key(ctx, ns));
+}
+
 void StoreBatch(CommandContext& ctx, CmdArgs& args) {
   auto& vs = ctx.shard->store().vstore;
   auto entry = vs.Get(Key(ctx, args[1]));
   if (!entry.ok()) return ctx.Error(entry.status());
+  // Before the store: a namespace being written is never demoted to make room for its own
+  // rows, and its saved copy no longer has everything memory has.
+  if (store::PrefixEntry* p = PrefixOf(ctx, args[1])) p->dirty = true;
   store::VSession& session = *entry.value()->session;
   const size_t row_floats_bytes = size_t{4} * session.dim();
   const uint64_t rows_before = session.rows();
@@ -119,6 +129,7 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
   auto entry = ctx.shard->store().vstore.Get(Key(ctx, args[1]));
   if (!entry.ok()) return ctx.Error(entry.status());
   const store::VSession& session = *entry.value()->session;
+  if (store::PrefixEntry* p = PrefixOf(ctx, args[1])) ctx.shard->store().prefixes.Touch(p);
   size_t end_arg = args.size();
   const bool raw = EqualsIgnoreCase(args[end_arg - 1], "RAW");
   if (raw) --end_arg;
@@ -201,6 +212,7 @@ void Restore(CommandContext& ctx, CmdArgs& args) {
     return ctx.Error(
         Error("no snapshot " + std::to_string(id) + " of session '" + std::string(args[1]) + "'"));
   }
+  if (store::PrefixEntry* p = PrefixOf(ctx, args[1])) p->dirty = true;
   uint64_t before = e->session->rows();
   e->session->Restore(it->second);
   vs.NoteRows(static_cast<int64_t>(e->session->rows()) - static_cast<int64_t>(before));

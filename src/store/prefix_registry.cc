@@ -36,6 +36,7 @@ PrefixEntry* PrefixRegistry::AddFromDisk(const TenantKey& ns, PrefixManifest m, 
   e.manifest = std::move(m);
   e.prefill_ms = prefill_ms;
   e.resident = false;
+  e.dirty = false;
   return &(entries_[ns] = std::move(e));
 }
 

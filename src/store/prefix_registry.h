@@ -57,6 +57,8 @@ struct PrefixEntry {
   bool resident = true;         // the sessions are in memory
   std::string corrupt;          // non-empty: the disk copy failed validation; never served
   bool warming = false;         // a promotion from disk is in flight
+  bool dirty = true;            // memory holds writes the newest saved version lacks
+  uint64_t last_used = 0;       // LRU clock of the last lookup, fetch, save or promotion
   std::vector<std::function<void(const Status&)>> warm_waiters;  // coalesced WARM/LOOKUPs
 };
 
@@ -77,9 +79,15 @@ class PrefixRegistry {
   void NoteVersion(const TenantKey& ns, uint64_t v) {
     if (v > versions_[ns]) versions_[ns] = v;
   }
+  // Marks the entry used now (LRU order for demotion under memory pressure).
+  void Touch(PrefixEntry* e) { e->last_used = ++clock_; }
   // Marks a complete prefix as published (first time only); returns its publication generation.
   uint64_t Publish(PrefixEntry* e);
 
+  template <typename F>
+  void ForEachEntry(F&& f) {
+    for (auto& [k, e] : entries_) f(k, e);
+  }
   template <typename F>
   void ForEach(uint32_t tenant, F&& f) const {
     for (const auto& [k, e] : entries_) {
@@ -93,6 +101,7 @@ class PrefixRegistry {
   std::unordered_map<TenantKey, uint64_t, TenantKeyHash> generations_;
   std::unordered_map<TenantKey, uint64_t, TenantKeyHash> versions_;
   uint64_t next_publication_ = 1;
+  uint64_t clock_ = 0;
 };
 
 }  // namespace pion::store
