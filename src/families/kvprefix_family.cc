@@ -9,6 +9,7 @@
 #include "families/args.h"
 #include "families/families.h"
 #include "families/kvprefix_internal.h"
+#include "families/shard_sum.h"
 #include "net/connection.h"
 #include "server/server.h"
 #include "store/disk/object_file.h"
@@ -42,7 +43,6 @@ bool Complete(const PrefixSessions& s, const store::PrefixManifest& m) {
 
 namespace {
 
-using kvprefix::Key;
 using kvprefix::PrefixSessions;
 using proto::CmdArgs;
 using server::CommandContext;
@@ -129,25 +129,25 @@ void Register(CommandContext& ctx, CmdArgs& args) {
   auto& vs = ctx.shard->store().vstore;
   std::string ns(args[1]);
   auto* registry = &ctx.shard->store().prefixes;
-  if (registry->Find(Key(ctx, ns)) == nullptr) {
+  if (registry->Find(ctx.Key(ns)) == nullptr) {
     for (const char* suffix : {"_pk", "_pv"}) {
-      s = vs.Create(Key(ctx, ns + suffix), codec.value());
+      s = vs.Create(ctx.Key(ns + suffix), codec.value());
       if (!s.ok()) return ctx.Error(Status(ErrorKind::kMismatch, s.message()));
     }
   }
-  auto entry = registry->Register(Key(ctx, ns), m, prefill_ms);
+  auto entry = registry->Register(ctx.Key(ns), m, prefill_ms);
   if (!entry.ok()) return ctx.Error(entry.status());
   if (!entry.value()->resident) return ctx.rb->Ok();  // saved on disk; promoted on demand
   // A re-registration may follow a V.DROP of a session: recreate what is missing.
   for (const char* suffix : {"_pk", "_pv"}) {
-    s = vs.Create(Key(ctx, ns + suffix), codec.value());
+    s = vs.Create(ctx.Key(ns + suffix), codec.value());
     if (!s.ok()) return ctx.Error(Status(ErrorKind::kMismatch, s.message()));
   }
   ctx.rb->Ok();
 }
 
 void Lookup(CommandContext& ctx, CmdArgs& args) {
-  PrefixEntry* e = ctx.shard->store().prefixes.Find(Key(ctx, args[1]));
+  PrefixEntry* e = ctx.shard->store().prefixes.Find(ctx.Key(args[1]));
   std::optional<std::string> model, position;
   std::optional<uint64_t> generation;
   for (size_t i = 2; i < args.size(); i += 2) {
@@ -184,7 +184,7 @@ void Lookup(CommandContext& ctx, CmdArgs& args) {
     // Saved on disk only: promote it (once, however many clients ask), then answer.
     if (!e->corrupt.empty() || !e->saved_complete) return ctx.rb->SimpleString("MISS");
     auto reply = ctx.Defer();
-    const store::TenantKey key = Key(ctx, args[1]);
+    const store::TenantKey key = ctx.Key(args[1]);
     server::Shard* shard = ctx.shard;
     kvprefix::Warm(*ctx.server, *ctx.shard, key, [reply, key, shard](const Status& s) {
       PrefixEntry* cur = shard->store().prefixes.Find(key);
@@ -213,7 +213,7 @@ void Lookup(CommandContext& ctx, CmdArgs& args) {
 }
 
 void InfoOne(CommandContext& ctx, std::string_view ns) {
-  PrefixEntry* e = ctx.shard->store().prefixes.Find(Key(ctx, ns));
+  PrefixEntry* e = ctx.shard->store().prefixes.Find(ctx.Key(ns));
   if (e == nullptr) return ctx.Error(Error("no such prefix namespace '" + std::string(ns) + "'"));
   const PrefixManifest& m = e->manifest;
   PrefixSessions s = SessionsOf(ctx, ns, m);
@@ -269,65 +269,37 @@ void InfoOne(CommandContext& ctx, std::string_view ns) {
 void Info(CommandContext& ctx, CmdArgs& args) {
   if (args.size() == 2) return InfoOne(ctx, args[1]);  // routed to the namespace's shard
   if (args.size() > 2) return ctx.Error(Error("syntax: KV.PREFIX.INFO [<ns>]"));
-  uint32_t tenant = ctx.tenant;
-  ctx.server->FanOut(
-      *ctx.shard, *ctx.conn,
-      [tenant](server::Shard& shard) {
-        uint64_t prefixes = 0, tokens = 0, fetches = 0, bytes = 0, disk = 0;
-        double saved = 0;
-        auto& vs = shard.store().vstore;
-        shard.store().prefixes.ForEach(
-            tenant, [&](const store::TenantKey& k, const PrefixEntry& e) {
-              ++prefixes;
-              tokens += e.manifest.n_tokens;
-              fetches += e.hits;
-              disk += e.disk_bytes;
-              saved += e.prefill_ms * static_cast<double>(e.hits);
-              for (const char* suffix : {"_pk", "_pv"}) {
-                if (auto* s = vs.Find(store::TenantKey{tenant, k.name + suffix})) {
-                  bytes += s->session->chunk_bytes();
-                }
-              }
-            });
-        char buf[200];
-        std::snprintf(buf, sizeof(buf), "%lu %lu %lu %lu %.6f %lu", prefixes, tokens, fetches,
-                      bytes, saved, disk);
-        return std::string(buf);
-      },
-      [](std::vector<std::string>& parts, proto::ReplyBuilder& rb) {
-        uint64_t prefixes = 0, tokens = 0, fetches = 0, bytes = 0, disk = 0;
-        double saved = 0;
-        for (auto& p : parts) {
-          uint64_t a, b, c, d, f;
-          double e;
-          if (std::sscanf(p.c_str(), "%lu %lu %lu %lu %lf %lu", &a, &b, &c, &d, &e, &f) == 6) {
-            disk += f;
-            prefixes += a;
-            tokens += b;
-            fetches += c;
-            bytes += d;
-            saved += e;
-          }
-        }
-        rb.Map(6);
-        rb.Bulk("prefixes");
-        rb.Integer(static_cast<int64_t>(prefixes));
-        rb.Bulk("tokens");
-        rb.Integer(static_cast<int64_t>(tokens));
-        rb.Bulk("fetches");
-        rb.Integer(static_cast<int64_t>(fetches));
-        rb.Bulk("saved_prefill_ms");
-        rb.Double(saved);
-        rb.Bulk("bytes_ram");
-        rb.Integer(static_cast<int64_t>(bytes));
-        rb.Bulk("bytes_disk");
-        rb.Integer(static_cast<int64_t>(disk));
-      });
+  const uint32_t tenant = ctx.tenant;
+  ReplySumOverShards(ctx,
+                     {{"prefixes"},
+                      {"tokens"},
+                      {"fetches"},
+                      {"saved_prefill_ms", true},
+                      {"bytes_ram"},
+                      {"bytes_disk"}},
+                     [tenant](server::Shard& shard) {
+                       std::vector<double> t(6, 0.0);
+                       auto& vs = shard.store().vstore;
+                       shard.store().prefixes.ForEach(
+                           tenant, [&](const store::TenantKey& k, const PrefixEntry& e) {
+                             t[0] += 1;
+                             t[1] += e.manifest.n_tokens;
+                             t[2] += static_cast<double>(e.hits);
+                             t[3] += e.prefill_ms * static_cast<double>(e.hits);
+                             for (const char* suffix : {"_pk", "_pv"}) {
+                               if (auto* s = vs.Find(store::TenantKey{tenant, k.name + suffix})) {
+                                 t[4] += static_cast<double>(s->session->chunk_bytes());
+                               }
+                             }
+                             t[5] += static_cast<double>(e.disk_bytes);
+                           });
+                       return t;
+                     });
 }
 
 // Per 64-token block: rows written (K and V, all layers) and where the block is resident.
 void Blocks(CommandContext& ctx, CmdArgs& args, bool membership_only) {
-  PrefixEntry* e = ctx.shard->store().prefixes.Find(Key(ctx, args[1]));
+  PrefixEntry* e = ctx.shard->store().prefixes.Find(ctx.Key(args[1]));
   if (e == nullptr)
     return ctx.Error(Error("no such prefix namespace '" + std::string(args[1]) + "'"));
   const PrefixManifest& m = e->manifest;
@@ -377,7 +349,7 @@ void Owner(CommandContext& ctx, CmdArgs& args) { ctx.rb->Integer(ctx.shard->id()
 
 void Drop(CommandContext& ctx, CmdArgs& args) {
   std::string ns(args[1]);
-  if (PrefixEntry* e = ctx.shard->store().prefixes.Find(Key(ctx, ns))) {
+  if (PrefixEntry* e = ctx.shard->store().prefixes.Find(ctx.Key(ns))) {
     if (e->warming) kvprefix::CancelWarm(e, Error("namespace '" + ns + "' was dropped"));
     if (e->saved_version > 0 || !e->corrupt.empty()) {
       // Delete everywhere, disk included (a few file unlinks and one directory fsync).
@@ -387,11 +359,11 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
       if (!s.ok()) return ctx.Error(s);
     }
   }
-  bool existed = ctx.shard->store().prefixes.Drop(Key(ctx, ns));
+  bool existed = ctx.shard->store().prefixes.Drop(ctx.Key(ns));
   if (existed) {
     auto& vs = ctx.shard->store().vstore;
-    vs.Drop(Key(ctx, ns + "_pk"));
-    vs.Drop(Key(ctx, ns + "_pv"));
+    vs.Drop(ctx.Key(ns + "_pk"));
+    vs.Drop(ctx.Key(ns + "_pv"));
   }
   ctx.rb->Integer(existed ? 1 : 0);
 }

@@ -13,10 +13,6 @@
 
 namespace pion::families::kvprefix {
 
-inline store::TenantKey Key(const server::CommandContext& ctx, std::string_view name) {
-  return store::TenantKey{ctx.tenant, std::string(name)};
-}
-
 // The namespace's two sessions, when both exist with the manifest's shape.
 struct PrefixSessions {
   const store::VSession* k = nullptr;

@@ -131,7 +131,7 @@ void FinishWarm(server::Server& srv, server::Shard& shard, const store::TenantKe
 
 void Save(CommandContext& ctx, CmdArgs& args) {
   auto& srv = *ctx.server;
-  const store::TenantKey key = Key(ctx, args[1]);
+  const store::TenantKey key = ctx.Key(args[1]);
   PrefixEntry* e = ctx.shard->store().prefixes.Find(key);
   if (e == nullptr) return ctx.Error(Error("no such prefix namespace '" + key.name + "'"));
   if (!e->corrupt.empty()) return ctx.Error(Status(ErrorKind::kCorrupt, e->corrupt));
@@ -200,7 +200,7 @@ void Save(CommandContext& ctx, CmdArgs& args) {
 }
 
 void WarmCmd(CommandContext& ctx, CmdArgs& args) {
-  const store::TenantKey key = Key(ctx, args[1]);
+  const store::TenantKey key = ctx.Key(args[1]);
   if (ctx.shard->store().prefixes.Find(key) == nullptr) {
     return ctx.Error(Error("no such prefix namespace '" + key.name + "'"));
   }

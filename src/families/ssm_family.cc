@@ -10,17 +10,13 @@ namespace {
 using proto::CmdArgs;
 using server::CommandContext;
 
-store::TenantKey Key(const CommandContext& ctx, std::string_view sid) {
-  return store::TenantKey{ctx.tenant, std::string(sid)};
-}
-
 void Store(CommandContext& ctx, CmdArgs& args) {
   uint64_t layer;
   Status s = ParseUint(args[2], "layer", &layer);
   if (!s.ok()) return ctx.Error(s);
   auto blob = args.TakeBuffer(3);  // adopts the received buffer when it has its own
   if (!blob.ok()) return ctx.Error(blob.status());
-  s = ctx.shard->store().ssm.Store(Key(ctx, args[1]), layer, std::move(blob).value());
+  s = ctx.shard->store().ssm.Store(ctx.Key(args[1]), layer, std::move(blob).value());
   if (!s.ok()) return ctx.Error(s);
   ctx.rb->Ok();
 }
@@ -29,7 +25,7 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
   uint64_t layer;
   Status s = ParseUint(args[2], "layer", &layer);
   if (!s.ok()) return ctx.Error(s);
-  BufferRef blob = ctx.shard->store().ssm.Fetch(Key(ctx, args[1]), layer);
+  BufferRef blob = ctx.shard->store().ssm.Fetch(ctx.Key(args[1]), layer);
   if (!blob) return ctx.rb->Null();
   ctx.rb->BulkRef(blob);
 }
@@ -42,7 +38,7 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
     if (!s.ok()) return ctx.Error(s);
     layer = l;
   }
-  ctx.shard->store().ssm.Drop(Key(ctx, args[1]), layer);
+  ctx.shard->store().ssm.Drop(ctx.Key(args[1]), layer);
   ctx.rb->Ok();
 }
 

@@ -2,6 +2,7 @@
 // id and runs on the shard that owns the id; slots are scoped by tenant.
 #include "families/args.h"
 #include "families/families.h"
+#include "families/shard_sum.h"
 #include "net/connection.h"
 #include "server/server.h"
 
@@ -11,10 +12,6 @@ namespace {
 using proto::CmdArgs;
 using server::CommandContext;
 
-store::TenantKey Key(const CommandContext& ctx, std::string_view id) {
-  return store::TenantKey{ctx.tenant, std::string(id)};
-}
-
 void Alloc(CommandContext& ctx, CmdArgs& args) {
   uint64_t bytes;
   Status s = ParseUint(args[2], "bytes", &bytes);
@@ -23,7 +20,7 @@ void Alloc(CommandContext& ctx, CmdArgs& args) {
     s = Error("bytes " + std::to_string(bytes) + " exceeds proto-max-bulk-len " +
               std::to_string(ctx.server->settings().proto_max_bulk_len.load()));
   }
-  if (s.ok()) s = ctx.shard->store().state.Alloc(Key(ctx, args[1]), bytes);
+  if (s.ok()) s = ctx.shard->store().state.Alloc(ctx.Key(args[1]), bytes);
   if (!s.ok()) return ctx.Error(s);
   ctx.rb->Ok();
 }
@@ -31,7 +28,7 @@ void Alloc(CommandContext& ctx, CmdArgs& args) {
 void Write(CommandContext& ctx, CmdArgs& args) {
   uint64_t offset;
   Status s = ParseUint(args[2], "offset", &offset);
-  if (s.ok()) s = ctx.shard->store().state.Write(Key(ctx, args[1]), offset, args[3]);
+  if (s.ok()) s = ctx.shard->store().state.Write(ctx.Key(args[1]), offset, args[3]);
   if (!s.ok()) return ctx.Error(s);
   ctx.rb->Ok();
 }
@@ -42,36 +39,21 @@ void Read(CommandContext& ctx, CmdArgs& args) {
   if (s.ok()) s = ParseUint(args[3], "len", &len);
   if (!s.ok()) return ctx.Error(s);
   const uint8_t* begin = nullptr;
-  auto buf = ctx.shard->store().state.Read(Key(ctx, args[1]), offset, len, &begin);
+  auto buf = ctx.shard->store().state.Read(ctx.Key(args[1]), offset, len, &begin);
   if (!buf.ok()) return ctx.Error(buf.status());
   ctx.rb->BulkRef(buf.value(), begin, len);
 }
 
 void Free(CommandContext& ctx, CmdArgs& args) {
-  ctx.rb->Integer(ctx.shard->store().state.Free(Key(ctx, args[1])) ? 1 : 0);
+  ctx.rb->Integer(ctx.shard->store().state.Free(ctx.Key(args[1])) ? 1 : 0);
 }
 
 void Info(CommandContext& ctx, CmdArgs&) {
-  uint32_t tenant = ctx.tenant;
-  ctx.server->FanOut(
-      *ctx.shard, *ctx.conn,
-      [tenant](server::Shard& shard) {
-        auto u = shard.store().state.UsageOf(tenant);
-        return std::to_string(u.slots) + " " + std::to_string(u.bytes);
-      },
-      [](std::vector<std::string>& parts, proto::ReplyBuilder& rb) {
-        uint64_t slots = 0, bytes = 0;
-        for (auto& p : parts) {
-          auto sp = p.find(' ');
-          slots += std::stoull(p.substr(0, sp));
-          bytes += std::stoull(p.substr(sp + 1));
-        }
-        rb.Map(2);
-        rb.Bulk("slots");
-        rb.Integer(static_cast<int64_t>(slots));
-        rb.Bulk("bytes");
-        rb.Integer(static_cast<int64_t>(bytes));
-      });
+  const uint32_t tenant = ctx.tenant;
+  ReplySumOverShards(ctx, {{"slots"}, {"bytes"}}, [tenant](server::Shard& shard) {
+    auto u = shard.store().state.UsageOf(tenant);
+    return std::vector<double>{static_cast<double>(u.slots), static_cast<double>(u.bytes)};
+  });
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include "families/args.h"
 #include "families/families.h"
+#include "families/shard_sum.h"
 #include "net/connection.h"
 #include "server/server.h"
 
@@ -24,10 +25,6 @@ std::string_view SessionRouteKey(std::string_view sid) {
     return sid.substr(0, sid.size() - 3);
   }
   return sid;
-}
-
-store::TenantKey Key(const CommandContext& ctx, std::string_view sid) {
-  return store::TenantKey{ctx.tenant, std::string(sid)};
 }
 
 // Views a little-endian blob as T elements; copies into `scratch` when it is not aligned.
@@ -63,7 +60,7 @@ void Create(CommandContext& ctx, CmdArgs& args) {
   auto codec =
       codec::RowCodec::Create(*format, static_cast<uint32_t>(dim), static_cast<uint32_t>(block));
   if (!codec.ok()) return ctx.Error(codec.status());
-  s = ctx.shard->store().vstore.Create(Key(ctx, args[1]), codec.value());
+  s = ctx.shard->store().vstore.Create(ctx.Key(args[1]), codec.value());
   if (!s.ok()) return ctx.Error(s);
   ctx.rb->Ok();
 }
@@ -72,12 +69,12 @@ void Create(CommandContext& ctx, CmdArgs& args) {
 store::PrefixEntry* PrefixOf(CommandContext& ctx, std::string_view sid) {
   std::string_view ns = SessionRouteKey(sid);
   if (ns.size() == sid.size()) return nullptr;
-  return ctx.shard->store().prefixes.Find(Key(ctx, ns));
+  return ctx.shard->store().prefixes.Find(ctx.Key(ns));
 }
 
 void StoreBatch(CommandContext& ctx, CmdArgs& args) {
   auto& vs = ctx.shard->store().vstore;
-  auto entry = vs.Get(Key(ctx, args[1]));
+  auto entry = vs.Get(ctx.Key(args[1]));
   if (!entry.ok()) return ctx.Error(entry.status());
   // Before the store: a namespace being written is never demoted to make room for its own
   // rows, and its saved copy no longer has everything memory has.
@@ -126,7 +123,7 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
 }
 
 void Fetch(CommandContext& ctx, CmdArgs& args) {
-  auto entry = ctx.shard->store().vstore.Get(Key(ctx, args[1]));
+  auto entry = ctx.shard->store().vstore.Get(ctx.Key(args[1]));
   if (!entry.ok()) return ctx.Error(entry.status());
   const store::VSession& session = *entry.value()->session;
   if (store::PrefixEntry* p = PrefixOf(ctx, args[1])) ctx.shard->store().prefixes.Touch(p);
@@ -187,11 +184,11 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
 }
 
 void Drop(CommandContext& ctx, CmdArgs& args) {
-  ctx.rb->Integer(ctx.shard->store().vstore.Drop(Key(ctx, args[1])) ? 1 : 0);
+  ctx.rb->Integer(ctx.shard->store().vstore.Drop(ctx.Key(args[1])) ? 1 : 0);
 }
 
 void Snapshot(CommandContext& ctx, CmdArgs& args) {
-  auto entry = ctx.shard->store().vstore.Get(Key(ctx, args[1]));
+  auto entry = ctx.shard->store().vstore.Get(ctx.Key(args[1]));
   if (!entry.ok()) return ctx.Error(entry.status());
   auto* e = entry.value();
   uint64_t id = e->next_snapshot++;
@@ -201,7 +198,7 @@ void Snapshot(CommandContext& ctx, CmdArgs& args) {
 
 void Restore(CommandContext& ctx, CmdArgs& args) {
   auto& vs = ctx.shard->store().vstore;
-  auto entry = vs.Get(Key(ctx, args[1]));
+  auto entry = vs.Get(ctx.Key(args[1]));
   if (!entry.ok()) return ctx.Error(entry.status());
   uint64_t id = 0;
   Status s = ParseUint(args[2], "snapshot", &id);
@@ -220,7 +217,7 @@ void Restore(CommandContext& ctx, CmdArgs& args) {
 }
 
 void InfoOne(CommandContext& ctx, std::string_view sid) {
-  auto entry = ctx.shard->store().vstore.Get(Key(ctx, sid));
+  auto entry = ctx.shard->store().vstore.Get(ctx.Key(sid));
   if (!entry.ok()) return ctx.Error(entry.status());
   const auto& e = *entry.value();
   const auto& c = e.session->codec();
@@ -247,32 +244,12 @@ void InfoOne(CommandContext& ctx, std::string_view sid) {
 void Info(CommandContext& ctx, CmdArgs& args) {
   if (args.size() == 2) return InfoOne(ctx, args[1]);  // on the session's shard
   if (args.size() > 2) return ctx.Error(Error("syntax: V.INFO [<sid>]"));
-  uint32_t tenant = ctx.tenant;
-  ctx.server->FanOut(
-      *ctx.shard, *ctx.conn,
-      [tenant](server::Shard& shard) {
-        auto u = shard.store().vstore.UsageOf(tenant);
-        return std::to_string(u.sessions) + " " + std::to_string(u.rows) + " " +
-               std::to_string(u.snapshots);
-      },
-      [](std::vector<std::string>& parts, proto::ReplyBuilder& rb) {
-        uint64_t sessions = 0, rows = 0, snaps = 0;
-        for (auto& p : parts) {
-          uint64_t a, b, c;
-          if (std::sscanf(p.c_str(), "%lu %lu %lu", &a, &b, &c) == 3) {
-            sessions += a;
-            rows += b;
-            snaps += c;
-          }
-        }
-        rb.Map(3);
-        rb.Bulk("sessions");
-        rb.Integer(static_cast<int64_t>(sessions));
-        rb.Bulk("rows");
-        rb.Integer(static_cast<int64_t>(rows));
-        rb.Bulk("snapshots");
-        rb.Integer(static_cast<int64_t>(snaps));
-      });
+  const uint32_t tenant = ctx.tenant;
+  ReplySumOverShards(ctx, {{"sessions"}, {"rows"}, {"snapshots"}}, [tenant](server::Shard& shard) {
+    auto u = shard.store().vstore.UsageOf(tenant);
+    return std::vector<double>{static_cast<double>(u.sessions), static_cast<double>(u.rows),
+                               static_cast<double>(u.snapshots)};
+  });
 }
 
 }  // namespace

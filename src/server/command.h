@@ -12,6 +12,7 @@
 
 #include "proto/cmd_args.h"
 #include "proto/reply_builder.h"
+#include "store/tenant_key.h"
 
 namespace pion::net {
 class Connection;
@@ -48,6 +49,9 @@ struct CommandContext {
 
   // Writes an error reply and counts OOM/BUSY rejections in the shard's stats.
   void Error(const Status& status);
+
+  // `name` scoped by the caller's tenant: how every family keys what it stores.
+  store::TenantKey Key(std::string_view name) const { return {tenant, std::string(name)}; }
 
   // For handlers that finish later (disk I/O): the handler writes no reply now, and must
   // call the returned function exactly once, from any thread, with a writer of the reply.
