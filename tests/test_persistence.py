@@ -258,3 +258,36 @@ def test_memory_pressure_demotes_lru_saved_prefixes_never_unsaved(pion_factory):
         make_prefix(r, "d", seed=3)
     assert info(r, "c")["resident"] == 1 and info(r, "b")["resident"] == 1
     assert r.execute_command("V.FETCH", "c_pv", "RANGE", 0, L * T, "RAW") == want["c"]["pv"]
+
+
+def test_vcommit_seals_a_snapshot_that_survives_restart(pion_factory):
+    srv = pion_factory("-w", "2")
+    r = srv.client()
+    dim = 96
+    r.execute_command("V.CREATE", "sess", dim, "int8")
+    a = np.random.default_rng(1).standard_normal((300, dim)).astype(np.float32)
+    r.execute_command("V.STOREBATCH", "sess", 0, a.tobytes())
+    snap = r.execute_command("V.SNAPSHOT", "sess")
+    want = r.execute_command("V.FETCH", "sess", "RANGE", 0, 300, "RAW")
+    # Writes after the snapshot are not sealed.
+    r.execute_command("V.STOREBATCH", "sess", 0, np.zeros((10, dim), np.float32).tobytes())
+    assert r.execute_command("V.COMMIT", "sess", snap) == b"OK"
+    assert r.execute_command("V.COMMIT", "sess", snap) == b"OK"  # idempotent
+    info = r.execute_command("V.INFO", "sess")
+    assert info[info.index(b"sealed") + 1] == 1
+    restart(srv, signal.SIGKILL)  # not even a clean shutdown
+    r = srv.client()
+    with pytest.raises(Exception, match="no such session 'sess'"):
+        r.execute_command("V.FETCH", "sess", 0)
+    assert r.execute_command("V.RESTORE", "sess", snap) == b"OK"
+    assert r.execute_command("V.FETCH", "sess", "RANGE", 0, 300, "RAW") == want
+    assert r.execute_command("V.SNAPSHOT", "sess") > snap  # ids continue above sealed ones
+    with srv.raw() as c:
+        assert str(c.call("V.RESTORE", "sess", 999)) == "ERR no snapshot 999 of session 'sess'"
+        assert str(c.call("V.COMMIT", "sess", 999)) == "ERR no snapshot 999 of session 'sess'"
+        assert str(c.call("V.COMMIT", "nope", 1)) == "ERR no such session 'nope'"
+    assert r.execute_command("V.DROP", "sess") == 1
+    assert list((srv.data_dir / "vsnap").glob("*.pobj")) == []
+    restart(srv)
+    with srv.raw() as c:
+        assert str(c.call("V.RESTORE", "sess", snap)) == "ERR no such session 'sess'"

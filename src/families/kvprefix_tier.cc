@@ -32,56 +32,17 @@ struct LoadResult {
 };
 
 void ReadPrefix(const std::string& path, const store::PrefixManifest& m, LoadResult* out) {
-  auto f = store::disk::ObjectFile::Open(path);
-  if (!f.ok()) {
-    out->status = f.status();
-    return;
-  }
-  if (f->block_count() == 0) {
-    out->status = Status(ErrorKind::kCorrupt, path + " has no chunk index");
-    return;
-  }
-  std::string index(f->block_length(0), '\0');
-  Status s = f->ReadBlock(0, reinterpret_cast<uint8_t*>(index.data()));
-  if (!s.ok()) {
-    out->status = s;
-    return;
-  }
-  auto entries = store::ParsePrefixIndex(index);
-  if (!entries.ok()) {
-    out->status = entries.status();
-    return;
-  }
-  if (entries->size() + 1 != f->block_count()) {
-    out->status = Status(ErrorKind::kCorrupt, path + ": chunk index does not match the blocks");
-    return;
-  }
   auto codec = codec::RowCodec::Create(m.format, m.dim());
   if (!codec.ok()) {
     out->status = Status(ErrorKind::kCorrupt, path + ": " + codec.status().message());
     return;
   }
-  const size_t chunk_bytes = size_t{store::kRowsPerChunk} * codec->row_bytes();
-  for (size_t i = 0; i < entries->size(); ++i) {
-    auto& c = (*entries)[i];
-    if (f->block_length(i + 1) != chunk_bytes) {
-      out->status = Status(ErrorKind::kCorrupt,
-                           path + ": chunk " + std::to_string(i) + " has the wrong size");
-      return;
-    }
-    auto buf = BufferAllocator::Default()->Allocate(chunk_bytes);
-    if (!buf.ok()) {
-      out->status = buf.status();
-      return;
-    }
-    s = f->ReadBlock(i + 1, buf.value()->data());
-    if (!s.ok()) {
-      out->status = s;
-      return;
-    }
-    c.bytes = std::move(buf).value();
+  auto chunks = store::ReadChunkObject(path, codec.value());
+  if (!chunks.ok()) {
+    out->status = chunks.status();
+    return;
   }
-  out->chunks = std::move(entries).value();
+  out->chunks = std::move(chunks).value();
 }
 
 // Runs on the owning shard when the read finished.
@@ -162,7 +123,7 @@ void Save(CommandContext& ctx, CmdArgs& args) {
   server::Server* server = &srv;
   bool queued = srv.io()->Submit([=]() {
     std::string index;
-    auto blocks = store::PrefixBlocks(*snap_k, *snap_v, &index);
+    auto blocks = store::ChunkBlocks({snap_k.get(), snap_v.get()}, &index);
     uint64_t bytes = 0;
     for (auto& b : blocks) bytes += b.size();
     Status st = store::disk::WriteObject(dir, name, version, store::EncodePrefixMeta(rec), blocks);

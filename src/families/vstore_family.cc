@@ -11,14 +11,13 @@
 #include "families/args.h"
 #include "families/families.h"
 #include "families/shard_sum.h"
+#include "families/vstore_internal.h"
 #include "net/connection.h"
 #include "server/server.h"
+#include "store/disk/object_file.h"
 
 namespace pion::families {
-namespace {
-
-using proto::CmdArgs;
-using server::CommandContext;
+namespace vstore {
 
 std::string_view SessionRouteKey(std::string_view sid) {
   if (sid.size() > 3 && (sid.ends_with("_pk") || sid.ends_with("_pv"))) {
@@ -26,6 +25,15 @@ std::string_view SessionRouteKey(std::string_view sid) {
   }
   return sid;
 }
+
+}  // namespace vstore
+
+namespace {
+
+using vstore::SessionRouteKey;
+
+using proto::CmdArgs;
+using server::CommandContext;
 
 // Views a little-endian blob as T elements; copies into `scratch` when it is not aligned.
 template <typename T>
@@ -184,7 +192,16 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
 }
 
 void Drop(CommandContext& ctx, CmdArgs& args) {
-  ctx.rb->Integer(ctx.shard->store().vstore.Drop(ctx.Key(args[1])) ? 1 : 0);
+  auto& vs = ctx.shard->store().vstore;
+  bool existed = vs.Drop(ctx.Key(args[1]));
+  std::vector<std::string> sealed = vs.TakeSealed(ctx.Key(args[1]));
+  if (!sealed.empty()) {
+    // Sealed snapshots go too: a dropped session leaves nothing behind, in memory or on disk.
+    Status s = store::disk::RemoveFiles(vstore::SealedDir(*ctx.server), sealed);
+    if (!s.ok()) return ctx.Error(s);
+    existed = true;
+  }
+  ctx.rb->Integer(existed ? 1 : 0);
 }
 
 void Snapshot(CommandContext& ctx, CmdArgs& args) {
@@ -198,20 +215,22 @@ void Snapshot(CommandContext& ctx, CmdArgs& args) {
 
 void Restore(CommandContext& ctx, CmdArgs& args) {
   auto& vs = ctx.shard->store().vstore;
-  auto entry = vs.Get(ctx.Key(args[1]));
-  if (!entry.ok()) return ctx.Error(entry.status());
   uint64_t id = 0;
   Status s = ParseUint(args[2], "snapshot", &id);
   if (!s.ok()) return ctx.Error(s);
-  auto* e = entry.value();
-  auto it = e->snapshots.find(id);
-  if (it == e->snapshots.end()) {
+  store::VStore::Entry* e = vs.Find(ctx.Key(args[1]));
+  const bool in_memory = e != nullptr && e->snapshots.count(id) != 0;
+  if (!in_memory) {
+    if (vs.FindSealed(ctx.Key(args[1]), id) != nullptr) {
+      return vstore::RestoreSealed(ctx, std::string(args[1]), id);  // from disk
+    }
+    if (e == nullptr) return ctx.Error(Error("no such session '" + std::string(args[1]) + "'"));
     return ctx.Error(
         Error("no snapshot " + std::to_string(id) + " of session '" + std::string(args[1]) + "'"));
   }
   if (store::PrefixEntry* p = PrefixOf(ctx, args[1])) p->dirty = true;
   uint64_t before = e->session->rows();
-  e->session->Restore(it->second);
+  e->session->Restore(e->snapshots.at(id));
   vs.NoteRows(static_cast<int64_t>(e->session->rows()) - static_cast<int64_t>(before));
   ctx.rb->Ok();
 }
@@ -222,7 +241,7 @@ void InfoOne(CommandContext& ctx, std::string_view sid) {
   const auto& e = *entry.value();
   const auto& c = e.session->codec();
   auto& rb = *ctx.rb;
-  rb.Map(8);
+  rb.Map(9);
   rb.Bulk("dim");
   rb.Integer(c.dim());
   rb.Bulk("format");
@@ -239,6 +258,8 @@ void InfoOne(CommandContext& ctx, std::string_view sid) {
   rb.Integer(static_cast<int64_t>(e.session->chunk_bytes()));
   rb.Bulk("snapshots");
   rb.Integer(static_cast<int64_t>(e.snapshots.size()));
+  rb.Bulk("sealed");
+  rb.Integer(static_cast<int64_t>(ctx.shard->store().vstore.SealedCount(ctx.Key(sid))));
 }
 
 void Info(CommandContext& ctx, CmdArgs& args) {
@@ -276,11 +297,16 @@ void RegisterVStoreFamily(server::Server& srv) {
   reg({"V.SNAPSHOT", 2, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, Snapshot, "vstore",
        "Takes a point-in-time snapshot (later writes do not change it); replies its id.", "<sid>"});
   reg({"V.RESTORE", 3, kKv | kCmdWrite, 1, 1, 1, Restore, "vstore",
-       "Makes the session's content equal to a snapshot.", "<sid> <snapshot>"});
+       "Makes the session's content equal to a snapshot (in memory, or sealed on disk).",
+       "<sid> <snapshot>"});
   // V.INFO <sid> is routed to the session's shard; bare V.INFO runs on the connection's shard
   // and fans out.
+  reg({"V.COMMIT", 3, kKv | kCmdWrite, 1, 1, 1, vstore::Commit, "vstore",
+       "Seals a snapshot durably in the disk tier; replies once it is durable.",
+       "<sid> <snapshot>"});
   reg({"V.INFO", -1, kKv | kCmdReadOnly | kCmdConnection, 1, 1, 1, Info, "vstore",
        "Per-session statistics, or the caller's totals without a sid.", "[<sid>]"});
+  srv.AddStartupHook(vstore::LoadSealed);
   srv.AddShardInit([&srv](Shard& shard) {
     auto& mem = srv.memory();
     shard.store().vstore.set_budget(

@@ -105,14 +105,12 @@ StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta) {
   return r;
 }
 
-std::vector<std::span<const uint8_t>> PrefixBlocks(const VSession::Snapshot& k,
-                                                   const VSession::Snapshot& v,
-                                                   std::string* index) {
+std::vector<std::span<const uint8_t>> ChunkBlocks(
+    const std::vector<const VSession::Snapshot*>& parts, std::string* index) {
   std::vector<std::span<const uint8_t>> blocks(1);
   index->clear();
-  int part = 0;
-  for (const auto* snap : {&k, &v}) {
-    for (const auto& [i, chunk] : snap->chunks) {
+  for (size_t part = 0; part < parts.size(); ++part) {
+    for (const auto& [i, chunk] : parts[part]->chunks) {
       index->push_back(static_cast<char>(part));
       uint64_t fields[2] = {static_cast<uint64_t>(i), chunk->written};
       for (uint64_t f : fields) {
@@ -120,7 +118,6 @@ std::vector<std::span<const uint8_t>> PrefixBlocks(const VSession::Snapshot& k,
       }
       blocks.emplace_back(chunk->bytes->data(), chunk->bytes->size());
     }
-    ++part;
   }
   blocks[0] =
       std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(index->data()), index->size());
@@ -144,6 +141,115 @@ StatusOr<std::vector<LoadedChunk>> ParsePrefixIndex(std::string_view block0) {
     out.push_back(LoadedChunk{p[0], static_cast<int64_t>(f[0]), f[1], nullptr});
   }
   return out;
+}
+
+StatusOr<std::vector<LoadedChunk>> ReadChunkObject(const std::string& path,
+                                                   const codec::RowCodec& codec) {
+  auto f = disk::ObjectFile::Open(path);
+  if (!f.ok()) return f.status();
+  if (f->block_count() == 0) return Status(ErrorKind::kCorrupt, path + " has no chunk index");
+  std::string index(f->block_length(0), '\0');
+  Status s = f->ReadBlock(0, reinterpret_cast<uint8_t*>(index.data()));
+  if (!s.ok()) return s;
+  auto entries = ParsePrefixIndex(index);
+  if (!entries.ok()) return entries.status();
+  if (entries->size() + 1 != f->block_count()) {
+    return Status(ErrorKind::kCorrupt, path + ": chunk index does not match the blocks");
+  }
+  const size_t chunk_bytes = size_t{kRowsPerChunk} * codec.row_bytes();
+  for (size_t i = 0; i < entries->size(); ++i) {
+    if (f->block_length(i + 1) != chunk_bytes) {
+      return Status(ErrorKind::kCorrupt,
+                    path + ": chunk " + std::to_string(i) + " has the wrong size");
+    }
+    auto buf = BufferAllocator::Default()->Allocate(chunk_bytes);
+    if (!buf.ok()) return buf.status();
+    s = f->ReadBlock(i + 1, buf.value()->data());
+    if (!s.ok()) return s;
+    (*entries)[i].bytes = std::move(buf).value();
+  }
+  return entries;
+}
+
+namespace {
+std::string Hex(const std::string& s) {
+  static const char* k = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) {
+    out.push_back(k[c >> 4]);
+    out.push_back(k[c & 15]);
+  }
+  return out;
+}
+bool Unhex(const std::string& h, std::string* out) {
+  if (h.size() % 2) return false;
+  out->clear();
+  for (size_t i = 0; i < h.size(); i += 2) {
+    char* end = nullptr;
+    std::string byte = h.substr(i, 2);
+    long v = std::strtol(byte.c_str(), &end, 16);
+    if (*end != '\0') return false;
+    out->push_back(static_cast<char>(v));
+  }
+  return true;
+}
+}  // namespace
+
+std::string SealedObjectName(const SealedRecord& r) {
+  std::string name = "vsnap";
+  name.push_back('\0');
+  name += r.tenant;
+  name.push_back('\0');
+  name += r.sid;
+  name.push_back('\0');
+  name += std::to_string(r.snapshot);
+  return name;
+}
+
+std::string EncodeSealedMeta(const SealedRecord& r) {
+  return "pion-vsnap v1\ntenant=" + Hex(r.tenant) + "\nsid=" + Hex(r.sid) +
+         "\nsnapshot=" + std::to_string(r.snapshot) +
+         "\nformat=" + std::string(codec::FormatName(r.format)) + "\ndim=" + std::to_string(r.dim) +
+         "\nblock=" + std::to_string(r.block) + "\n";
+}
+
+StatusOr<SealedRecord> DecodeSealedMeta(std::string_view meta) {
+  std::istringstream in{std::string(meta)};
+  std::string line;
+  if (!std::getline(in, line) || line != "pion-vsnap v1") {
+    return Status(ErrorKind::kCorrupt, "sealed snapshot manifest has an unknown header");
+  }
+  SealedRecord r;
+  int seen = 0;
+  while (std::getline(in, line)) {
+    auto eq = line.find('=');
+    if (eq == std::string::npos) continue;
+    std::string k = line.substr(0, eq), v = line.substr(eq + 1);
+    bool ok = true;
+    if (k == "tenant") {
+      ok = Unhex(v, &r.tenant);
+    } else if (k == "sid") {
+      ok = Unhex(v, &r.sid);
+    } else if (k == "snapshot") {
+      r.snapshot = std::strtoull(v.c_str(), nullptr, 10);
+    } else if (k == "format") {
+      auto f = codec::ParseFormat(v);
+      ok = f.has_value();
+      if (ok) r.format = *f;
+    } else if (k == "dim") {
+      r.dim = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
+    } else if (k == "block") {
+      r.block = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
+    } else {
+      continue;
+    }
+    if (!ok) return Status(ErrorKind::kCorrupt, "sealed snapshot field '" + k + "' is malformed");
+    ++seen;
+  }
+  if (seen < 6 || r.dim == 0 || r.snapshot == 0) {
+    return Status(ErrorKind::kCorrupt, "sealed snapshot manifest is incomplete");
+  }
+  return r;
 }
 
 }  // namespace pion::store

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/buffer.h"
+#include "store/disk/object_file.h"
 #include "store/prefix_registry.h"
 #include "store/vsession.h"
 
@@ -33,10 +34,11 @@ std::string PrefixObjectName(const std::string& tenant, const std::string& ns);
 std::string EncodePrefixMeta(const PrefixRecord& r);
 StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta);
 
-// Blocks for WriteObject from snapshots of the K and V sessions. `index` receives block 0's
-// bytes and must outlive the spans; the chunk spans point into the snapshots' buffers.
-std::vector<std::span<const uint8_t>> PrefixBlocks(const VSession::Snapshot& k,
-                                                   const VSession::Snapshot& v, std::string* index);
+// Blocks for WriteObject from session snapshots (part i = parts[i]: a prefix has K and V, a
+// sealed V snapshot one part). `index` receives block 0's bytes and must outlive the spans;
+// the chunk spans point into the snapshots' buffers (no copy).
+std::vector<std::span<const uint8_t>> ChunkBlocks(
+    const std::vector<const VSession::Snapshot*>& parts, std::string* index);
 
 // One chunk read back from disk.
 struct LoadedChunk {
@@ -47,5 +49,23 @@ struct LoadedChunk {
 };
 // Parses block 0 into (part, index, written) entries.
 StatusOr<std::vector<LoadedChunk>> ParsePrefixIndex(std::string_view block0);
+
+// Reads every chunk of a chunk object written with ChunkBlocks, verifying each block's
+// checksum and size for `codec` (kCorrupt on any mismatch). Blocking: call off the shards.
+StatusOr<std::vector<LoadedChunk>> ReadChunkObject(const std::string& path,
+                                                   const codec::RowCodec& codec);
+
+// A sealed V-store snapshot (V.COMMIT) as a disk-tier object.
+struct SealedRecord {
+  std::string tenant;
+  std::string sid;
+  uint64_t snapshot = 0;
+  codec::Format format = codec::Format::kFp32;
+  uint32_t dim = 0;
+  uint32_t block = 0;
+};
+std::string SealedObjectName(const SealedRecord& r);
+std::string EncodeSealedMeta(const SealedRecord& r);
+StatusOr<SealedRecord> DecodeSealedMeta(std::string_view meta);
 
 }  // namespace pion::store

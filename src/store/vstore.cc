@@ -25,6 +25,11 @@ Status VStore::Create(const TenantKey& key, const codec::RowCodec& codec) {
   }
   Entry e;
   e.session = std::make_unique<VSession>(codec, &budget_);
+  // Snapshot ids continue above the sealed ones (they survive restarts).
+  auto sealed = sealed_.find(key);
+  if (sealed != sealed_.end() && !sealed->second.empty()) {
+    e.next_snapshot = sealed->second.rbegin()->first + 1;
+  }
   sessions_.emplace(key, std::move(e));
   sessions_gauge_.store(sessions_.size(), std::memory_order_relaxed);
   return Status::Ok();
@@ -48,6 +53,27 @@ bool VStore::Drop(const TenantKey& key) {
   sessions_.erase(it);  // chunks still referenced by replies in flight are freed after them
   sessions_gauge_.store(sessions_.size(), std::memory_order_relaxed);
   return true;
+}
+
+const VStore::Sealed* VStore::FindSealed(const TenantKey& key, uint64_t snapshot) const {
+  auto it = sealed_.find(key);
+  if (it == sealed_.end()) return nullptr;
+  auto s = it->second.find(snapshot);
+  return s == it->second.end() ? nullptr : &s->second;
+}
+
+size_t VStore::SealedCount(const TenantKey& key) const {
+  auto it = sealed_.find(key);
+  return it == sealed_.end() ? 0 : it->second.size();
+}
+
+std::vector<std::string> VStore::TakeSealed(const TenantKey& key) {
+  std::vector<std::string> paths;
+  auto it = sealed_.find(key);
+  if (it == sealed_.end()) return paths;
+  for (auto& [id, s] : it->second) paths.push_back(s.path);
+  sealed_.erase(it);
+  return paths;
 }
 
 VStore::Usage VStore::UsageOf(uint32_t tenant) const {

@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "store/tenant_key.h"
 #include "store/vsession.h"
@@ -31,6 +33,21 @@ class VStore {
   StatusOr<Entry*> Get(const TenantKey& key);
   bool Drop(const TenantKey& key);
 
+  // Sealed (V.COMMIT) snapshots on disk, known even when the session is not in memory.
+  struct Sealed {
+    std::string path;
+    codec::Format format;
+    uint32_t dim;
+    uint32_t block;
+  };
+  void AddSealed(const TenantKey& key, uint64_t snapshot, Sealed s) {
+    sealed_[key][snapshot] = std::move(s);
+  }
+  const Sealed* FindSealed(const TenantKey& key, uint64_t snapshot) const;
+  size_t SealedCount(const TenantKey& key) const;
+  // Forgets the session's sealed snapshots and returns their files (V.DROP deletes them).
+  std::vector<std::string> TakeSealed(const TenantKey& key);
+
   // Keeps the rows gauge in step after a store into a session (rows_after - rows_before).
   void NoteRows(int64_t delta) { rows_gauge_.fetch_add(delta, std::memory_order_relaxed); }
 
@@ -48,6 +65,7 @@ class VStore {
  private:
   ByteBudget budget_;
   std::unordered_map<TenantKey, Entry, TenantKeyHash> sessions_;
+  std::unordered_map<TenantKey, std::map<uint64_t, Sealed>, TenantKeyHash> sealed_;
   std::atomic<uint64_t> sessions_gauge_{0};
   std::atomic<int64_t> rows_gauge_{0};
 };

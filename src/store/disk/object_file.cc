@@ -305,6 +305,13 @@ Status RemoveLeftoverTemps(const std::string& dir) {
   return Status::Ok();
 }
 
+Status RemoveFiles(const std::string& dir, const std::vector<std::string>& paths) {
+  for (const auto& p : paths) {
+    if (unlink(p.c_str()) != 0 && errno != ENOENT) return IoError("cannot remove", p);
+  }
+  return FsyncDir(dir);
+}
+
 Status RemoveObject(const std::string& dir, std::string_view name) {
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return errno == ENOENT ? Status::Ok() : IoError("cannot list", dir);

@@ -85,6 +85,9 @@ StatusOr<std::vector<ListedObject>> ListObjects(const std::string& dir);
 // start-up only: at run time a *.tmp file may be another writer's save in progress.
 Status RemoveLeftoverTemps(const std::string& dir);
 
+// Deletes the given files of dir, then makes the deletion durable.
+Status RemoveFiles(const std::string& dir, const std::vector<std::string>& paths);
+
 // Removes every version of the object (KV.PREFIX.DROP deletes it everywhere).
 Status RemoveObject(const std::string& dir, std::string_view name);
 
