@@ -495,7 +495,7 @@ def test_info_sections(pion):
         assert parse_info(c.call("INFO", "persistence")) == {
             "loading": "0", "dir": str(pion.data_dir), "disk_objects_loaded": "0",
             "disk_objects_corrupt": "0", "disk_saves": "0", "disk_save_failures": "0",
-            "disk_warms": "0", "disk_demotions": "0", "io_queued": "0"}
+            "disk_warms": "0", "disk_demotions": "0", "evictions": "0", "io_queued": "0"}
 
         st = parse_info(c.call("INFO", "stats"))
         for k in ("total_connections_received", "total_commands_processed",

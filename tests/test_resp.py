@@ -223,7 +223,7 @@ def test_raw_resp3_exact_bytes(shared_pion):
         c.send(encode("INFO", "persistence"))
         text = ("# Persistence\r\nloading:0\r\ndir:%s\r\ndisk_objects_loaded:0\r\n"
                 "disk_objects_corrupt:0\r\ndisk_saves:0\r\ndisk_save_failures:0\r\n"
-                "disk_warms:0\r\ndisk_demotions:0\r\nio_queued:0\r\n" % shared_pion.data_dir)
+                "disk_warms:0\r\ndisk_demotions:0\r\nevictions:0\r\nio_queued:0\r\n" % shared_pion.data_dir)
         want = b"=%d\r\ntxt:%s\r\n" % (len(text) + 4, text.encode())
         assert c.read_exact(len(want)) == want
         # COMMAND INFO flags are a set ('~').

@@ -169,6 +169,7 @@ void PersistenceSection(server::Server& srv, std::string& out) {
   Kv(out, "disk_save_failures", d.save_failures.load());
   Kv(out, "disk_warms", d.warms.load());
   Kv(out, "disk_demotions", d.demotions.load());
+  Kv(out, "evictions", d.evictions.load());
   Kv(out, "io_queued", static_cast<uint64_t>(srv.io() ? srv.io()->queued() : 0));
 }
 

@@ -223,33 +223,51 @@ Status LoadDiskTier(server::Server& srv) {
   return Status::Ok();
 }
 
-// The kVStore reclaimer (runs on the shard whose write needs room): drops the memory copy of
-// the least recently used namespaces whose newest content is safely on disk. Never a
-// namespace with unsaved writes, one being promoted, or one being written (StoreBatch marks
-// it dirty before it allocates). Replies in flight keep their chunks alive until sent.
+// The kVStore reclaimer (runs on the shard whose write needs room). First it drops the memory
+// copy of the least recently used namespaces whose newest content is safely on disk (they come
+// back on demand); if that is not enough it evicts the least recently used unsaved namespaces
+// (counted: their data is gone and LOOKUP misses). Never a namespace being written or being
+// promoted. Replies in flight keep their chunks alive until sent.
 uint64_t DemoteForRoom(server::Server& srv, uint64_t need) {
   server::Shard* shard = server::Shard::Current();
   if (shard == nullptr) return 0;
   auto& reg = shard->store().prefixes;
   auto& vs = shard->store().vstore;
-  std::vector<std::pair<uint64_t, store::TenantKey>> candidates;
+  struct Candidate {
+    bool unsaved;
+    uint64_t last_used;
+    store::TenantKey key;
+  };
+  std::vector<Candidate> candidates;
   reg.ForEachEntry([&](const store::TenantKey& k, PrefixEntry& e) {
-    if (e.resident && !e.dirty && !e.warming && e.saved_version > 0 && e.corrupt.empty()) {
-      candidates.emplace_back(e.last_used, k);
-    }
+    if (!e.resident || e.warming || e.writing || !e.corrupt.empty()) return;
+    const bool clean_on_disk = !e.dirty && e.saved_version > 0;
+    candidates.push_back({!clean_on_disk, e.last_used, k});
   });
-  std::sort(candidates.begin(), candidates.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
+  // Demotions (clean, saved) before evictions (unsaved); least recently used first.
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    return a.unsaved != b.unsaved ? !a.unsaved : a.last_used < b.last_used;
+  });
   uint64_t freed = 0;
-  for (const auto& [used, key] : candidates) {
+  for (const auto& c : candidates) {
     if (freed >= need) break;
     for (const char* suffix : {"_pk", "_pv"}) {
-      store::TenantKey sk{key.tenant, key.name + suffix};
+      store::TenantKey sk{c.key.tenant, c.key.name + suffix};
       if (auto* s = vs.Find(sk)) freed += s->session->chunk_bytes();
       vs.Drop(sk);
     }
-    reg.Find(key)->resident = false;
-    srv.disk_stats().demotions.fetch_add(1);
+    PrefixEntry* e = reg.Find(c.key);
+    if (c.unsaved && e->saved_version == 0) {
+      reg.Drop(c.key);  // nothing on disk: the namespace is gone
+      srv.disk_stats().evictions.fetch_add(1);
+    } else if (c.unsaved) {
+      e->resident = false;  // unsaved writes are lost; the older saved version remains
+      e->dirty = false;
+      srv.disk_stats().evictions.fetch_add(1);
+    } else {
+      e->resident = false;
+      srv.disk_stats().demotions.fetch_add(1);
+    }
   }
   return freed;
 }

@@ -86,7 +86,17 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
   if (!entry.ok()) return ctx.Error(entry.status());
   // Before the store: a namespace being written is never demoted to make room for its own
   // rows, and its saved copy no longer has everything memory has.
-  if (store::PrefixEntry* p = PrefixOf(ctx, args[1])) p->dirty = true;
+  store::PrefixEntry* prefix = PrefixOf(ctx, args[1]);
+  if (prefix != nullptr) {
+    prefix->dirty = true;
+    prefix->writing = true;  // the reclaimer must not drop the session being written
+  }
+  struct ClearWriting {
+    store::PrefixEntry* p;
+    ~ClearWriting() {
+      if (p != nullptr) p->writing = false;
+    }
+  } clear_writing{prefix};
   store::VSession& session = *entry.value()->session;
   const size_t row_floats_bytes = size_t{4} * session.dim();
   const uint64_t rows_before = session.rows();

@@ -58,6 +58,7 @@ struct PrefixEntry {
   std::string corrupt;          // non-empty: the disk copy failed validation; never served
   bool warming = false;         // a promotion from disk is in flight
   bool dirty = true;            // memory holds writes the newest saved version lacks
+  bool writing = false;         // a V.STOREBATCH into its sessions is running (never evicted)
   uint64_t last_used = 0;       // LRU clock of the last lookup, fetch, save or promotion
   std::vector<std::function<void(const Status&)>> warm_waiters;  // coalesced WARM/LOOKUPs
 };
