@@ -218,3 +218,44 @@ def test_kvcache_off(pion_factory):
     srv = pion_factory("--kvcache=off")
     with srv.raw() as c:
         assert str(c.call("KV.PREFIX.LOOKUP", "a")) == "ERR state cache not enabled (use --kvcache)"
+
+
+def test_fetch_names_model_and_generation_and_is_fenced(shared_pion):
+    """A reader can state the identity it expects on every V.FETCH: another model's bytes or a
+    dropped generation's are refused, never served."""
+    r = shared_pion.client()
+    register(r, "fence", "MODEL", "llama@1")
+    kv = fill(r, "fence")
+    g1 = info(r, "fence")["cache_generation"]
+    got = r.execute_command("V.FETCH", "fence_pk", "RANGE", 0, T, "RAW", "MODEL", "llama@1",
+                            "GENERATION", g1)
+    assert got == kv[(0, "pk")].astype(np.float16).tobytes()
+    got = r.execute_command("V.FETCH", "fence_pv", 5, 7, "GENERATION", g1, "MODEL", "llama@1")
+    assert len(got) == 2 * DIM * 4
+    with shared_pion.raw() as c:
+        err = c.call("V.FETCH", "fence_pk", "RANGE", 0, T, "MODEL", "mistral@2")
+        assert str(err) == "MISMATCH session 'fence_pk' holds model 'llama@1', not 'mistral@2'"
+        r.execute_command("KV.PREFIX.DROP", "fence")
+        register(r, "fence", "MODEL", "llama@1")
+        fill(r, "fence", seed=5)
+        err = c.call("V.FETCH", "fence_pk", "RANGE", 0, T, "RAW", "GENERATION", g1)
+        assert str(err).startswith(f"MISMATCH session 'fence_pk' is at generation {g1 + 1}, not {g1}")
+        r.execute_command("V.CREATE", "plain", 8, "fp32")
+        err = c.call("V.FETCH", "plain", 0, "MODEL", "x")
+        assert "applies to KV.PREFIX sessions" in str(err)
+        assert c.call("PING") == "PONG"
+
+
+def test_blocks_saved_is_conservative_after_a_write(pion_factory):
+    srv = pion_factory()
+    r = srv.client()
+    register(r, "sv")
+    fill(r, "sv")
+    saved = lambda: {b[b.index(b"saved") + 1] for b in r.execute_command("KV.PREFIX.BLOCKS", "sv")}
+    assert saved() == {0}
+    assert r.execute_command("KV.PREFIX.SAVE", "sv") == b"OK"
+    assert saved() == {1}
+    r.execute_command("V.STOREBATCH", "sv_pk", 0, np.ones((1, DIM), np.float32).tobytes())
+    assert saved() == {0}  # the disk copy no longer has every current row
+    assert r.execute_command("KV.PREFIX.SAVE", "sv") == b"OK"
+    assert saved() == {1}

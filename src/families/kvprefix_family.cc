@@ -337,8 +337,10 @@ void Blocks(CommandContext& ctx, CmdArgs& args, bool membership_only) {
     rb.Integer(static_cast<int64_t>(rows[b]));
     rb.Bulk("tier");
     rb.Bulk(!e->resident ? (e->saved_version > 0 ? "disk" : "none") : rows[b] > 0 ? "ram" : "none");
+    // Saved means the disk copy holds this block's current rows; after a write the whole
+    // namespace counts as unsaved until the next SAVE (conservative: never claims too much).
     rb.Bulk("saved");
-    rb.Integer(e->saved_version > 0 ? 1 : 0);
+    rb.Integer(e->saved_version > 0 && !e->dirty ? 1 : 0);
   }
 }
 

@@ -144,10 +144,49 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
   auto entry = ctx.shard->store().vstore.Get(ctx.Key(args[1]));
   if (!entry.ok()) return ctx.Error(entry.status());
   const store::VSession& session = *entry.value()->session;
-  if (store::PrefixEntry* p = PrefixOf(ctx, args[1])) ctx.shard->store().prefixes.Touch(p);
+  store::PrefixEntry* prefix = PrefixOf(ctx, args[1]);
+  if (prefix != nullptr) ctx.shard->store().prefixes.Touch(prefix);
+  // Trailing options (ids are integers, so keywords cannot be mistaken for them):
+  // RAW, and for a KV.PREFIX session the identity the reader expects, MODEL <id> and
+  // GENERATION <g> — a reader of another model or of a dropped generation is refused.
   size_t end_arg = args.size();
-  const bool raw = EqualsIgnoreCase(args[end_arg - 1], "RAW");
-  if (raw) --end_arg;
+  bool raw = false;
+  while (end_arg > 2) {
+    if (EqualsIgnoreCase(args[end_arg - 1], "RAW")) {
+      raw = true;
+      --end_arg;
+    } else if (end_arg > 3 && (EqualsIgnoreCase(args[end_arg - 2], "MODEL") ||
+                               EqualsIgnoreCase(args[end_arg - 2], "GENERATION"))) {
+      std::string_view opt = args[end_arg - 2], val = args[end_arg - 1];
+      if (prefix == nullptr) {
+        return ctx.Error(Error(std::string(opt) +
+                               " applies to KV.PREFIX sessions (<ns>_pk, "
+                               "<ns>_pv); '" +
+                               std::string(args[1]) + "' is not one"));
+      }
+      const auto& m = prefix->manifest;
+      if (EqualsIgnoreCase(opt, "MODEL") && val != m.model) {
+        return ctx.Error(Status(ErrorKind::kMismatch, "session '" + std::string(args[1]) +
+                                                          "' holds model '" + m.model + "', not '" +
+                                                          std::string(val) + "'"));
+      }
+      if (EqualsIgnoreCase(opt, "GENERATION")) {
+        uint64_t g = 0;
+        Status gs = ParseUint(val, "GENERATION", &g);
+        if (!gs.ok()) return ctx.Error(gs);
+        if (g != m.cache_generation) {
+          return ctx.Error(Status(ErrorKind::kMismatch,
+                                  "session '" + std::string(args[1]) + "' is at generation " +
+                                      std::to_string(m.cache_generation) + ", not " +
+                                      std::to_string(g) +
+                                      " (its namespace was dropped and registered again)"));
+        }
+      }
+      end_arg -= 2;
+    } else {
+      break;
+    }
+  }
   const bool range = end_arg > 2 && EqualsIgnoreCase(args[2], "RANGE");
   int64_t start = 0, end = 0;
   std::vector<int64_t> ids;
@@ -301,7 +340,8 @@ void RegisterVStoreFamily(server::Server& srv) {
        "<sid> <start_id> <fp32_blob> | <sid> IDS <int64_ids_blob> <fp32_blob>"});
   reg({"V.FETCH", -3, kKv | kCmdReadOnly, 1, 1, 1, Fetch, "vstore",
        "Fetches rows as fp32 (or RAW stored encoding) by ids or an id range.",
-       "<sid> <id> [<id> ...] [RAW] | <sid> RANGE <start> <end> [RAW]"});
+       "<sid> <id> [<id> ...] | <sid> RANGE <start> <end>, then [RAW] [MODEL <id>] "
+       "[GENERATION <g>]"});
   reg({"V.DROP", 2, kKv | kCmdWrite, 1, 1, 1, Drop, "vstore",
        "Deletes a session and its snapshots; replies 1 if it existed.", "<sid>"});
   reg({"V.SNAPSHOT", 2, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, Snapshot, "vstore",
