@@ -139,6 +139,9 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2, help="pion-server -w")
     ap.add_argument("--pion-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for pion-server (repeatable; recorded in the result)")
+    ap.add_argument("--redis-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for redis-server (repeatable; recorded), e.g. "
+                         "MALLOC_CONF=dirty_decay_ms:-1")
     ap.add_argument("--max-background", type=float, default=0.3,
                     help="before each run, wait until other CPU use is at most this many cores")
     ap.add_argument("--wait-idle", type=float, default=60.0,
@@ -201,6 +204,10 @@ def main() -> int:
     for kv in a.pion_env:
         k, _, v = kv.partition("=")
         pion_env[k] = v
+    redis_env = dict(os.environ)
+    for kv in a.redis_env:
+        k, _, v = kv.partition("=")
+        redis_env[k] = v
     procs: dict[str, subprocess.Popen] = {}
     runs: list[dict] = []
     load_notes: list[str] = []
@@ -211,7 +218,7 @@ def main() -> int:
             log = tmp / f"{name}.log"
             procs[name] = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, cwd=tmp,
-                                           env=pion_env if name == "pion" else None)
+                                           env=pion_env if name == "pion" else redis_env)
         ports = {"pion": p1, "redis": p2}
         for name in procs:
             wait_ready(procs[name], ports[name], name, tmp / f"{name}.log")
@@ -414,7 +421,7 @@ def main() -> int:
              f"{redis.__version__}, psutil {psutil.__version__}")
     L.append(f"- pion command: `{' '.join(shlex.quote(x) for x in [*a.pion_env, *pion_cmd])}`"
              " (`<tmp>/pion-server` is the copy)")
-    L.append(f"- redis command: `{' '.join(shlex.quote(x) for x in redis_cmd)}`")
+    L.append(f"- redis command: `{' '.join(shlex.quote(x) for x in [*a.redis_env, *redis_cmd])}`")
     L.append(f"- Prefix: `KV.PREFIX.REGISTER {ns} {a.layers} {T} {a.kv_heads} {a.head_dim} {a.format}`; "
              f"one layer = {T} rows × {dim} values = {raw_bytes} bytes RAW, {fp32_bytes} bytes fp32")
     for note in load_notes:
