@@ -7,6 +7,30 @@
 
 namespace pion::store {
 
+namespace {
+std::string Hex(const std::string& s) {
+  static const char* k = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) {
+    out.push_back(k[c >> 4]);
+    out.push_back(k[c & 15]);
+  }
+  return out;
+}
+bool Unhex(const std::string& h, std::string* out) {
+  if (h.size() % 2) return false;
+  out->clear();
+  for (size_t i = 0; i < h.size(); i += 2) {
+    char* end = nullptr;
+    std::string byte = h.substr(i, 2);
+    long v = std::strtol(byte.c_str(), &end, 16);
+    if (*end != '\0') return false;
+    out->push_back(static_cast<char>(v));
+  }
+  return true;
+}
+}  // namespace
+
 std::string PrefixObjectName(const std::string& tenant, const std::string& ns) {
   std::string name = "prefix";
   name.push_back('\0');
@@ -18,15 +42,6 @@ std::string PrefixObjectName(const std::string& tenant, const std::string& ns) {
 
 std::string EncodePrefixMeta(const PrefixRecord& r) {
   // Values are hex-escaped so any byte (newlines, '=') survives.
-  auto hex = [](const std::string& s) {
-    static const char* k = "0123456789abcdef";
-    std::string out;
-    for (unsigned char c : s) {
-      out.push_back(k[c >> 4]);
-      out.push_back(k[c & 15]);
-    }
-    return out;
-  };
   const auto& m = r.manifest;
   char num[512];
   std::snprintf(num, sizeof(num),
@@ -36,8 +51,8 @@ std::string EncodePrefixMeta(const PrefixRecord& r) {
                 std::string(codec::FormatName(m.format)).c_str(),
                 static_cast<unsigned long long>(m.cache_generation), r.prefill_ms,
                 r.complete ? 1 : 0);
-  return "pion-prefix v1\ntenant=" + hex(r.tenant) + "\nns=" + hex(r.ns) +
-         "\nmodel=" + hex(m.model) + "\nposition=" + hex(m.position) + "\n" + num;
+  return "pion-prefix v1\ntenant=" + Hex(r.tenant) + "\nns=" + Hex(r.ns) +
+         "\nmodel=" + Hex(m.model) + "\nposition=" + Hex(m.position) + "\n" + num;
 }
 
 StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta) {
@@ -46,18 +61,6 @@ StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta) {
   if (!std::getline(in, line) || line != "pion-prefix v1") {
     return Status(ErrorKind::kCorrupt, "prefix manifest has an unknown header");
   }
-  auto unhex = [](const std::string& h, std::string* out) {
-    if (h.size() % 2) return false;
-    out->clear();
-    for (size_t i = 0; i < h.size(); i += 2) {
-      char* end = nullptr;
-      std::string byte = h.substr(i, 2);
-      long v = std::strtol(byte.c_str(), &end, 16);
-      if (*end != '\0') return false;
-      out->push_back(static_cast<char>(v));
-    }
-    return true;
-  };
   PrefixRecord r;
   int seen = 0;
   while (std::getline(in, line)) {
@@ -67,13 +70,13 @@ StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta) {
     auto& m = r.manifest;
     bool ok = true;
     if (k == "tenant") {
-      ok = unhex(v, &r.tenant);
+      ok = Unhex(v, &r.tenant);
     } else if (k == "ns") {
-      ok = unhex(v, &r.ns);
+      ok = Unhex(v, &r.ns);
     } else if (k == "model") {
-      ok = unhex(v, &m.model);
+      ok = Unhex(v, &m.model);
     } else if (k == "position") {
-      ok = unhex(v, &m.position);
+      ok = Unhex(v, &m.position);
     } else if (k == "layers") {
       m.n_layers = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
     } else if (k == "tokens") {
@@ -170,30 +173,6 @@ StatusOr<std::vector<LoadedChunk>> ReadChunkObject(const std::string& path,
   }
   return entries;
 }
-
-namespace {
-std::string Hex(const std::string& s) {
-  static const char* k = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : s) {
-    out.push_back(k[c >> 4]);
-    out.push_back(k[c & 15]);
-  }
-  return out;
-}
-bool Unhex(const std::string& h, std::string* out) {
-  if (h.size() % 2) return false;
-  out->clear();
-  for (size_t i = 0; i < h.size(); i += 2) {
-    char* end = nullptr;
-    std::string byte = h.substr(i, 2);
-    long v = std::strtol(byte.c_str(), &end, 16);
-    if (*end != '\0') return false;
-    out->push_back(static_cast<char>(v));
-  }
-  return true;
-}
-}  // namespace
 
 std::string SealedObjectName(const SealedRecord& r) {
   std::string name = "vsnap";
