@@ -374,7 +374,8 @@ void Probe(Shared* sh, int fd) {
     if (line[0] != '$') Die("request " + std::to_string(i) + ": reply is not a bulk: " + shown);
     char* e = nullptr;
     long long len = std::strtoll(line.c_str() + 1, &e, 10);
-    if (len < 0 || *e != '\r') Die("request " + std::to_string(i) + ": bad reply header " + shown);
+    if (*e != '\r') Die("request " + std::to_string(i) + ": bad reply header " + shown);
+    if (len < 0) Die("request " + std::to_string(i) + ": reply is a null bulk (" + shown + ")");
     if (o.have_expect && static_cast<uint64_t>(len) != o.expect_size) {
       Die("request " + std::to_string(i) + ": reply has " + std::to_string(len) +
           " bytes, expected " + std::to_string(o.expect_size));
