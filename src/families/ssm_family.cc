@@ -56,9 +56,7 @@ void RegisterSsmFamily(server::Server& srv) {
   r.Register({"SSM.PREFIX.DROP", -2, kKv | kCmdWrite, 1, 1, 1, Drop, "ssm",
               "Drops one layer, or every layer of the session; idempotent.", "<sid> [<layer>]"});
   srv.AddShardInit([&srv](Shard& shard) {
-    auto& mem = srv.memory();
-    shard.store().ssm.set_budget({[&mem](uint64_t n) { return mem.Reserve(MemFamily::kSsm, n); },
-                                  [&mem](uint64_t n) { mem.Release(MemFamily::kSsm, n); }});
+    shard.store().ssm.set_budget(srv.memory().BudgetFor(MemFamily::kSsm));
   });
 }
 

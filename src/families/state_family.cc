@@ -74,10 +74,7 @@ void RegisterStateFamily(server::Server& srv) {
   r.Register({"STATE.INFO", 1, kKv | kCmdReadOnly | kCmdConnection, 0, 0, 0, Info, "state",
               "Slot count and bytes of the caller's tenant.", ""});
   srv.AddShardInit([&srv](Shard& shard) {
-    auto& mem = srv.memory();
-    shard.store().state.set_budget(
-        {[&mem](uint64_t n) { return mem.Reserve(MemFamily::kState, n); },
-         [&mem](uint64_t n) { mem.Release(MemFamily::kState, n); }});
+    shard.store().state.set_budget(srv.memory().BudgetFor(MemFamily::kState));
   });
 }
 

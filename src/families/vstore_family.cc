@@ -358,10 +358,7 @@ void RegisterVStoreFamily(server::Server& srv) {
        "Per-session statistics, or the caller's totals without a sid.", "[<sid>]"});
   srv.AddStartupHook(vstore::LoadSealed);
   srv.AddShardInit([&srv](Shard& shard) {
-    auto& mem = srv.memory();
-    shard.store().vstore.set_budget(
-        {[&mem](uint64_t n) { return mem.Reserve(MemFamily::kVStore, n); },
-         [&mem](uint64_t n) { mem.Release(MemFamily::kVStore, n); }});
+    shard.store().vstore.set_budget(srv.memory().BudgetFor(MemFamily::kVStore));
   });
 }
 

@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "common/status.h"
+#include "store/byte_budget.h"
 
 namespace pion::server {
 
@@ -49,6 +50,12 @@ class MemoryAccountant {
   // Charges without an admission check (memory already in use, e.g. client buffers).
   void Charge(MemFamily f, uint64_t bytes);
   void Release(MemFamily f, uint64_t bytes);
+
+  // A store's budget charged to family f (what every family hands its per-shard store).
+  store::ByteBudget BudgetFor(MemFamily f) {
+    return {[this, f](uint64_t n) { return Reserve(f, n); },
+            [this, f](uint64_t n) { Release(f, n); }};
+  }
 
   uint64_t oom_rejections() const { return oom_rejections_.load(std::memory_order_relaxed); }
 

@@ -13,19 +13,15 @@
 
 #include "common/buffer.h"
 #include "common/status.h"
+#include "store/byte_budget.h"
 #include "store/tenant_key.h"
 
 namespace pion::store {
 
 class StateSlots {
  public:
-  // Charges/releases bytes against the memory budget; Reserve returns kOom when full.
-  struct Budget {
-    std::function<Status(uint64_t)> reserve;
-    std::function<void(uint64_t)> release;
-  };
-
-  void set_budget(Budget b) { budget_ = std::move(b); }
+  // Charges/releases the slots' bytes against the memory limit.
+  void set_budget(ByteBudget b) { budget_ = std::move(b); }
 
   // Creates a zero-filled slot. Allocating an existing id with the same size is a no-op
   // (the contents are kept); with a different size it is an error.
@@ -60,7 +56,7 @@ class StateSlots {
     slot_gauge_.store(slots_.size(), std::memory_order_relaxed);
     bytes_gauge_.store(bytes_, std::memory_order_relaxed);
   }
-  Budget budget_;
+  ByteBudget budget_;
 };
 
 }  // namespace pion::store

@@ -18,17 +18,12 @@
 
 #include "common/buffer.h"
 #include "common/status.h"
+#include "store/byte_budget.h"
 #include "store/codec/codec.h"
 
 namespace pion::store {
 
 inline constexpr uint32_t kRowsPerChunk = 64;
-
-// Memory charged for stored bytes. reserve() may refuse (kOom); release() is thread-safe.
-struct ByteBudget {
-  std::function<Status(uint64_t)> reserve;
-  std::function<void(uint64_t)> release;
-};
 
 class VSession {
  public:
