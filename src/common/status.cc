@@ -28,6 +28,8 @@ std::string_view ErrorPrefix(ErrorKind kind) {
       return "IOERR";
     case ErrorKind::kCorrupt:
       return "CORRUPT";
+    case ErrorKind::kMiss:
+      return "MISS";
   }
   return "ERR";
 }

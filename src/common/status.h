@@ -26,6 +26,7 @@ enum class ErrorKind : unsigned char {
   kProtocol,   // -ERR Protocol error: ...; the connection is closed after replying
   kIo,         // -IOERR: the disk tier failed
   kCorrupt,    // -CORRUPT: stored bytes failed validation and are not served
+  kMiss,       // -MISS: the object a computation needs is not resident (store it first)
 };
 
 // The RESP prefix for an error kind, e.g. "ERR", "OOM".

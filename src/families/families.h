@@ -17,6 +17,7 @@ void RegisterStateFamily(server::Server& server);     // STATE.*
 void RegisterVStoreFamily(server::Server& server);    // V.*
 void RegisterSsmFamily(server::Server& server);       // SSM.PREFIX.*
 void RegisterKvPrefixFamily(server::Server& server);  // KV.PREFIX.*
+void RegisterAttendPrefixFamily(server::Server& server);  // ATTEND.PREFIX.*
 
 // Every family, in table order.
 void RegisterAll(server::Server& server);

@@ -11,6 +11,7 @@ void RegisterAll(server::Server& server) {
   RegisterVStoreFamily(server);
   RegisterSsmFamily(server);
   RegisterKvPrefixFamily(server);
+  RegisterAttendPrefixFamily(server);
 }
 
 }  // namespace pion::families

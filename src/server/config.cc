@@ -105,6 +105,22 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
                  "Threads for disk-tier reads and writes (no event loop waits on the disk)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+  app.add_option("--attention-backend", c.attention_backend,
+                 "Where ATTEND.PREFIX.* computes: cpu | auto (auto = the best available)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "auto"}));
+  app.add_flag("--attention-fp16", c.attention_fp16,
+               "Store attention slots as fp16 (half the memory; parity with fp16 engines)");
+  AddSize(app, "--attention-memory", &c.attention_memory,
+          "Cap on resident attention slots (LRU eviction beyond it); 0 = only --maxmemory");
+  app.add_option("--compute-threads", c.compute_threads,
+                 "Threads that run attention queries; 0 = number of cores")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
+  app.add_option("--compute-queue-depth", c.compute_queue_depth,
+                 "Queries that may wait for a compute thread; beyond it -BUSY")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option_function<std::string>(
          "--kvcache",
          [&c](const std::string& v) {
@@ -153,10 +169,9 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
     *exit_code = app.exit(e);
     return Error("exit");
   }
-  if (c.workers == 0) {
-    unsigned hw = std::thread::hardware_concurrency();
-    c.workers = hw == 0 ? 1 : static_cast<int>(hw);
-  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  if (c.workers == 0) c.workers = hw == 0 ? 1 : static_cast<int>(hw);
+  if (c.compute_threads == 0) c.compute_threads = hw == 0 ? 1 : static_cast<int>(hw);
   return c;
 }
 

@@ -1,5 +1,7 @@
 #include "server/memory.h"
 
+#include <algorithm>
+
 #include "common/bytes.h"
 
 namespace pion::server {
@@ -29,25 +31,49 @@ uint64_t MemoryAccountant::free_bytes() const {
 }
 
 bool MemoryAccountant::TryAdd(MemFamily f, uint64_t bytes) {
+  auto& fam = by_family_[static_cast<int>(f)];
+  const uint64_t cap = family_limit(f);
+  if (cap != 0) {
+    // Claim the family's share first, then the total; undo the first if the second fails.
+    uint64_t cur = fam.load(std::memory_order_relaxed);
+    do {
+      if (cur + bytes > cap || cur + bytes < cur) return false;
+    } while (!fam.compare_exchange_weak(cur, cur + bytes, std::memory_order_relaxed));
+  }
   uint64_t max = maxmemory();
   uint64_t cur = used_.load(std::memory_order_relaxed);
   do {
-    if (max != 0 && (cur + bytes > max || cur + bytes < cur)) return false;
+    if (max != 0 && (cur + bytes > max || cur + bytes < cur)) {
+      if (cap != 0) fam.fetch_sub(bytes, std::memory_order_relaxed);
+      return false;
+    }
   } while (!used_.compare_exchange_weak(cur, cur + bytes, std::memory_order_relaxed));
-  by_family_[static_cast<int>(f)].fetch_add(bytes, std::memory_order_relaxed);
+  if (cap == 0) fam.fetch_add(bytes, std::memory_order_relaxed);
   return true;
 }
 
 Status MemoryAccountant::Reserve(MemFamily f, uint64_t bytes) {
   if (TryAdd(f, bytes)) return Status::Ok();
   const auto& reclaim = reclaimers_[static_cast<int>(f)];
+  const uint64_t cap = family_limit(f);
   if (reclaim) {
     uint64_t max = maxmemory(), u = used();
-    uint64_t need = (u + bytes > max) ? u + bytes - max : bytes;
+    uint64_t need = (max != 0 && u + bytes > max) ? u + bytes - max : 0;
+    const uint64_t fu = used(f);
+    if (cap != 0 && fu + bytes > cap) need = std::max(need, fu + bytes - cap);
+    if (need == 0) need = bytes;
     reclaim(need);
     if (TryAdd(f, bytes)) return Status::Ok();
   }
   oom_rejections_.fetch_add(1, std::memory_order_relaxed);
+  if (cap != 0 && used(f) + bytes > cap) {
+    const uint64_t fu = used(f);
+    return Status(ErrorKind::kOom,
+                  std::string(MemFamilyName(f)) + " write of " + std::to_string(bytes) +
+                      " bytes does not fit: " + std::to_string(fu < cap ? cap - fu : 0) +
+                      " bytes free of the " + std::string(MemFamilyName(f)) + " limit " +
+                      std::to_string(cap) + " (" + HumanBytes(cap) + ")");
+  }
   uint64_t free = free_bytes();
   return Status(ErrorKind::kOom, "command not allowed when used memory > 'maxmemory': " +
                                      std::string(MemFamilyName(f)) + " write of " +

@@ -42,6 +42,14 @@ class MemoryAccountant {
   }
   uint64_t free_bytes() const;
 
+  // A cap on one family's bytes on top of maxmemory (e.g. --attention-memory); 0 = none.
+  void set_family_limit(MemFamily f, uint64_t bytes) {
+    limits_[static_cast<int>(f)].store(bytes, std::memory_order_relaxed);
+  }
+  uint64_t family_limit(MemFamily f) const {
+    return limits_[static_cast<int>(f)].load(std::memory_order_relaxed);
+  }
+
   // Registers the family's reclaimer. Call during start-up, before shards run.
   void SetReclaimer(MemFamily f, Reclaimer r) { reclaimers_[static_cast<int>(f)] = std::move(r); }
 
@@ -65,6 +73,7 @@ class MemoryAccountant {
   std::atomic<uint64_t> max_{0};
   std::atomic<uint64_t> used_{0};
   std::array<std::atomic<uint64_t>, static_cast<int>(MemFamily::kCount)> by_family_{};
+  std::array<std::atomic<uint64_t>, static_cast<int>(MemFamily::kCount)> limits_{};
   std::array<Reclaimer, static_cast<int>(MemFamily::kCount)> reclaimers_{};
   std::atomic<uint64_t> oom_rejections_{0};
 };

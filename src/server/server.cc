@@ -40,6 +40,8 @@ Status Server::Init() {
     for (auto& hook : shard_inits_) hook(*shards_.back());
   }
   io_ = std::make_unique<IoPool>(config_.io_threads, 1024);
+  compute_ = std::make_unique<ComputePool>(config_.compute_threads,
+                                           static_cast<size_t>(config_.compute_queue_depth));
   for (auto& hook : startup_) {
     Status s = hook(*this);
     if (!s.ok()) return s;
@@ -78,7 +80,8 @@ int Server::Run() {
   }
   for (auto& s : shards_) s->Stop();
   for (auto& s : shards_) s->Join();
-  io_.reset();  // finishes queued disk work (their replies have nowhere to go; the data does)
+  compute_.reset();  // finishes queued queries (their replies have nowhere to go)
+  io_.reset();       // finishes queued disk work (their replies have nowhere to go; the data does)
   if (metrics_) metrics_->Stop();
   spdlog::info("Pion is now ready to exit, bye bye");
   return 0;

@@ -11,8 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "attention/counters.h"
 #include "server/auth.h"
 #include "server/command.h"
+#include "server/compute_pool.h"
 #include "server/config.h"
 #include "server/io_pool.h"
 #include "server/memory.h"
@@ -55,6 +57,9 @@ class Server {
 
   // Blocking disk work (see IoPool). Null until Init().
   IoPool* io() { return io_.get(); }
+  // Attention queries (see ComputePool). Null until Init().
+  ComputePool* compute() { return compute_.get(); }
+  attention::Counters& attention_counters() { return attention_counters_; }
 
   // Families add start-up work (loading the disk tier) that runs in Init() after the shards
   // exist and before any of them runs, on the main thread.
@@ -107,6 +112,8 @@ class Server {
   std::vector<std::function<void(Shard&)>> shard_inits_;
   std::vector<std::function<Status(Server&)>> startup_;
   std::unique_ptr<IoPool> io_;
+  std::unique_ptr<ComputePool> compute_;
+  attention::Counters attention_counters_;
   DiskStats disk_stats_;
   std::unique_ptr<MetricsHttp> metrics_;
   int listen_fd_ = -1;

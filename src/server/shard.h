@@ -17,6 +17,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "attention/slot_store.h"
 #include "net/connection.h"
 #include "net/event_loop.h"
 #include "server/stats.h"
@@ -35,6 +36,7 @@ struct ShardStore {
   store::VStore vstore;
   store::SsmStore ssm;
   store::PrefixRegistry prefixes;
+  attention::SlotStore attention;
 };
 
 class Shard final : public net::ConnectionHost, public net::EventHandler {

@@ -1,0 +1,341 @@
+#include "attention/executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace pion::attention {
+
+using kernels::Keys;
+using kernels::Partial;
+using kernels::Queries;
+using kernels::Tensor3;
+
+std::string_view FormName(Form f) {
+  switch (f) {
+    case Form::kDense:
+      return "dense";
+    case Form::kTopK:
+      return "topk";
+    case Form::kFused:
+      return "fused";
+    case Form::kSparse:
+      return "sparse";
+    case Form::kSparseAuto:
+      return "sparse_auto";
+    case Form::kSparseAutoFused:
+      return "sparse_auto_fused";
+  }
+  return "unknown";
+}
+
+uint32_t SplitsFor(uint64_t bytes_read, uint64_t rows, int threads) {
+  constexpr uint64_t kMinBytesPerPiece = 256 << 10;  // below this, a thread hop costs more
+  constexpr uint64_t kMinRowsPerPiece = 64;
+  if (threads <= 1) return 1;
+  uint64_t pieces = std::min<uint64_t>(threads, bytes_read / kMinBytesPerPiece);
+  pieces = std::min<uint64_t>(pieces, rows / kMinRowsPerPiece);
+  return static_cast<uint32_t>(std::max<uint64_t>(pieces, 1));
+}
+
+namespace {
+
+// Owned storage for a Partial of n rows.
+struct PartialBuf {
+  std::vector<float> m, l, o;
+  PartialBuf(size_t n, uint32_t d) : m(n), l(n), o(n * d) {}
+  Partial View(uint32_t d) { return {m.data(), l.data(), o.data(), m.size(), d}; }
+};
+
+// Keys visible to any query row at positions [p_lo, p_hi] under the window, intersected with
+// rows [0, n) of a key set at positions pos0.. : returned as a row range [begin, end).
+std::pair<uint32_t, uint32_t> VisibleRows(int64_t p_lo, int64_t p_hi, int64_t window, int64_t pos0,
+                                          uint32_t n) {
+  int64_t lo = window > 0 ? p_lo - window + 1 : std::numeric_limits<int64_t>::min() / 2;
+  int64_t begin = std::max<int64_t>(0, lo - pos0);
+  int64_t end = std::min<int64_t>(n, p_hi - pos0 + 1);
+  if (end <= begin) return {0, 0};
+  return {static_cast<uint32_t>(begin), static_cast<uint32_t>(end)};
+}
+
+// Keys visible to one query at position p.
+std::pair<uint32_t, uint32_t> VisibleFor(int64_t p, int64_t window, int64_t pos0, uint32_t n) {
+  return VisibleRows(p, p, window, pos0, n);
+}
+
+// Dense attention of every query row over rows [0, k.rows) of k/v at positions pos0..,
+// split across threads by key range and merged exactly.
+void DensePass(const kernels::AttentionKernels& kern, const Parallel& par, const Queries& q,
+               const Tensor3& k, const Tensor3& v, int64_t pos0, float scale, int64_t window,
+               const Partial& out, Receipt* r) {
+  auto [begin, end] = VisibleRows(q.pos0, q.pos0 + q.m - 1, window, pos0, k.rows);
+  if (begin >= end) return kernels::ClearPartial(out);
+  const uint64_t rows = end - begin;
+  const uint64_t bytes =
+      rows * k.heads * k.d * (kernels::DTypeSize(k.dtype) + kernels::DTypeSize(v.dtype));
+  const uint32_t pieces = SplitsFor(bytes, rows, par.threads);
+  r->splits = std::max(r->splits, pieces);
+  Keys keys{k, v, pos0, begin, end};
+  if (pieces == 1) return kern.Attend(q, keys, scale, window, out);
+  std::vector<PartialBuf> parts;
+  parts.reserve(pieces - 1);
+  for (uint32_t i = 1; i < pieces; ++i) parts.emplace_back(out.n, out.d);
+  par.For(pieces, [&](size_t i) {
+    Keys piece = keys;
+    piece.begin = static_cast<uint32_t>(begin + rows * i / pieces);
+    piece.end = static_cast<uint32_t>(begin + rows * (i + 1) / pieces);
+    kern.Attend(q, piece, scale, window, i == 0 ? out : parts[i - 1].View(out.d));
+  });
+  for (auto& p : parts) kernels::MergePartial(out, p.View(out.d));
+}
+
+// Rows of query row (h, i) visible under the mask, counted over the prefix [0, n).
+uint64_t VisibleCount(int64_t p, int64_t window, uint32_t n) {
+  auto [b, e] = VisibleFor(p, window, 0, n);
+  return e - b;
+}
+
+// Query rows of head h only (a view into q).
+Queries HeadView(const Queries& q, uint32_t h) {
+  Queries one = q;
+  one.q = q.q + static_cast<size_t>(h) * q.m * q.d;
+  one.hq = 1;
+  one.head_map = q.head_map + h;
+  return one;
+}
+
+Partial RowsView(const Partial& p, size_t first, size_t n) {
+  return {p.m + first, p.l + first, p.o + first * p.d, n, p.d};
+}
+
+// Sparse attention with per-query-row lists, parallel over query heads.
+void SparsePass(const kernels::AttentionKernels& kern, const Parallel& par, const Queries& q,
+                const Tensor3& k, const Tensor3& v, const std::vector<int32_t>& rows,
+                const std::vector<int32_t>& counts, uint32_t stride, float scale, int64_t window,
+                const Partial& out) {
+  const size_t groups = std::min<size_t>(q.hq, std::max(par.threads, 1));
+  par.For(groups, [&](size_t g) {
+    const uint32_t h0 = static_cast<uint32_t>(q.hq * g / groups);
+    const uint32_t h1 = static_cast<uint32_t>(q.hq * (g + 1) / groups);
+    if (h0 == h1) return;
+    Queries sub = HeadView(q, h0);
+    sub.hq = h1 - h0;
+    const size_t r0 = static_cast<size_t>(h0) * q.m;
+    Keys keys{k, v, 0, 0, 0};
+    keys.rows = rows.data() + r0 * stride;
+    keys.counts = counts.data() + r0;
+    keys.stride = stride;
+    kern.Attend(sub, keys, scale, window, RowsView(out, r0, static_cast<size_t>(sub.hq) * q.m));
+  });
+}
+
+void TopK(const kernels::AttentionKernels& kern, const Parallel& par, const Queries& q,
+          const Tensor3& k, const Tensor3& v, uint32_t top_k, float scale, int64_t window,
+          const Partial& out, Receipt* r) {
+  const size_t nrows = static_cast<size_t>(q.hq) * q.m;
+  std::vector<int32_t> rows(nrows * top_k);
+  std::vector<int32_t> counts(nrows);
+  std::vector<double> omitted(nrows, 0.0);
+  std::vector<uint8_t> exact(nrows, 1);
+  const size_t groups = std::min<size_t>(nrows, std::max(par.threads, 1));
+  par.For(groups, [&](size_t g) {
+    std::vector<float> scores;
+    std::vector<int32_t> idx;
+    for (size_t row = nrows * g / groups; row < nrows * (g + 1) / groups; ++row) {
+      const uint32_t h = static_cast<uint32_t>(row / q.m), i = static_cast<uint32_t>(row % q.m);
+      const int64_t p = q.pos0 + i;
+      auto [b, e] = VisibleFor(p, window, 0, k.rows);
+      counts[row] = 0;
+      if (b >= e) continue;
+      Queries one = HeadView(q, h);
+      one.q += static_cast<size_t>(i) * q.d;
+      one.m = 1;
+      one.pos0 = p;
+      scores.resize(e - b);
+      kern.Scores(one, Keys{k, v, 0, b, e}, scale, window, scores.data());
+      idx.resize(e - b);
+      std::iota(idx.begin(), idx.end(), static_cast<int32_t>(b));
+      const size_t keep = std::min<size_t>(top_k, idx.size());
+      if (keep < idx.size()) {
+        exact[row] = 0;
+        std::nth_element(idx.begin(), idx.begin() + keep, idx.end(), [&](int32_t x, int32_t y) {
+          return scores[x - b] > scores[y - b];
+        });
+        // Exact omitted mass: the softmax weight of the keys left out.
+        float mx = -std::numeric_limits<float>::infinity();
+        for (float s : scores) mx = std::max(mx, s);
+        double all = 0, kept = 0;
+        for (float s : scores) all += std::exp(static_cast<double>(s) - mx);
+        for (size_t j = 0; j < keep; ++j) kept += std::exp(static_cast<double>(scores[idx[j] - b]) - mx);
+        omitted[row] = all > 0 ? (all - kept) / all : 0;
+      }
+      std::sort(idx.begin(), idx.begin() + keep);
+      std::copy(idx.begin(), idx.begin() + keep, rows.begin() + row * top_k);
+      counts[row] = static_cast<int32_t>(keep);
+    }
+  });
+  SparsePass(kern, par, q, k, v, rows, counts, top_k, scale, window, out);
+  double om = 0;
+  for (size_t row = 0; row < nrows; ++row) {
+    r->rows_attended += counts[row];
+    r->support[row / q.m] += counts[row];
+    r->exact = r->exact && exact[row];
+    om += omitted[row];
+  }
+  r->omitted_mass_estimate = nrows ? om / nrows : 0;
+}
+
+// Caller-chosen rows (M = 1): lists as given; the receipt counts the visible ones.
+void CallerSparse(const kernels::AttentionKernels& kern, const Parallel& par, const Plan& plan,
+                  const Tensor3& k, const Tensor3& v, float scale, const Partial& out,
+                  Receipt* r) {
+  const Queries& q = plan.q;
+  std::vector<int32_t> rows(plan.rows, plan.rows + static_cast<size_t>(q.hq) * plan.stride);
+  std::vector<int32_t> counts(plan.counts, plan.counts + q.hq);
+  SparsePass(kern, par, q, k, v, rows, counts, plan.stride, scale, plan.window, out);
+  auto [b, e] = VisibleFor(q.pos0, plan.window, 0, k.rows);
+  for (uint32_t h = 0; h < q.hq; ++h) {
+    uint64_t seen = 0;
+    for (int32_t j = 0; j < counts[h]; ++j) {
+      const int32_t t = rows[static_cast<size_t>(h) * plan.stride + j];
+      if (t >= static_cast<int32_t>(b) && t < static_cast<int32_t>(e)) ++seen;
+    }
+    r->support[h] = seen;
+    r->rows_attended += seen;
+    if (seen < e - b) r->exact = false;
+  }
+}
+
+// Sparse-auto over the prefix (M = 1): block scores, top K_top blocks plus the first and last
+// visible ones, then sparse attention over their rows.
+void SparseAuto(const kernels::AttentionKernels& kern, const Parallel& par, const Plan& plan,
+                const Tensor3& k, const Tensor3& v, float scale, const Partial& out,
+                Receipt* r) {
+  const Queries& q = plan.q;
+  const kernels::BlockSummaries& s = plan.summaries;
+  const uint32_t nb = s.nblocks, B = s.block;
+  auto [lo, hi] = VisibleFor(q.pos0, plan.window, 0, k.rows);
+  std::vector<float> sel(static_cast<size_t>(q.hq) * nb), mean_scores;
+  kern.ScoreBlocks(q, s, plan.selector, sel.data());
+  if (plan.selector == kernels::BlockSelector::kMean) {
+    mean_scores = sel;
+  } else {
+    mean_scores.resize(sel.size());
+    kern.ScoreBlocks(q, s, kernels::BlockSelector::kMean, mean_scores.data());
+  }
+  const uint32_t stride = std::min<uint64_t>(static_cast<uint64_t>(plan.k_top + 2) * B, k.rows);
+  std::vector<int32_t> rows(static_cast<size_t>(q.hq) * stride);
+  std::vector<int32_t> counts(q.hq, 0);
+  r->blocks.assign(q.hq, {});
+  double om = 0;
+  if (lo < hi) {
+    const uint32_t b_lo = lo / B, b_hi = (hi - 1) / B;
+    r->blocks_total = b_hi - b_lo + 1;
+    std::vector<uint32_t> cand;
+    std::vector<uint8_t> chosen(nb);
+    for (uint32_t h = 0; h < q.hq; ++h) {
+      const float* hs = sel.data() + static_cast<size_t>(h) * nb;
+      std::fill(chosen.begin(), chosen.end(), 0);
+      chosen[b_lo] = chosen[b_hi] = 1;
+      cand.clear();
+      for (uint32_t b = b_lo + 1; b < b_hi; ++b) cand.push_back(b);
+      const size_t keep = std::min<size_t>(plan.k_top, cand.size());
+      std::partial_sort(cand.begin(), cand.begin() + keep, cand.end(),
+                        [&](uint32_t x, uint32_t y) { return hs[x] > hs[y] || (hs[x] == hs[y] && x < y); });
+      for (size_t j = 0; j < keep; ++j) chosen[cand[j]] = 1;
+      // The proxy weight of a block: its visible rows times exp(scale · q·mean).
+      const float* ms = mean_scores.data() + static_cast<size_t>(h) * nb;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (uint32_t b = b_lo; b <= b_hi; ++b) mx = std::max(mx, ms[b] * scale);
+      double all = 0, left_out = 0;
+      int32_t* out_rows = rows.data() + static_cast<size_t>(h) * stride;
+      int32_t n = 0;
+      for (uint32_t b = b_lo; b <= b_hi; ++b) {
+        const uint32_t r0 = std::max(b * B, lo), r1 = std::min((b + 1) * B, hi);
+        const double w = (r1 - r0) * std::exp(static_cast<double>(ms[b]) * scale - mx);
+        all += w;
+        if (!chosen[b]) {
+          left_out += w;
+          continue;
+        }
+        r->blocks[h].push_back(b);
+        for (uint32_t t = r0; t < r1; ++t) out_rows[n++] = static_cast<int32_t>(t);
+      }
+      counts[h] = n;
+      if (r->blocks[h].size() < r->blocks_total) r->exact = false;
+      om += all > 0 ? left_out / all : 0;
+      r->support[h] += n;
+      r->rows_attended += n;
+    }
+  }
+  r->omitted_mass_estimate = q.hq ? om / q.hq : 0;
+  SparsePass(kern, par, q, k, v, rows, counts, stride, scale, plan.window, out);
+}
+
+}  // namespace
+
+Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan, const Tensor3& k,
+           const Tensor3& v, float* out, float* lse, Receipt* r) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Queries& q = plan.q;
+  const float scale = plan.scale > 0 ? plan.scale : 1.0f / std::sqrt(static_cast<float>(q.d));
+  const uint32_t n = k.rows;
+  const uint32_t s_suf = plan.k_suffix.rows;
+  const bool fused = plan.form == Form::kFused || plan.form == Form::kSparseAutoFused;
+  if (fused) q.pos0 = static_cast<int64_t>(n) + s_suf - q.m;
+  const size_t nrows = static_cast<size_t>(q.hq) * q.m;
+  *r = Receipt{};
+  r->support.assign(q.hq, 0);
+  PartialBuf acc(nrows, q.d);
+  Partial out_p = acc.View(q.d);
+
+  switch (plan.form) {
+    case Form::kDense:
+    case Form::kFused:
+      DensePass(kern, par, q, k, v, 0, scale, plan.window, out_p, r);
+      for (size_t row = 0; row < nrows; ++row) {
+        const uint64_t c = VisibleCount(q.pos0 + static_cast<int64_t>(row % q.m), plan.window, n);
+        r->rows_attended += c;
+        r->support[row / q.m] += c;
+      }
+      break;
+    case Form::kTopK:
+      TopK(kern, par, q, k, v, plan.top_k, scale, plan.window, out_p, r);
+      break;
+    case Form::kSparse:
+      CallerSparse(kern, par, plan, k, v, scale, out_p, r);
+      break;
+    case Form::kSparseAuto:
+    case Form::kSparseAutoFused:
+      SparseAuto(kern, par, plan, k, v, scale, out_p, r);
+      break;
+  }
+  r->visible_rows = 0;
+  for (size_t row = 0; row < nrows; ++row) {
+    r->visible_rows += VisibleCount(q.pos0 + static_cast<int64_t>(row % q.m), plan.window, n);
+  }
+
+  if (fused) {
+    // The suffix: dense and causal, at positions N..N+S−1, merged into the prefix partial.
+    PartialBuf suf(nrows, q.d);
+    Partial suf_p = suf.View(q.d);
+    Receipt ignored;
+    DensePass(kern, par, q, plan.k_suffix, plan.v_suffix, n, scale, plan.window, suf_p, &ignored);
+    kernels::MergePartial(out_p, suf_p);
+    for (size_t row = 0; row < nrows; ++row) {
+      const int64_t p = q.pos0 + static_cast<int64_t>(row % q.m);
+      auto [b, e] = VisibleFor(p, plan.window, n, s_suf);
+      r->rows_attended += e - b;
+      r->visible_rows += e - b;
+      r->support[row / q.m] += e - b;
+    }
+  }
+  kernels::FinalizePartial(out_p, out, lse);
+  r->micros = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                  .count();
+  return Status::Ok();
+}
+
+}  // namespace pion::attention

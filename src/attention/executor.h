@@ -1,0 +1,79 @@
+// The executor: runs one ATTEND.PREFIX query form over a slot with an AttentionKernels backend —
+// the plan the wire command was parsed into, split-K across threads, exact merges, block
+// selection for the sparse forms, and the receipt that says what was computed.
+//
+// Semantics (seed 004 §0x04W/§0x07A, §0x05, §0x09G–0x09K):
+//   - prefix keys sit at positions 0..N−1, suffix keys (fused forms) at N..N+S−1;
+//   - plain and sparse forms put query row i at q_pos0 + i (default N: right after the prefix);
+//     fused forms put the M queries at the last M suffix positions;
+//   - a query sees keys at positions <= its own and, with window W > 0, > its own − W;
+//   - dense forms are exact; top_k, caller-sparse and sparse-auto are approximate unless their
+//     support covers every visible key, and the receipt says which.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "kernels/attention.h"
+
+namespace pion::attention {
+
+enum class Form : uint8_t { kDense, kTopK, kFused, kSparse, kSparseAuto, kSparseAutoFused };
+std::string_view FormName(Form f);
+inline constexpr int kFormCount = 6;
+
+struct Plan {
+  Form form = Form::kDense;
+  kernels::Queries q;  // q.pos0 is filled by the executor for fused forms
+  int64_t window = 0;
+  float scale = 0;  // 0: 1/sqrt(d)
+  uint32_t top_k = 0;
+  // Fused forms: the suffix K/V [heads][s][d] fp32.
+  kernels::Tensor3 k_suffix, v_suffix;
+  // kSparse: caller rows [hq][stride], counts [hq] (validated by the caller).
+  const int32_t* rows = nullptr;
+  const int32_t* counts = nullptr;
+  uint32_t stride = 0;
+  // Sparse-auto forms.
+  uint32_t block = 0;
+  uint32_t k_top = 0;
+  kernels::BlockSelector selector = kernels::BlockSelector::kMean;
+  kernels::BlockSummaries summaries;  // filled for the slot's K, block size `block`
+};
+
+struct Receipt {
+  bool exact = true;
+  uint64_t rows_attended = 0;             // Σ over query rows of keys attended
+  uint64_t visible_rows = 0;              // Σ over query rows of keys the mask allows
+  std::vector<uint64_t> support;          // per query head: keys attended (summed over its rows)
+  std::vector<std::vector<uint32_t>> blocks;  // sparse-auto: per query head, chosen blocks
+  uint32_t blocks_total = 0;              // sparse-auto: blocks visible per head
+  double omitted_mass_estimate = 0;       // block-mean proxy (sparse-auto), exact scores (top_k)
+  uint32_t splits = 1;                    // key-range pieces computed in parallel
+  double micros = 0;
+};
+
+// Runs pieces in parallel: ComputePool::ParallelFor in the server, a plain loop in tests.
+struct Parallel {
+  int threads = 1;
+  std::function<void(size_t n, const std::function<void(size_t)>& fn)> run;
+  void For(size_t n, const std::function<void(size_t)>& fn) const {
+    if (run && n > 1) return run(n, fn);
+    for (size_t i = 0; i < n; ++i) fn(i);
+  }
+};
+
+// Output rows: q.hq * q.m for the dense/top_k forms and the fused forms, q.hq for the sparse
+// forms (M = 1). out receives rows * d floats, lse (may be null) rows floats.
+// The caller has validated shapes; Run only fails on internal limits.
+Status Run(const kernels::AttentionKernels& kernels, const Parallel& parallel, Plan plan,
+           const kernels::Tensor3& k, const kernels::Tensor3& v, float* out, float* lse,
+           Receipt* receipt);
+
+// How many key-range pieces a dense pass over `rows` rows should use with `threads` threads.
+uint32_t SplitsFor(uint64_t bytes_read, uint64_t rows, int threads);
+
+}  // namespace pion::attention

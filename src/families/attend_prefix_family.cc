@@ -1,0 +1,411 @@
+// ATTEND.PREFIX.* slots (Stage 2): one layer's K and V resident per (session, layer), so the
+// server attends over a cached prefix instead of shipping it back. This file holds the slot
+// commands — STORE (blobs, or FROM a Stage 1 namespace), LOOKUP, DROP, INFO — and the family's
+// registration; the QUERY forms are in attend_prefix_query.cc.
+//
+// STORE is reserve → copy/convert → validate → publish: the bytes are charged (evicting LRU slots
+// if the attention budget needs room), converted to the storage precision, checked, and only
+// then swapped in, so a concurrent QUERY sees the old slot or the new one, never a partial one.
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "families/args.h"
+#include "families/attend_prefix_internal.h"
+#include "families/families.h"
+#include "families/kvprefix_internal.h"
+#include "server/server.h"
+#include "store/codec/codec.h"
+
+namespace pion::families {
+namespace attend {
+
+Status ParseLayer(std::string_view text, uint32_t* out) {
+  uint64_t v;
+  Status s = ParseUint(text, "layer", &v);
+  if (!s.ok()) return s;
+  if (v >= kMaxLayer) {
+    return Error("layer must be below " + std::to_string(kMaxLayer) + ", got " + std::string(text));
+  }
+  *out = static_cast<uint32_t>(v);
+  return Status::Ok();
+}
+
+Status ParseCount(std::string_view text, std::string_view what, uint32_t max, uint32_t* out) {
+  int64_t v = 0;
+  if (!ParseInt64(text, &v) || v < 1 || v > max) {
+    return Error(std::string(what) + " must be an integer in [1, " + std::to_string(max) +
+                 "], got '" + std::string(text.substr(0, 32)) + "'");
+  }
+  *out = static_cast<uint32_t>(v);
+  return Status::Ok();
+}
+
+Status ParseHeadDim(std::string_view text, uint32_t* out) {
+  int64_t v = 0;
+  if (ParseInt64(text, &v)) {
+    for (uint32_t d : kHeadDims) {
+      if (v == d) {
+        *out = d;
+        return Status::Ok();
+      }
+    }
+  }
+  return Error("D must be one of 32, 64, 96, 128, 160, 192, 256, 512, got '" +
+               std::string(text.substr(0, 32)) + "'");
+}
+
+Status CheckBlobSize(std::string_view what, std::string_view formula, uint64_t expected,
+                     uint64_t got) {
+  if (expected == got) return Status::Ok();
+  return Error(std::string(what) + " must be " + std::string(formula) + " = " +
+               std::to_string(expected) + " bytes, got " + std::to_string(got));
+}
+
+StatusOr<attention::SlotRef> FindSlot(server::CommandContext& ctx, std::string_view sid,
+                                      uint32_t layer) {
+  attention::SlotRef slot = ctx.shard->store().attention.Find(ctx.Key(sid), layer);
+  if (slot) return slot;
+  ctx.server->attention_counters().misses.fetch_add(1, std::memory_order_relaxed);
+  return Status(ErrorKind::kMiss, "no attention slot for session '" +
+                                      std::string(sid.substr(0, 128)) + "' layer " +
+                                      std::to_string(layer) +
+                                      " (never stored, dropped or evicted); ATTEND.PREFIX.STORE it");
+}
+
+const kernels::AttentionKernels& Kernels(server::Server&) { return kernels::CpuKernels(); }
+std::string_view BackendName(server::Server&) { return "cpu"; }
+
+}  // namespace attend
+
+namespace {
+
+using namespace attend;
+using proto::CmdArgs;
+using server::CommandContext;
+
+kernels::DType StorageType(server::Server& srv) {
+  return srv.config().attention_fp16 ? kernels::DType::kF16 : kernels::DType::kF32;
+}
+
+// fp32 [rows][d] → the storage type, into dst.
+void ConvertRows(const float* src, size_t n_rows, uint32_t d, kernels::DType t, uint8_t* dst) {
+  if (t == kernels::DType::kF32) {
+    std::memcpy(dst, src, n_rows * d * sizeof(float));
+    return;
+  }
+  static const codec::RowCodec fp16 = codec::RowCodec::Create(codec::Format::kFp16, 1).value();
+  fp16.Encode(src, n_rows * d, dst);  // a dim-1 codec: n_rows * d independent halves
+}
+
+// ATTEND.PREFIX.STORE <sid> <layer> <H> <N> <D> <K_blob> <V_blob>
+void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
+  uint32_t layer, heads, rows, d;
+  Status s = ParseLayer(args[2], &layer);
+  if (s.ok()) s = ParseCount(args[3], "H", kMaxHeads, &heads);
+  if (s.ok()) s = ParseCount(args[4], "N", kMaxRows, &rows);
+  if (s.ok()) s = ParseHeadDim(args[5], &d);
+  if (!s.ok()) return ctx.Error(s);
+  const uint64_t elems = uint64_t{heads} * rows * d;
+  const std::string formula = "H*N*D*4 (H=" + std::to_string(heads) +
+                              " N=" + std::to_string(rows) + " D=" + std::to_string(d) + ")";
+  s = CheckBlobSize("K_blob", formula, elems * 4, args[6].size());
+  if (s.ok()) s = CheckBlobSize("V_blob", formula, elems * 4, args[7].size());
+  if (!s.ok()) return ctx.Error(s);
+
+  server::Server& srv = *ctx.server;
+  const kernels::DType dtype = StorageType(srv);
+  auto& store = ctx.shard->store().attention;
+  auto charge = store.Reserve(2 * elems * kernels::DTypeSize(dtype));
+  if (!charge.ok()) return ctx.Error(charge.status());
+
+  auto slot = std::make_shared<attention::Slot>();
+  slot->heads = heads;
+  slot->rows = rows;
+  slot->d = d;
+  slot->dtype = dtype;
+  for (int i = 0; i < 2; ++i) {
+    BufferRef& dst = i == 0 ? slot->k : slot->v;
+    if (dtype == kernels::DType::kF32) {
+      auto b = args.TakeBuffer(6 + i);  // adopts the received buffer: no copy
+      if (!b.ok()) return ctx.Error(b.status());
+      dst = std::move(b).value();
+    } else {
+      auto b = BufferAllocator::Default()->Allocate(elems * 2);
+      if (!b.ok()) return ctx.Error(b.status());
+      dst = std::move(b).value();
+      ConvertRows(reinterpret_cast<const float*>(args[6 + i].data()), uint64_t{heads} * rows, d,
+                  dtype, dst->data());
+    }
+  }
+  slot->generation = attention::NextSlotGeneration();
+  slot->charge = std::move(charge).value();
+  store.Publish(ctx.Key(args[1]), layer, std::move(slot));
+  srv.attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
+  ctx.rb->Ok();
+}
+
+// What STORE FROM reads: a point-in-time view of one layer of a complete namespace.
+struct Source {
+  store::PrefixManifest manifest;
+  uint64_t publication = 0;
+  store::VSession::Snapshot k, v;
+  codec::RowCodec codec = codec::RowCodec::Create(codec::Format::kFp32, 1).value();
+};
+
+// Runs on the namespace's shard: warms it if it is only on disk, checks identity, completeness
+// and the layer, and snapshots its sessions (copy-on-write, O(chunks)).
+void PrepareSource(server::Server& srv, server::Shard& shard, const store::TenantKey& ns,
+                   uint32_t layer, std::optional<std::string> model,
+                   std::optional<std::string> position,
+                   std::function<void(StatusOr<std::shared_ptr<Source>>)> done) {
+  if (shard.store().prefixes.Find(ns) == nullptr) {
+    return done(Error("no such prefix namespace '" + ns.name + "'"));
+  }
+  kvprefix::Warm(srv, shard, ns, [&shard, ns, layer, model, position, done](const Status& w) {
+    if (!w.ok()) return done(w);
+    store::PrefixEntry* e = shard.store().prefixes.Find(ns);
+    if (e == nullptr) return done(Error("namespace '" + ns.name + "' was dropped meanwhile"));
+    const store::PrefixManifest& m = e->manifest;
+    if ((model && *model != m.model) || (position && *position != m.position)) {
+      return done(Status(ErrorKind::kMismatch,
+                         "namespace '" + ns.name + "' holds " + m.Describe() + ", not model '" +
+                             model.value_or(m.model) + "' position '" +
+                             position.value_or(m.position) + "'"));
+    }
+    if (layer >= m.n_layers) {
+      return done(Error("layer " + std::to_string(layer) + " is out of range: namespace '" +
+                        ns.name + "' has " + std::to_string(m.n_layers) + " layers"));
+    }
+    if (std::find(std::begin(kHeadDims), std::end(kHeadDims), m.head_dim) == std::end(kHeadDims)) {
+      return done(Error("namespace '" + ns.name + "' has head_dim " + std::to_string(m.head_dim) +
+                        "; attention needs one of 32, 64, 96, 128, 160, 192, 256, 512"));
+    }
+    auto sessions = kvprefix::SessionsOf(shard, ns.tenant, ns.name, m);
+    if (!kvprefix::Complete(sessions, m)) {
+      return done(Error("namespace '" + ns.name +
+                        "' is not complete (rows missing in its K or V sessions); a "
+                        "half-written prefix is never bound"));
+    }
+    auto src = std::make_shared<Source>();
+    src->manifest = m;
+    src->publication = shard.store().prefixes.Publish(e);
+    shard.store().prefixes.Touch(e);
+    src->k = sessions.k->TakeSnapshot();
+    src->v = sessions.v->TakeSnapshot();
+    src->codec = sessions.k->codec();
+    done(src);
+  });
+}
+
+// Runs on a compute thread: decodes layer `layer` of the source (token-major rows of
+// kv_heads*head_dim) into head-major [H][T][D] slot buffers of the storage type.
+void DecodeLayer(server::ComputePool& pool, const Source& src, uint32_t layer, attention::Slot& slot) {
+  const store::PrefixManifest& m = src.manifest;
+  const uint32_t H = m.kv_heads, T = m.n_tokens, D = m.head_dim;
+  store::VSession ks(src.codec, nullptr), vs(src.codec, nullptr);
+  ks.Restore(src.k);
+  vs.Restore(src.v);
+  const int64_t base = int64_t{layer} * T;
+  const size_t esize = kernels::DTypeSize(slot.dtype);
+  const uint32_t pieces = std::max<uint32_t>(1, std::min<uint32_t>(pool.threads(), T / 256));
+  pool.ParallelFor(pieces, [&](size_t p) {
+    const uint32_t t_begin = static_cast<uint32_t>(uint64_t{T} * p / pieces);
+    const uint32_t t_end = static_cast<uint32_t>(uint64_t{T} * (p + 1) / pieces);
+    constexpr uint32_t kStep = store::kRowsPerChunk;
+    std::vector<float> rows(size_t{kStep} * H * D), head(size_t{kStep} * D);
+    for (uint32_t t0 = t_begin; t0 < t_end; t0 += kStep) {
+      const uint32_t n = std::min(kStep, t_end - t0);
+      for (int kv = 0; kv < 2; ++kv) {
+        (kv == 0 ? ks : vs).DecodeRange(base + t0, base + t0 + n, rows.data());
+        uint8_t* dst = (kv == 0 ? slot.k : slot.v)->data();
+        for (uint32_t h = 0; h < H; ++h) {
+          for (uint32_t t = 0; t < n; ++t) {
+            std::memcpy(head.data() + size_t{t} * D, rows.data() + (size_t{t} * H + h) * D,
+                        D * sizeof(float));
+          }
+          ConvertRows(head.data(), n, D, slot.dtype, dst + (size_t{h} * T + t0) * D * esize);
+        }
+      }
+    }
+  });
+}
+
+// ATTEND.PREFIX.STORE <sid> <layer> FROM <ns> [MODEL <id>] [POSITION <digest>]
+void StoreFrom(CommandContext& ctx, CmdArgs& args) {
+  uint32_t layer;
+  Status s = ParseLayer(args[2], &layer);
+  if (!s.ok()) return ctx.Error(s);
+  std::optional<std::string> model, position;
+  for (size_t i = 5; i < args.size(); i += 2) {
+    if (i + 1 >= args.size()) {
+      return ctx.Error(Error("option '" + std::string(args[i].substr(0, 32)) + "' needs a value"));
+    }
+    if (EqualsIgnoreCase(args[i], "MODEL")) {
+      model = std::string(args[i + 1]);
+    } else if (EqualsIgnoreCase(args[i], "POSITION")) {
+      position = std::string(args[i + 1]);
+    } else {
+      return ctx.Error(Error("unknown option '" + std::string(args[i].substr(0, 32)) +
+                             "'; expected MODEL or POSITION"));
+    }
+  }
+  server::Server* srv = ctx.server;
+  const store::TenantKey sid = ctx.Key(args[1]);
+  const store::TenantKey ns = ctx.Key(args[4]);
+  const int sid_shard = ctx.shard->id();
+  const kernels::DType dtype = StorageType(*srv);
+  auto reply = ctx.Defer();
+  auto fail = [reply](Status st) { reply([st](proto::ReplyBuilder& rb) { rb.Error(st); }); };
+
+  // Step 2, on the session's shard: reserve and allocate, then decode on a compute thread, then
+  // publish back on this shard.
+  auto build = [srv, sid, ns, layer, sid_shard, dtype, reply, fail](std::shared_ptr<Source> src) {
+    server::Shard& shard = srv->shard(sid_shard);
+    const store::PrefixManifest& m = src->manifest;
+    const uint64_t elems = uint64_t{m.kv_heads} * m.n_tokens * m.head_dim;
+    auto charge = shard.store().attention.Reserve(2 * elems * kernels::DTypeSize(dtype));
+    if (!charge.ok()) return fail(charge.status());
+    auto slot = std::make_shared<attention::Slot>();
+    slot->heads = m.kv_heads;
+    slot->rows = m.n_tokens;
+    slot->d = m.head_dim;
+    slot->dtype = dtype;
+    auto kb = BufferAllocator::Default()->Allocate(elems * kernels::DTypeSize(dtype));
+    auto vb = BufferAllocator::Default()->Allocate(elems * kernels::DTypeSize(dtype));
+    if (!kb.ok() || !vb.ok()) return fail(kb.ok() ? vb.status() : kb.status());
+    slot->k = std::move(kb).value();
+    slot->v = std::move(vb).value();
+    slot->charge = std::move(charge).value();
+    slot->source = ns.name + "@" + std::to_string(src->publication);
+    bool queued = srv->compute()->Submit([srv, src, slot, sid, layer, sid_shard, reply]() {
+      DecodeLayer(*srv->compute(), *src, layer, *slot);
+      // Validate before publishing: the decoded slot has the manifest's shape.
+      const bool valid = slot->k->size() == slot->v->size() &&
+                         slot->k->size() == uint64_t{slot->heads} * slot->rows * slot->d *
+                                                kernels::DTypeSize(slot->dtype);
+      srv->shard(sid_shard).PostControl([srv, slot, sid, layer, valid, reply](server::Shard& sh) {
+        if (!valid) {
+          return reply([](proto::ReplyBuilder& rb) {
+            rb.Error(Status(ErrorKind::kCorrupt, "decoded slot does not match its manifest"));
+          });
+        }
+        slot->generation = attention::NextSlotGeneration();
+        sh.store().attention.Publish(sid, layer, slot);
+        srv->attention_counters().promotions.fetch_add(1, std::memory_order_relaxed);
+        reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
+      });
+    });
+    if (!queued) {
+      shard.stats().Reject(server::RejectReason::kBusy);
+      fail(Status(ErrorKind::kBusy, "the compute queue is full; retry later"));
+    }
+  };
+
+  // Step 1, on the namespace's shard.
+  auto prepare = [srv, ns, layer, model, position, sid_shard, build, fail](server::Shard& nss) {
+    PrepareSource(*srv, nss, ns, layer, model, position,
+                  [srv, sid_shard, build, fail](StatusOr<std::shared_ptr<Source>> src) {
+                    if (!src.ok()) return fail(src.status());
+                    auto ready = std::move(src).value();
+                    srv->shard(sid_shard).PostControl([build, ready](server::Shard&) { build(ready); });
+                  });
+  };
+  const int ns_shard = srv->OwnerOf(ns.tenant, ns.name);
+  if (ns_shard == sid_shard) return prepare(*ctx.shard);
+  if (!srv->shard(ns_shard).Post(prepare)) {
+    ctx.shard->stats().Reject(server::RejectReason::kBusy);
+    fail(Status(ErrorKind::kBusy, "shard " + std::to_string(ns_shard) +
+                                      " inbox is full; retry later"));
+  }
+}
+
+void Store(CommandContext& ctx, CmdArgs& args) {
+  if (args.size() >= 5 && EqualsIgnoreCase(args[3], "FROM")) return StoreFrom(ctx, args);
+  if (args.size() != 8) {
+    return ctx.Error(Error(
+        "wrong number of arguments for 'attend.prefix.store': expected <sid> <layer> <H> <N> <D> "
+        "<K_blob> <V_blob> or <sid> <layer> FROM <ns> [MODEL <id>] [POSITION <digest>]"));
+  }
+  StoreBlobs(ctx, args);
+}
+
+void Lookup(CommandContext& ctx, CmdArgs& args) {
+  uint32_t layer;
+  Status s = ParseLayer(args[2], &layer);
+  if (!s.ok()) return ctx.Error(s);
+  const bool hit = ctx.shard->store().attention.Find(ctx.Key(args[1]), layer) != nullptr;
+  ctx.rb->SimpleString(hit ? "HIT" : "MISS");
+}
+
+void Drop(CommandContext& ctx, CmdArgs& args) {
+  std::optional<uint32_t> layer;
+  if (args.size() == 3) {
+    uint32_t l;
+    Status s = ParseLayer(args[2], &l);
+    if (!s.ok()) return ctx.Error(s);
+    layer = l;
+  }
+  ctx.rb->Integer(static_cast<int64_t>(ctx.shard->store().attention.Drop(ctx.Key(args[1]), layer)));
+}
+
+void Info(CommandContext& ctx, CmdArgs& args) {
+  auto layers = ctx.shard->store().attention.Layers(ctx.Key(args[1]));
+  auto& rb = *ctx.rb;
+  rb.Array(layers.size());
+  for (const auto& [layer, slot] : layers) {
+    rb.Map(9);
+    rb.Bulk("layer");
+    rb.Integer(layer);
+    rb.Bulk("heads");
+    rb.Integer(slot->heads);
+    rb.Bulk("rows");
+    rb.Integer(slot->rows);
+    rb.Bulk("head_dim");
+    rb.Integer(slot->d);
+    rb.Bulk("dtype");
+    rb.Bulk(kernels::DTypeName(slot->dtype));
+    rb.Bulk("bytes");
+    rb.Integer(static_cast<int64_t>(slot->bytes()));
+    rb.Bulk("generation");
+    rb.Integer(static_cast<int64_t>(slot->generation));
+    rb.Bulk("source");
+    rb.Bulk(slot->source);
+    rb.Bulk("backend");
+    rb.Bulk(BackendName(*ctx.server));
+  }
+}
+
+}  // namespace
+
+void RegisterAttendPrefixFamily(server::Server& srv) {
+  using namespace server;
+  auto& r = srv.registry();
+  constexpr uint32_t kKv = kCmdKvCache;
+  r.Register({"ATTEND.PREFIX.STORE", -5, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, Store,
+              "attend_prefix",
+              "Makes one layer's K/V resident for server-side attention (blobs, or bound from a "
+              "KV.PREFIX namespace).",
+              "<sid> <layer> <H> <N> <D> <K_blob> <V_blob> | <sid> <layer> FROM <ns> [MODEL <id>] "
+              "[POSITION <digest>]"});
+  r.Register({"ATTEND.PREFIX.LOOKUP", 3, kKv | kCmdReadOnly | kCmdFast, 1, 1, 1, Lookup,
+              "attend_prefix", "+HIT when the slot is resident, +MISS otherwise.",
+              "<sid> <layer>"});
+  r.Register({"ATTEND.PREFIX.DROP", -2, kKv | kCmdWrite, 1, 1, 1, Drop, "attend_prefix",
+              "Drops one layer's slot, or every layer of the session; replies how many.",
+              "<sid> [<layer>]"});
+  r.Register({"ATTEND.PREFIX.INFO", 2, kKv | kCmdReadOnly, 1, 1, 1, Info, "attend_prefix",
+              "The session's resident layers: shape, storage type, bytes, generation, source.",
+              "<sid>"});
+  RegisterQueryCommands(srv);
+  srv.memory().set_family_limit(MemFamily::kAttention, srv.config().attention_memory);
+  srv.AddShardInit([&srv](Shard& shard) {
+    shard.store().attention.set_budget(srv.memory().BudgetFor(MemFamily::kAttention));
+  });
+  srv.memory().SetReclaimer(MemFamily::kAttention, [](uint64_t need) -> uint64_t {
+    Shard* shard = Shard::Current();
+    return shard == nullptr ? 0 : shard->store().attention.EvictForRoom(need);
+  });
+}
+
+}  // namespace pion::families

@@ -1,0 +1,510 @@
+// ATTEND.PREFIX.QUERY* — attention over a resident slot (Stage 2). Each handler parses and
+// validates on the slot's shard (every size mismatch names the expected and received sizes),
+// takes a reference to the slot (so a concurrent STORE or eviction cannot change what it
+// reads), and hands the computation to the compute pool; the reply follows when it is done.
+// A full compute queue answers -BUSY. The math is attention::Run over kernels::AttentionKernels.
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "attention/executor.h"
+#include "families/args.h"
+#include "families/attend_prefix_internal.h"
+#include "server/server.h"
+
+namespace pion::families::attend {
+namespace {
+
+using attention::Form;
+using proto::CmdArgs;
+using server::CommandContext;
+
+struct QueryJob {
+  attention::SlotRef slot;
+  attention::Plan plan;
+  std::vector<BufferRef> hold;  // argument buffers the plan points into
+  std::vector<int32_t> head_map;
+  std::shared_ptr<attention::Summaries> summaries;
+  size_t out_rows = 0;
+  bool with_lse = false;
+  bool receipt = false;
+};
+
+// The optional tail: [<fa_window>] [QPOS <p>] [SELECT mean|quest] [RECEIPT].
+struct Tail {
+  int64_t window = 0;
+  std::optional<int64_t> qpos;
+  kernels::BlockSelector selector = kernels::BlockSelector::kMean;
+  bool receipt = false;
+};
+
+Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_select, Tail* t) {
+  if (i < args.size()) {
+    int64_t w;
+    if (ParseInt64(args[i], &w)) {
+      if (w < 0) return Error("fa_window must be >= 0 (0 = no window), got " + std::to_string(w));
+      t->window = w;
+      ++i;
+    }
+  }
+  std::string expected = "RECEIPT";
+  if (allow_qpos) expected = "QPOS, " + expected;
+  if (allow_select) expected = "SELECT, " + expected;
+  for (; i < args.size(); ++i) {
+    if (EqualsIgnoreCase(args[i], "RECEIPT")) {
+      t->receipt = true;
+    } else if (allow_qpos && EqualsIgnoreCase(args[i], "QPOS")) {
+      if (i + 1 >= args.size()) return Error("QPOS needs a position");
+      int64_t p;
+      if (!ParseInt64(args[i + 1], &p) || p < 0) {
+        return Error("QPOS must be a non-negative integer, got '" +
+                     std::string(args[i + 1].substr(0, 32)) + "'");
+      }
+      t->qpos = p;
+      ++i;
+    } else if (allow_select && EqualsIgnoreCase(args[i], "SELECT")) {
+      if (i + 1 >= args.size()) return Error("SELECT needs mean or quest");
+      if (EqualsIgnoreCase(args[i + 1], "MEAN")) {
+        t->selector = kernels::BlockSelector::kMean;
+      } else if (EqualsIgnoreCase(args[i + 1], "QUEST")) {
+        t->selector = kernels::BlockSelector::kQuest;
+      } else {
+        return Error("SELECT must be mean or quest, got '" +
+                     std::string(args[i + 1].substr(0, 32)) + "'");
+      }
+      ++i;
+    } else {
+      return Error("unexpected argument '" + std::string(args[i].substr(0, 32)) +
+                   "'; expected [<fa_window>] then any of " + expected);
+    }
+  }
+  return Status::Ok();
+}
+
+// Takes argument i as a Buffer the job keeps (adopted when it was received into its own).
+StatusOr<BufferRef> Take(CmdArgs& args, size_t i, QueryJob* job) {
+  auto b = args.TakeBuffer(i);
+  if (!b.ok()) return b.status();
+  job->hold.push_back(b.value());
+  return b;
+}
+
+template <typename T>
+const T* As(const BufferRef& b) {
+  return reinterpret_cast<const T*>(b->data());
+}
+
+std::string Shape(std::initializer_list<std::pair<const char*, uint64_t>> dims) {
+  std::string s = "(";
+  for (const auto& [name, v] : dims) {
+    if (s.size() > 1) s += " ";
+    s += std::string(name) + "=" + std::to_string(v);
+  }
+  return s + ")";
+}
+
+// Checks the slot against the command's D and K/V heads.
+Status CheckSlot(const attention::Slot& slot, uint32_t d, std::optional<uint32_t> h_kv) {
+  if (d != slot.d) {
+    return Error("D " + std::to_string(d) + " does not match the slot's head_dim " +
+                 std::to_string(slot.d));
+  }
+  if (h_kv && *h_kv != slot.heads) {
+    return Error("H_kv " + std::to_string(*h_kv) + " does not match the slot's " +
+                 std::to_string(slot.heads) + " K/V heads");
+  }
+  return Status::Ok();
+}
+
+// head_map: int32 [H_q], each in [0, H_kv).
+Status CheckHeadMap(const BufferRef& b, uint32_t hq, uint32_t h_kv, QueryJob* job) {
+  Status s = CheckBlobSize("head_map", "H_q*4 " + Shape({{"H_q", hq}}), uint64_t{hq} * 4, b->size());
+  if (!s.ok()) return s;
+  job->head_map.assign(As<int32_t>(b), As<int32_t>(b) + hq);
+  for (uint32_t h = 0; h < hq; ++h) {
+    if (job->head_map[h] < 0 || static_cast<uint32_t>(job->head_map[h]) >= h_kv) {
+      return Error("head_map[" + std::to_string(h) + "] = " + std::to_string(job->head_map[h]) +
+                   " is not a K/V head in [0, " + std::to_string(h_kv) + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+// M from a Q blob of H*M*D fp32.
+Status DeriveM(const BufferRef& q, uint32_t h, uint32_t d, uint32_t* m) {
+  const uint64_t row = uint64_t{h} * d * 4;
+  if (q->size() == 0 || q->size() % row != 0) {
+    return Error("Q_blob must be H*M*D*4 bytes " + Shape({{"H", h}, {"D", d}}) +
+                 ", a non-zero multiple of " + std::to_string(row) + ", got " +
+                 std::to_string(q->size()));
+  }
+  if (q->size() / row > kMaxRows) return Error("M must be at most " + std::to_string(kMaxRows));
+  *m = static_cast<uint32_t>(q->size() / row);
+  return Status::Ok();
+}
+
+// Suffix K/V [H_kv][S][D] fp32.
+Status TakeSuffix(CmdArgs& args, size_t ki, uint32_t h_kv, uint32_t s_suf, uint32_t d,
+                  QueryJob* job) {
+  const uint64_t bytes = uint64_t{h_kv} * s_suf * d * 4;
+  const std::string formula = "H_kv*S_suf*D*4 " + Shape({{"H_kv", h_kv}, {"S_suf", s_suf}, {"D", d}});
+  Status s = CheckBlobSize("K_suf", formula, bytes, args[ki].size());
+  if (s.ok()) s = CheckBlobSize("V_suf", formula, bytes, args[ki + 1].size());
+  if (!s.ok()) return s;
+  auto k = Take(args, ki, job);
+  if (!k.ok()) return k.status();
+  auto v = Take(args, ki + 1, job);
+  if (!v.ok()) return v.status();
+  job->plan.k_suffix = {k.value()->data(), kernels::DType::kF32, h_kv, s_suf, d};
+  job->plan.v_suffix = {v.value()->data(), kernels::DType::kF32, h_kv, s_suf, d};
+  return Status::Ok();
+}
+
+void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention::Receipt& r,
+                  std::string_view backend) {
+  const bool auto_form =
+      job.plan.form == Form::kSparseAuto || job.plan.form == Form::kSparseAutoFused;
+  rb.Map(auto_form ? 17 : 14);
+  rb.Bulk("exact");
+  rb.Bool(r.exact);
+  rb.Bulk("form");
+  rb.Bulk(attention::FormName(job.plan.form));
+  rb.Bulk("backend");
+  rb.Bulk(backend);
+  rb.Bulk("dtype");
+  rb.Bulk(kernels::DTypeName(job.slot->dtype));
+  rb.Bulk("generation");
+  rb.Integer(static_cast<int64_t>(job.slot->generation));
+  rb.Bulk("prefix_rows");
+  rb.Integer(job.slot->rows);
+  rb.Bulk("suffix_rows");
+  rb.Integer(job.plan.k_suffix.rows);
+  rb.Bulk("query_rows");
+  rb.Integer(static_cast<int64_t>(uint64_t{job.plan.q.hq} * job.plan.q.m));
+  rb.Bulk("rows_attended");
+  rb.Integer(static_cast<int64_t>(r.rows_attended));
+  rb.Bulk("visible_rows");
+  rb.Integer(static_cast<int64_t>(r.visible_rows));
+  rb.Bulk("support");
+  rb.Array(r.support.size());
+  for (uint64_t s : r.support) rb.Integer(static_cast<int64_t>(s));
+  if (auto_form) {
+    rb.Bulk("blocks_total");
+    rb.Integer(r.blocks_total);
+    uint64_t chosen = 0;
+    for (const auto& b : r.blocks) chosen += b.size();
+    rb.Bulk("blocks_chosen");
+    rb.Integer(static_cast<int64_t>(chosen));
+    rb.Bulk("blocks");
+    rb.Array(r.blocks.size());
+    for (const auto& head : r.blocks) {
+      rb.Array(head.size());
+      for (uint32_t b : head) rb.Integer(b);
+    }
+  }
+  rb.Bulk("omitted_mass_estimate");
+  rb.Double(r.omitted_mass_estimate);
+  rb.Bulk("splits");
+  rb.Integer(r.splits);
+  rb.Bulk("micros");
+  rb.Double(r.micros);
+}
+
+// Hands the job to the compute pool; the reply is written when it finishes.
+void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
+  server::Server* srv = ctx.server;
+  server::Shard* shard = ctx.shard;
+  auto reply = ctx.Defer();
+  bool queued = srv->compute()->Submit([srv, job, reply]() {
+    const kernels::AttentionKernels& kern = Kernels(*srv);
+    const attention::Slot& slot = *job->slot;
+    if (job->summaries) {
+      std::call_once(job->summaries->filled, [&] {
+        kern.Summarize(slot.K(), job->summaries->View(slot.heads, slot.d));
+      });
+    }
+    const size_t d = job->plan.q.d;
+    const size_t bytes = (job->out_rows * d + (job->with_lse ? job->out_rows : 0)) * sizeof(float);
+    auto out = BufferAllocator::Default()->Allocate(bytes);
+    if (!out.ok()) {
+      return reply([s = out.status()](proto::ReplyBuilder& rb) { rb.Error(s); });
+    }
+    BufferRef buf = std::move(out).value();
+    float* o = reinterpret_cast<float*>(buf->data());
+    float* lse = job->with_lse ? o + job->out_rows * d : nullptr;
+    server::ComputePool* pool = srv->compute();
+    attention::Parallel par{pool->threads(),
+                            [pool](size_t n, const std::function<void(size_t)>& fn) {
+                              pool->ParallelFor(n, fn);
+                            }};
+    auto r = std::make_shared<attention::Receipt>();
+    Status s = attention::Run(kern, par, job->plan, slot.K(), slot.V(), o, lse, r.get());
+    auto& c = srv->attention_counters();
+    c.queries[static_cast<int>(job->plan.form)].fetch_add(1, std::memory_order_relaxed);
+    (r->exact ? c.exact : c.approximate).fetch_add(1, std::memory_order_relaxed);
+    c.rows_attended.fetch_add(r->rows_attended, std::memory_order_relaxed);
+    c.compute_us.fetch_add(static_cast<uint64_t>(r->micros), std::memory_order_relaxed);
+    const std::string_view backend = BackendName(*srv);
+    reply([s, buf, r, job, backend](proto::ReplyBuilder& rb) {
+      if (!s.ok()) return rb.Error(s);
+      if (job->receipt) rb.Array(2);
+      rb.BulkRef(buf);
+      if (job->receipt) WriteReceipt(rb, *job, *r, backend);
+    });
+  });
+  if (!queued) {
+    shard->stats().Reject(server::RejectReason::kBusy);
+    const size_t depth = srv->compute()->queued();
+    reply([depth](proto::ReplyBuilder& rb) {
+      rb.Error(Status(ErrorKind::kBusy, "the compute queue is full (" + std::to_string(depth) +
+                                            " queries waiting); retry later"));
+    });
+  }
+}
+
+// Common head of every form: <sid> <layer> <H> <D>.
+struct Head {
+  attention::SlotRef slot;
+  uint32_t layer = 0, hq = 0, d = 0;
+};
+Status ParseHead(CommandContext& ctx, const CmdArgs& args, Head* h) {
+  Status s = ParseLayer(args[2], &h->layer);
+  if (s.ok()) s = ParseCount(args[3], "H", kMaxHeads, &h->hq);
+  if (s.ok()) s = ParseHeadDim(args[4], &h->d);
+  if (!s.ok()) return s;
+  auto slot = FindSlot(ctx, args[1], h->layer);
+  if (!slot.ok()) return slot.status();
+  h->slot = std::move(slot).value();
+  return Status::Ok();
+}
+
+void SetQueries(QueryJob* job, const BufferRef& q, uint32_t hq, uint32_t m, uint32_t d) {
+  job->plan.q.q = As<float>(q);
+  job->plan.q.hq = hq;
+  job->plan.q.m = m;
+  job->plan.q.d = d;
+  job->plan.q.head_map = job->head_map.data();
+}
+
+// ATTEND.PREFIX.QUERY <sid> <layer> <H> <D> <top_k> <Q_blob> [<fa_window>] [QPOS p] [RECEIPT]
+void Query(CommandContext& ctx, CmdArgs& args) {
+  Head h;
+  Status s = ParseHead(ctx, args, &h);
+  uint64_t top_k = 0;
+  if (s.ok()) s = ParseUint(args[5], "top_k", &top_k);
+  if (s.ok() && top_k > kMaxRows) s = Error("top_k must be at most " + std::to_string(kMaxRows));
+  if (s.ok()) s = CheckSlot(*h.slot, h.d, std::nullopt);
+  if (s.ok() && h.hq % h.slot->heads != 0) {
+    s = Error("H " + std::to_string(h.hq) + " is not a multiple of the slot's " +
+              std::to_string(h.slot->heads) + " K/V heads (contiguous GQA grouping)");
+  }
+  Tail tail;
+  if (s.ok()) s = ParseTail(args, 7, true, false, &tail);
+  if (!s.ok()) return ctx.Error(s);
+  auto job = std::make_shared<QueryJob>();
+  auto q = Take(args, 6, job.get());
+  if (!q.ok()) return ctx.Error(q.status());
+  uint32_t m;
+  s = DeriveM(q.value(), h.hq, h.d, &m);
+  if (!s.ok()) return ctx.Error(s);
+  const uint32_t group = h.hq / h.slot->heads;
+  for (uint32_t i = 0; i < h.hq; ++i) job->head_map.push_back(static_cast<int32_t>(i / group));
+  job->slot = h.slot;
+  SetQueries(job.get(), q.value(), h.hq, m, h.d);
+  job->plan.form = top_k > 0 ? Form::kTopK : Form::kDense;
+  job->plan.top_k = static_cast<uint32_t>(top_k);
+  job->plan.window = tail.window;
+  job->plan.q.pos0 = tail.qpos.value_or(h.slot->rows);
+  job->out_rows = uint64_t{h.hq} * m;
+  job->with_lse = m > 1;
+  job->receipt = tail.receipt;
+  Submit(ctx, std::move(job));
+}
+
+// ATTEND.PREFIX.QUERY_FUSED <sid> <layer> <H_q> <D> <S_suf> <H_kv> <Q> <K_suf> <V_suf>
+//   <head_map> [<fa_window>] [RECEIPT]
+void QueryFused(CommandContext& ctx, CmdArgs& args) {
+  Head h;
+  uint32_t s_suf = 0, h_kv = 0;
+  Status s = ParseHead(ctx, args, &h);
+  if (s.ok()) s = ParseCount(args[5], "S_suf", kMaxRows, &s_suf);
+  if (s.ok()) s = ParseCount(args[6], "H_kv", kMaxHeads, &h_kv);
+  if (s.ok()) s = CheckSlot(*h.slot, h.d, h_kv);
+  Tail tail;
+  if (s.ok()) s = ParseTail(args, 11, false, false, &tail);
+  if (!s.ok()) return ctx.Error(s);
+  auto job = std::make_shared<QueryJob>();
+  auto q = Take(args, 7, job.get());
+  uint32_t m = 0;
+  s = q.ok() ? DeriveM(q.value(), h.hq, h.d, &m) : q.status();
+  if (s.ok() && m > s_suf) {
+    s = Error("M " + std::to_string(m) + " (from Q_blob) exceeds S_suf " + std::to_string(s_suf) +
+              ": the queries are the last M suffix positions");
+  }
+  if (s.ok()) s = TakeSuffix(args, 8, h_kv, s_suf, h.d, job.get());
+  auto map = s.ok() ? Take(args, 10, job.get()) : StatusOr<BufferRef>(s);
+  if (s.ok()) s = map.ok() ? CheckHeadMap(map.value(), h.hq, h_kv, job.get()) : map.status();
+  if (!s.ok()) return ctx.Error(s);
+  job->slot = h.slot;
+  SetQueries(job.get(), q.value(), h.hq, m, h.d);
+  job->plan.form = Form::kFused;
+  job->plan.window = tail.window;
+  job->out_rows = uint64_t{h.hq} * m;
+  job->receipt = tail.receipt;
+  Submit(ctx, std::move(job));
+}
+
+// ATTEND.PREFIX.QUERY_SPARSE <sid> <layer> <H> <D> <K_sparse_max> <Q> <indices> <counts>
+//   [<fa_window>] [QPOS p] [RECEIPT]
+void QuerySparse(CommandContext& ctx, CmdArgs& args) {
+  Head h;
+  uint32_t kmax = 0;
+  Status s = ParseHead(ctx, args, &h);
+  if (s.ok()) s = ParseCount(args[5], "K_sparse_max", kMaxRows, &kmax);
+  if (s.ok()) s = CheckSlot(*h.slot, h.d, std::nullopt);
+  if (s.ok() && h.hq % h.slot->heads != 0) {
+    s = Error("H " + std::to_string(h.hq) + " is not a multiple of the slot's " +
+              std::to_string(h.slot->heads) + " K/V heads (contiguous GQA grouping)");
+  }
+  Tail tail;
+  if (s.ok()) s = ParseTail(args, 9, true, false, &tail);
+  if (s.ok()) {
+    s = CheckBlobSize("Q_blob", "H*D*4 " + Shape({{"H", h.hq}, {"D", h.d}}),
+                      uint64_t{h.hq} * h.d * 4, args[6].size());
+  }
+  if (s.ok()) {
+    s = CheckBlobSize("indices", "H*K_sparse_max*4 " + Shape({{"H", h.hq}, {"K_sparse_max", kmax}}),
+                      uint64_t{h.hq} * kmax * 4, args[7].size());
+  }
+  if (s.ok()) {
+    s = CheckBlobSize("counts", "H*4 " + Shape({{"H", h.hq}}), uint64_t{h.hq} * 4, args[8].size());
+  }
+  if (!s.ok()) return ctx.Error(s);
+  auto job = std::make_shared<QueryJob>();
+  auto q = Take(args, 6, job.get());
+  auto idx = Take(args, 7, job.get());
+  auto cnt = Take(args, 8, job.get());
+  if (!q.ok() || !idx.ok() || !cnt.ok()) {
+    return ctx.Error(!q.ok() ? q.status() : !idx.ok() ? idx.status() : cnt.status());
+  }
+  const int32_t* rows = As<int32_t>(idx.value());
+  const int32_t* counts = As<int32_t>(cnt.value());
+  const uint32_t n = h.slot->rows;
+  std::vector<uint64_t> seen((n + 63) / 64);
+  for (uint32_t hh = 0; hh < h.hq; ++hh) {
+    if (counts[hh] < 0 || static_cast<uint32_t>(counts[hh]) > kmax) {
+      return ctx.Error(Error("counts[" + std::to_string(hh) + "] = " + std::to_string(counts[hh]) +
+                             " is not in [0, K_sparse_max=" + std::to_string(kmax) + "]"));
+    }
+    std::fill(seen.begin(), seen.end(), 0);
+    for (int32_t j = 0; j < counts[hh]; ++j) {
+      const int32_t t = rows[static_cast<size_t>(hh) * kmax + j];
+      const std::string at = "indices[" + std::to_string(hh) + "][" + std::to_string(j) + "] = ";
+      if (t < 0 || static_cast<uint32_t>(t) >= n) {
+        return ctx.Error(Error(at + std::to_string(t) + " is out of range [0, N=" +
+                               std::to_string(n) + ")"));
+      }
+      uint64_t& word = seen[t / 64];
+      const uint64_t bit = uint64_t{1} << (t % 64);
+      if (word & bit) {
+        return ctx.Error(Error(at + std::to_string(t) + " repeats an earlier index of head " +
+                               std::to_string(hh)));
+      }
+      word |= bit;
+    }
+  }
+  const uint32_t group = h.hq / h.slot->heads;
+  for (uint32_t i = 0; i < h.hq; ++i) job->head_map.push_back(static_cast<int32_t>(i / group));
+  job->slot = h.slot;
+  SetQueries(job.get(), q.value(), h.hq, 1, h.d);
+  job->plan.form = Form::kSparse;
+  job->plan.rows = rows;
+  job->plan.counts = counts;
+  job->plan.stride = kmax;
+  job->plan.window = tail.window;
+  job->plan.q.pos0 = tail.qpos.value_or(n);
+  job->out_rows = h.hq;
+  job->receipt = tail.receipt;
+  Submit(ctx, std::move(job));
+}
+
+// ATTEND.PREFIX.QUERY_SPARSE_AUTO[_FUSED] <sid> <layer> <H_q> <D> <B> <K_top> <H_kv>
+//   [<S_suf>] <Q> [<K_suf> <V_suf>] <head_map> [<fa_window>] [QPOS p] [SELECT mean|quest] [RECEIPT]
+void QuerySparseAutoImpl(CommandContext& ctx, CmdArgs& args, bool fused) {
+  Head h;
+  uint32_t block = 0, h_kv = 0, s_suf = 0;
+  uint64_t k_top = 0;
+  Status s = ParseHead(ctx, args, &h);
+  if (s.ok()) s = ParseCount(args[5], "B", 1u << 20, &block);
+  if (s.ok()) s = ParseUint(args[6], "K_top", &k_top);
+  if (s.ok() && k_top > kMaxRows) s = Error("K_top must be at most " + std::to_string(kMaxRows));
+  if (s.ok()) s = ParseCount(args[7], "H_kv", kMaxHeads, &h_kv);
+  if (s.ok() && fused) s = ParseCount(args[8], "S_suf", kMaxRows, &s_suf);
+  if (s.ok()) s = CheckSlot(*h.slot, h.d, h_kv);
+  const size_t qi = fused ? 9 : 8, map_i = fused ? 12 : 9;
+  Tail tail;
+  if (s.ok()) s = ParseTail(args, map_i + 1, !fused, true, &tail);
+  if (s.ok()) {
+    s = CheckBlobSize("Q_blob", "H_q*D*4 " + Shape({{"H_q", h.hq}, {"D", h.d}}),
+                      uint64_t{h.hq} * h.d * 4, args[qi].size());
+  }
+  if (!s.ok()) return ctx.Error(s);
+  auto job = std::make_shared<QueryJob>();
+  auto q = Take(args, qi, job.get());
+  if (!q.ok()) return ctx.Error(q.status());
+  if (fused) s = TakeSuffix(args, 10, h_kv, s_suf, h.d, job.get());
+  auto map = s.ok() ? Take(args, map_i, job.get()) : StatusOr<BufferRef>(s);
+  if (s.ok()) s = map.ok() ? CheckHeadMap(map.value(), h.hq, h_kv, job.get()) : map.status();
+  if (!s.ok()) return ctx.Error(s);
+  auto summaries = h.slot->SummariesFor(block, ctx.shard->store().attention.budget());
+  if (!summaries.ok()) return ctx.Error(summaries.status());
+  job->summaries = std::move(summaries).value();
+  job->slot = h.slot;
+  SetQueries(job.get(), q.value(), h.hq, 1, h.d);
+  job->plan.form = fused ? Form::kSparseAutoFused : Form::kSparseAuto;
+  job->plan.block = block;
+  job->plan.k_top = static_cast<uint32_t>(k_top);
+  job->plan.selector = tail.selector;
+  job->plan.summaries = job->summaries->View(h.slot->heads, h.slot->d);
+  job->plan.window = tail.window;
+  job->plan.q.pos0 = tail.qpos.value_or(h.slot->rows);
+  job->out_rows = h.hq;
+  job->receipt = tail.receipt;
+  Submit(ctx, std::move(job));
+}
+
+void QuerySparseAuto(CommandContext& ctx, CmdArgs& args) { QuerySparseAutoImpl(ctx, args, false); }
+void QuerySparseAutoFused(CommandContext& ctx, CmdArgs& args) {
+  QuerySparseAutoImpl(ctx, args, true);
+}
+
+}  // namespace
+
+void RegisterQueryCommands(server::Server& srv) {
+  using namespace server;
+  auto& r = srv.registry();
+  constexpr uint32_t kRead = kCmdKvCache | kCmdReadOnly;
+  r.Register({"ATTEND.PREFIX.QUERY", -7, kRead, 1, 1, 1, Query, "attend_prefix",
+              "Attention of Q over the slot: M=1 -> H*D fp32; M>1 -> H*M*D fp32 then LSE H*M. "
+              "top_k 0 = dense and exact.",
+              "<sid> <layer> <H> <D> <top_k> <Q_blob> [<fa_window>] [QPOS <p>] [RECEIPT]"});
+  r.Register({"ATTEND.PREFIX.QUERY_FUSED", -11, kRead, 1, 1, 1, QueryFused, "attend_prefix",
+              "Prefix + causal suffix attention merged in one call; H_q*M*D fp32.",
+              "<sid> <layer> <H_q> <D> <S_suf> <H_kv> <Q> <K_suf> <V_suf> <head_map> "
+              "[<fa_window>] [RECEIPT]"});
+  r.Register({"ATTEND.PREFIX.QUERY_SPARSE", -9, kRead, 1, 1, 1, QuerySparse, "attend_prefix",
+              "M=1 attention over caller-chosen rows per head; H*D fp32.",
+              "<sid> <layer> <H> <D> <K_sparse_max> <Q> <indices> <counts> [<fa_window>] "
+              "[QPOS <p>] [RECEIPT]"});
+  r.Register({"ATTEND.PREFIX.QUERY_SPARSE_AUTO", -10, kRead, 1, 1, 1, QuerySparseAuto,
+              "attend_prefix",
+              "M=1 attention over the K_top best blocks of B rows (+ first and last); H_q*D fp32.",
+              "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <Q> <head_map> [<fa_window>] "
+              "[QPOS <p>] [SELECT mean|quest] [RECEIPT]"});
+  r.Register({"ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", -13, kRead, 1, 1, 1, QuerySparseAutoFused,
+              "attend_prefix", "Sparse-auto over the prefix plus the dense suffix, merged; H_q*D fp32.",
+              "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <S_suf> <Q> <K_suf> <V_suf> <head_map> "
+              "[<fa_window>] [SELECT mean|quest] [RECEIPT]"});
+}
+
+}  // namespace pion::families::attend

@@ -1,0 +1,138 @@
+// The attention kernel interface: what every backend (scalar reference, CPU SIMD, later CUDA)
+// computes, in the terms of seed 004 §0x07A — a mergeable online-softmax state per query row.
+//
+// A backend attends query rows over a set of key rows and returns, for every query row, the
+// partial state (m, l, o): m the largest scaled score seen, l = Σ exp(s − m), o = Σ exp(s − m)·v
+// (unnormalized). Partials over disjoint key sets merge exactly (Merge), which is how split-K
+// across threads, prefix + suffix fusion and client-side merges all work; Finalize turns a state
+// into the output o/l and its log-sum-exp m + ln l.
+//
+// Shapes and conventions (all little-endian, row-major):
+//   d             the head dim: a multiple of 16 (the CPU backend's vector loops have no scalar
+//                 tail; 32..512 are tested); key rows below 2^24 per head
+//   K, V          [heads][rows][d], fp32 or fp16 elements (Tensor3)
+//   Q             [hq][m][d] fp32; query head h reads K/V head head_map[h]
+//   scores        s = scale · (q · k), scale usually 1/√d
+//   positions     query row i is at absolute position q.pos0 + i, key row t at keys.pos0 + t;
+//                 a key is visible when key_pos <= query_pos (causal) and, with a window W > 0,
+//                 key_pos > query_pos − W
+//   empty rows    a query row that sees no key has m = −inf, l = 0, o = 0; Finalize gives output 0
+//                 and lse −inf
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace pion::kernels {
+
+enum class DType : uint8_t { kF32 = 0, kF16 = 1 };
+inline size_t DTypeSize(DType t) { return t == DType::kF16 ? 2 : 4; }
+std::string_view DTypeName(DType t);
+
+// One stored K or V tensor: [heads][rows][d] elements of `dtype` (fp16 = IEEE binary16).
+struct Tensor3 {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  uint32_t heads = 0;
+  uint32_t rows = 0;
+  uint32_t d = 0;
+
+  const uint8_t* Row(uint32_t head, uint32_t row) const {
+    return static_cast<const uint8_t*>(data) +
+           ((static_cast<size_t>(head) * rows + row) * d) * DTypeSize(dtype);
+  }
+};
+
+// The query rows of one call. head_map is required: the caller builds the contiguous GQA map
+// (h / (hq / heads)) when the command has none.
+struct Queries {
+  const float* q = nullptr;  // [hq][m][d]
+  uint32_t hq = 0;
+  uint32_t m = 0;
+  uint32_t d = 0;
+  const int32_t* head_map = nullptr;  // [hq], each in [0, keys.k.heads)
+  int64_t pos0 = 0;                   // absolute position of query row 0
+};
+
+// The key rows attended. Dense: rows [begin, end) of every K/V head. Sparse (rows != nullptr):
+// query row r = h*m + i attends rows[r*stride .. r*stride + counts[r]) instead — distinct
+// indices in [0, k.rows), any order. Masking by position applies in both cases.
+struct Keys {
+  Tensor3 k;
+  Tensor3 v;  // same heads/rows/d as k; dtype may differ
+  int64_t pos0 = 0;
+  uint32_t begin = 0;
+  uint32_t end = 0;
+  const int32_t* rows = nullptr;    // [hq*m][stride]
+  const int32_t* counts = nullptr;  // [hq*m]
+  uint32_t stride = 0;
+};
+
+// Online-softmax state of n query rows, in caller-owned memory: m[n], l[n], o[n][d].
+struct Partial {
+  float* m = nullptr;
+  float* l = nullptr;
+  float* o = nullptr;
+  size_t n = 0;
+  uint32_t d = 0;
+};
+
+// Block selectors for sparse-auto (seed 004 §0x05J–0x05K).
+enum class BlockSelector : uint8_t {
+  kMean = 0,   // q · mean(k over the block): a cheap proxy, not a bound
+  kQuest = 1,  // Σ_j max(q_j·min_j, q_j·max_j): an upper bound on q·k for every key in the block
+};
+
+// Per-head block summaries of K: blocks of `block` rows (the last may be partial).
+// mean/min/max are [heads][nblocks][d] fp32, nblocks = ceil(rows / block).
+struct BlockSummaries {
+  float* mean = nullptr;
+  float* min = nullptr;
+  float* max = nullptr;
+  uint32_t heads = 0;
+  uint32_t nblocks = 0;
+  uint32_t block = 0;
+  uint32_t d = 0;
+};
+
+class AttentionKernels {
+ public:
+  virtual ~AttentionKernels() = default;
+  virtual std::string_view name() const = 0;
+
+  // Overwrites out (n = q.hq * q.m, d = q.d) with the partial state of every query row over
+  // `keys` under the causal/window mask. Preconditions (checked by the caller): shapes agree,
+  // head_map entries valid, sparse indices in range.
+  virtual void Attend(const Queries& q, const Keys& keys, float scale, int64_t window,
+                      const Partial& out) const = 0;
+
+  // Exact scaled scores of every query row against dense rows [keys.begin, keys.end):
+  // out[(h*m + i) * (end - begin) + (t - begin)], −inf where the mask hides the key.
+  virtual void Scores(const Queries& q, const Keys& keys, float scale, int64_t window,
+                      float* out) const = 0;
+
+  // Fills summaries (heads, nblocks, block, d already set; arrays allocated) from k.
+  virtual void Summarize(const Tensor3& k, const BlockSummaries& out) const = 0;
+
+  // Block scores of M=1 queries (q.m == 1): out[h * nblocks + b] by the selector, against the
+  // summaries of K/V head head_map[h]. Unscaled (ranking only).
+  virtual void ScoreBlocks(const Queries& q, const BlockSummaries& s, BlockSelector selector,
+                           float* out) const = 0;
+};
+
+// The scalar reference: plain loops, double accumulation, no SIMD. The oracle for the tests.
+const AttentionKernels& ReferenceKernels();
+// The CPU backend: Highway SIMD with runtime dispatch (AVX-512, AVX2, SSE4, scalar).
+const AttentionKernels& CpuKernels();
+
+// Partial-state algebra, shared by every backend (O(n·d), host memory).
+// Empties `p` (m = −inf, l = 0, o = 0).
+void ClearPartial(const Partial& p);
+// into := into ⊕ from (the exact online-softmax merge; either side may be empty).
+void MergePartial(const Partial& into, const Partial& from);
+// out[n][d] = o / l (0 for an empty row); lse[n] = m + ln l (−inf for an empty row). lse may be
+// null.
+void FinalizePartial(const Partial& p, float* out, float* lse);
+
+}  // namespace pion::kernels
