@@ -24,9 +24,15 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "ssm.prefix.store", "ssm.prefix.fetch", "ssm.prefix.drop",
                 "kv.prefix.register", "kv.prefix.lookup", "kv.prefix.info", "kv.prefix.blocks",
                 "kv.prefix.membership", "kv.prefix.owner", "kv.prefix.drop",
-                "kv.prefix.save", "kv.prefix.warm"}
+                "kv.prefix.save", "kv.prefix.warm",
+                "attend.prefix.store", "attend.prefix.lookup", "attend.prefix.drop",
+                "attend.prefix.info", "attend.prefix.query", "attend.prefix.query_fused",
+                "attend.prefix.query_sparse", "attend.prefix.query_sparse_auto",
+                "attend.prefix.query_sparse_auto_fused"}
 
 CONFIG_PARAMS = ["bind", "port", "workers", "dir", "metrics-port", "kvcache", "users",
+                 "attention-backend", "attention-fp16", "attention-memory", "compute-threads",
+                 "compute-queue-depth",
                  "maxmemory", "requirepass", "proto-max-bulk-len", "max-multibulk-len",
                  "client-query-buffer-limit", "client-output-buffer-limit",
                  "client-output-buffer-timeout-ms", "maxclients", "shard-queue-depth",
@@ -36,6 +42,8 @@ ALL_FLAGS = ["--help", "--version", "--config", "--bind", "--port", "--workers",
              "--maxmemory", "--metrics-port", "--requirepass", "--users", "--proto-max-bulk-len",
              "--max-multibulk-len", "--client-query-buffer-limit", "--client-output-buffer-limit",
              "--client-output-buffer-timeout-ms", "--maxclients", "--shard-queue-depth",
+             "--attention-backend", "--attention-fp16", "--attention-memory",
+             "--compute-threads", "--compute-queue-depth",
              "--kvcache", "--loglevel", "--logfile", "--slowlog-log-slower-than",
              "--slowlog-max-len"]
 
@@ -433,7 +441,8 @@ def test_slowlog_does_not_record_passwords(pion_factory, tmp_path):
 # INFO
 # ------------------------------------------------------------------------------------------
 
-SECTIONS = ["Server", "Clients", "Memory", "Persistence", "Stats", "Commandstats", "Keyspace"]
+SECTIONS = ["Server", "Clients", "Memory", "Persistence", "Stats", "Commandstats", "Keyspace",
+            "Attention"]
 
 
 def sections_of(text: bytes) -> list[str]:

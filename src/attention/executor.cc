@@ -160,15 +160,15 @@ void TopK(const kernels::AttentionKernels& kern, const Parallel& par, const Quer
       const size_t keep = std::min<size_t>(top_k, idx.size());
       if (keep < idx.size()) {
         exact[row] = 0;
-        std::nth_element(idx.begin(), idx.begin() + keep, idx.end(), [&](int32_t x, int32_t y) {
-          return scores[x - b] > scores[y - b];
-        });
+        std::nth_element(idx.begin(), idx.begin() + keep, idx.end(),
+                         [&](int32_t x, int32_t y) { return scores[x - b] > scores[y - b]; });
         // Exact omitted mass: the softmax weight of the keys left out.
         float mx = -std::numeric_limits<float>::infinity();
         for (float s : scores) mx = std::max(mx, s);
         double all = 0, kept = 0;
         for (float s : scores) all += std::exp(static_cast<double>(s) - mx);
-        for (size_t j = 0; j < keep; ++j) kept += std::exp(static_cast<double>(scores[idx[j] - b]) - mx);
+        for (size_t j = 0; j < keep; ++j)
+          kept += std::exp(static_cast<double>(scores[idx[j] - b]) - mx);
         omitted[row] = all > 0 ? (all - kept) / all : 0;
       }
       std::sort(idx.begin(), idx.begin() + keep);
@@ -189,8 +189,7 @@ void TopK(const kernels::AttentionKernels& kern, const Parallel& par, const Quer
 
 // Caller-chosen rows (M = 1): lists as given; the receipt counts the visible ones.
 void CallerSparse(const kernels::AttentionKernels& kern, const Parallel& par, const Plan& plan,
-                  const Tensor3& k, const Tensor3& v, float scale, const Partial& out,
-                  Receipt* r) {
+                  const Tensor3& k, const Tensor3& v, float scale, const Partial& out, Receipt* r) {
   const Queries& q = plan.q;
   std::vector<int32_t> rows(plan.rows, plan.rows + static_cast<size_t>(q.hq) * plan.stride);
   std::vector<int32_t> counts(plan.counts, plan.counts + q.hq);
@@ -211,8 +210,7 @@ void CallerSparse(const kernels::AttentionKernels& kern, const Parallel& par, co
 // Sparse-auto over the prefix (M = 1): block scores, top K_top blocks plus the first and last
 // visible ones, then sparse attention over their rows.
 void SparseAuto(const kernels::AttentionKernels& kern, const Parallel& par, const Plan& plan,
-                const Tensor3& k, const Tensor3& v, float scale, const Partial& out,
-                Receipt* r) {
+                const Tensor3& k, const Tensor3& v, float scale, const Partial& out, Receipt* r) {
   const Queries& q = plan.q;
   const kernels::BlockSummaries& s = plan.summaries;
   const uint32_t nb = s.nblocks, B = s.block;
@@ -242,8 +240,9 @@ void SparseAuto(const kernels::AttentionKernels& kern, const Parallel& par, cons
       cand.clear();
       for (uint32_t b = b_lo + 1; b < b_hi; ++b) cand.push_back(b);
       const size_t keep = std::min<size_t>(plan.k_top, cand.size());
-      std::partial_sort(cand.begin(), cand.begin() + keep, cand.end(),
-                        [&](uint32_t x, uint32_t y) { return hs[x] > hs[y] || (hs[x] == hs[y] && x < y); });
+      std::partial_sort(cand.begin(), cand.begin() + keep, cand.end(), [&](uint32_t x, uint32_t y) {
+        return hs[x] > hs[y] || (hs[x] == hs[y] && x < y);
+      });
       for (size_t j = 0; j < keep; ++j) chosen[cand[j]] = 1;
       // The proxy weight of a block: its visible rows times exp(scale · q·mean).
       const float* ms = mean_scores.data() + static_cast<size_t>(h) * nb;
@@ -333,8 +332,8 @@ Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan
     }
   }
   kernels::FinalizePartial(out_p, out, lse);
-  r->micros = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
-                  .count();
+  r->micros =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   return Status::Ok();
 }
 

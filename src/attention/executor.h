@@ -46,13 +46,13 @@ struct Plan {
 
 struct Receipt {
   bool exact = true;
-  uint64_t rows_attended = 0;             // Σ over query rows of keys attended
-  uint64_t visible_rows = 0;              // Σ over query rows of keys the mask allows
-  std::vector<uint64_t> support;          // per query head: keys attended (summed over its rows)
+  uint64_t rows_attended = 0;     // Σ over query rows of keys attended
+  uint64_t visible_rows = 0;      // Σ over query rows of keys the mask allows
+  std::vector<uint64_t> support;  // per query head: keys attended (summed over its rows)
   std::vector<std::vector<uint32_t>> blocks;  // sparse-auto: per query head, chosen blocks
-  uint32_t blocks_total = 0;              // sparse-auto: blocks visible per head
-  double omitted_mass_estimate = 0;       // block-mean proxy (sparse-auto), exact scores (top_k)
-  uint32_t splits = 1;                    // key-range pieces computed in parallel
+  uint32_t blocks_total = 0;                  // sparse-auto: blocks visible per head
+  double omitted_mass_estimate = 0;  // block-mean proxy (sparse-auto), exact scores (top_k)
+  uint32_t splits = 1;               // key-range pieces computed in parallel
   double micros = 0;
 };
 

@@ -1,0 +1,239 @@
+// The executor's algebra, on the CPU backend against the scalar reference: split-K equals one
+// pass, the fused forms equal prefix and suffix merged, full-support sparse forms equal dense,
+// and receipts count what was attended.
+#include "attention/executor.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace pion::attention {
+namespace {
+
+using kernels::DType;
+using kernels::Tensor3;
+
+struct Data {
+  uint32_t heads, rows, d;
+  std::vector<float> k, v;
+  Data(uint32_t h, uint32_t n, uint32_t d_, std::mt19937& rng) : heads(h), rows(n), d(d_) {
+    std::normal_distribution<float> g;
+    k.resize(size_t{h} * n * d_);
+    v.resize(k.size());
+    for (auto& x : k) x = g(rng);
+    for (auto& x : v) x = g(rng);
+  }
+  Tensor3 K() const { return {k.data(), DType::kF32, heads, rows, d}; }
+  Tensor3 V() const { return {v.data(), DType::kF32, heads, rows, d}; }
+};
+
+std::vector<float> Randn(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> g;
+  std::vector<float> x(n);
+  for (auto& e : x) e = g(rng);
+  return x;
+}
+
+std::vector<int32_t> Contiguous(uint32_t hq, uint32_t heads) {
+  std::vector<int32_t> m(hq);
+  for (uint32_t h = 0; h < hq; ++h) m[h] = static_cast<int32_t>(h / (hq / heads));
+  return m;
+}
+
+void ExpectNear(const std::vector<float>& a, const std::vector<float>& b, float tol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_NEAR(a[i], b[i], tol * (1 + std::fabs(b[i]))) << "at " << i;
+  }
+}
+
+// Runs a plan on `kern` and returns output (+ lse appended).
+std::vector<float> RunPlan(const kernels::AttentionKernels& kern, const Plan& plan, const Data& kv,
+                           int threads, Receipt* r, size_t out_rows) {
+  std::vector<float> out(out_rows * plan.q.d + out_rows);
+  Parallel par{threads, nullptr};
+  Receipt local;
+  EXPECT_TRUE(Run(kern, par, plan, kv.K(), kv.V(), out.data(), out.data() + out_rows * plan.q.d,
+                  r ? r : &local)
+                  .ok());
+  return out;
+}
+
+TEST(Executor, SplitKEqualsOnePass) {
+  std::mt19937 rng(1);
+  Data kv(2, 5000, 64, rng);
+  auto q = Randn(8 * 3 * 64, rng);
+  auto map = Contiguous(8, 2);
+  Plan p;
+  p.q = {q.data(), 8, 3, 64, map.data(), 5000};
+  Receipt r1, r4;
+  auto one = RunPlan(kernels::CpuKernels(), p, kv, 1, &r1, 24);
+  auto four = RunPlan(kernels::CpuKernels(), p, kv, 4, &r4, 24);
+  auto ref = RunPlan(kernels::ReferenceKernels(), p, kv, 1, nullptr, 24);
+  EXPECT_EQ(r1.splits, 1u);
+  EXPECT_GT(r4.splits, 1u);
+  ExpectNear(four, one, 2e-5f);
+  ExpectNear(one, ref, 2e-5f);
+  EXPECT_TRUE(r4.exact);
+  EXPECT_EQ(r4.rows_attended, 24u * 5000);
+}
+
+TEST(Executor, WindowAndQposRestrictVisibleRows) {
+  std::mt19937 rng(2);
+  Data kv(1, 300, 32, rng);
+  auto q = Randn(2 * 32, rng);
+  auto map = Contiguous(1, 1);
+  Plan p;
+  p.q = {q.data(), 1, 2, 32, map.data(), 100};  // rows at positions 100 and 101
+  p.window = 10;
+  Receipt r;
+  auto out = RunPlan(kernels::CpuKernels(), p, kv, 4, &r, 2);
+  auto ref = RunPlan(kernels::ReferenceKernels(), p, kv, 1, nullptr, 2);
+  ExpectNear(out, ref, 2e-5f);
+  EXPECT_EQ(r.rows_attended, 20u);  // keys 91..100 and 92..101
+  EXPECT_EQ(r.support[0], 20u);
+}
+
+TEST(Executor, FusedEqualsPrefixMergedWithSuffix) {
+  std::mt19937 rng(3);
+  const uint32_t H = 2, HQ = 4, N = 700, S = 9, M = 4, D = 96;
+  Data kv(H, N, D, rng), suf(H, S, D, rng);
+  auto q = Randn(size_t{HQ} * M * D, rng);
+  std::vector<int32_t> map = {1, 0, 1, 0};  // not contiguous
+  Plan fused;
+  fused.form = Form::kFused;
+  fused.q = {q.data(), HQ, M, D, map.data(), 0};
+  fused.k_suffix = suf.K();
+  fused.v_suffix = suf.V();
+  Receipt r;
+  auto got = RunPlan(kernels::CpuKernels(), fused, kv, 2, &r, HQ * M);
+
+  // Prefix (queries at N+S-M..) and suffix separately, merged by the LSE formula.
+  Plan pre;
+  pre.q = fused.q;
+  pre.q.pos0 = N + S - M;
+  auto a = RunPlan(kernels::ReferenceKernels(), pre, kv, 1, nullptr, HQ * M);
+  Plan sp = pre;
+  sp.q.pos0 = S - M;  // the suffix alone, positions 0..S-1
+  auto b = RunPlan(kernels::ReferenceKernels(), sp, suf, 1, nullptr, HQ * M);
+  std::vector<float> want(size_t{HQ} * M * D);
+  for (size_t row = 0; row < size_t{HQ} * M; ++row) {
+    const float la = a[HQ * M * D + row], lb = b[HQ * M * D + row];
+    const float m = std::max(la, lb);
+    const double wa = std::exp(la - m), wb = std::exp(lb - m);
+    for (uint32_t j = 0; j < D; ++j) {
+      want[row * D + j] =
+          static_cast<float>((wa * a[row * D + j] + wb * b[row * D + j]) / (wa + wb));
+    }
+  }
+  got.resize(want.size());
+  ExpectNear(got, want, 5e-5f);
+  EXPECT_TRUE(r.exact);
+  // Each query row sees the whole prefix plus the suffix up to itself.
+  uint64_t expect = 0;
+  for (uint32_t i = 0; i < M; ++i) expect += N + (S - M + i + 1);
+  EXPECT_EQ(r.rows_attended, expect * HQ);
+}
+
+TEST(Executor, FullSupportSparseFormsEqualDense) {
+  std::mt19937 rng(4);
+  const uint32_t H = 2, HQ = 8, N = 1000, D = 128;
+  Data kv(H, N, D, rng);
+  auto q = Randn(size_t{HQ} * D, rng);
+  auto map = Contiguous(HQ, H);
+  Plan dense;
+  dense.q = {q.data(), HQ, 1, D, map.data(), N};
+  auto want = RunPlan(kernels::ReferenceKernels(), dense, kv, 1, nullptr, HQ);
+  want.resize(size_t{HQ} * D);
+
+  // Caller-sparse with every index (reversed order).
+  std::vector<int32_t> rows(size_t{HQ} * N), counts(HQ, N);
+  for (uint32_t h = 0; h < HQ; ++h)
+    for (uint32_t t = 0; t < N; ++t) rows[h * N + t] = static_cast<int32_t>(N - 1 - t);
+  Plan sparse = dense;
+  sparse.form = Form::kSparse;
+  sparse.rows = rows.data();
+  sparse.counts = counts.data();
+  sparse.stride = N;
+  Receipt rs;
+  auto got = RunPlan(kernels::CpuKernels(), sparse, kv, 2, &rs, HQ);
+  got.resize(want.size());
+  ExpectNear(got, want, 2e-5f);
+  EXPECT_TRUE(rs.exact);
+  EXPECT_EQ(rs.rows_attended, uint64_t{HQ} * N);
+
+  // Sparse-auto with K_top >= blocks, both selectors.
+  for (auto sel : {kernels::BlockSelector::kMean, kernels::BlockSelector::kQuest}) {
+    const uint32_t B = 64, nb = (N + B - 1) / B;
+    std::vector<float> mean(size_t{H} * nb * D), mn(mean.size()), mx(mean.size());
+    kernels::BlockSummaries s{mean.data(), mn.data(), mx.data(), H, nb, B, D};
+    kernels::CpuKernels().Summarize(kv.K(), s);
+    Plan sa = dense;
+    sa.form = Form::kSparseAuto;
+    sa.block = B;
+    sa.k_top = nb;
+    sa.selector = sel;
+    sa.summaries = s;
+    Receipt r;
+    auto got2 = RunPlan(kernels::CpuKernels(), sa, kv, 2, &r, HQ);
+    got2.resize(want.size());
+    ExpectNear(got2, want, 2e-5f);
+    EXPECT_TRUE(r.exact);
+    EXPECT_EQ(r.blocks_total, nb);
+    EXPECT_EQ(r.omitted_mass_estimate, 0.0);
+
+    // Fewer blocks: approximate, support = rows of the chosen blocks.
+    sa.k_top = 3;
+    auto got3 = RunPlan(kernels::CpuKernels(), sa, kv, 2, &r, HQ);
+    EXPECT_FALSE(r.exact);
+    for (uint32_t h = 0; h < HQ; ++h) {
+      ASSERT_EQ(r.blocks[h].size(), 5u);  // 3 + first + last
+      EXPECT_EQ(r.blocks[h].front(), 0u);
+      EXPECT_EQ(r.blocks[h].back(), nb - 1);
+      uint64_t rows_in = 0;
+      for (uint32_t b : r.blocks[h]) rows_in += std::min(N, (b + 1) * B) - b * B;
+      EXPECT_EQ(r.support[h], rows_in);
+    }
+    EXPECT_GT(r.omitted_mass_estimate, 0.0);
+    EXPECT_LT(r.omitted_mass_estimate, 1.0);
+  }
+}
+
+TEST(Executor, TopKKeepsTheBestKeys) {
+  std::mt19937 rng(5);
+  const uint32_t N = 500, D = 64;
+  Data kv(1, N, D, rng);
+  auto q = Randn(2 * D, rng);
+  auto map = Contiguous(2, 1);
+  Plan p;
+  p.form = Form::kTopK;
+  p.q = {q.data(), 2, 1, D, map.data(), N};
+  p.top_k = N;  // every key: exact
+  Receipt r;
+  auto all = RunPlan(kernels::CpuKernels(), p, kv, 2, &r, 2);
+  EXPECT_TRUE(r.exact);
+  Plan dense = p;
+  dense.form = Form::kDense;
+  auto want = RunPlan(kernels::ReferenceKernels(), dense, kv, 1, nullptr, 2);
+  ExpectNear(all, want, 2e-5f);
+
+  p.top_k = 1;  // one key per row: the output is that key's V row
+  auto one = RunPlan(kernels::CpuKernels(), p, kv, 2, &r, 2);
+  EXPECT_FALSE(r.exact);
+  EXPECT_EQ(r.rows_attended, 2u);
+  for (uint32_t h = 0; h < 2; ++h) {
+    int best = 0;
+    float bs = -1e30f;
+    for (uint32_t t = 0; t < N; ++t) {
+      float s = 0;
+      for (uint32_t j = 0; j < D; ++j) s += q[h * D + j] * kv.k[t * D + j];
+      if (s > bs) bs = s, best = static_cast<int>(t);
+    }
+    for (uint32_t j = 0; j < D; ++j) EXPECT_NEAR(one[h * D + j], kv.v[best * D + j], 1e-6f);
+  }
+}
+
+}  // namespace
+}  // namespace pion::attention

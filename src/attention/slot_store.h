@@ -64,9 +64,9 @@ struct Slot {
   uint32_t rows = 0;  // N, prefix tokens
   uint32_t d = 0;
   kernels::DType dtype = kernels::DType::kF32;
-  BufferRef k, v;            // [heads][rows][d] of dtype
-  uint64_t generation = 0;   // unique per published slot, store-wide
-  std::string source;        // "" for STORE with blobs; "<ns>@<publication>" for STORE FROM
+  BufferRef k, v;           // [heads][rows][d] of dtype
+  uint64_t generation = 0;  // unique per published slot, store-wide
+  std::string source;       // "" for STORE with blobs; "<ns>@<publication>" for STORE FROM
   std::unique_ptr<Charge> charge;
 
   kernels::Tensor3 K() const { return {k->data(), dtype, heads, rows, d}; }
@@ -75,8 +75,8 @@ struct Slot {
 
   // Shard thread only: the summaries for block size b, creating (and charging) them if needed.
   // At most kMaxSummaries block sizes are cached per slot; the least recently used is dropped.
-  StatusOr<std::shared_ptr<Summaries>> SummariesFor(uint32_t b, const store::ByteBudget* budget)
-      const;
+  StatusOr<std::shared_ptr<Summaries>> SummariesFor(uint32_t b,
+                                                    const store::ByteBudget* budget) const;
   static constexpr size_t kMaxSummaries = 4;
 
  private:

@@ -67,10 +67,10 @@ StatusOr<attention::SlotRef> FindSlot(server::CommandContext& ctx, std::string_v
   attention::SlotRef slot = ctx.shard->store().attention.Find(ctx.Key(sid), layer);
   if (slot) return slot;
   ctx.server->attention_counters().misses.fetch_add(1, std::memory_order_relaxed);
-  return Status(ErrorKind::kMiss, "no attention slot for session '" +
-                                      std::string(sid.substr(0, 128)) + "' layer " +
-                                      std::to_string(layer) +
-                                      " (never stored, dropped or evicted); ATTEND.PREFIX.STORE it");
+  return Status(ErrorKind::kMiss,
+                "no attention slot for session '" + std::string(sid.substr(0, 128)) + "' layer " +
+                    std::to_string(layer) +
+                    " (never stored, dropped or evicted); ATTEND.PREFIX.STORE it");
 }
 
 const kernels::AttentionKernels& Kernels(server::Server&) { return kernels::CpuKernels(); }
@@ -107,8 +107,8 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
   if (s.ok()) s = ParseHeadDim(args[5], &d);
   if (!s.ok()) return ctx.Error(s);
   const uint64_t elems = uint64_t{heads} * rows * d;
-  const std::string formula = "H*N*D*4 (H=" + std::to_string(heads) +
-                              " N=" + std::to_string(rows) + " D=" + std::to_string(d) + ")";
+  const std::string formula = "H*N*D*4 (H=" + std::to_string(heads) + " N=" + std::to_string(rows) +
+                              " D=" + std::to_string(d) + ")";
   s = CheckBlobSize("K_blob", formula, elems * 4, args[6].size());
   if (s.ok()) s = CheckBlobSize("V_blob", formula, elems * 4, args[7].size());
   if (!s.ok()) return ctx.Error(s);
@@ -168,10 +168,10 @@ void PrepareSource(server::Server& srv, server::Shard& shard, const store::Tenan
     if (e == nullptr) return done(Error("namespace '" + ns.name + "' was dropped meanwhile"));
     const store::PrefixManifest& m = e->manifest;
     if ((model && *model != m.model) || (position && *position != m.position)) {
-      return done(Status(ErrorKind::kMismatch,
-                         "namespace '" + ns.name + "' holds " + m.Describe() + ", not model '" +
-                             model.value_or(m.model) + "' position '" +
-                             position.value_or(m.position) + "'"));
+      return done(Status(ErrorKind::kMismatch, "namespace '" + ns.name + "' holds " + m.Describe() +
+                                                   ", not model '" + model.value_or(m.model) +
+                                                   "' position '" + position.value_or(m.position) +
+                                                   "'"));
     }
     if (layer >= m.n_layers) {
       return done(Error("layer " + std::to_string(layer) + " is out of range: namespace '" +
@@ -200,7 +200,8 @@ void PrepareSource(server::Server& srv, server::Shard& shard, const store::Tenan
 
 // Runs on a compute thread: decodes layer `layer` of the source (token-major rows of
 // kv_heads*head_dim) into head-major [H][T][D] slot buffers of the storage type.
-void DecodeLayer(server::ComputePool& pool, const Source& src, uint32_t layer, attention::Slot& slot) {
+void DecodeLayer(server::ComputePool& pool, const Source& src, uint32_t layer,
+                 attention::Slot& slot) {
   const store::PrefixManifest& m = src.manifest;
   const uint32_t H = m.kv_heads, T = m.n_tokens, D = m.head_dim;
   store::VSession ks(src.codec, nullptr), vs(src.codec, nullptr);
@@ -304,19 +305,20 @@ void StoreFrom(CommandContext& ctx, CmdArgs& args) {
 
   // Step 1, on the namespace's shard.
   auto prepare = [srv, ns, layer, model, position, sid_shard, build, fail](server::Shard& nss) {
-    PrepareSource(*srv, nss, ns, layer, model, position,
-                  [srv, sid_shard, build, fail](StatusOr<std::shared_ptr<Source>> src) {
-                    if (!src.ok()) return fail(src.status());
-                    auto ready = std::move(src).value();
-                    srv->shard(sid_shard).PostControl([build, ready](server::Shard&) { build(ready); });
-                  });
+    PrepareSource(
+        *srv, nss, ns, layer, model, position,
+        [srv, sid_shard, build, fail](StatusOr<std::shared_ptr<Source>> src) {
+          if (!src.ok()) return fail(src.status());
+          auto ready = std::move(src).value();
+          srv->shard(sid_shard).PostControl([build, ready](server::Shard&) { build(ready); });
+        });
   };
   const int ns_shard = srv->OwnerOf(ns.tenant, ns.name);
   if (ns_shard == sid_shard) return prepare(*ctx.shard);
   if (!srv->shard(ns_shard).Post(prepare)) {
     ctx.shard->stats().Reject(server::RejectReason::kBusy);
-    fail(Status(ErrorKind::kBusy, "shard " + std::to_string(ns_shard) +
-                                      " inbox is full; retry later"));
+    fail(Status(ErrorKind::kBusy,
+                "shard " + std::to_string(ns_shard) + " inbox is full; retry later"));
   }
 }
 

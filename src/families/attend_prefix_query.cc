@@ -118,7 +118,8 @@ Status CheckSlot(const attention::Slot& slot, uint32_t d, std::optional<uint32_t
 
 // head_map: int32 [H_q], each in [0, H_kv).
 Status CheckHeadMap(const BufferRef& b, uint32_t hq, uint32_t h_kv, QueryJob* job) {
-  Status s = CheckBlobSize("head_map", "H_q*4 " + Shape({{"H_q", hq}}), uint64_t{hq} * 4, b->size());
+  Status s =
+      CheckBlobSize("head_map", "H_q*4 " + Shape({{"H_q", hq}}), uint64_t{hq} * 4, b->size());
   if (!s.ok()) return s;
   job->head_map.assign(As<int32_t>(b), As<int32_t>(b) + hq);
   for (uint32_t h = 0; h < hq; ++h) {
@@ -147,7 +148,8 @@ Status DeriveM(const BufferRef& q, uint32_t h, uint32_t d, uint32_t* m) {
 Status TakeSuffix(CmdArgs& args, size_t ki, uint32_t h_kv, uint32_t s_suf, uint32_t d,
                   QueryJob* job) {
   const uint64_t bytes = uint64_t{h_kv} * s_suf * d * 4;
-  const std::string formula = "H_kv*S_suf*D*4 " + Shape({{"H_kv", h_kv}, {"S_suf", s_suf}, {"D", d}});
+  const std::string formula =
+      "H_kv*S_suf*D*4 " + Shape({{"H_kv", h_kv}, {"S_suf", s_suf}, {"D", d}});
   Status s = CheckBlobSize("K_suf", formula, bytes, args[ki].size());
   if (s.ok()) s = CheckBlobSize("V_suf", formula, bytes, args[ki + 1].size());
   if (!s.ok()) return s;
@@ -219,9 +221,8 @@ void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
     const kernels::AttentionKernels& kern = Kernels(*srv);
     const attention::Slot& slot = *job->slot;
     if (job->summaries) {
-      std::call_once(job->summaries->filled, [&] {
-        kern.Summarize(slot.K(), job->summaries->View(slot.heads, slot.d));
-      });
+      std::call_once(job->summaries->filled,
+                     [&] { kern.Summarize(slot.K(), job->summaries->View(slot.heads, slot.d)); });
     }
     const size_t d = job->plan.q.d;
     const size_t bytes = (job->out_rows * d + (job->with_lse ? job->out_rows : 0)) * sizeof(float);
@@ -233,10 +234,9 @@ void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
     float* o = reinterpret_cast<float*>(buf->data());
     float* lse = job->with_lse ? o + job->out_rows * d : nullptr;
     server::ComputePool* pool = srv->compute();
-    attention::Parallel par{pool->threads(),
-                            [pool](size_t n, const std::function<void(size_t)>& fn) {
-                              pool->ParallelFor(n, fn);
-                            }};
+    attention::Parallel par{
+        pool->threads(),
+        [pool](size_t n, const std::function<void(size_t)>& fn) { pool->ParallelFor(n, fn); }};
     auto r = std::make_shared<attention::Receipt>();
     Status s = attention::Run(kern, par, job->plan, slot.K(), slot.V(), o, lse, r.get());
     auto& c = srv->attention_counters();
@@ -401,8 +401,8 @@ void QuerySparse(CommandContext& ctx, CmdArgs& args) {
       const int32_t t = rows[static_cast<size_t>(hh) * kmax + j];
       const std::string at = "indices[" + std::to_string(hh) + "][" + std::to_string(j) + "] = ";
       if (t < 0 || static_cast<uint32_t>(t) >= n) {
-        return ctx.Error(Error(at + std::to_string(t) + " is out of range [0, N=" +
-                               std::to_string(n) + ")"));
+        return ctx.Error(
+            Error(at + std::to_string(t) + " is out of range [0, N=" + std::to_string(n) + ")"));
       }
       uint64_t& word = seen[t / 64];
       const uint64_t bit = uint64_t{1} << (t % 64);
@@ -502,7 +502,8 @@ void RegisterQueryCommands(server::Server& srv) {
               "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <Q> <head_map> [<fa_window>] "
               "[QPOS <p>] [SELECT mean|quest] [RECEIPT]"});
   r.Register({"ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", -13, kRead, 1, 1, 1, QuerySparseAutoFused,
-              "attend_prefix", "Sparse-auto over the prefix plus the dense suffix, merged; H_q*D fp32.",
+              "attend_prefix",
+              "Sparse-auto over the prefix plus the dense suffix, merged; H_q*D fp32.",
               "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <S_suf> <Q> <K_suf> <V_suf> <head_map> "
               "[<fa_window>] [SELECT mean|quest] [RECEIPT]"});
 }

@@ -120,6 +120,23 @@ const std::vector<Param>& Params() {
       {"kvcache", [](Server& s) { return std::string(s.config().kvcache ? "on" : "off"); },
        nullptr},
       {"users", [](Server& s) { return s.config().users_file; }, nullptr},
+      {"attention-backend", [](Server& s) { return std::string("cpu"); }, nullptr},
+      {"attention-fp16",
+       [](Server& s) { return std::string(s.config().attention_fp16 ? "yes" : "no"); }, nullptr},
+      {"attention-memory",
+       [](Server& s) {
+         return std::to_string(s.memory().family_limit(server::MemFamily::kAttention));
+       },
+       [](Server& s, std::string_view v, bool apply) {
+         return SetSize(v, apply, [&](uint64_t n) {
+           s.memory().set_family_limit(server::MemFamily::kAttention, n);
+         });
+       }},
+      {"compute-threads",
+       [](Server& s) { return std::to_string(s.compute() ? s.compute()->threads() : 0); }, nullptr},
+      {"compute-queue-depth",
+       [](Server& s) { return std::to_string(s.compute() ? s.compute()->capacity() : 0); },
+       nullptr},
       {"maxmemory", [](Server& s) { return std::to_string(s.memory().maxmemory()); },
        [](Server& s, std::string_view v, bool apply) {
          return SetSize(v, apply, [&](uint64_t n) { s.memory().set_maxmemory(n); });

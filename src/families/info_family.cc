@@ -200,6 +200,45 @@ void KeyspaceSection(server::Server& srv, std::string& out) {
          ",bytes=" + std::to_string(ssm_bytes));
 }
 
+void AttentionSection(server::Server& srv, std::string& out) {
+  out += "# Attention\r\n";
+  attention::SlotStore::Usage u;
+  for (int i = 0; i < srv.shard_count(); ++i) {
+    auto t = srv.shard(i).store().attention.Total();
+    u.sessions += t.sessions;
+    u.slots += t.slots;
+    u.bytes += t.bytes;
+    u.evictions += t.evictions;
+  }
+  const auto& c = srv.attention_counters();
+  Kv(out, "attention_backend", "cpu");
+  Kv(out, "attention_dtype", srv.config().attention_fp16 ? "fp16" : "fp32");
+  Kv(out, "attention_sessions", u.sessions);
+  Kv(out, "attention_slots", u.slots);
+  Kv(out, "attention_bytes", srv.memory().used(server::MemFamily::kAttention));
+  Kv(out, "attention_memory_limit", srv.memory().family_limit(server::MemFamily::kAttention));
+  Kv(out, "attention_evictions", u.evictions);
+  Kv(out, "attention_stores", c.stores.load());
+  Kv(out, "attention_promotions", c.promotions.load());
+  Kv(out, "attention_misses", c.misses.load());
+  for (int f = 0; f < attention::kFormCount; ++f) {
+    const std::string key =
+        "attention_queries_" + std::string(attention::FormName(static_cast<attention::Form>(f)));
+    Kv(out, key.c_str(), c.queries[f].load());
+  }
+  Kv(out, "attention_exact", c.exact.load());
+  Kv(out, "attention_approximate", c.approximate.load());
+  Kv(out, "attention_rows_attended", c.rows_attended.load());
+  Kv(out, "attention_compute_us", c.compute_us.load());
+  server::ComputePool* pool = srv.compute();
+  Kv(out, "compute_threads", static_cast<uint64_t>(pool ? pool->threads() : 0));
+  Kv(out, "compute_queue_depth", static_cast<uint64_t>(pool ? pool->capacity() : 0));
+  Kv(out, "compute_queued", static_cast<uint64_t>(pool ? pool->queued() : 0));
+  Kv(out, "compute_busy", static_cast<uint64_t>(pool ? pool->busy() : 0));
+  Kv(out, "compute_completed", pool ? pool->completed() : 0);
+  Kv(out, "compute_rejected", pool ? pool->rejected() : 0);
+}
+
 struct Section {
   const char* name;
   void (*render)(server::Server&, std::string&);
@@ -209,7 +248,7 @@ constexpr Section kSections[] = {
     {"server", ServerSection, true},     {"clients", ClientsSection, true},
     {"memory", MemorySection, true},     {"persistence", PersistenceSection, true},
     {"stats", StatsSection, true},       {"commandstats", CommandStatsSection, false},
-    {"keyspace", KeyspaceSection, true},
+    {"keyspace", KeyspaceSection, true}, {"attention", AttentionSection, true},
 };
 
 void Info(CommandContext& ctx, CmdArgs& args) {

@@ -147,6 +147,39 @@ std::string MetricsHttp::Render(Server& server) {
   metric("pion_process_resident_bytes", "gauge", "Resident set size of the process.");
   line("pion_process_resident_bytes", ProcessRssBytes());
 
+  const auto& ac = server.attention_counters();
+  metric("pion_attention_queries_total", "counter", "ATTEND.PREFIX queries computed, by form.");
+  for (int f = 0; f < attention::kFormCount; ++f) {
+    line("pion_attention_queries_total{form=\"" +
+             std::string(attention::FormName(static_cast<attention::Form>(f))) + "\"}",
+         ac.queries[f].load());
+  }
+  metric("pion_attention_results_total", "counter", "ATTEND.PREFIX results by exactness.");
+  line("pion_attention_results_total{kind=\"exact\"}", ac.exact.load());
+  line("pion_attention_results_total{kind=\"approximate\"}", ac.approximate.load());
+  metric("pion_attention_rows_attended_total", "counter", "Key rows attended, over query rows.");
+  line("pion_attention_rows_attended_total", ac.rows_attended.load());
+  metric("pion_attention_compute_microseconds_total", "counter", "Time spent computing attention.");
+  line("pion_attention_compute_microseconds_total", ac.compute_us.load());
+  uint64_t slots = 0, evictions = 0;
+  for (int i = 0; i < server.shard_count(); ++i) {
+    auto t = server.shard(i).store().attention.Total();
+    slots += t.slots;
+    evictions += t.evictions;
+  }
+  metric("pion_attention_slots", "gauge", "Resident ATTEND.PREFIX slots.");
+  line("pion_attention_slots", slots);
+  metric("pion_attention_evictions_total", "counter", "Slots evicted for room (LRU).");
+  line("pion_attention_evictions_total", evictions);
+  metric("pion_attention_misses_total", "counter", "Queries on a slot that was not resident.");
+  line("pion_attention_misses_total", ac.misses.load());
+  if (ComputePool* pool = server.compute()) {
+    metric("pion_compute_queued", "gauge", "Queries waiting for a compute thread.");
+    line("pion_compute_queued", static_cast<uint64_t>(pool->queued()));
+    metric("pion_compute_rejected_total", "counter", "Queries refused with -BUSY (queue full).");
+    line("pion_compute_rejected_total", pool->rejected());
+  }
+
   const auto& specs = server.registry().all();
   auto per_cmd = [&](const char* name, const char* help,
                      std::atomic<uint64_t> CommandStats::*field) {
