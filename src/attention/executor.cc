@@ -300,8 +300,8 @@ Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan
         r->support[row / q.m] += c;
       }
       break;
-    case Form::kTopK:
-      TopK(kern, par, q, k, v, plan.top_k, scale, plan.window, out_p, r);
+    case Form::kTopK:  // more than N keys per row is every key: no larger lists needed
+      TopK(kern, par, q, k, v, std::min(plan.top_k, n), scale, plan.window, out_p, r);
       break;
     case Form::kSparse:
       CallerSparse(kern, par, plan, k, v, scale, out_p, r);
