@@ -56,7 +56,7 @@ struct Receipt {
   double micros = 0;
 };
 
-// Runs pieces in parallel: ComputePool::ParallelFor in the server, a plain loop in tests.
+// Runs pieces in parallel: WorkerPool::ParallelFor in the server, a plain loop in tests.
 struct Parallel {
   int threads = 1;
   std::function<void(size_t n, const std::function<void(size_t)>& fn)> run;

@@ -200,7 +200,7 @@ void PrepareSource(server::Server& srv, server::Shard& shard, const store::Tenan
 
 // Runs on a compute thread: decodes layer `layer` of the source (token-major rows of
 // kv_heads*head_dim) into head-major [H][T][D] slot buffers of the storage type.
-void DecodeLayer(server::ComputePool& pool, const Source& src, uint32_t layer,
+void DecodeLayer(server::WorkerPool& pool, const Source& src, uint32_t layer,
                  attention::Slot& slot) {
   const store::PrefixManifest& m = src.manifest;
   const uint32_t H = m.kv_heads, T = m.n_tokens, D = m.head_dim;

@@ -116,6 +116,18 @@ Status CheckSlot(const attention::Slot& slot, uint32_t d, std::optional<uint32_t
   return Status::Ok();
 }
 
+// Forms without a head_map: H must be a multiple of the slot's K/V heads, and query head h
+// reads K/V head h / (H / H_kv).
+Status ContiguousHeadMap(const attention::Slot& slot, uint32_t hq, QueryJob* job) {
+  if (hq % slot.heads != 0) {
+    return Error("H " + std::to_string(hq) + " is not a multiple of the slot's " +
+                 std::to_string(slot.heads) + " K/V heads (contiguous GQA grouping)");
+  }
+  const uint32_t group = hq / slot.heads;
+  for (uint32_t i = 0; i < hq; ++i) job->head_map.push_back(static_cast<int32_t>(i / group));
+  return Status::Ok();
+}
+
 // head_map: int32 [H_q], each in [0, H_kv).
 Status CheckHeadMap(const BufferRef& b, uint32_t hq, uint32_t h_kv, QueryJob* job) {
   Status s =
@@ -233,7 +245,7 @@ void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
     BufferRef buf = std::move(out).value();
     float* o = reinterpret_cast<float*>(buf->data());
     float* lse = job->with_lse ? o + job->out_rows * d : nullptr;
-    server::ComputePool* pool = srv->compute();
+    server::WorkerPool* pool = srv->compute();
     attention::Parallel par{
         pool->threads(),
         [pool](size_t n, const std::function<void(size_t)>& fn) { pool->ParallelFor(n, fn); }};
@@ -294,21 +306,16 @@ void Query(CommandContext& ctx, CmdArgs& args) {
   if (s.ok()) s = ParseUint(args[5], "top_k", &top_k);
   if (s.ok() && top_k > kMaxRows) s = Error("top_k must be at most " + std::to_string(kMaxRows));
   if (s.ok()) s = CheckSlot(*h.slot, h.d, std::nullopt);
-  if (s.ok() && h.hq % h.slot->heads != 0) {
-    s = Error("H " + std::to_string(h.hq) + " is not a multiple of the slot's " +
-              std::to_string(h.slot->heads) + " K/V heads (contiguous GQA grouping)");
-  }
+  auto job = std::make_shared<QueryJob>();
+  if (s.ok()) s = ContiguousHeadMap(*h.slot, h.hq, job.get());
   Tail tail;
   if (s.ok()) s = ParseTail(args, 7, true, false, &tail);
   if (!s.ok()) return ctx.Error(s);
-  auto job = std::make_shared<QueryJob>();
   auto q = Take(args, 6, job.get());
   if (!q.ok()) return ctx.Error(q.status());
   uint32_t m;
   s = DeriveM(q.value(), h.hq, h.d, &m);
   if (!s.ok()) return ctx.Error(s);
-  const uint32_t group = h.hq / h.slot->heads;
-  for (uint32_t i = 0; i < h.hq; ++i) job->head_map.push_back(static_cast<int32_t>(i / group));
   job->slot = h.slot;
   SetQueries(job.get(), q.value(), h.hq, m, h.d);
   job->plan.form = top_k > 0 ? Form::kTopK : Form::kDense;
@@ -362,10 +369,8 @@ void QuerySparse(CommandContext& ctx, CmdArgs& args) {
   Status s = ParseHead(ctx, args, &h);
   if (s.ok()) s = ParseCount(args[5], "K_sparse_max", kMaxRows, &kmax);
   if (s.ok()) s = CheckSlot(*h.slot, h.d, std::nullopt);
-  if (s.ok() && h.hq % h.slot->heads != 0) {
-    s = Error("H " + std::to_string(h.hq) + " is not a multiple of the slot's " +
-              std::to_string(h.slot->heads) + " K/V heads (contiguous GQA grouping)");
-  }
+  auto job = std::make_shared<QueryJob>();
+  if (s.ok()) s = ContiguousHeadMap(*h.slot, h.hq, job.get());
   Tail tail;
   if (s.ok()) s = ParseTail(args, 9, true, false, &tail);
   if (s.ok()) {
@@ -380,7 +385,6 @@ void QuerySparse(CommandContext& ctx, CmdArgs& args) {
     s = CheckBlobSize("counts", "H*4 " + Shape({{"H", h.hq}}), uint64_t{h.hq} * 4, args[8].size());
   }
   if (!s.ok()) return ctx.Error(s);
-  auto job = std::make_shared<QueryJob>();
   auto q = Take(args, 6, job.get());
   auto idx = Take(args, 7, job.get());
   auto cnt = Take(args, 8, job.get());
@@ -413,8 +417,6 @@ void QuerySparse(CommandContext& ctx, CmdArgs& args) {
       word |= bit;
     }
   }
-  const uint32_t group = h.hq / h.slot->heads;
-  for (uint32_t i = 0; i < h.hq; ++i) job->head_map.push_back(static_cast<int32_t>(i / group));
   job->slot = h.slot;
   SetQueries(job.get(), q.value(), h.hq, 1, h.d);
   job->plan.form = Form::kSparse;

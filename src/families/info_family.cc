@@ -230,7 +230,7 @@ void AttentionSection(server::Server& srv, std::string& out) {
   Kv(out, "attention_approximate", c.approximate.load());
   Kv(out, "attention_rows_attended", c.rows_attended.load());
   Kv(out, "attention_compute_us", c.compute_us.load());
-  server::ComputePool* pool = srv.compute();
+  server::WorkerPool* pool = srv.compute();
   Kv(out, "compute_threads", static_cast<uint64_t>(pool ? pool->threads() : 0));
   Kv(out, "compute_queue_depth", static_cast<uint64_t>(pool ? pool->capacity() : 0));
   Kv(out, "compute_queued", static_cast<uint64_t>(pool ? pool->queued() : 0));

@@ -173,7 +173,7 @@ std::string MetricsHttp::Render(Server& server) {
   line("pion_attention_evictions_total", evictions);
   metric("pion_attention_misses_total", "counter", "Queries on a slot that was not resident.");
   line("pion_attention_misses_total", ac.misses.load());
-  if (ComputePool* pool = server.compute()) {
+  if (WorkerPool* pool = server.compute()) {
     metric("pion_compute_queued", "gauge", "Queries waiting for a compute thread.");
     line("pion_compute_queued", static_cast<uint64_t>(pool->queued()));
     metric("pion_compute_rejected_total", "counter", "Queries refused with -BUSY (queue full).");

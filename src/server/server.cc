@@ -39,9 +39,9 @@ Status Server::Init() {
                                               static_cast<size_t>(config_.shard_queue_depth)));
     for (auto& hook : shard_inits_) hook(*shards_.back());
   }
-  io_ = std::make_unique<IoPool>(config_.io_threads, 1024);
-  compute_ = std::make_unique<ComputePool>(config_.compute_threads,
-                                           static_cast<size_t>(config_.compute_queue_depth));
+  io_ = std::make_unique<WorkerPool>(config_.io_threads, 1024);
+  compute_ = std::make_unique<WorkerPool>(config_.compute_threads,
+                                          static_cast<size_t>(config_.compute_queue_depth));
   for (auto& hook : startup_) {
     Status s = hook(*this);
     if (!s.ok()) return s;

@@ -14,12 +14,11 @@
 #include "attention/counters.h"
 #include "server/auth.h"
 #include "server/command.h"
-#include "server/compute_pool.h"
 #include "server/config.h"
-#include "server/io_pool.h"
 #include "server/memory.h"
 #include "server/shard.h"
 #include "server/slowlog.h"
+#include "server/worker_pool.h"
 
 namespace pion::server {
 
@@ -55,10 +54,10 @@ class Server {
   // alone (Redis hash tags), so related keys can be placed on one shard.
   int OwnerOf(uint32_t tenant, std::string_view key) const;
 
-  // Blocking disk work (see IoPool). Null until Init().
-  IoPool* io() { return io_.get(); }
-  // Attention queries (see ComputePool). Null until Init().
-  ComputePool* compute() { return compute_.get(); }
+  // Blocking disk work (--io-threads). Null until Init().
+  WorkerPool* io() { return io_.get(); }
+  // Attention queries (--compute-threads). Null until Init().
+  WorkerPool* compute() { return compute_.get(); }
   attention::Counters& attention_counters() { return attention_counters_; }
 
   // Families add start-up work (loading the disk tier) that runs in Init() after the shards
@@ -111,8 +110,8 @@ class Server {
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<std::function<void(Shard&)>> shard_inits_;
   std::vector<std::function<Status(Server&)>> startup_;
-  std::unique_ptr<IoPool> io_;
-  std::unique_ptr<ComputePool> compute_;
+  std::unique_ptr<WorkerPool> io_;
+  std::unique_ptr<WorkerPool> compute_;
   attention::Counters attention_counters_;
   DiskStats disk_stats_;
   std::unique_ptr<MetricsHttp> metrics_;

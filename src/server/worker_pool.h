@@ -1,5 +1,7 @@
-// ComputePool: the threads that run attention, so a long query never stalls the event loop other
-// connections wait on.
+// WorkerPool: threads for work no event loop may do. The server has two: the I/O pool
+// (--io-threads: fsync of a multi-gigabyte save, reading a prefix back from disk) and the compute
+// pool (--compute-threads: attention queries), so a long save or query never stalls the
+// connections a shard serves.
 //
 // Jobs (one per command) are admitted into a bounded queue: Submit() returns false when it is
 // full and the caller answers -BUSY — backpressure instead of an unbounded backlog. A running job
@@ -21,12 +23,12 @@
 
 namespace pion::server {
 
-class ComputePool {
+class WorkerPool {
  public:
-  ComputePool(int threads, size_t capacity);
-  ~ComputePool();  // runs what is queued, then joins
-  ComputePool(const ComputePool&) = delete;
-  ComputePool& operator=(const ComputePool&) = delete;
+  WorkerPool(int threads, size_t capacity);
+  ~WorkerPool();  // runs what is queued, then joins
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
 
   // Thread-safe. False when `capacity` jobs are already waiting (not counting running ones).
   bool Submit(std::function<void()> job);

@@ -1,4 +1,4 @@
-#include "server/compute_pool.h"
+#include "server/worker_pool.h"
 
 #include <gtest/gtest.h>
 
@@ -11,8 +11,8 @@
 namespace pion::server {
 namespace {
 
-TEST(ComputePool, NestedParallelForNeverDeadlocks) {
-  ComputePool pool(2, 64);
+TEST(WorkerPool, NestedParallelForNeverDeadlocks) {
+  WorkerPool pool(2, 64);
   std::atomic<int> sum{0};
   std::atomic<int> jobs_done{0};
   for (int j = 0; j < 16; ++j) {
@@ -30,8 +30,8 @@ TEST(ComputePool, NestedParallelForNeverDeadlocks) {
   EXPECT_EQ(sum.load(), 16 * 36);
 }
 
-TEST(ComputePool, SubmitRefusesBeyondCapacity) {
-  ComputePool pool(1, 2);
+TEST(WorkerPool, SubmitRefusesBeyondCapacity) {
+  WorkerPool pool(1, 2);
   std::mutex mu;
   std::condition_variable cv;
   bool release = false, started = false;
@@ -57,8 +57,8 @@ TEST(ComputePool, SubmitRefusesBeyondCapacity) {
   cv.notify_all();
 }
 
-TEST(ComputePool, ParallelForFromOutsideThePool) {
-  ComputePool pool(3, 4);
+TEST(WorkerPool, ParallelForFromOutsideThePool) {
+  WorkerPool pool(3, 4);
   std::vector<int> hits(100, 0);
   pool.ParallelFor(100, [&](size_t i) { hits[i] += 1; });
   for (int h : hits) EXPECT_EQ(h, 1);

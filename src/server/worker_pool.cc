@@ -1,15 +1,15 @@
-#include "server/compute_pool.h"
+#include "server/worker_pool.h"
 
 #include <memory>
 
 namespace pion::server {
 
-ComputePool::ComputePool(int threads, size_t capacity) : capacity_(capacity) {
+WorkerPool::WorkerPool(int threads, size_t capacity) : capacity_(capacity) {
   if (threads < 1) threads = 1;
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
 }
 
-ComputePool::~ComputePool() {
+WorkerPool::~WorkerPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -18,7 +18,7 @@ ComputePool::~ComputePool() {
   for (auto& t : threads_) t.join();
 }
 
-bool ComputePool::Submit(std::function<void()> job) {
+bool WorkerPool::Submit(std::function<void()> job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (jobs_.size() >= capacity_) {
@@ -31,12 +31,12 @@ bool ComputePool::Submit(std::function<void()> job) {
   return true;
 }
 
-size_t ComputePool::queued() const {
+size_t WorkerPool::queued() const {
   std::lock_guard<std::mutex> lock(mu_);
   return jobs_.size();
 }
 
-void ComputePool::Run() {
+void WorkerPool::Run() {
   while (true) {
     std::function<void()> task;
     bool is_job = false;
@@ -61,7 +61,7 @@ void ComputePool::Run() {
   }
 }
 
-void ComputePool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
+void WorkerPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
   if (n == 0) return;
   if (n == 1) return fn(0);
   // Pieces are claimed by index; whoever claims one runs it. The caller claims too, so all

@@ -1,0 +1,118 @@
+// Per-target helpers shared by the CPU backend's Highway files (cpu_attention.cc, cpu_decode.cc):
+// fp16 conversion, row access and dot products. Included once per target after highway.h (the
+// include guard toggles with HWY_TARGET_TOGGLE, as Highway's own -inl.h headers do).
+#if defined(PION_KERNELS_CPU_SIMD_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef PION_KERNELS_CPU_SIMD_INL_H_
+#undef PION_KERNELS_CPU_SIMD_INL_H_
+#else
+#define PION_KERNELS_CPU_SIMD_INL_H_
+#endif
+
+#include <hwy/highway.h>
+
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/attention.h"
+#include "kernels/cpu_common.h"
+#include "kernels/fp16.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace pion::kernels::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+#if HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+constexpr bool kHaveF16C = true;  // vcvtph2ps: fp16 K/V are converted in registers
+#else
+constexpr bool kHaveF16C = false;  // fp16 K/V are converted into fp32 blocks first
+#endif
+
+inline void HalfToFloat(const uint8_t* HWY_RESTRICT src, size_t n, float* HWY_RESTRICT dst) {
+  size_t i = 0;
+#if HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+  const DF df;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const size_t lanes = hn::Lanes(df);
+  const auto* src16 = reinterpret_cast<const hwy::float16_t*>(src);
+  for (; i + 2 * lanes <= n; i += 2 * lanes) {
+    hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, src16 + i)), df, dst + i);
+    hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, src16 + i + lanes)), df, dst + i + lanes);
+  }
+  for (; i + lanes <= n; i += lanes) {
+    hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, src16 + i)), df, dst + i);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = internal::LoadF16(src + 2 * i);
+}
+
+// Rows [row, row + count) of one head as fp32: in place for fp32, converted into buf for fp16.
+inline const float* RowsF32(const Tensor3& t, uint32_t head, size_t row, size_t count, float* buf) {
+  const uint8_t* p = t.Row(head, static_cast<uint32_t>(row));
+  if (t.dtype == DType::kF32) return reinterpret_cast<const float*>(p);
+  HalfToFloat(p, count * t.d, buf);
+  return buf;
+}
+
+// One row, gathered into dst as fp32.
+inline void CopyRowF32(const Tensor3& t, uint32_t head, uint32_t row, float* dst) {
+  const uint8_t* p = t.Row(head, row);
+  if (t.dtype == DType::kF32) {
+    std::memcpy(dst, p, t.d * sizeof(float));
+  } else {
+    HalfToFloat(p, t.d, dst);
+  }
+}
+
+// Loads one vector of elements of type T (float, or fp16 where kHaveF16C) as fp32.
+template <class T>
+HWY_INLINE VF LoadF32(const T* HWY_RESTRICT p) {
+  const DF df;
+  if constexpr (std::is_same_v<T, float>) {
+    return hn::LoadU(df, p);
+  } else {
+#if HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+    return hn::PromoteTo(df, hn::LoadU(hn::Rebind<hwy::float16_t, DF>(), p));
+#else
+    static_assert(std::is_same_v<T, float>, "fp16 loads need F16C");
+    return hn::Zero(df);
+#endif
+  }
+}
+
+template <class T>
+HWY_INLINE float Dot(const float* HWY_RESTRICT a, const T* HWY_RESTRICT b, size_t n) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  VF s0 = hn::Zero(df), s1 = hn::Zero(df), s2 = hn::Zero(df), s3 = hn::Zero(df);
+  size_t j = 0;
+  for (; j + 4 * lanes <= n; j += 4 * lanes) {
+    s0 = hn::MulAdd(hn::LoadU(df, a + j), LoadF32(b + j), s0);
+    s1 = hn::MulAdd(hn::LoadU(df, a + j + lanes), LoadF32(b + j + lanes), s1);
+    s2 = hn::MulAdd(hn::LoadU(df, a + j + 2 * lanes), LoadF32(b + j + 2 * lanes), s2);
+    s3 = hn::MulAdd(hn::LoadU(df, a + j + 3 * lanes), LoadF32(b + j + 3 * lanes), s3);
+  }
+  for (; j + lanes <= n; j += lanes) s0 = hn::MulAdd(hn::LoadU(df, a + j), LoadF32(b + j), s0);
+  float tail = 0.0f;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; j < n; ++j) tail += a[j] * b[j];
+  }
+  return hn::GetLane(hn::SumOfLanes(df, hn::Add(hn::Add(s0, s1), hn::Add(s2, s3)))) + tail;
+}
+
+// The decode layout (cpu_decode.cc, compiled for the same targets): query rows heads[0, nheads)
+// of K/V head g, all rows of each (nheads * q.m <= kMaxDecodeRows), dense keys.
+void AttendDecodeGroup(const Queries& q, const Keys& keys, float scale, int64_t window, uint32_t g,
+                       const uint32_t* heads, size_t nheads, const Partial& out, Scratch& scratch);
+// One query row over its sparse key list (keys.rows != nullptr).
+void AttendSparseRow(const Queries& q, const Keys& keys, float scale, int64_t window, size_t row,
+                     const Partial& out, Scratch& scratch);
+
+}  // namespace HWY_NAMESPACE
+}  // namespace pion::kernels::cpu
+HWY_AFTER_NAMESPACE();
+
+#endif  // PION_KERNELS_CPU_SIMD_INL_H_
