@@ -30,6 +30,9 @@ struct QueryJob {
   bool receipt = false;
 };
 
+// Positions stay far from int64 overflow: QPOS + M, and position − window, are always exact.
+constexpr int64_t kMaxPosition = int64_t{1} << 62;
+
 // The optional tail: [<fa_window>] [QPOS <p>] [SELECT mean|quest] [RECEIPT].
 struct Tail {
   int64_t window = 0;
@@ -43,7 +46,7 @@ Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_sele
     int64_t w;
     if (ParseInt64(args[i], &w)) {
       if (w < 0) return Error("fa_window must be >= 0 (0 = no window), got " + std::to_string(w));
-      t->window = w;
+      t->window = std::min(w, kMaxPosition);  // wider than every position: the same mask
       ++i;
     }
   }
@@ -56,8 +59,8 @@ Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_sele
     } else if (allow_qpos && EqualsIgnoreCase(args[i], "QPOS")) {
       if (i + 1 >= args.size()) return Error("QPOS needs a position");
       int64_t p;
-      if (!ParseInt64(args[i + 1], &p) || p < 0) {
-        return Error("QPOS must be a non-negative integer, got '" +
+      if (!ParseInt64(args[i + 1], &p) || p < 0 || p > kMaxPosition) {
+        return Error("QPOS must be an integer in [0, 2^62], got '" +
                      std::string(args[i + 1].substr(0, 32)) + "'");
       }
       t->qpos = p;
