@@ -7,7 +7,7 @@
 // all) that every call reads from DRAM; "warm" repeats one copy (cache-resident when it fits).
 // Prefill-like shapes (M=64, 512) are compute-bound and report GFLOP/s (4·hq·M·N·D).
 // Every figure is the median of the timed calls (min in brackets for the bandwidth peer).
-//   build-kernels/pion-attn-bench            # everything (~1 min)
+//   build-kernels/pion-attn-bench            # everything (~1.5 min)
 //   build-kernels/pion-attn-bench --quick    # fewer shapes and repetitions
 #include <hwy/targets.h>
 
@@ -232,7 +232,7 @@ int main(int argc, char** argv) {
       quick ? std::vector<uint32_t>{2048, 32768} : std::vector<uint32_t>{2048, 8192, 32768, 131072};
   for (DType dt : {DType::kF32, DType::kF16}) {
     FillRandom(arena.base, arena.bytes, dt);
-    for (uint32_t group : {1u, 4u}) {
+    for (uint32_t group : {1u, 4u, 8u}) {
       for (uint32_t n : ns) {
         Shape sh;
         sh.group = group;

@@ -270,6 +270,10 @@ class RawConn:
 # Server process
 # --------------------------------------------------------------------------------------
 
+SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "WARNING: ThreadSanitizer",
+                     "ERROR: LeakSanitizer", "runtime error:")
+
+
 class PionServer:
     def __init__(self, workdir: Path, args: list[str], metrics: bool = True,
                  config_file: Path | None = None, password: str | None = None):
@@ -345,7 +349,15 @@ class PionServer:
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
         if self.proc is None:
             return None
-        return _stop_process(self.proc, sig)
+        rc = _stop_process(self.proc, sig)
+        # Under `make asan` / `make tsan` a sanitizer report fails the test that ran the server
+        # (ThreadSanitizer only prints; the process keeps running).
+        report = [line for line in self.log_text().splitlines()
+                  if any(m in line for m in SANITIZER_MARKERS)]
+        if report:
+            raise AssertionError("sanitizer report in %s:\n%s" % (self.log_path,
+                                                                  "\n".join(report[:20])))
+        return rc
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

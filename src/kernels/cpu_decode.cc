@@ -27,19 +27,6 @@
 #include "kernels/cpu_common.h"
 #include "kernels/cpu_simd-inl.h"
 
-#ifndef PION_KNOBS
-#define PION_KNOBS
-#include <cstdlib>
-namespace pion::kernels::cpu {
-inline int Knob(const char* n, int def) {
-  const char* e = getenv(n);
-  return e ? atoi(e) : def;
-}
-inline int g_pf_hint = Knob("PF_HINT", 0);
-inline int g_pf_mode = Knob("PF_MODE", 0);
-inline int g_block = Knob("DBLOCK", 0);
-}  // namespace pion::kernels::cpu
-#endif
 HWY_BEFORE_NAMESPACE();
 namespace pion::kernels::cpu {
 namespace HWY_NAMESPACE {
@@ -76,17 +63,9 @@ struct Prefetcher {
 
   HWY_INLINE void Rows(size_t count) {
     for (const size_t stop = std::min(rows, next + count); next < stop; ++next) {
-      for (size_t b = 0; b < row_bytes_k; b += 64) PF(k + next * row_bytes_k + b);
-      for (size_t b = 0; b < row_bytes_v; b += 64) PF(v + next * row_bytes_v + b);
+      for (size_t b = 0; b < row_bytes_k; b += 64) hwy::Prefetch(k + next * row_bytes_k + b);
+      for (size_t b = 0; b < row_bytes_v; b += 64) hwy::Prefetch(v + next * row_bytes_v + b);
     }
-  }
-  static HWY_INLINE void PF(const uint8_t* p) {
-    if (g_pf_hint == 0)
-      __builtin_prefetch(p, 0, 3);
-    else if (g_pf_hint == 1)
-      __builtin_prefetch(p, 0, 2);
-    else
-      __builtin_prefetch(p, 0, 1);
   }
 };
 
@@ -189,8 +168,7 @@ void ScoreRowsN(size_t n, const float* const* q, const KT* k, size_t count, size
 // R query rows: R × T accumulators stay in registers over the keys, each V vector is loaded once.
 template <size_t R, size_t T, class VT>
 HWY_INLINE void UpdateTile(float* const* o, const float* alpha, const float* HWY_RESTRICT p,
-                           const VT* HWY_RESTRICT v, size_t d, size_t count, size_t j0,
-                           Prefetcher* pf = nullptr) {
+                           const VT* HWY_RESTRICT v, size_t d, size_t count, size_t j0) {
   const DF df;
   const size_t lanes = hn::Lanes(df);
   VF acc[R][T];
@@ -200,7 +178,6 @@ HWY_INLINE void UpdateTile(float* const* o, const float* alpha, const float* HWY
   }
   const VT* vt = v + j0;
   for (size_t t = 0; t < count; ++t, vt += d) {
-    if (pf != nullptr) pf->Rows(1);
     VF pv[R];
     for (size_t r = 0; r < R; ++r) pv[r] = hn::Set(df, p[r * kPStride + t]);
     for (size_t c = 0; c < T; ++c) {
@@ -226,25 +203,22 @@ HWY_INLINE void UpdateTileN(size_t vecs, float* const* o, const float* alpha, co
 // o[r] = o[r] · alpha[r] + Σ_t p[r][t] · v[t] over the whole head dim, for R query rows.
 template <size_t R, class VT>
 HWY_NOINLINE void UpdateRows(float* const* o, const float* alpha, const float* p, const VT* v,
-                             size_t d, size_t count, Prefetcher* pf) {
+                             size_t d, size_t count) {
   constexpr size_t kT = std::min<size_t>(8, std::max<size_t>(1, kAccVecs / R));
   const size_t lanes = hn::Lanes(DF());
   const size_t vecs = d / lanes;
   size_t c = 0;
-  for (; c + kT <= vecs; c += kT) {
-    UpdateTile<R, kT>(o, alpha, p, v, d, count, c * lanes, pf);
-    pf = nullptr;
-  }
+  for (; c + kT <= vecs; c += kT) UpdateTile<R, kT>(o, alpha, p, v, d, count, c * lanes);
   if (c < vecs) UpdateTileN<R, kT>(vecs - c, o, alpha, p, v, d, count, c * lanes);
 }
 
 template <size_t R, class VT>
 void UpdateRowsN(size_t n, float* const* o, const float* alpha, const float* p, const VT* v,
-                 size_t d, size_t count, Prefetcher* pf) {
+                 size_t d, size_t count) {
   if constexpr (R > 1) {
-    if (n < R) return UpdateRowsN<R - 1>(n, o, alpha, p, v, d, count, pf);
+    if (n < R) return UpdateRowsN<R - 1>(n, o, alpha, p, v, d, count);
   }
-  UpdateRows<R>(o, alpha, p, v, d, count, pf);
+  UpdateRows<R>(o, alpha, p, v, d, count);
 }
 
 // Max over x[0, n) (n a multiple of the lane count).
@@ -298,20 +272,13 @@ void DecodeBlock(const KT* HWY_RESTRICT k, const VT* HWY_RESTRICT v, size_t nb, 
   }
   const size_t count = last - first;
   const size_t padded = (count + lanes - 1) / lanes * lanes;
-  Prefetcher pk = prefetch, pvv = prefetch;
-  if (g_pf_mode == 1) {
-    pk.row_bytes_v = 0;
-    pvv.row_bytes_k = 0;
-  } else {
-    pvv.rows = 0;
-  }
-  Prefetcher* pf = &pk;  // spread over the first row tile's keys
+  Prefetcher* pf = &prefetch;  // spread over the first row tile's keys
   for (size_t r0 = 0; r0 < n; r0 += kScoreRows) {
     ScoreRowsN<kScoreRows>(n - r0, rows.q + r0, k + first * d, count, d, scale, s + r0 * kPStride,
                            pf);
     pf = nullptr;
   }
-  pk.Rows(pk.rows);  // whatever the keys before `first` did not cover
+  prefetch.Rows(prefetch.rows);  // whatever the keys before `first` did not cover
   float alpha[kMaxDecodeRows];
   for (size_t r = 0; r < n; ++r) {
     float* sr = s + r * kPStride;
@@ -323,13 +290,10 @@ void DecodeBlock(const KT* HWY_RESTRICT k, const VT* HWY_RESTRICT v, size_t nb, 
     alpha[r] = SoftmaxBlock(sr, padded, rows.m[r], rows.l[r]);
   }
   // Masked keys have p = 0: o is multiplied by their (finite) V rows like the tile layout does.
-  pf = &pvv;
   for (size_t r0 = 0; r0 < n; r0 += kUpdateRows) {
     UpdateRowsN<kUpdateRows>(n - r0, rows.o + r0, alpha + r0, s + r0 * kPStride, v + first * d, d,
-                             count, pf);
-    pf = nullptr;
+                             count);
   }
-  pvv.Rows(pvv.rows);
 }
 
 #if HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
@@ -379,7 +343,7 @@ void AttendDecodeGroup(const Queries& q, const Keys& keys, float scale, int64_t 
       if (range.lo < range.hi) lo = std::min(lo, range.lo), hi = std::max(hi, range.hi);
     }
   }
-  const size_t block = g_block ? g_block : DecodeBlockRows(d);
+  const size_t block = DecodeBlockRows(d);
   float* s = Grow(scratch.s, rows.n * kPStride);
   float* kbuf = !kHaveF16C && keys.k.dtype == DType::kF16 ? Grow(scratch.k, block * d) : nullptr;
   float* vbuf = !kHaveF16C && keys.v.dtype == DType::kF16 ? Grow(scratch.v, block * d) : nullptr;
