@@ -590,6 +590,26 @@ def test_sparse_auto_summaries_rebuilt_when_slot_replaced(shared_pion):
         assert_close(parse_out(out, hq, 1, d, False)[0], ref)
 
 
+def test_fp16_large_slot_converts_off_the_event_loop(fp16_pion):
+    """A slot of >= 2^20 elements is converted to fp16 on the compute pool (the reply follows
+    the publish); it must equal the fp16 rounding exactly, and a query right after sees it."""
+    r = fp16_pion.client()
+    rng = np.random.default_rng(161)
+    hkv, n, d = 4, 2048, 128  # 2^20 elements per tensor
+    k, v = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d)
+    q = rnd(rng, 8, 1, d)
+    store(r, "big16", 3, k, v)
+    [slot] = info_slots(r, "big16")
+    assert slot["dtype"] == "fp16" and slot["bytes"] == 2 * hkv * n * d * 2
+    got = parse_out(r.execute_command("ATTEND.PREFIX.QUERY", "big16", 3, 8, d, 0, f32(q)),
+                    8, 1, d, False)[0]
+    k16 = k.astype(np.float16).astype(np.float32)
+    v16 = v.astype(np.float16).astype(np.float32)
+    ref16, _, _ = attend_ref(q, k16, v16, contiguous_map(8, hkv), np.array([n]), np.arange(n), 0)
+    assert_close(got, ref16, TOL, "large fp16 slot")
+    assert r.execute_command("ATTEND.PREFIX.DROP", "big16") == 1
+
+
 def test_fp16_slots(fp16_pion):
     r = fp16_pion.client()
     rng = np.random.default_rng(16)

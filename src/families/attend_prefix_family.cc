@@ -124,25 +124,66 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
   slot->rows = rows;
   slot->d = d;
   slot->dtype = dtype;
-  for (int i = 0; i < 2; ++i) {
-    BufferRef& dst = i == 0 ? slot->k : slot->v;
-    if (dtype == kernels::DType::kF32) {
-      auto b = args.TakeBuffer(6 + i);  // adopts the received buffer: no copy
-      if (!b.ok()) return ctx.Error(b.status());
-      dst = std::move(b).value();
-    } else {
-      auto b = BufferAllocator::Default()->Allocate(elems * 2);
-      if (!b.ok()) return ctx.Error(b.status());
-      dst = std::move(b).value();
-      ConvertRows(reinterpret_cast<const float*>(args[6 + i].data()), uint64_t{heads} * rows, d,
-                  dtype, dst->data());
-    }
-  }
-  slot->generation = attention::NextSlotGeneration();
   slot->charge = std::move(charge).value();
-  store.Publish(ctx.Key(args[1]), layer, std::move(slot));
-  srv.attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
-  ctx.rb->Ok();
+  BufferRef src[2];
+  for (int i = 0; i < 2; ++i) {
+    auto b = args.TakeBuffer(6 + i);  // adopts the received buffer: no copy
+    if (!b.ok()) return ctx.Error(b.status());
+    src[i] = std::move(b).value();
+  }
+  if (dtype == kernels::DType::kF32) {
+    slot->k = src[0];
+    slot->v = src[1];
+    slot->generation = attention::NextSlotGeneration();
+    store.Publish(ctx.Key(args[1]), layer, std::move(slot));
+    srv.attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
+    return ctx.rb->Ok();
+  }
+  for (BufferRef* dst : {&slot->k, &slot->v}) {
+    auto b = BufferAllocator::Default()->Allocate(elems * 2);
+    if (!b.ok()) return ctx.Error(b.status());
+    *dst = std::move(b).value();
+  }
+  // fp16: a large conversion runs on the compute pool (it is O(bytes), like a query), and the
+  // slot is published back on this shard once converted.
+  auto convert = [slot, src, elems](server::WorkerPool* pool) {
+    const size_t pieces = pool == nullptr ? 1 : std::max<size_t>(1, elems >> 22);
+    auto run = [&](size_t p) {
+      const size_t a = elems * p / pieces, b = elems * (p + 1) / pieces;
+      for (int i = 0; i < 2; ++i) {
+        ConvertRows(reinterpret_cast<const float*>(src[i]->data()) + a, b - a, 1, slot->dtype,
+                    (i == 0 ? slot->k : slot->v)->data() + a * 2);
+      }
+    };
+    if (pool != nullptr) return pool->ParallelFor(pieces, run);
+    run(0);
+  };
+  const store::TenantKey sid = ctx.Key(args[1]);
+  if (elems < (1u << 20)) {
+    convert(nullptr);
+    slot->generation = attention::NextSlotGeneration();
+    store.Publish(sid, layer, std::move(slot));
+    srv.attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
+    return ctx.rb->Ok();
+  }
+  server::Server* srvp = &srv;
+  const int shard_id = ctx.shard->id();
+  auto reply = ctx.Defer();
+  bool queued = srv.compute()->Submit([srvp, shard_id, slot, sid, layer, convert, reply]() {
+    convert(srvp->compute());
+    srvp->shard(shard_id).PostControl([srvp, slot, sid, layer, reply](server::Shard& sh) {
+      slot->generation = attention::NextSlotGeneration();
+      sh.store().attention.Publish(sid, layer, slot);
+      srvp->attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
+      reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
+    });
+  });
+  if (!queued) {
+    ctx.shard->stats().Reject(server::RejectReason::kBusy);
+    reply([](proto::ReplyBuilder& rb) {
+      rb.Error(Status(ErrorKind::kBusy, "the compute queue is full; retry later"));
+    });
+  }
 }
 
 // What STORE FROM reads: a point-in-time view of one layer of a complete namespace.
