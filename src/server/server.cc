@@ -81,8 +81,8 @@ int Server::Run() {
   for (auto& s : shards_) s->Stop();
   for (auto& s : shards_) s->Join();
   if (metrics_) metrics_->Stop();  // it reads the pools' counters: stop it before they go
-  compute_.reset();  // finishes queued queries (their replies have nowhere to go)
-  io_.reset();       // finishes queued disk work (their replies have nowhere to go; the data does)
+  compute_.reset();                // finishes queued queries (their replies have nowhere to go)
+  io_.reset();  // finishes queued disk work (their replies have nowhere to go; the data does)
   spdlog::info("Pion is now ready to exit, bye bye");
   return 0;
 }
