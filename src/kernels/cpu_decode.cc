@@ -60,6 +60,7 @@ struct Prefetcher {
   size_t row_bytes_k = 0, row_bytes_v = 0;
   size_t rows = 0;
   size_t next = 0;
+  size_t per_step = 4;  // rows per four keys scored
 
   HWY_INLINE void Rows(size_t count) {
     for (const size_t stop = std::min(rows, next + count); next < stop; ++next) {
@@ -105,7 +106,7 @@ HWY_INLINE void Sum4(const VF* acc, float scale, float* HWY_RESTRICT out) {
 
 // s[r * kPStride + t] = scale · q[r] · k[t] for R query rows and keys t in [0, count), K rows d
 // apart. Four keys at a time, each K vector loaded once for all R rows; R × 4 lane-wise partial
-// dot products are reduced together. pf (may be null) advances one row per key.
+// dot products are reduced together. pf (may be null) advances pf->per_step rows per 4 keys.
 template <size_t R, class KT>
 HWY_NOINLINE void ScoreRows(const float* const* q, const KT* HWY_RESTRICT k, size_t count, size_t d,
                             float scale, float* HWY_RESTRICT s, Prefetcher* pf) {
@@ -114,7 +115,7 @@ HWY_NOINLINE void ScoreRows(const float* const* q, const KT* HWY_RESTRICT k, siz
   constexpr size_t kJ = R == 1 ? 2 : 1;  // independent FMA chains: at least 8 in flight
   size_t t = 0;
   for (; t + 4 <= count; t += 4) {
-    if (pf != nullptr) pf->Rows(4);
+    if (pf != nullptr) pf->Rows(pf->per_step);
     VF acc[kJ][R][4];
     for (size_t jj = 0; jj < kJ; ++jj) {
       for (size_t r = 0; r < R; ++r) {
@@ -272,11 +273,12 @@ void DecodeBlock(const KT* HWY_RESTRICT k, const VT* HWY_RESTRICT v, size_t nb, 
   }
   const size_t count = last - first;
   const size_t padded = (count + lanes - 1) / lanes * lanes;
-  Prefetcher* pf = &prefetch;  // spread over the first row tile's keys
+  // Spread over all score tiles' keys: at the rate the block is scored, not faster.
+  const size_t tiles = (n + kScoreRows - 1) / kScoreRows;
+  prefetch.per_step = std::max<size_t>(1, 4 / tiles);
   for (size_t r0 = 0; r0 < n; r0 += kScoreRows) {
     ScoreRowsN<kScoreRows>(n - r0, rows.q + r0, k + first * d, count, d, scale, s + r0 * kPStride,
-                           pf);
-    pf = nullptr;
+                           &prefetch);
   }
   prefetch.Rows(prefetch.rows);  // whatever the keys before `first` did not cover
   float alpha[kMaxDecodeRows];
