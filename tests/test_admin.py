@@ -30,7 +30,7 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "attend.prefix.query_sparse", "attend.prefix.query_sparse_auto",
                 "attend.prefix.query_sparse_auto_fused"}
 
-CONFIG_PARAMS = ["bind", "port", "workers", "dir", "metrics-port", "kvcache", "users",
+CONFIG_PARAMS = ["bind", "port", "unixsocket", "unixsocketperm", "workers", "dir", "metrics-port", "kvcache", "users",
                  "attention-backend", "attention-fp16", "attention-memory", "compute-threads",
                  "compute-queue-depth",
                  "maxmemory", "requirepass", "proto-max-bulk-len", "max-multibulk-len",
@@ -38,7 +38,8 @@ CONFIG_PARAMS = ["bind", "port", "workers", "dir", "metrics-port", "kvcache", "u
                  "client-output-buffer-timeout-ms", "maxclients", "shard-queue-depth",
                  "slowlog-log-slower-than", "slowlog-max-len", "loglevel"]
 
-ALL_FLAGS = ["--help", "--version", "--config", "--bind", "--port", "--workers", "--dir",
+ALL_FLAGS = ["--help", "--version", "--config", "--bind", "--port", "--unixsocket",
+             "--unixsocketperm", "--workers", "--dir",
              "--maxmemory", "--metrics-port", "--requirepass", "--users", "--proto-max-bulk-len",
              "--max-multibulk-len", "--client-query-buffer-limit", "--client-output-buffer-limit",
              "--client-output-buffer-timeout-ms", "--maxclients", "--shard-queue-depth",
@@ -275,7 +276,8 @@ def test_config_get_reflects_flags_and_globs(pion_factory):
         assert names("*port") == ["port", "metrics-port"]
         assert names("?ort") == ["port"]
         assert names("[bp]*") == ["bind", "port", "proto-max-bulk-len"]
-        assert names("[^a-m]*") == ["port", "workers", "users", "requirepass",
+        assert names("[^a-m]*") == ["port", "unixsocket", "unixsocketperm", "workers", "users",
+                                    "requirepass",
                                     "proto-max-bulk-len", "shard-queue-depth",
                                     "slowlog-log-slower-than", "slowlog-max-len"]
         assert names("CLIENT-*") == ["client-query-buffer-limit", "client-output-buffer-limit",

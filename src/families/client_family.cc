@@ -25,10 +25,10 @@ std::string Describe(server::Server& srv, const server::Shard& shard, const net:
   o << "id=" << c.id() << " addr=" << c.peer() << " laddr=" << c.local() << " fd=" << c.fd()
     << " name=" << c.name << " age=" << duration_cast<seconds>(now - c.created()).count()
     << " idle=" << duration_cast<seconds>(now - c.last_active()).count()
-    << " flags=N db=0 qbuf=" << c.query_buffer_bytes() << " omem=" << c.output_bytes()
-    << " cmd=" << (c.last_command.empty() ? "NULL" : c.last_command) << " user=" << c.user
-    << " tenant=" << srv.users().TenantName(c.tenant) << " resp=" << c.resp_version()
-    << " shard=" << shard.id() << "\n";
+    << " flags=" << (c.unix_socket ? "U" : "N") << " db=0 qbuf=" << c.query_buffer_bytes()
+    << " omem=" << c.output_bytes() << " cmd=" << (c.last_command.empty() ? "NULL" : c.last_command)
+    << " user=" << c.user << " tenant=" << srv.users().TenantName(c.tenant)
+    << " resp=" << c.resp_version() << " shard=" << shard.id() << "\n";
   return o.str();
 }
 

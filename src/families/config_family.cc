@@ -114,6 +114,14 @@ const std::vector<Param>& Params() {
   static const std::vector<Param> kParams = {
       {"bind", [](Server& s) { return s.config().bind; }, nullptr},
       {"port", [](Server& s) { return std::to_string(s.config().port); }, nullptr},
+      {"unixsocket", [](Server& s) { return s.config().unixsocket; }, nullptr},
+      {"unixsocketperm",
+       [](Server& s) {
+         char buf[8];
+         std::snprintf(buf, sizeof(buf), "%o", s.config().unixsocketperm);
+         return std::string(buf);
+       },
+       nullptr},
       {"workers", [](Server& s) { return std::to_string(s.shard_count()); }, nullptr},
       {"dir", [](Server& s) { return s.config().dir; }, nullptr},
       {"metrics-port", [](Server& s) { return std::to_string(s.config().metrics_port); }, nullptr},

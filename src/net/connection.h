@@ -91,6 +91,7 @@ class Connection final : public EventHandler {
   std::string user = "default";
   uint32_t tenant = 0;
   bool authenticated = false;
+  bool unix_socket = false;  // accepted on --unixsocket: a same-host client
   std::string last_command;
   int resp_version() const { return resp_version_; }
   void set_resp_version(int v) {

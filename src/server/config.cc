@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include "common/bytes.h"
@@ -68,6 +69,21 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
   app.add_option("--config", c.config_file, "TOML file with the same keys as these flags");
   app.add_option("--bind", c.bind, "Address to listen on")->capture_default_str();
   app.add_option("--port", c.port, "RESP port")->capture_default_str()->check(CLI::Range(1, 65535));
+  app.add_option("--unixsocket", c.unixsocket,
+                 "Also listen on this Unix-domain socket path (same-host clients); empty = off");
+  app.add_option_function<std::string>(
+         "--unixsocketperm",
+         [&c](const std::string& v) {
+           char* end = nullptr;
+           unsigned long perm = std::strtoul(v.c_str(), &end, 8);
+           if (v.empty() || *end != '\0' || perm > 0777) {
+             throw CLI::ValidationError("--unixsocketperm",
+                                        "expected octal permissions like 700, got " + v);
+           }
+           c.unixsocketperm = static_cast<unsigned>(perm);
+         },
+         "Permissions of the --unixsocket file (octal)")
+      ->default_str("700");
   app.add_option("-w,--workers", c.workers, "Shards (threads); 0 = number of cores")
       ->capture_default_str()
       ->check(CLI::Range(0, 1024));

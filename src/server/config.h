@@ -18,6 +18,8 @@ namespace pion::server {
 struct Config {
   std::string bind = "127.0.0.1";
   int port = 1974;
+  std::string unixsocket;  // empty: no Unix-domain listener
+  unsigned unixsocketperm = 0700;
   int workers = 0;  // 0: number of cores
   std::string dir = "./data";
   uint64_t maxmemory = 0;   // 0: no limit

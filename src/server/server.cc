@@ -19,6 +19,10 @@ Server::Server(Config config) : config_(std::move(config)), settings_(config_) {
 
 Server::~Server() {
   if (listen_fd_ >= 0) close(listen_fd_);
+  if (unix_fd_ >= 0) {
+    close(unix_fd_);
+    unlink(config_.unixsocket.c_str());
+  }
 }
 
 Status Server::Init() {
@@ -33,9 +37,14 @@ Status Server::Init() {
   listen_fd_ = fd.value();
   std::string local = net::SocketAddress(listen_fd_, /*local=*/true);
   bound_port_ = std::stoi(local.substr(local.rfind(':') + 1));
+  if (!config_.unixsocket.empty()) {
+    auto ufd = net::ListenUnix(config_.unixsocket, config_.unixsocketperm);
+    if (!ufd.ok()) return ufd.status();
+    unix_fd_ = ufd.value();
+  }
 
   for (int i = 0; i < config_.workers; ++i) {
-    shards_.push_back(std::make_unique<Shard>(this, i, listen_fd_, registry_.size(),
+    shards_.push_back(std::make_unique<Shard>(this, i, listen_fd_, unix_fd_, registry_.size(),
                                               static_cast<size_t>(config_.shard_queue_depth)));
     for (auto& hook : shard_inits_) hook(*shards_.back());
   }
@@ -65,8 +74,8 @@ int Server::Run() {
   start_time_ = std::chrono::steady_clock::now();
   for (auto& s : shards_) s->Start();
   if (metrics_) metrics_->Start();
-  spdlog::info("Pion ready: RESP on {}:{} with {} shard(s){}, kvcache {}", config_.bind,
-               bound_port_, shards_.size(),
+  spdlog::info("Pion ready: RESP on {}:{}{} with {} shard(s){}, kvcache {}", config_.bind,
+               bound_port_, unix_fd_ >= 0 ? " and " + config_.unixsocket : "", shards_.size(),
                metrics_ ? ", metrics on :" + std::to_string(config_.metrics_port) : "",
                config_.kvcache ? "on" : "off");
 

@@ -116,6 +116,7 @@ class Server {
   DiskStats disk_stats_;
   std::unique_ptr<MetricsHttp> metrics_;
   int listen_fd_ = -1;
+  int unix_fd_ = -1;
   int bound_port_ = 0;
   std::atomic<bool> shutdown_{false};
   std::atomic<uint64_t> next_client_id_{1};

@@ -17,12 +17,16 @@ thread_local Shard* tls_shard = nullptr;
 constexpr int kTickMs = 100;
 }  // namespace
 
-Shard::Shard(Server* server, int id, int listen_fd, size_t n_commands, size_t queue_depth)
+Shard::Shard(Server* server, int id, int listen_fd, int unix_fd, size_t n_commands,
+             size_t queue_depth)
     : server_(server),
       id_(id),
       listen_fd_(listen_fd),
+      unix_fd_(unix_fd),
       stats_(n_commands),
-      queue_depth_(queue_depth) {}
+      queue_depth_(queue_depth) {
+  unix_listener_.shard = this;
+}
 
 Shard::~Shard() = default;
 
@@ -79,6 +83,7 @@ void Shard::Run() {
     // connection, so accepts spread across shards without a thundering herd.
     loop_.Add(listen_fd_, EPOLLIN | EPOLLEXCLUSIVE, this);
   }
+  if (unix_fd_ >= 0) loop_.Add(unix_fd_, EPOLLIN | EPOLLEXCLUSIVE, &unix_listener_);
   last_tick_ = std::chrono::steady_clock::now();
   while (!stop_.load(std::memory_order_acquire)) {
     loop_.RunOnce(kTickMs, [this] { DrainInbox(); });
@@ -91,6 +96,7 @@ void Shard::Run() {
   }
   DrainInbox();
   if (listen_fd_ >= 0) loop_.Remove(listen_fd_);
+  if (unix_fd_ >= 0) loop_.Remove(unix_fd_);
   for (auto& [id, c] : connections_) c->Close(net::CloseReason::kShutdown);
   ReapClosed();
   tls_shard = nullptr;
@@ -116,9 +122,11 @@ void Shard::ReapClosed() {
   closed_ids_.clear();
 }
 
-void Shard::OnEvent(uint32_t) {
+void Shard::OnEvent(uint32_t) { Accept(listen_fd_, /*unix_socket=*/false); }
+
+void Shard::Accept(int listen_fd, bool unix_socket) {
   for (int i = 0; i < 64; ++i) {
-    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    int fd = accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK) {
@@ -136,9 +144,12 @@ void Shard::OnEvent(uint32_t) {
       stats_.Reject(RejectReason::kMaxClients);
       continue;
     }
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (!unix_socket) {
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    }
     auto conn = std::make_unique<net::Connection>(&loop_, this, fd, server_->NextClientId());
+    conn->unix_socket = unix_socket;
     conn->authenticated = !server_->settings().auth_required.load(std::memory_order_relaxed);
     if (!conn->Start()) continue;
     Bump(stats_.connected_clients);

@@ -43,7 +43,9 @@ class Shard final : public net::ConnectionHost, public net::EventHandler {
  public:
   using Task = std::function<void(Shard&)>;
 
-  Shard(Server* server, int id, int listen_fd, size_t n_commands, size_t queue_depth);
+  // listen_fd: the TCP listener; unix_fd: the Unix-domain listener or -1. Both are shared by
+  // every shard.
+  Shard(Server* server, int id, int listen_fd, int unix_fd, size_t n_commands, size_t queue_depth);
   ~Shard() override;
 
   int id() const { return id_; }
@@ -83,7 +85,7 @@ class Shard final : public net::ConnectionHost, public net::EventHandler {
   void OnNetBytes(uint64_t in, uint64_t out) override;
   void OnClosed(net::Connection& conn, net::CloseReason reason) override;
 
-  // Listening socket readiness (accept).
+  // TCP listener readiness (accept).
   void OnEvent(uint32_t events) override;
 
   // Gauges refreshed by the shard's tick, read by INFO/metrics from any thread.
@@ -92,6 +94,13 @@ class Shard final : public net::ConnectionHost, public net::EventHandler {
   std::atomic<uint64_t> client_biggest_output{0};
 
  private:
+  // The Unix-domain listener's readiness.
+  struct UnixListener final : net::EventHandler {
+    Shard* shard = nullptr;
+    void OnEvent(uint32_t) override { shard->Accept(shard->unix_fd_, /*unix_socket=*/true); }
+  };
+
+  void Accept(int listen_fd, bool unix_socket);
   void Run();
   void DrainInbox();
   void Tick();
@@ -100,6 +109,8 @@ class Shard final : public net::ConnectionHost, public net::EventHandler {
   Server* server_;
   int id_;
   int listen_fd_;
+  int unix_fd_;
+  UnixListener unix_listener_;
   net::EventLoop loop_;
   ShardStats stats_;
   ShardStore store_;
