@@ -1,0 +1,287 @@
+"""ATTEND.PREFIX.* helpers: attention computed by the server over a resident prefix slot.
+
+Shapes (float32, C order): K/V [H, N, D]; queries [H, M, D] (or [H, D] for one row); suffix
+K/V [H_kv, S, D]; head_map int [H_q] (query head -> K/V head; default: contiguous GQA
+grouping h // (H_q / H_kv)). Every query returns an `AttendResult(out, lse, receipt)`:
+`out` has the query's rank ([H, D] or [H, M, D]); `lse` [H, M] only where the server returns it
+(QUERY with M > 1), else None; `receipt` a dict when receipt=True, else None.
+
+`merge_lse` merges two partial attentions with their log-sum-exps exactly as docs/PROTOCOL.md
+states (e.g. the server's prefix partial and the client's own suffix partial).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, NamedTuple, Optional
+
+import numpy as np
+
+from . import _wire
+
+if TYPE_CHECKING:
+    from .client import Client
+
+RECEIPT_FLOATS = ("omitted_mass_estimate", "micros")
+SELECTS = ("mean", "quest")
+
+
+class AttendResult(NamedTuple):
+    """out: [H, D] or [H, M, D]; lse: [H, M] or None; receipt: dict or None."""
+    out: object
+    lse: Optional[object]
+    receipt: Optional[dict]
+
+
+def parse_receipt(reply) -> dict:
+    """A receipt map as {str: value}: `exact` bool, `omitted_mass_estimate`/`micros` float,
+    `support` list of int, `blocks` list of lists of int, the rest int or str."""
+    return _wire.parse_map(reply, floats=RECEIPT_FLOATS, bools=("exact",))
+
+
+def merge_lse(out_a, lse_a, out_b, lse_b):
+    """Merges two partial attentions over disjoint key sets (docs/PROTOCOL.md):
+
+        m = max(lse_a, lse_b)
+        o = (exp(lse_a - m)·o_a + exp(lse_b - m)·o_b) / (exp(lse_a - m) + exp(lse_b - m))
+        lse = m + ln(exp(lse_a - m) + exp(lse_b - m))
+
+    out_*: [..., D], lse_*: [...]. A row where both are −inf (no key) gives 0 and −inf.
+    Computed in float64, returned as float32 (out, lse)."""
+    oa, ob = np.asarray(out_a, np.float64), np.asarray(out_b, np.float64)
+    la, lb = np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)
+    m = np.maximum(la, lb)
+    finite = np.isfinite(m)
+    ms = np.where(finite, m, 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        wa = np.where(finite, np.exp(la - ms), 0.0)
+        wb = np.where(finite, np.exp(lb - ms), 0.0)
+    tot = wa + wb
+    safe = np.where(tot > 0, tot, 1.0)
+    out = (wa[..., None] * oa + wb[..., None] * ob) / safe[..., None]
+    with np.errstate(divide="ignore"):
+        lse = np.where(finite, ms + np.log(safe), -np.inf)
+    return out.astype(np.float32), lse.astype(np.float32)
+
+
+def contiguous_head_map(h_q: int, h_kv: int) -> np.ndarray:
+    """Query head h -> K/V head h // (h_q / h_kv)."""
+    if h_kv <= 0 or h_q % h_kv:
+        raise ValueError("H_q %d is not a multiple of H_kv %d" % (h_q, h_kv))
+    return (np.arange(h_q) // (h_q // h_kv)).astype(np.int32)
+
+
+def _queries(q):
+    """(q as float32 [H, M, D], whether the caller gave [H, D])."""
+    a = _wire.to_numpy(q, np.float32)
+    if a.ndim == 2:
+        return a[:, None, :], True
+    if a.ndim != 3:
+        raise ValueError("queries must be [H, D] or [H, M, D], got shape %s" % (a.shape,))
+    return a, False
+
+
+def _single(q, form: str):
+    a, _ = _queries(q)
+    if a.shape[1] != 1:
+        raise ValueError("%s takes one query row per head ([H, D]), got M=%d" % (form, a.shape[1]))
+    return a[:, 0, :]
+
+
+def _kv(x, what: str) -> np.ndarray:
+    a = _wire.to_numpy(x, np.float32)
+    if a.ndim != 3:
+        raise ValueError("%s must be [H, N, D], got shape %s" % (what, a.shape))
+    return a
+
+
+def _tail(window=0, qpos=None, select=None, receipt=False) -> list:
+    args = []
+    if window:
+        args.append(int(window))
+    if qpos is not None:
+        args += ["QPOS", int(qpos)]
+    if select is not None:
+        if select not in SELECTS:
+            raise ValueError("select must be 'mean' or 'quest', got %r" % (select,))
+        args += ["SELECT", select]
+    if receipt:
+        args.append("RECEIPT")
+    return args
+
+
+class Attend:
+    """`client.attend`: ATTEND.PREFIX.STORE / LOOKUP / DROP / INFO and the QUERY forms."""
+
+    def __init__(self, client: "Client"):
+        self._c = client
+
+    # --- slots ------------------------------------------------------------------------------
+    def store(self, sid: str, layer: int, k, v) -> None:
+        """Stores one layer's K and V ([H, N, D] float32) as slot (sid, layer), replacing any
+        previous one atomically."""
+        k, v = _kv(k, "K"), _kv(v, "V")
+        h, n, d = k.shape
+        self._c.execute("ATTEND.PREFIX.STORE", sid, int(layer), h, n, d, _wire.f32(k),
+                        _wire.f32(v))
+
+    def store_from(self, sid: str, layer: int, ns: str, model: str | None = None,
+                   position: str | None = None) -> None:
+        """Binds layer `layer` of the complete KV.PREFIX namespace `ns` as slot (sid, layer),
+        server-side (no bytes cross the network)."""
+        args = ["ATTEND.PREFIX.STORE", sid, int(layer), "FROM", ns]
+        if model is not None:
+            args += ["MODEL", model]
+        if position is not None:
+            args += ["POSITION", position]
+        self._c.execute(*args)
+
+    def lookup(self, sid: str, layer: int) -> bool:
+        """True when the slot is resident."""
+        return _wire.status(self._c.execute("ATTEND.PREFIX.LOOKUP", sid, int(layer))) == "HIT"
+
+    def drop(self, sid: str, layer: int | None = None) -> int:
+        """Drops one layer's slot, or every layer of the session; returns the count."""
+        args = ["ATTEND.PREFIX.DROP", sid] + ([int(layer)] if layer is not None else [])
+        return int(self._c.execute(*args))
+
+    def info(self, sid: str) -> list[dict]:
+        """One dict per resident layer: layer, heads, rows, head_dim, dtype, bytes,
+        generation, source, backend."""
+        return [_wire.parse_map(m) for m in self._c.execute("ATTEND.PREFIX.INFO", sid)]
+
+    @contextlib.contextmanager
+    def lease(self, sid: str, layer: int, k, v):
+        """Context manager: stores the slot, yields an AttendLease bound to it, drops the slot
+        on exit (also on error)."""
+        self.store(sid, layer, k, v)
+        try:
+            yield AttendLease(self, sid, int(layer))
+        finally:
+            self.drop(sid, layer)
+
+    # --- queries ------------------------------------------------------------------------------
+    def query(self, sid: str, layer: int, q, top_k: int = 0, window: int = 0,
+              qpos: int | None = None, receipt: bool = False,
+              as_torch: bool | None = None) -> AttendResult:
+        """ATTEND.PREFIX.QUERY: q [H, D] or [H, M, D]; query row i sits at position qpos + i
+        (default N, right after the prefix). top_k 0 is exact; top_k > 0 attends each row's
+        top_k keys. Returns out of q's shape, and lse [H, M] when M > 1."""
+        qa, squeeze = _queries(q)
+        h, m, d = qa.shape
+        reply = self._c.execute("ATTEND.PREFIX.QUERY", sid, int(layer), h, d, int(top_k),
+                                _wire.f32(qa), *_tail(window, qpos, None, receipt))
+        return self._result(reply, receipt, h, m, d, m > 1, squeeze, as_torch)
+
+    def query_fused(self, sid: str, layer: int, q, k_suf, v_suf, head_map=None,
+                    window: int = 0, receipt: bool = False,
+                    as_torch: bool | None = None) -> AttendResult:
+        """ATTEND.PREFIX.QUERY_FUSED: the M queries (q [H_q, D] or [H_q, M, D]) are the last M
+        of the S suffix positions; each attends the prefix and the suffix (k_suf, v_suf
+        [H_kv, S, D]) causally, merged by the server. Exact; no lse."""
+        qa, squeeze = _queries(q)
+        ks, vs = _kv(k_suf, "K_suf"), _kv(v_suf, "V_suf")
+        hq, m, d = qa.shape
+        hkv, s, _ = ks.shape
+        hm = contiguous_head_map(hq, hkv) if head_map is None else head_map
+        reply = self._c.execute("ATTEND.PREFIX.QUERY_FUSED", sid, int(layer), hq, d, s, hkv,
+                                _wire.f32(qa), _wire.f32(ks), _wire.f32(vs), _wire.i32(hm),
+                                *_tail(window, None, None, receipt))
+        return self._result(reply, receipt, hq, m, d, False, squeeze, as_torch)
+
+    def query_sparse(self, sid: str, layer: int, q, indices, counts=None, window: int = 0,
+                     qpos: int | None = None, receipt: bool = False,
+                     as_torch: bool | None = None) -> AttendResult:
+        """ATTEND.PREFIX.QUERY_SPARSE: head h attends the prefix rows it lists. `indices` is
+        either int [H, K] with `counts` [H] (rows indices[h, :counts[h]]), or a list of H
+        sequences of row indexes (ragged; padded here). q [H, D]; out [H, D]."""
+        qa = _single(q, "QUERY_SPARSE")
+        h, d = qa.shape
+        if counts is None:
+            lists = [np.asarray(_wire.to_numpy(x), np.int64).reshape(-1) for x in indices]
+            if len(lists) != h:
+                raise ValueError("indices has %d heads, q has %d" % (len(lists), h))
+            kmax = max(1, max(len(x) for x in lists))
+            idx = np.zeros((h, kmax), np.int32)
+            for i, x in enumerate(lists):
+                idx[i, :len(x)] = x
+            cnt = np.array([len(x) for x in lists], np.int32)
+        else:
+            idx = np.asarray(_wire.to_numpy(indices), np.int32)
+            cnt = np.asarray(_wire.to_numpy(counts), np.int32).reshape(-1)
+            if idx.ndim != 2:
+                raise ValueError("indices must be [H, K_sparse_max], got shape %s" % (idx.shape,))
+            kmax = idx.shape[1]
+        reply = self._c.execute("ATTEND.PREFIX.QUERY_SPARSE", sid, int(layer), h, d, kmax,
+                                _wire.f32(qa), _wire.i32(idx), _wire.i32(cnt),
+                                *_tail(window, qpos, None, receipt))
+        return self._result(reply, receipt, h, 1, d, False, True, as_torch)
+
+    def query_sparse_auto(self, sid: str, layer: int, q, block_size: int, k_top: int,
+                          h_kv: int | None = None, head_map=None, window: int = 0,
+                          qpos: int | None = None, select: str = "mean",
+                          receipt: bool = False, as_torch: bool | None = None) -> AttendResult:
+        """ATTEND.PREFIX.QUERY_SPARSE_AUTO: each query head (q [H_q, D]) scores the prefix's
+        blocks of `block_size` rows (`select` "mean" or "quest") and attends the k_top best
+        plus the first and last visible block. `h_kv` is the slot's K/V head count (None:
+        read with ATTEND.PREFIX.INFO, one more round trip). out [H_q, D]."""
+        qa = _single(q, "QUERY_SPARSE_AUTO")
+        hq, d = qa.shape
+        if h_kv is None:
+            h_kv = self._slot_heads(sid, layer)
+        hm = contiguous_head_map(hq, h_kv) if head_map is None else head_map
+        reply = self._c.execute("ATTEND.PREFIX.QUERY_SPARSE_AUTO", sid, int(layer), hq, d,
+                                int(block_size), int(k_top), int(h_kv), _wire.f32(qa),
+                                _wire.i32(hm), *_tail(window, qpos, select, receipt))
+        return self._result(reply, receipt, hq, 1, d, False, True, as_torch)
+
+    def query_sparse_auto_fused(self, sid: str, layer: int, q, k_suf, v_suf, block_size: int,
+                                k_top: int, head_map=None, window: int = 0,
+                                select: str = "mean", receipt: bool = False,
+                                as_torch: bool | None = None) -> AttendResult:
+        """ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED: one query per head (q [H_q, D]) at the last
+        suffix position: sparse-auto over the prefix plus the dense causal suffix (k_suf,
+        v_suf [H_kv, S, D]), merged. out [H_q, D]."""
+        qa = _single(q, "QUERY_SPARSE_AUTO_FUSED")
+        ks, vs = _kv(k_suf, "K_suf"), _kv(v_suf, "V_suf")
+        hq, d = qa.shape
+        hkv, s, _ = ks.shape
+        hm = contiguous_head_map(hq, hkv) if head_map is None else head_map
+        reply = self._c.execute("ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", sid, int(layer), hq, d,
+                                int(block_size), int(k_top), hkv, s, _wire.f32(qa),
+                                _wire.f32(ks), _wire.f32(vs), _wire.i32(hm),
+                                *_tail(window, None, select, receipt))
+        return self._result(reply, receipt, hq, 1, d, False, True, as_torch)
+
+    # --- internals ----------------------------------------------------------------------------
+    def _slot_heads(self, sid: str, layer: int) -> int:
+        for slot in self.info(sid):
+            if slot["layer"] == int(layer):
+                return int(slot["heads"])
+        raise ValueError("no resident attention slot for session %r layer %d; pass h_kv"
+                         % (sid, int(layer)))
+
+    def _result(self, reply, receipt, h, m, d, with_lse, squeeze, as_torch) -> AttendResult:
+        rc = None
+        if receipt:
+            reply, rc_raw = reply
+            rc = parse_receipt(rc_raw)
+        a = np.frombuffer(reply, dtype="<f4")
+        want = h * m * d + (h * m if with_lse else 0)
+        if a.size != want:
+            raise ValueError("reply has %d floats, expected %d" % (a.size, want))
+        out = a[:h * m * d].reshape((h, d) if squeeze else (h, m, d))
+        lse = a[h * m * d:].reshape(h, m) if with_lse else None
+        return AttendResult(self._c._out(out, as_torch), self._c._out(lse, as_torch), rc)
+
+
+class AttendLease:
+    """A stored slot (sid, layer); `query(q, ...)` etc. call the Attend methods on it."""
+
+    def __init__(self, attend: Attend, sid: str, layer: int):
+        self.sid, self.layer, self._a = sid, layer, attend
+
+    def query(self, q, **kw) -> AttendResult:
+        return self._a.query(self.sid, self.layer, q, **kw)
+
+    def query_fused(self, q, k_suf, v_suf, **kw) -> AttendResult:
+        return self._a.query_fused(self.sid, self.layer, q, k_suf, v_suf, **kw)

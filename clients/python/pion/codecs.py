@@ -1,0 +1,155 @@
+"""RAW row decoding of every V-store codec in numpy (fp32, fp16, bf16, int8, turbo4/3/2).
+
+Written from src/store/codec/README.md (adapted from src/store/codec/reference_decode.py):
+decoding follows the document's float32 steps, so the result is bit-identical to the server's
+own decode (`V.FETCH` without RAW).
+
+    decode(fmt, dim, block, data)  -> float32 [n_rows, dim]
+    row_bytes(fmt, dim, block)     -> bytes per stored row
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2")
+TURBO_BITS = {"turbo4": 4, "turbo3": 3, "turbo2": 2}
+DEFAULT_TURBO_BLOCK = 128
+
+# README "Centroid tables": float32 bit patterns, index 0 .. 2^B - 1.
+CENTROID_BITS = {
+    2: [0xBFC1555D, 0xBEE7D2C9, 0x3EE7D2C9, 0x3FC1555D],
+    3: [0xC009B97A, 0xBFAC0538, 0xBF418990, 0xBE7AF9F8,
+        0x3E7AF9F8, 0x3F418990, 0x3FAC0538, 0x4009B97A],
+    4: [0xC02EE2BF, 0xC0046AC7, 0xBFCF1C25, 0xBFA0CC2F,
+        0xBF713D39, 0xBF28215E, 0xBEC6AE44, 0xBE0379FD,
+        0x3E0379FD, 0x3EC6AE44, 0x3F28215E, 0x3F713D39,
+        0x3FA0CC2F, 0x3FCF1C25, 0x40046AC7, 0x402EE2BF],
+}
+
+# README "Sign vectors": SplitMix64 seeds "PION" + 1 / + 2.
+SIGN_SEED_1 = 0x50494F4E00000001
+SIGN_SEED_2 = 0x50494F4E00000002
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(seed: int, count: int) -> list[int]:
+    """The first `count` SplitMix64 outputs from `seed`."""
+    state = seed
+    out = []
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        out.append(z ^ (z >> 31))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def sign_vector(seed: int, n: int) -> np.ndarray:
+    """float32 [n] of ±1: sign i is -1 when bit (i % 64) of the (i // 64)-th output is set."""
+    words = splitmix64(seed, (n + 63) // 64)
+    bits = np.array([(words[i // 64] >> (i % 64)) & 1 for i in range(n)], dtype=np.uint8)
+    out = np.where(bits == 1, np.float32(-1), np.float32(1)).astype(np.float32)
+    out.flags.writeable = False
+    return out
+
+
+def fp16_to_f32(u16) -> np.ndarray:
+    """IEEE binary16 bits -> float32 (exact)."""
+    return np.asarray(u16, dtype="<u2").view(np.float16).astype(np.float32)
+
+
+def fwht(v: np.ndarray) -> np.ndarray:
+    """Walsh-Hadamard butterflies on the last axis (n = 2^k) in float32, stages h = 1 .. n/2."""
+    n = v.shape[-1]
+    h = 1
+    while h < n:
+        w = v.reshape(v.shape[:-1] + (n // (2 * h), 2, h))
+        a = w[..., 0, :]
+        b = w[..., 1, :]
+        v = np.stack((a + b, a - b), axis=-2).reshape(v.shape)
+        h *= 2
+    return v
+
+
+def unpack_indices(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """uint8 [..., n*bits/8] -> uint8 [..., n]: LSB-first bit stream, index i at bit i*bits."""
+    stream = np.unpackbits(packed, axis=-1, bitorder="little")
+    stream = stream.reshape(packed.shape[:-1] + (n, bits))
+    weights = (1 << np.arange(bits)).astype(np.uint8)
+    return (stream * weights).sum(axis=-1).astype(np.uint8)
+
+
+def default_block(fmt: str) -> int:
+    """The block a session gets without `BLOCK n`: 32 for int8, 128 for turbo, 0 otherwise."""
+    fmt = fmt.lower()
+    return DEFAULT_TURBO_BLOCK if fmt in TURBO_BITS else 32 if fmt == "int8" else 0
+
+
+def row_bytes(fmt: str, dim: int, block: int | None = None) -> int:
+    """Bytes of one stored row (README table)."""
+    fmt = fmt.lower()
+    if fmt == "fp32":
+        return 4 * dim
+    if fmt in ("fp16", "bf16"):
+        return 2 * dim
+    if fmt == "int8":
+        return dim + 2 * ((dim + 31) // 32)
+    if fmt in TURBO_BITS:
+        n = block or DEFAULT_TURBO_BLOCK
+        return (dim // n) * (2 + n * TURBO_BITS[fmt] // 8)
+    raise ValueError("format must be one of %s, got %r" % ("|".join(FORMATS), fmt))
+
+
+def decode(fmt: str, dim: int, block: int | None, data, n_rows: int | None = None) -> np.ndarray:
+    """Decodes RAW rows (`V.FETCH ... RAW` bytes) into float32 [n_rows, dim].
+
+    `block` is the session's block (V.INFO `block`); None or 0 takes the format's default.
+    `n_rows` defaults to len(data) / row_bytes."""
+    fmt = fmt.lower()
+    rb = row_bytes(fmt, dim, block)
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if n_rows is None:
+        if raw.size % rb:
+            raise ValueError("%d bytes is not a multiple of the %s row size %d (dim %d)"
+                             % (raw.size, fmt, rb, dim))
+        n_rows = raw.size // rb
+    elif raw.size != n_rows * rb:
+        raise ValueError("expected %d rows * %d bytes = %d bytes, got %d"
+                         % (n_rows, rb, n_rows * rb, raw.size))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _decode(fmt, dim, block, raw, n_rows)
+
+
+def _decode(fmt, dim, block, raw, n_rows):
+    if fmt == "fp32":
+        return raw.view("<f4").reshape(n_rows, dim)
+    if fmt == "fp16":
+        return fp16_to_f32(raw.view("<u2")).reshape(n_rows, dim)
+    if fmt == "bf16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(n_rows, dim)
+    if fmt == "int8":
+        out = np.empty((n_rows, dim), dtype=np.float32)
+        rows = raw.reshape(n_rows, row_bytes("int8", dim))
+        pos = 0
+        for start in range(0, dim, 32):
+            length = min(32, dim - start)
+            scale = fp16_to_f32(rows[:, pos:pos + 2].copy().view("<u2"))  # [n_rows, 1]
+            q = rows[:, pos + 2:pos + 2 + length].view(np.int8).astype(np.float32)
+            out[:, start:start + length] = q * scale
+            pos += 2 + length
+        return out
+    bits = TURBO_BITS[fmt]
+    n = block or DEFAULT_TURBO_BLOCK
+    n_blocks = dim // n
+    blocks = raw.reshape(n_rows * n_blocks, 2 + n * bits // 8)
+    k = fp16_to_f32(blocks[:, 0:2].copy().view("<u2")) * np.float32(1.0 / n)  # exact: 2^-k
+    idx = unpack_indices(blocks[:, 2:], bits, n)
+    table = np.array(CENTROID_BITS[bits], dtype=np.uint32).view(np.float32)
+    v = table[idx] * sign_vector(SIGN_SEED_2, n)  # D2: exact sign flips
+    v = fwht(v)
+    x = (v * k) * sign_vector(SIGN_SEED_1, n)  # one rounding, then D1
+    return x.astype(np.float32).reshape(n_rows, dim)

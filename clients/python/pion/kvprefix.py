@@ -1,0 +1,158 @@
+"""KV.PREFIX.* helpers: shared prefix K/V namespaces.
+
+A namespace `ns` of L layers, T tokens, H kv heads and head dim D keeps K in V-store session
+`<ns>_pk` and V in `<ns>_pv` (dim H·D); layer l's token t is row l·T + t. These helpers move
+whole layers with one V.STOREBATCH / V.FETCH RANGE per tensor, pipelined.
+
+Layouts of a layer's K or V (the `layout=` argument):
+  "nhd" (default): [n_tokens, kv_heads, head_dim], the row order on the wire;
+  "hnd":           [kv_heads, n_tokens, head_dim], transposed here.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import _wire, codecs
+from .vstore import _identity
+
+if TYPE_CHECKING:
+    from .client import Client
+
+LAYOUTS = ("nhd", "hnd")
+
+
+def _check_layout(layout: str) -> str:
+    layout = layout.lower()
+    if layout not in LAYOUTS:
+        raise ValueError("layout must be 'nhd' or 'hnd', got %r" % (layout,))
+    return layout
+
+
+def _to_rows(x, layout: str) -> np.ndarray:
+    """[T, H, D] (nhd) or [H, T, D] (hnd) -> float32 rows [T, H·D]."""
+    a = _wire.to_numpy(x, np.float32)
+    if a.ndim != 3:
+        raise ValueError("K/V of a layer must be 3-d (%s), got shape %s" % (layout, a.shape))
+    if layout == "hnd":
+        a = a.transpose(1, 0, 2)
+    return a.reshape(a.shape[0], -1)
+
+
+def _from_rows(rows: np.ndarray, heads: int, head_dim: int, layout: str) -> np.ndarray:
+    a = rows.reshape(rows.shape[0], heads, head_dim)
+    return np.ascontiguousarray(a.transpose(1, 0, 2)) if layout == "hnd" else a
+
+
+class KVPrefix:
+    """`client.kv`: KV.PREFIX.REGISTER / LOOKUP / INFO / BLOCKS / MEMBERSHIP / OWNER / DROP /
+    SAVE / WARM, plus store_layer / fetch_layer over the namespace's V sessions."""
+
+    INFO_FLOATS = ("prefill_ms", "saved_prefill_ms")
+
+    def __init__(self, client: "Client"):
+        self._c = client
+
+    def register(self, ns: str, n_layers: int, n_tokens: int, kv_heads: int, head_dim: int,
+                 fmt: str = "fp16", model: str | None = None, position: str | None = None,
+                 prefill_ms: float | None = None) -> None:
+        """Creates the namespace's manifest and its `<ns>_pk`/`<ns>_pv` sessions. The same
+        manifest again is a no-op (prefill_ms may change); another raises MismatchError."""
+        args = ["KV.PREFIX.REGISTER", ns, int(n_layers), int(n_tokens), int(kv_heads),
+                int(head_dim), fmt]
+        if model is not None:
+            args += ["MODEL", model]
+        if position is not None:
+            args += ["POSITION", position]
+        if prefill_ms is not None:
+            args += ["PREFILL_MS", repr(float(prefill_ms))]
+        self._c.execute(*args)
+
+    def store_layer(self, ns: str, layer: int, k, v, *, layout: str = "nhd",
+                    token_offset: int = 0, n_tokens: int | None = None) -> int:
+        """Writes layer `layer`'s K and V (each [t, kv_heads, head_dim] for layout "nhd", or
+        [kv_heads, t, head_dim] for "hnd"; float32) at tokens token_offset .. token_offset+t
+        (default: the whole layer). `n_tokens` is the namespace's token count; None reads it
+        with KV.PREFIX.INFO (one more round trip). Returns t."""
+        layout = _check_layout(layout)
+        kr, vr = _to_rows(k, layout), _to_rows(v, layout)
+        if kr.shape != vr.shape:
+            raise ValueError("K %s and V %s differ in shape" % (kr.shape, vr.shape))
+        if n_tokens is None:
+            n_tokens = self.info(ns)["n_tokens"]
+        start = int(layer) * int(n_tokens) + int(token_offset)
+        self._c.execute_many([("V.STOREBATCH", ns + "_pk", start, _wire.f32(kr)),
+                              ("V.STOREBATCH", ns + "_pv", start, _wire.f32(vr))])
+        return kr.shape[0]
+
+    def fetch_layer(self, ns: str, layer: int, *, raw: bool = False, layout: str = "nhd",
+                    model: str | None = None, generation: int | None = None,
+                    as_torch: bool | None = None):
+        """Layer `layer`'s (K, V), each float32 [n_tokens, kv_heads, head_dim] ("nhd") or
+        [kv_heads, n_tokens, head_dim] ("hnd"). With raw=True the stored encoding is fetched
+        and decoded here (pion.codecs; bit-identical to the server's decode). `model` /
+        `generation` are checked by the server (MismatchError)."""
+        layout = _check_layout(layout)
+        first = [("KV.PREFIX.INFO", ns)] + ([("V.INFO", ns + "_pk")] if raw else [])
+        replies = self._c.execute_many(first)
+        m = _wire.parse_map(replies[0])
+        t, h, d = m["n_tokens"], m["kv_heads"], m["head_dim"]
+        lo, hi = int(layer) * t, (int(layer) + 1) * t
+        tail = ["RAW"] if raw else []
+        tail += _identity(model, generation)
+        kd, vd = self._c.execute_many([("V.FETCH", ns + "_pk", "RANGE", lo, hi, *tail),
+                                       ("V.FETCH", ns + "_pv", "RANGE", lo, hi, *tail)])
+        if raw:
+            vi = _wire.parse_map(replies[1])
+            kr = codecs.decode(vi["format"], vi["dim"], vi["block"], kd, t)
+            vr = codecs.decode(vi["format"], vi["dim"], vi["block"], vd, t)
+        else:
+            kr, vr = _wire.from_f32(kd, (t, h * d)), _wire.from_f32(vd, (t, h * d))
+        return (self._c._out(_from_rows(kr, h, d, layout), as_torch),
+                self._c._out(_from_rows(vr, h, d, layout), as_torch))
+
+    def lookup(self, ns: str, model: str | None = None, position: str | None = None,
+               generation: int | None = None) -> bool:
+        """True (+HIT) when the namespace is complete and MODEL/POSITION match; False (+MISS)
+        otherwise. A GENERATION other than the namespace's raises MismatchError."""
+        args = ["KV.PREFIX.LOOKUP", ns]
+        if model is not None:
+            args += ["MODEL", model]
+        if position is not None:
+            args += ["POSITION", position]
+        if generation is not None:
+            args += ["GENERATION", int(generation)]
+        return _wire.status(self._c.execute(*args)) == "HIT"
+
+    def info(self, ns: str | None = None) -> dict:
+        """KV.PREFIX.INFO <ns> (manifest, generations, frontier, `complete` as bool, ...), or
+        the tenant's totals without ns."""
+        reply = self._c.execute("KV.PREFIX.INFO", ns) if ns is not None else \
+            self._c.execute("KV.PREFIX.INFO")
+        return _wire.parse_map(reply, floats=self.INFO_FLOATS, bools=("complete",))
+
+    def blocks(self, ns: str) -> list[dict]:
+        """Per 64-token block: {block, written (bool), rows, tier, saved (bool)}."""
+        return [_wire.parse_map(b, bools=("written", "saved"))
+                for b in self._c.execute("KV.PREFIX.BLOCKS", ns)]
+
+    def membership(self, ns: str) -> list[int]:
+        """Indexes of the blocks resident in memory."""
+        return [int(i) for i in self._c.execute("KV.PREFIX.MEMBERSHIP", ns)]
+
+    def owner(self, ns: str) -> int:
+        """The shard that owns the namespace."""
+        return int(self._c.execute("KV.PREFIX.OWNER", ns))
+
+    def drop(self, ns: str) -> bool:
+        """Drops the namespace, its sessions and disk copies; True when it existed."""
+        return bool(self._c.execute("KV.PREFIX.DROP", ns))
+
+    def save(self, ns: str) -> None:
+        """Makes the namespace's current content durable in the disk tier."""
+        self._c.execute("KV.PREFIX.SAVE", ns)
+
+    def warm(self, ns: str) -> None:
+        """Brings a saved namespace into memory (checksums verified; CorruptError if not)."""
+        self._c.execute("KV.PREFIX.WARM", ns)

@@ -1,0 +1,118 @@
+"""V.* helpers: token-indexed value sessions (rows of `dim` fp32 values stored in a codec)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from . import _wire, codecs
+
+if TYPE_CHECKING:
+    from .client import Client
+
+
+def _identity(model, generation) -> list:
+    args = []
+    if model is not None:
+        args += ["MODEL", model]
+    if generation is not None:
+        args += ["GENERATION", int(generation)]
+    return args
+
+
+def _rows(rows) -> np.ndarray:
+    a = _wire.to_numpy(rows)
+    if a.ndim == 1:
+        a = a[None, :]
+    if a.ndim != 2:
+        raise ValueError("rows must be [n, dim], got shape %s" % (a.shape,))
+    return a
+
+
+class VStore:
+    """`client.v`: V.CREATE / STOREBATCH / FETCH / INFO / DROP / SNAPSHOT / COMMIT / RESTORE.
+
+    Rows travel as float32 [n, dim]; fetched arrays are read-only views of the reply."""
+
+    def __init__(self, client: "Client"):
+        self._c = client
+
+    def create(self, sid: str, dim: int, fmt: str = "fp32", block: int | None = None) -> None:
+        """Creates session `sid` of rows of `dim` values stored as `fmt` (fp32, fp16, bf16,
+        int8, turbo4, turbo3, turbo2); `block` is the turbo block (default 128)."""
+        args = ["V.CREATE", sid, int(dim), fmt]
+        if block is not None:
+            args += ["BLOCK", int(block)]
+        self._c.execute(*args)
+
+    def store_batch(self, sid: str, start: int, rows) -> int:
+        """Stores rows [n, dim] (float32) at ids start .. start+n-1; returns n."""
+        return self._c.execute("V.STOREBATCH", sid, int(start), _wire.f32(_rows(rows)))
+
+    def store_ids(self, sid: str, ids: Sequence[int], rows) -> int:
+        """Stores rows [n, dim] at the given int64 ids (a repeated id: the last row wins)."""
+        return self._c.execute("V.STOREBATCH", sid, "IDS", _wire.i64(ids),
+                               _wire.f32(_rows(rows)))
+
+    def fetch(self, sid: str, start: int, end: int, *, model: str | None = None,
+              generation: int | None = None, as_torch: bool | None = None):
+        """Rows start <= id < end decoded by the server: float32 [end-start, dim].
+        `model`/`generation` state the identity expected of a KV.PREFIX session
+        (MismatchError otherwise)."""
+        data = self._c.execute("V.FETCH", sid, "RANGE", int(start), int(end),
+                               *_identity(model, generation))
+        return self._c._out(_wire.from_f32(data, (int(end) - int(start), -1)), as_torch)
+
+    def fetch_ids(self, sid: str, ids: Sequence[int], *, model: str | None = None,
+                  generation: int | None = None, as_torch: bool | None = None):
+        """Rows at `ids`, in that order: float32 [len(ids), dim]."""
+        ids = [int(i) for i in ids]
+        data = self._c.execute("V.FETCH", sid, *ids, *_identity(model, generation))
+        return self._c._out(_wire.from_f32(data, (len(ids), -1)), as_torch)
+
+    def fetch_raw(self, sid: str, start: int, end: int, *, decode: bool = True,
+                  model: str | None = None, generation: int | None = None,
+                  as_torch: bool | None = None):
+        """Rows start <= id < end in the stored encoding. With decode (default) they are
+        decoded here in numpy (pion.codecs; bit-identical to `fetch`) into float32
+        [n, dim]; with decode=False the reply's bytes are returned. The session's format is
+        read with V.INFO in the same round trip."""
+        return self._raw(sid, ["RANGE", int(start), int(end)], decode, model, generation,
+                         as_torch)
+
+    def fetch_raw_ids(self, sid: str, ids: Sequence[int], *, decode: bool = True,
+                      model: str | None = None, generation: int | None = None,
+                      as_torch: bool | None = None):
+        """As fetch_raw, for the rows at `ids`."""
+        return self._raw(sid, [int(i) for i in ids], decode, model, generation, as_torch)
+
+    def _raw(self, sid, which, decode, model, generation, as_torch):
+        fetch = ["V.FETCH", sid, *which, "RAW", *_identity(model, generation)]
+        if not decode:
+            return self._c.execute(*fetch)
+        info_reply, data = self._c.execute_many([("V.INFO", sid), fetch])
+        info = _wire.parse_map(info_reply)
+        rows = codecs.decode(info["format"], info["dim"], info["block"], data)
+        return self._c._out(rows, as_torch)
+
+    def info(self, sid: str | None = None) -> dict:
+        """V.INFO <sid>: {dim, format, block, row_bytes, rows, chunks, bytes, snapshots,
+        sealed}; without sid: {sessions, rows, snapshots} of the caller's tenant."""
+        reply = self._c.execute("V.INFO", sid) if sid is not None else self._c.execute("V.INFO")
+        return _wire.parse_map(reply)
+
+    def drop(self, sid: str) -> bool:
+        """Drops the session (and its snapshots); True when it existed."""
+        return bool(self._c.execute("V.DROP", sid))
+
+    def snapshot(self, sid: str) -> int:
+        """A point-in-time snapshot (copy-on-write); returns its id."""
+        return int(self._c.execute("V.SNAPSHOT", sid))
+
+    def commit(self, sid: str, snapshot: int) -> None:
+        """Seals the snapshot durably in the disk tier."""
+        self._c.execute("V.COMMIT", sid, int(snapshot))
+
+    def restore(self, sid: str, snapshot: int) -> None:
+        """Sets the session's content to the snapshot (in memory or sealed on disk)."""
+        self._c.execute("V.RESTORE", sid, int(snapshot))

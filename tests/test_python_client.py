@@ -1,0 +1,638 @@
+"""The Python client (clients/python, package `pion`) against live pion-server processes:
+every helper of every family, RAW decoding of every codec, the seed 002 SSM serialization,
+attention forms against a numpy reference, the LSE merge, and the exception classes.
+
+Tolerances: fp32 storage and RAW decoding are exact (bitwise); attention outputs and LSE are
+compared with err = |got - ref| / (1 + |ref|) <= 1e-4 against a float64 numpy reference.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients",
+                                "python"))
+
+import pion  # noqa: E402
+from pion import codecs  # noqa: E402
+
+TOL = 1e-4
+FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2")
+
+
+@pytest.fixture(scope="module")
+def c(shared_pion):
+    with pion.Client(port=shared_pion.port, socket_timeout=20) as client:
+        yield client
+
+
+def rnd(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def bits(a):
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+def assert_close(got, ref, tol=TOL):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    err = float(np.max(np.abs(got - ref) / (1 + np.abs(ref)))) if ref.size else 0.0
+    assert err <= tol, "max err %.3g > %g" % (err, tol)
+
+
+def attend_ref(q, k, v, head_map, pos_q, pos_k, window=0, allow=None):
+    """float64 reference: q [Hq][M][D], k/v [Hkv][Nk][D] -> (out [Hq][M][D], lse [Hq][M])."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    hq, m, d = q.shape
+    pq, pk = np.asarray(pos_q)[:, None], np.asarray(pos_k)[None, :]
+    vis = pk <= pq
+    if window:
+        vis &= pk > pq - window
+    out, lse = np.zeros((hq, m, d)), np.full((hq, m), -np.inf)
+    for h in range(hq):
+        g = head_map[h]
+        mask = vis if allow is None else vis & allow[h]
+        s = np.where(mask, q[h] @ k[g].T / np.sqrt(d), -np.inf)
+        mx = s.max(1)
+        ok = np.isfinite(mx)
+        e = np.where(mask[ok], np.exp(s[ok] - mx[ok, None]), 0.0)
+        out[h, ok] = e @ v[g] / e.sum(1)[:, None]
+        lse[h, ok] = mx[ok] + np.log(e.sum(1))
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------------
+# Connection, STATE
+# ------------------------------------------------------------------------------------------
+
+def test_ping_info_and_connection_error(c):
+    assert c.ping() is True
+    assert c.info("memory")["maxmemory"] == 0
+    bad = pion.Client(port=1, socket_connect_timeout=2)
+    with pytest.raises(pion.PionConnectionError):
+        bad.ping()
+
+
+def test_state_round_trip_and_lease(c):
+    c.state.alloc("st1", 64)
+    assert c.state.read("st1", 0, 8) == b"\0" * 8
+    a = np.arange(8, dtype=np.float64)
+    c.state.write("st1", 0, a)
+    c.state.write("st1", 4, b"\x01\x02")
+    got = c.state.read("st1", 0, dtype=np.float64, shape=(8,))
+    want = a.copy()
+    want.view(np.uint8)[4:6] = [1, 2]
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert c.state.read("st1", 8, dtype=np.int32, length=8).tolist() == a[1:2].view(np.int32).tolist()
+    info = c.state.info()
+    assert info["slots"] >= 1 and info["bytes"] >= 64
+    assert c.state.free("st1") is True and c.state.free("st1") is False
+    with c.state.lease("st2", 16) as slot:
+        slot.write(0, np.array([7, 8, 9, 10], np.int32))
+        assert slot.read(dtype=np.int32, shape=(2, 2)).tolist() == [[7, 8], [9, 10]]
+        assert slot.read(12) == struct.pack("<i", 10)
+    with pytest.raises(pion.CommandError, match=r"^ERR no such state slot 'st2'$"):
+        c.state.read("st2", 0, 1)
+    with pytest.raises(pion.CommandError, match="^ERR state slot 'st3' exists with 4 bytes"):
+        c.state.alloc("st3", 4)
+        c.state.alloc("st3", 8)
+
+
+# ------------------------------------------------------------------------------------------
+# V-store
+# ------------------------------------------------------------------------------------------
+
+def test_vstore_fp32_round_trip_ids_info_snapshots(c):
+    rng = np.random.default_rng(1)
+    rows = rnd(rng, 10, 48)
+    c.v.create("vs", 48, "fp32")
+    c.v.create("vs", 48, "fp32")  # same shape again: OK
+    assert c.v.store_batch("vs", 0, rows) == 10
+    got = c.v.fetch("vs", 0, 10)
+    assert got.shape == (10, 48) and got.dtype == np.float32
+    np.testing.assert_array_equal(bits(got), bits(rows))
+    np.testing.assert_array_equal(bits(c.v.fetch_ids("vs", [9, 0, 3])), bits(rows[[9, 0, 3]]))
+    extra = rnd(rng, 2, 48)
+    assert c.v.store_ids("vs", [100, 7], extra) == 2
+    np.testing.assert_array_equal(bits(c.v.fetch_ids("vs", [7, 100])), bits(extra[::-1]))
+    info = c.v.info("vs")
+    assert (info["dim"], info["format"], info["rows"], info["row_bytes"]) == (48, "fp32", 11, 192)
+    assert c.v.info()["sessions"] >= 1
+    snap = c.v.snapshot("vs")
+    c.v.store_batch("vs", 0, np.zeros((1, 48), np.float32))
+    assert not c.v.fetch("vs", 0, 1).any()
+    c.v.restore("vs", snap)
+    np.testing.assert_array_equal(bits(c.v.fetch("vs", 0, 1)), bits(rows[:1]))
+    c.v.commit("vs", snap)
+    assert c.v.info("vs")["sealed"] >= 1
+    with pytest.raises(pion.CommandError, match="^ERR id 50 was never stored in session 'vs'"):
+        c.v.fetch_ids("vs", [50])
+    with pytest.raises(pion.CommandError, match="^ERR session 'vs' exists with dim 48"):
+        c.v.create("vs", 32, "fp16")
+    assert c.v.drop("vs") is True and c.v.drop("vs") is False
+
+
+@pytest.mark.parametrize("fmt,dim,block", [(f, 256, None) for f in FORMATS] +
+                         [("int8", 70, None), ("turbo4", 64, 16), ("turbo3", 96, 32),
+                          ("turbo2", 64, 8)])
+def test_raw_decode_equals_server_decode(c, fmt, dim, block):
+    rng = np.random.default_rng(dim + FORMATS.index(fmt))
+    rows = rnd(rng, 9, dim, scale=3.0)
+    sid = "raw_%s_%d_%s" % (fmt, dim, block)
+    c.v.create(sid, dim, fmt, block)
+    c.v.store_batch(sid, 0, rows)
+    server = c.v.fetch(sid, 0, 9)
+    mine = c.v.fetch_raw(sid, 0, 9)
+    assert mine.shape == (9, dim) and mine.dtype == np.float32
+    np.testing.assert_array_equal(bits(mine), bits(server))  # specified bit-identical
+    raw = c.v.fetch_raw(sid, 0, 9, decode=False)
+    assert isinstance(raw, bytes) and len(raw) == 9 * codecs.row_bytes(fmt, dim, block)
+    ids = [8, 2, 2]
+    np.testing.assert_array_equal(bits(c.v.fetch_raw_ids(sid, ids)), bits(server[ids]))
+    if fmt == "fp32":
+        np.testing.assert_array_equal(bits(mine), bits(rows))
+    else:  # a lossy codec that returns the input exactly would be storing fp32
+        assert not np.array_equal(mine, rows)
+        rel = np.mean((mine - rows) ** 2) / np.mean(rows ** 2)
+        assert rel < 0.2, rel
+
+
+def test_codec_worked_example_from_readme():
+    x = [0.5, -1.25, 2.0, 0.0, 3.5, -0.75, 1.0, -2.5]
+    ex = {"int8": ("0e 27 12 d3 49 00 7f e5 24 a5", "0.496032715 -1.24008179 2.01168823 0 "
+                   "3.49978638 -0.744049072 0.99206543 -2.50772095"),
+          "turbo4": ("63 45 b5 6c a9 bd", "0.243624598 -1.16339636 2.03523207 0.140962005 "
+                     "3.56626368 -0.666334867 1.05092144 -2.45794249"),
+          "turbo2": ("21 45 79 fa", "0.678065419 -1.83919871 1.83919871 0.678065419 "
+                     "3.19532943 -0.678065419 2.03419638 -1.83919871")}
+    for fmt, (hexs, vals) in ex.items():
+        got = codecs.decode(fmt, 8, 8, bytes.fromhex(hexs))
+        np.testing.assert_array_equal(got[0], np.array(vals.split(), np.float32))
+    fp16 = codecs.decode("fp16", 8, None, bytes.fromhex("0038 00bd 0040 0000 0043 00ba 003c 00c1"))
+    np.testing.assert_array_equal(fp16[0], np.array(x, np.float32))
+
+
+# ------------------------------------------------------------------------------------------
+# KV.PREFIX
+# ------------------------------------------------------------------------------------------
+
+def test_kvprefix_register_store_fetch_lookup(c):
+    L, T, H, D = 3, 70, 2, 32
+    rng = np.random.default_rng(3)
+    c.kv.register("kvp", L, T, H, D, "fp32", model="m1", position="rope1", prefill_ms=12.5)
+    c.kv.register("kvp", L, T, H, D, "fp32", model="m1", position="rope1", prefill_ms=20)
+    assert c.kv.lookup("kvp", model="m1") is False  # nothing written yet
+    ks, vs = [], []
+    for layer in range(L):
+        k, v = rnd(rng, T, H, D), rnd(rng, T, H, D)
+        ks.append(k), vs.append(v)
+        if layer == 1:  # the [H, T, D] layout, in two partial writes
+            kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+            assert c.kv.store_layer("kvp", layer, kt[:, :30], vt[:, :30], layout="hnd") == 30
+            c.kv.store_layer("kvp", layer, kt[:, 30:], vt[:, 30:], layout="hnd",
+                             token_offset=30, n_tokens=T)
+        else:
+            assert c.kv.store_layer("kvp", layer, k, v) == T
+    for layer in range(L):
+        k, v = c.kv.fetch_layer("kvp", layer, model="m1")
+        assert k.shape == (T, H, D)
+        np.testing.assert_array_equal(bits(k), bits(ks[layer]))
+        np.testing.assert_array_equal(bits(v), bits(vs[layer]))
+        kr, vr = c.kv.fetch_layer("kvp", layer, raw=True, layout="hnd")
+        np.testing.assert_array_equal(bits(kr), bits(ks[layer].transpose(1, 0, 2)))
+        np.testing.assert_array_equal(bits(vr), bits(vs[layer].transpose(1, 0, 2)))
+    assert c.kv.lookup("kvp") is True
+    assert c.kv.lookup("kvp", model="m1", position="rope1") is True
+    assert c.kv.lookup("kvp", model="other") is False
+    assert c.kv.lookup("kvp", position="rope2") is False
+    info = c.kv.info("kvp")
+    assert info["model"] == "m1" and info["n_tokens"] == T and info["complete"] is True
+    assert info["prefill_ms"] == 20.0 and info["committed_frontier"] == T
+    assert info["saved_prefill_ms"] >= 40.0  # two HITs so far
+    gen = info["cache_generation"]
+    assert c.kv.lookup("kvp", generation=gen) is True
+    with pytest.raises(pion.MismatchError, match="^MISMATCH namespace 'kvp' is at generation"):
+        c.kv.lookup("kvp", generation=gen + 5)
+    with pytest.raises(pion.MismatchError, match="^MISMATCH session 'kvp_pk' holds model 'm1', "
+                                                 "not 'm2'"):
+        c.kv.fetch_layer("kvp", 0, model="m2")
+    blocks = c.kv.blocks("kvp")
+    assert [b["block"] for b in blocks] == [0, 1] and all(b["written"] for b in blocks)
+    assert c.kv.membership("kvp") == [0, 1]
+    assert c.kv.owner("kvp") in (0, 1)
+    assert c.kv.info()["prefixes"] >= 1
+    c.kv.save("kvp")
+    assert all(b["saved"] for b in c.kv.blocks("kvp"))
+    c.kv.warm("kvp")
+    with pytest.raises(pion.MismatchError, match="^MISMATCH namespace 'kvp' is registered"):
+        c.kv.register("kvp", L, T, H, D, "fp16", model="m1")
+    assert c.kv.drop("kvp") is True and c.kv.drop("kvp") is False
+    with pytest.raises(pion.CommandError, match="^ERR no such prefix namespace 'kvp'"):
+        c.kv.info("kvp")
+
+
+def test_kvprefix_quantized_raw_fetch_matches_server_decode(c):
+    L, T, H, D = 2, 20, 2, 64
+    rng = np.random.default_rng(4)
+    c.kv.register("kvq", L, T, H, D, "turbo3")
+    for layer in range(L):
+        c.kv.store_layer("kvq", layer, rnd(rng, T, H, D), rnd(rng, T, H, D), n_tokens=T)
+    for layer in range(L):
+        a, b = c.kv.fetch_layer("kvq", layer), c.kv.fetch_layer("kvq", layer, raw=True)
+        np.testing.assert_array_equal(bits(a[0]), bits(b[0]))
+        np.testing.assert_array_equal(bits(a[1]), bits(b[1]))
+    c.kv.drop("kvq")
+
+
+# ------------------------------------------------------------------------------------------
+# ATTEND.PREFIX
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slot(c):
+    """A slot of H_kv=2 heads, N=96 rows, D=32; queries use H_q=4."""
+    rng = np.random.default_rng(5)
+    k, v = rnd(rng, 2, 96, 32), rnd(rng, 2, 96, 32)
+    c.attend.store("att", 0, k, v)
+    return k, v
+
+
+HM = [0, 0, 1, 1]
+
+
+def test_attend_slot_lifecycle(c, slot):
+    assert c.attend.lookup("att", 0) is True and c.attend.lookup("att", 1) is False
+    (info,) = c.attend.info("att")
+    assert info["layer"] == 0 and info["heads"] == 2 and info["rows"] == 96
+    assert info["head_dim"] == 32 and info["dtype"] == "fp32" and info["source"] == ""
+    rng = np.random.default_rng(6)
+    k, v = rnd(rng, 1, 8, 32), rnd(rng, 1, 8, 32)
+    with c.attend.lease("tmp", 2, k, v) as lease:
+        assert c.attend.lookup("tmp", 2)
+        res = lease.query(rnd(rng, 1, 32))
+        assert res.out.shape == (1, 32) and res.lse is None and res.receipt is None
+    assert c.attend.lookup("tmp", 2) is False
+    c.attend.store("tmp", 0, k, v)
+    c.attend.store("tmp", 1, k, v)
+    assert c.attend.drop("tmp", 1) == 1 and c.attend.drop("tmp") == 1
+    with pytest.raises(pion.MissError, match="^MISS no attention slot for session 'tmp' layer 0"):
+        c.attend.query("tmp", 0, rnd(rng, 1, 32))
+    with pytest.raises(pion.CommandError, match="^ERR D 64 does not match the slot's head_dim 32"):
+        c.attend.query("att", 0, rnd(rng, 4, 64))
+
+
+@pytest.mark.parametrize("m,window,qpos", [(1, 0, None), (4, 0, None), (3, 10, None),
+                                           (5, 0, 40), (2, 7, 60)])
+def test_attend_query_dense_matches_reference(c, slot, m, window, qpos):
+    k, v = slot
+    rng = np.random.default_rng(10 + m)
+    q = rnd(rng, 4, m, 32, scale=2.0)
+    p0 = 96 if qpos is None else qpos
+    ref, ref_lse = attend_ref(q, k, v, HM, np.arange(p0, p0 + m), np.arange(96), window)
+    res = c.attend.query("att", 0, q if m > 1 else q[:, 0], window=window, qpos=qpos,
+                         receipt=True)
+    if m == 1:
+        assert res.out.shape == (4, 32) and res.lse is None
+        assert_close(res.out, ref[:, 0])
+    else:
+        assert res.out.shape == (4, m, 32) and res.lse.shape == (4, m)
+        assert_close(res.out, ref)
+        assert_close(res.lse, ref_lse)
+    rc = res.receipt
+    assert rc["exact"] is True and rc["form"] == "dense" and rc["prefix_rows"] == 96
+    assert rc["query_rows"] == 4 * m and rc["omitted_mass_estimate"] == 0.0
+    assert rc["rows_attended"] == rc["visible_rows"] and isinstance(rc["micros"], float)
+    assert isinstance(rc["support"], list) and len(rc["support"]) == 4
+
+
+def test_attend_query_topk(c, slot):
+    k, v = slot
+    rng = np.random.default_rng(20)
+    q = rnd(rng, 4, 2, 32)
+    top_k = 5
+    qk = np.einsum("hmd,hnd->hmn", q.astype(np.float64), k[HM].astype(np.float64))
+    allow = np.zeros((4, 2, 96), bool)
+    for h in range(4):
+        for i in range(2):
+            allow[h, i, np.argsort(-qk[h, i], kind="stable")[:top_k]] = True
+    ref, ref_lse = attend_ref(q, k, v, HM, [96, 97], np.arange(96), allow=allow)
+    res = c.attend.query("att", 0, q, top_k=top_k, receipt=True)
+    assert_close(res.out, ref)
+    assert_close(res.lse, ref_lse)
+    assert res.receipt["form"] == "topk" and res.receipt["exact"] is False
+    assert res.receipt["rows_attended"] == 4 * 2 * top_k
+    assert 0 < res.receipt["omitted_mass_estimate"] < 1
+
+
+def _suffix(rng, s):
+    return rnd(rng, 2, s, 32), rnd(rng, 2, s, 32)
+
+
+def test_attend_query_fused_and_lse_merge(c, slot):
+    k, v = slot
+    rng = np.random.default_rng(30)
+    s, m = 6, 3
+    ks, vs = _suffix(rng, s)
+    q = rnd(rng, 4, m, 32)
+    kk, vv = np.concatenate([k, ks], 1), np.concatenate([v, vs], 1)
+    pos_q = np.arange(96 + s - m, 96 + s)
+    ref, _ = attend_ref(q, kk, vv, HM, pos_q, np.arange(96 + s))
+    fused = c.attend.query_fused("att", 0, q, ks, vs, receipt=True)
+    assert fused.out.shape == (4, m, 32) and fused.lse is None
+    assert_close(fused.out, ref)
+    assert fused.receipt["form"] == "fused" and fused.receipt["suffix_rows"] == s
+    assert fused.receipt["exact"] is True
+    # Client-side split: the server's prefix partial (with LSE) merged with a numpy suffix
+    # partial equals QUERY_FUSED.
+    pre = c.attend.query("att", 0, q, qpos=int(pos_q[0]))
+    suf_out, suf_lse = attend_ref(q, ks, vs, HM, pos_q, np.arange(96, 96 + s))
+    out, lse = pion.merge_lse(pre.out, pre.lse, suf_out, suf_lse)
+    assert_close(out, fused.out)
+    _, ref_lse = attend_ref(q, kk, vv, HM, pos_q, np.arange(96 + s))
+    assert_close(lse, ref_lse)
+    # One query row, explicit head map, window.
+    one = c.attend.query_fused("att", 0, q[:, -1], ks, vs, head_map=[1, 1, 0, 0], window=20)
+    ref1, _ = attend_ref(q[:, -1:], kk, vv, [1, 1, 0, 0], [96 + s - 1], np.arange(96 + s), 20)
+    assert one.out.shape == (4, 32)
+    assert_close(one.out, ref1[:, 0])
+
+
+def test_merge_lse_pure_numpy():
+    rng = np.random.default_rng(31)
+    q, k, v = rnd(rng, 2, 3, 32), rnd(rng, 2, 40, 32), rnd(rng, 2, 40, 32)
+    full, full_lse = attend_ref(q, k, v, [0, 1], [100] * 3, np.arange(40))
+    a, la = attend_ref(q, k[:, :15], v[:, :15], [0, 1], [100] * 3, np.arange(15))
+    b, lb = attend_ref(q, k[:, 15:], v[:, 15:], [0, 1], [100] * 3, np.arange(15, 40))
+    out, lse = pion.merge_lse(a, la, b, lb)
+    assert out.dtype == np.float32 and lse.shape == (2, 3)
+    assert_close(out, full, 1e-6)
+    assert_close(lse, full_lse, 1e-6)
+    ninf = np.full((1, 1), -np.inf)
+    o, l = pion.merge_lse(np.ones((1, 1, 2)), ninf, np.zeros((1, 1, 2)), ninf)
+    assert not o.any() and np.isneginf(l).all()
+    o, l = pion.merge_lse(np.ones((1, 1, 2)), ninf, np.full((1, 1, 2), 3.0), np.zeros((1, 1)))
+    assert o.tolist() == [[[3.0, 3.0]]] and l.tolist() == [[0.0]]
+
+
+def test_attend_query_sparse(c, slot):
+    k, v = slot
+    rng = np.random.default_rng(40)
+    q = rnd(rng, 4, 32)
+    ragged = [[0, 5, 9], [95], [10, 11, 12, 13, 14, 50], [1, 2]]
+    allow = np.zeros((4, 1, 96), bool)
+    for h, idx in enumerate(ragged):
+        allow[h, 0, idx] = True
+    ref, _ = attend_ref(q[:, None], k, v, HM, [96], np.arange(96), allow=allow)
+    res = c.attend.query_sparse("att", 0, q, ragged, receipt=True)
+    assert res.out.shape == (4, 32)
+    assert_close(res.out, ref[:, 0])
+    assert res.receipt["form"] == "sparse" and res.receipt["support"] == [3, 1, 6, 2]
+    idx = np.zeros((4, 6), np.int32)
+    for h, x in enumerate(ragged):
+        idx[h, :len(x)] = x
+    res2 = c.attend.query_sparse("att", 0, q, idx, counts=[len(x) for x in ragged])
+    np.testing.assert_array_equal(bits(res2.out), bits(res.out))
+
+
+@pytest.mark.parametrize("select", ["mean", "quest"])
+def test_attend_query_sparse_auto(c, slot, select):
+    k, v = slot
+    rng = np.random.default_rng(50)
+    q = rnd(rng, 4, 32)
+    b = 16  # 6 blocks
+    # Every block chosen: equals dense and exact.
+    dense = c.attend.query("att", 0, q)
+    full = c.attend.query_sparse_auto("att", 0, q, b, 6, h_kv=2, select=select, receipt=True)
+    assert_close(full.out, dense.out)
+    assert full.receipt["exact"] is True and full.receipt["blocks_total"] == 6
+    # K_top 1: the first, last and one best block per head, per the doc's scores.
+    res = c.attend.query_sparse_auto("att", 0, q, b, 1, select=select, receipt=True)  # h_kv via INFO
+    rc = res.receipt
+    assert rc["form"] == "sparse_auto" and rc["exact"] is False
+    allow = np.zeros((4, 1, 96), bool)
+    for h in range(4):
+        kb = k[HM[h]].astype(np.float64).reshape(6, b, 32)
+        qh = q[h].astype(np.float64)
+        score = (kb.mean(1) @ qh if select == "mean" else
+                 np.maximum(qh * kb.min(1), qh * kb.max(1)).sum(1))
+        best = 1 + int(np.argmax(score[1:5]))
+        assert rc["blocks"][h] == sorted({0, best, 5}), (h, rc["blocks"])
+        for i in rc["blocks"][h]:
+            allow[h, 0, i * b:(i + 1) * b] = True
+    ref, _ = attend_ref(q[:, None], k, v, HM, [96], np.arange(96), allow=allow)
+    assert_close(res.out, ref[:, 0])
+    assert 0 < rc["omitted_mass_estimate"] < 1
+
+
+def test_attend_query_sparse_auto_fused(c, slot):
+    k, v = slot
+    rng = np.random.default_rng(60)
+    ks, vs = _suffix(rng, 5)
+    q = rnd(rng, 4, 32)
+    fused = c.attend.query_fused("att", 0, q, ks, vs)
+    res = c.attend.query_sparse_auto_fused("att", 0, q, ks, vs, 16, 6, receipt=True)
+    assert res.out.shape == (4, 32) and res.receipt["form"] == "sparse_auto_fused"
+    assert_close(res.out, fused.out)
+    part = c.attend.query_sparse_auto_fused("att", 0, q, ks, vs, 16, 0, select="quest",
+                                            window=0, receipt=True)
+    assert part.receipt["exact"] is False and part.receipt["suffix_rows"] == 5
+
+
+def test_attend_store_from_kvprefix(c):
+    T, H, D = 40, 2, 32
+    rng = np.random.default_rng(70)
+    c.kv.register("afrom", 2, T, H, D, "fp32", model="mm")
+    layers = [(rnd(rng, T, H, D), rnd(rng, T, H, D)) for _ in range(2)]
+    for i, (k, v) in enumerate(layers):
+        c.kv.store_layer("afrom", i, k, v, n_tokens=T)
+    with pytest.raises(pion.MismatchError, match="^MISMATCH namespace 'afrom' holds model"):
+        c.attend.store_from("bound", 1, "afrom", model="other")
+    c.attend.store_from("bound", 1, "afrom", model="mm")
+    assert c.attend.info("bound")[0]["source"].startswith("afrom@")
+    k, v = (x.transpose(1, 0, 2) for x in layers[1])
+    c.attend.store("blob", 1, k, v)
+    q = rnd(rng, 4, 3, 32)
+    a, b = c.attend.query("bound", 1, q), c.attend.query("blob", 1, q)
+    np.testing.assert_array_equal(bits(a.out), bits(b.out))
+    np.testing.assert_array_equal(bits(a.lse), bits(b.lse))
+    c.kv.drop("afrom")
+
+
+# ------------------------------------------------------------------------------------------
+# SSM.PREFIX (seed 002)
+# ------------------------------------------------------------------------------------------
+
+def test_ssm_serialization_byte_layout():
+    conv = np.arange(6, dtype=np.float32).reshape(1, 2, 3)
+    ssm = np.array([0.5, -2.0], dtype=np.float16)
+    bf = np.array([[1.0, -0.5], [3.0, 0.0]], dtype=np.float32)  # bf16-representable
+    blob = pion.serialize_arrays([conv, ssm, bf], dtype_codes=[None, None, 2])
+    want = struct.pack("<II", 1, 3)
+    want += struct.pack("<I3I", 3, 1, 2, 3) + struct.pack("<I", 0) + struct.pack("<6f", *range(6))
+    want += struct.pack("<I1I", 1, 2) + struct.pack("<I", 1) + struct.pack("<2f", 0.5, -2.0)
+    want += struct.pack("<I2I", 2, 2, 2) + struct.pack("<I", 2) + \
+        struct.pack("<4f", 1.0, -0.5, 3.0, 0.0)
+    assert blob == want
+    back = pion.deserialize_arrays(blob)
+    assert [a.dtype for a in back] == [np.float32, np.float16, np.float32]
+    for a, b in zip(back, [conv, ssm, bf]):
+        np.testing.assert_array_equal(a, b)
+        assert a.shape == b.shape
+    with pytest.raises(ValueError, match="bf16"):
+        pion.serialize_arrays([np.array([1.1], np.float32)], dtype_codes=[2])
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        pion.serialize_arrays([np.zeros(2, np.float64)])
+    with pytest.raises(ValueError, match="trailing"):
+        pion.deserialize_arrays(blob + b"x")
+    with pytest.raises(ValueError, match="truncated"):
+        pion.deserialize_arrays(blob[:-1])
+    assert pion.deserialize_arrays(struct.pack("<II", 1, 0)) == []
+
+
+def test_ssm_store_fetch_drop(c):
+    rng = np.random.default_rng(80)
+    conv = rnd(rng, 1, 64, 4)
+    ssm = rnd(rng, 1, 64, 16).astype(np.float16)
+    bf = (rnd(rng, 3, 5).view(np.uint32) & 0xFFFF0000).view(np.float32)
+    for layer in range(3):
+        c.ssm.store("mamba", layer, [conv + layer, ssm, bf], dtype_codes=[0, 1, 2])
+    for layer in range(3):
+        got = c.ssm.fetch("mamba", layer)
+        np.testing.assert_array_equal(bits(got[0]), bits(conv + layer))
+        assert got[1].dtype == np.float16
+        np.testing.assert_array_equal(got[1].view(np.uint16), ssm.view(np.uint16))
+        np.testing.assert_array_equal(bits(got[2]), bits(bf))
+    assert c.ssm.fetch("mamba", 9) is None and c.ssm.fetch_blob("mamba", 9) is None
+    c.ssm.drop("mamba", 1)
+    assert c.ssm.fetch("mamba", 1) is None and c.ssm.fetch("mamba", 2) is not None
+    c.ssm.drop("mamba")
+    assert c.ssm.fetch("mamba", 0) is None and c.ssm.fetch("mamba", 2) is None
+    c.ssm.drop("mamba")  # idempotent
+    blob = bytes(range(256)) * 4
+    c.ssm.store_blob("opaque", 0, blob)
+    assert c.ssm.fetch_blob("opaque", 0) == blob
+    with pytest.raises(ValueError, match="version"):
+        c.ssm.fetch("opaque", 0)
+    c.ssm.drop("opaque")
+
+
+# ------------------------------------------------------------------------------------------
+# torch stays optional
+# ------------------------------------------------------------------------------------------
+
+def test_as_torch(shared_pion):
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    with pion.Client(port=shared_pion.port, as_torch=True) as tc:
+        tc.v.create("tt", 4, "fp32")
+        tc.v.store_batch("tt", 0, np.ones((2, 4), np.float32))
+        if torch is None:
+            with pytest.raises(ImportError, match="needs PyTorch"):
+                tc.v.fetch("tt", 0, 2)
+            assert isinstance(tc.v.fetch("tt", 0, 2, as_torch=False), np.ndarray)
+        else:
+            t = tc.v.fetch("tt", 0, 2)
+            assert isinstance(t, torch.Tensor) and t.shape == (2, 4)
+        tc.v.drop("tt")
+
+
+# ------------------------------------------------------------------------------------------
+# Exceptions
+# ------------------------------------------------------------------------------------------
+
+def test_error_classes_from_server_text():
+    cases = {"ERR x": pion.CommandError, "OOM x": pion.OomError, "BUSY x": pion.BusyError,
+             "MISMATCH x": pion.MismatchError, "MISS x": pion.MissError,
+             "CORRUPT x": pion.CorruptError, "IOERR x": pion.IoError,
+             "NOAUTH x": pion.NoAuthError, "WRONGPASS x": pion.WrongPassError,
+             "NOPERM x": pion.NoPermError, "NOPROTO x": pion.PionError}
+    from pion import errors
+    for text, cls in cases.items():
+        e = errors.from_text(text)
+        assert type(e) is cls and str(e) == text and e.prefix == text.split()[0]
+        assert isinstance(e, pion.PionError)
+    # Exceptions raised by a plain redis-py connection (prefixes stripped) map back too.
+    import redis.exceptions as rex
+    assert str(errors.from_redis(rex.ResponseError("no such session 's'"))) == \
+        "ERR no such session 's'"
+    assert type(errors.from_redis(rex.AuthenticationError("Authentication required."))) is \
+        pion.NoAuthError
+    assert type(errors.from_redis(rex.ResponseError("OOM x"))) is pion.OomError
+    assert str(errors.from_redis(rex.NoPermissionError("this user"))) == "NOPERM this user"
+
+
+def test_oom_with_maxmemory(pion_factory):
+    srv = pion_factory("--workers", "1", "--maxmemory", "1mb")
+    with pion.Client(port=srv.port) as c:
+        with pytest.raises(pion.OomError) as ei:
+            c.state.alloc("big", 4 << 20)
+        assert str(ei.value).startswith("OOM command not allowed when used memory > "
+                                        "'maxmemory': state write of")
+        assert ei.value.prefix == "OOM" and ei.value.message == str(ei.value)
+        c.v.create("s", 1024, "fp32")
+        with pytest.raises(pion.OomError):
+            c.v.store_batch("s", 0, np.zeros((1024, 1024), np.float32))
+
+
+def test_auth_errors(pion_factory):
+    srv = pion_factory("--workers", "1", "--requirepass", "sekrit")
+    with pion.Client(port=srv.port) as c:
+        assert c.ping()  # PING is accepted before AUTH
+        with pytest.raises(pion.NoAuthError, match=r"^NOAUTH Authentication required\.$"):
+            c.state.info()
+    with pion.Client(port=srv.port, password="wrong") as c:
+        with pytest.raises(pion.WrongPassError, match="^WRONGPASS invalid username-password"):
+            c.ping()
+    with pion.Client(port=srv.port, password="sekrit") as c:
+        assert c.state.info()["slots"] == 0
+
+
+def test_noperm_for_tenant_user(pion_factory, tmp_path):
+    users = tmp_path / "users.txt"
+    users.write_text("alice apw teamA\n")
+    srv = pion_factory("--workers", "1", "--users", str(users))
+    with pion.Client(port=srv.port, username="alice", password="apw") as c:
+        with pytest.raises(pion.NoPermError, match="^NOPERM this user has no permissions"):
+            c.execute("CONFIG", "GET", "maxmemory")
+        c.state.alloc("mine", 8)  # data commands are fine
+
+
+def test_busy_when_compute_queue_is_full(pion_factory):
+    srv = pion_factory("-w", "2", "--compute-threads", "1", "--compute-queue-depth", "1")
+    rng = np.random.default_rng(90)
+    n, d = 16384, 128
+    with pion.Client(port=srv.port, socket_timeout=30) as c:
+        c.attend.store("busy", 0, rnd(rng, 1, n, d), rnd(rng, 1, n, d))
+        q = rnd(rng, 8, 16, d)
+        busy, ok, other = [], [], []
+        barrier = threading.Barrier(8)
+
+        def fire():
+            barrier.wait(10)
+            for _ in range(3):
+                try:
+                    ok.append(c.attend.query("busy", 0, q))
+                except pion.BusyError as e:
+                    busy.append(str(e))
+                except Exception as e:  # noqa: BLE001
+                    other.append(repr(e))
+
+        for _round in range(3):  # timing-dependent: a few rounds make a miss unlikely
+            barrier.reset()
+            threads = [threading.Thread(target=fire) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            if busy and ok:
+                break
+    assert not other, other
+    assert busy and ok, (len(busy), len(ok))
+    assert all(b.startswith("BUSY the compute queue is full (") for b in busy), busy[:3]
