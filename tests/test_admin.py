@@ -28,7 +28,7 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "attend.prefix.store", "attend.prefix.lookup", "attend.prefix.drop",
                 "attend.prefix.info", "attend.prefix.query", "attend.prefix.query_fused",
                 "attend.prefix.query_sparse", "attend.prefix.query_sparse_auto",
-                "attend.prefix.query_sparse_auto_fused"}
+                "attend.prefix.query_sparse_auto_fused", "shm.attach", "shm.release", "shm.info"}
 
 CONFIG_PARAMS = ["bind", "port", "unixsocket", "unixsocketperm", "workers", "dir", "metrics-port", "kvcache", "users",
                  "attention-backend", "attention-fp16", "attention-memory", "compute-threads",
@@ -39,7 +39,8 @@ CONFIG_PARAMS = ["bind", "port", "unixsocket", "unixsocketperm", "workers", "dir
                  "slowlog-log-slower-than", "slowlog-max-len", "loglevel"]
 
 ALL_FLAGS = ["--help", "--version", "--config", "--bind", "--port", "--unixsocket",
-             "--unixsocketperm", "--workers", "--dir",
+             "--unixsocketperm", "--shm-segment-size", "--shm-lease-ttl-ms", "--shm-max-leases",
+             "--workers", "--dir",
              "--maxmemory", "--metrics-port", "--requirepass", "--users", "--proto-max-bulk-len",
              "--max-multibulk-len", "--client-query-buffer-limit", "--client-output-buffer-limit",
              "--client-output-buffer-timeout-ms", "--maxclients", "--shard-queue-depth",

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <string>
 
 namespace pion {
 namespace {
@@ -27,6 +28,7 @@ ShmArena::~ShmArena() {
   for (auto& s : segments_) {
     munmap(s->base, s->size);
     close(s->fd);
+    close(s->read_fd);
   }
 }
 
@@ -39,13 +41,22 @@ ShmArena::Segment* ShmArena::NewSegment(size_t size) {
     close(fd);
     return nullptr;
   }
+  // A second, read-only open of the same memfd: a client given it cannot map it writable.
+  const std::string self = "/proc/self/fd/" + std::to_string(fd);
+  int read_fd = open(self.c_str(), O_RDONLY | O_CLOEXEC);
+  if (read_fd < 0) {
+    close(fd);
+    return nullptr;
+  }
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     close(fd);
+    close(read_fd);
     return nullptr;
   }
   auto seg = std::make_unique<Segment>();
   seg->fd = fd;
+  seg->read_fd = read_fd;
   seg->base = static_cast<uint8_t*>(p);
   seg->size = size;
   seg->free.emplace(0, size);
@@ -128,7 +139,7 @@ void ShmArena::FreeRegion(uint8_t* data, size_t length) {
 std::vector<ShmArena::SegmentInfo> ShmArena::segments() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<SegmentInfo> out;
-  for (const auto& s : segments_) out.push_back({s->fd, s->size});
+  for (const auto& s : segments_) out.push_back({s->fd, s->read_fd, s->size});
   return out;
 }
 

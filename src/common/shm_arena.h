@@ -37,7 +37,8 @@ class ShmArena final : public BufferAllocator {
   ShmArena& operator=(const ShmArena&) = delete;
 
   struct SegmentInfo {
-    int fd;
+    int fd;       // the segment's id (what Buffer::segment_fd() reports)
+    int read_fd;  // a read-only descriptor of it: what clients are given
     size_t size;
   };
   std::vector<SegmentInfo> segments() const;
@@ -54,6 +55,7 @@ class ShmArena final : public BufferAllocator {
  private:
   struct Segment {
     int fd = -1;
+    int read_fd = -1;
     uint8_t* base = nullptr;
     size_t size = 0;
     std::map<size_t, size_t> free;  // offset -> length, disjoint and coalesced

@@ -31,6 +31,13 @@ TEST(ShmArena, BuffersLiveInMappableSegments) {
   EXPECT_EQ(view[a->segment_offset() + 99999], 0x5a);
   EXPECT_EQ(std::memcmp(view + b->segment_offset(), "hello", 5), 0);
   munmap(p, st.st_size);
+  // What clients get is read-only: it maps for reading, never for writing.
+  const int ro = arena.segments()[0].read_fd;
+  void* r = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, ro, 0);
+  ASSERT_NE(r, MAP_FAILED);
+  EXPECT_EQ(static_cast<const uint8_t*>(r)[a->segment_offset()], 0x5a);
+  munmap(r, st.st_size);
+  EXPECT_EQ(mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, ro, 0), MAP_FAILED);
   // The segment's size is sealed: a client's mapping can never be truncated under it.
   EXPECT_NE(ftruncate(a->segment_fd(), 0), 0);
 }

@@ -140,6 +140,63 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->Integer(static_cast<int64_t>(stored));
 }
 
+// V.FETCH … RANGE … SHM: the stored bytes as (segment, offset, length) pieces in the tenant's
+// shared-memory arena, under a lease that keeps them unchanged until released. Pieces held
+// outside an arena (a prefix warmed from disk) are copied into one first.
+void ReplyShm(CommandContext& ctx, const store::VSession& session, int64_t start, int64_t end) {
+  server::ShmPlane& plane = ctx.server->shm();
+  struct Piece {
+    int segment;
+    uint64_t offset, length;
+  };
+  std::vector<Piece> pieces;
+  std::vector<BufferRef> held;
+  uint64_t total = 0;
+  Status failed;
+  session.RawRange(start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
+    if (!failed.ok()) return;
+    BufferRef src = b;
+    uint64_t off = static_cast<uint64_t>(p - b->data());
+    if (b->segment_fd() < 0) {
+      auto copy = plane.AllocatorFor(ctx.tenant)->Allocate(len);
+      if (!copy.ok()) {
+        failed = copy.status();
+        return;
+      }
+      std::memcpy(copy.value()->data(), p, len);
+      src = std::move(copy).value();
+      off = 0;
+    }
+    total += len;
+    if (!pieces.empty() && held.back() == src &&
+        pieces.back().offset + pieces.back().length == src->segment_offset() + off) {
+      pieces.back().length += len;  // contiguous in one buffer
+      return;
+    }
+    pieces.push_back({src->segment_fd(), src->segment_offset() + off, len});
+    held.push_back(std::move(src));
+  });
+  if (!failed.ok()) return ctx.Error(failed);
+  auto lease = plane.Grant(ctx.client_id, std::move(held), total);
+  if (!lease.ok()) return ctx.Error(lease.status());
+  auto& rb = *ctx.rb;
+  rb.Map(4);
+  rb.Bulk("lease");
+  rb.Integer(static_cast<int64_t>(lease.value()));
+  rb.Bulk("bytes");
+  rb.Integer(static_cast<int64_t>(total));
+  rb.Bulk("row_bytes");
+  rb.Integer(static_cast<int64_t>(session.codec().row_bytes()));
+  rb.Bulk("pieces");
+  rb.Array(pieces.size());
+  for (const Piece& p : pieces) {
+    rb.Array(3);
+    rb.Integer(p.segment);
+    rb.Integer(static_cast<int64_t>(p.offset));
+    rb.Integer(static_cast<int64_t>(p.length));
+  }
+}
+
 void Fetch(CommandContext& ctx, CmdArgs& args) {
   auto entry = ctx.shard->store().vstore.Get(ctx.Key(args[1]));
   if (!entry.ok()) return ctx.Error(entry.status());
@@ -150,10 +207,13 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
   // RAW, and for a KV.PREFIX session the identity the reader expects, MODEL <id> and
   // GENERATION <g> — a reader of another model or of a dropped generation is refused.
   size_t end_arg = args.size();
-  bool raw = false;
+  bool raw = false, shm = false;
   while (end_arg > 2) {
     if (EqualsIgnoreCase(args[end_arg - 1], "RAW")) {
       raw = true;
+      --end_arg;
+    } else if (EqualsIgnoreCase(args[end_arg - 1], "SHM")) {
+      shm = raw = true;  // a mapping of the stored encoding
       --end_arg;
     } else if (end_arg > 3 && (EqualsIgnoreCase(args[end_arg - 2], "MODEL") ||
                                EqualsIgnoreCase(args[end_arg - 2], "GENERATION"))) {
@@ -188,6 +248,12 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
     }
   }
   const bool range = end_arg > 2 && EqualsIgnoreCase(args[2], "RANGE");
+  if (shm && !range) return ctx.Error(Error("SHM needs the RANGE form of V.FETCH"));
+  if (shm && !ctx.unix_socket) {
+    return ctx.Error(
+        Error("SHM mappings are only given to clients on the Unix socket (--unixsocket); this "
+              "connection is TCP: fetch without SHM"));
+  }
   int64_t start = 0, end = 0;
   std::vector<int64_t> ids;
   Status s;
@@ -214,6 +280,7 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
   const uint64_t n = range ? static_cast<uint64_t>(end - start) : ids.size();
   const uint64_t bytes = n * (raw ? session.codec().row_bytes() : size_t{4} * session.dim());
   const uint64_t max = ctx.server->settings().proto_max_bulk_len.load();
+  if (shm) return ReplyShm(ctx, session, start, end);
   if (bytes > max) {
     return ctx.Error(Error("reply of " + std::to_string(n) + " rows is " + std::to_string(bytes) +
                            " bytes, more than proto-max-bulk-len " + std::to_string(max) +
@@ -340,7 +407,7 @@ void RegisterVStoreFamily(server::Server& srv) {
        "<sid> <start_id> <fp32_blob> | <sid> IDS <int64_ids_blob> <fp32_blob>"});
   reg({"V.FETCH", -3, kKv | kCmdReadOnly, 1, 1, 1, Fetch, "vstore",
        "Fetches rows as fp32 (or RAW stored encoding) by ids or an id range.",
-       "<sid> <id> [<id> ...] | <sid> RANGE <start> <end>, then [RAW] [MODEL <id>] "
+       "<sid> <id> [<id> ...] | <sid> RANGE <start> <end>, then [RAW|SHM] [MODEL <id>] "
        "[GENERATION <g>]"});
   reg({"V.DROP", 2, kKv | kCmdWrite, 1, 1, 1, Drop, "vstore",
        "Deletes a session and its snapshots; replies 1 if it existed.", "<sid>"});

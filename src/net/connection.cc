@@ -5,7 +5,9 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstring>
 
 #include "net/socket.h"
 
@@ -13,6 +15,7 @@ namespace pion::net {
 namespace {
 constexpr int kMaxReadsPerEvent = 8;  // fairness between clients of one shard
 constexpr size_t kEagerFlushBytes = 256 * 1024;
+constexpr size_t kMaxPassedFds = 250;  // SCM_MAX_FD is 253
 }  // namespace
 
 Connection::Connection(EventLoop* loop, ConnectionHost* host, int fd, uint64_t id)
@@ -117,10 +120,23 @@ void Connection::Flush() {
   while (!output_.empty()) {
     constexpr int kMaxIov = 64;
     iovec iov[kMaxIov];
-    int cnt = output_.FillIovec(iov, kMaxIov);
+    std::vector<int> fds;
+    int cnt = output_.FillIovec(iov, kMaxIov, &fds);
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = static_cast<size_t>(cnt);
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxPassedFds)];
+    if (!fds.empty()) {
+      // File descriptors for the client (shared-memory segments), with these bytes.
+      const size_t nfds = std::min(fds.size(), kMaxPassedFds);
+      msg.msg_control = control;
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+      cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+      cm->cmsg_level = SOL_SOCKET;
+      cm->cmsg_type = SCM_RIGHTS;
+      cm->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+      std::memcpy(CMSG_DATA(cm), fds.data(), sizeof(int) * nfds);
+    }
     ssize_t n = sendmsg(fd_, &msg, MSG_NOSIGNAL);
     loop_->NoteIo();
     if (n > 0) {

@@ -7,10 +7,19 @@ namespace {
 constexpr size_t kOwnedChunkMax = 64 * 1024;
 }  // namespace
 
+void ReplyBuffer::AttachFds(std::vector<int> fds) {
+  if (fds.empty()) return;
+  chunks_.emplace_back();
+  chunks_.back().fds = std::move(fds);
+}
+
 void ReplyBuffer::Append(std::string_view bytes) {
   if (bytes.empty()) return;
-  if (chunks_.empty() || chunks_.back().ref || chunks_.back().owned.size() >= kOwnedChunkMax ||
-      (chunks_.size() == 1 && head_offset_ > 0)) {
+  const bool fresh_fd_chunk =
+      !chunks_.empty() && !chunks_.back().fds.empty() && chunks_.back().owned.empty();
+  if (!fresh_fd_chunk &&
+      (chunks_.empty() || chunks_.back().ref || chunks_.back().owned.size() >= kOwnedChunkMax ||
+       (chunks_.size() == 1 && head_offset_ > 0))) {
     chunks_.emplace_back();
     chunks_.back().owned.reserve(bytes.size() < 256 ? 256 : bytes.size());
   }
@@ -45,6 +54,7 @@ void ReplyBuffer::Splice(ReplyBuffer&& other) {
       size_ += c.len;
       chunks_.push_back(std::move(c));
     } else {
+      AttachFds(std::move(c.fds));
       Append(c.owned);
     }
     first = false;
@@ -52,11 +62,15 @@ void ReplyBuffer::Splice(ReplyBuffer&& other) {
   other.Clear();
 }
 
-int ReplyBuffer::FillIovec(struct iovec* iov, int max) const {
+int ReplyBuffer::FillIovec(struct iovec* iov, int max, std::vector<int>* fds) const {
   int n = 0;
   size_t skip = head_offset_;
   for (const auto& c : chunks_) {
     if (n == max) break;
+    if (!c.fds.empty()) {
+      if (n > 0) break;  // its fds go with its own write
+      if (fds != nullptr) *fds = c.fds;
+    }
     const uint8_t* base = c.ref ? c.ptr : reinterpret_cast<const uint8_t*>(c.owned.data());
     iov[n].iov_base = const_cast<uint8_t*>(base + skip);
     iov[n].iov_len = c.length() - skip;
@@ -67,6 +81,7 @@ int ReplyBuffer::FillIovec(struct iovec* iov, int max) const {
 }
 
 void ReplyBuffer::Consume(size_t n) {
+  if (n > 0 && !chunks_.empty()) chunks_.front().fds.clear();  // they went with this write
   size_ -= n;
   n += head_offset_;
   while (!chunks_.empty() && n >= chunks_.front().length()) {

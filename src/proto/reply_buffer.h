@@ -12,6 +12,7 @@
 #include <deque>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/buffer.h"
 
@@ -23,14 +24,20 @@ class ReplyBuffer {
   void Append(char c);
   // References len bytes at p inside buf (p must point into buf).
   void AppendRef(BufferRef buf, const uint8_t* p, size_t len);
+  // Passes file descriptors to the client (SCM_RIGHTS) with the bytes appended next: they
+  // travel with the first write that carries those bytes. The fds stay owned by the caller and
+  // must stay open until sent (the shared-memory segments are never closed).
+  void AttachFds(std::vector<int> fds);
   // Moves all of other's chunks to the end of this buffer.
   void Splice(ReplyBuffer&& other);
 
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
 
-  // Fills up to max iovecs with the pending bytes; returns how many were filled.
-  int FillIovec(struct iovec* iov, int max) const;
+  // Fills up to max iovecs with the pending bytes; returns how many were filled. When the
+  // front bytes carry file descriptors they are added to *fds (if fds is non-null), and the
+  // iovecs stop before the next bytes that carry their own.
+  int FillIovec(struct iovec* iov, int max, std::vector<int>* fds = nullptr) const;
   // Drops n bytes from the front (after a successful write).
   void Consume(size_t n);
   void Clear();
@@ -38,6 +45,7 @@ class ReplyBuffer {
  private:
   struct Chunk {
     std::string owned;
+    std::vector<int> fds;  // sent with this chunk's first byte
     BufferRef ref;
     const uint8_t* ptr = nullptr;  // for ref chunks
     size_t len = 0;                // for ref chunks

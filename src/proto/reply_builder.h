@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "common/buffer.h"
 #include "common/status.h"
@@ -41,6 +42,8 @@ class ReplyBuilder {
   void BulkStart(size_t total) { Header('$', total); }
   void BulkPiece(const BufferRef& buf, const uint8_t* p, size_t len);
   void BulkEnd() { out_->Append("\r\n"); }
+  // File descriptors passed (SCM_RIGHTS) with the next reply bytes; see ReplyBuffer::AttachFds.
+  void AttachFds(std::vector<int> fds) { out_->AttachFds(std::move(fds)); }
   void Null();       // RESP2 "$-1", RESP3 "_"
   void NullArray();  // RESP2 "*-1", RESP3 "_"
   void Array(size_t n);

@@ -42,10 +42,11 @@ struct CommandContext {
   proto::ReplyBuilder* rb;
   uint32_t tenant;
   uint64_t client_id;
-  net::Connection* conn;  // non-null only for kCmdConnection commands
-  int origin_shard = 0;   // the shard of the client's connection
-  int resp = 2;           // the client's protocol version
-  bool deferred = false;  // set by Defer()
+  net::Connection* conn;     // non-null only for kCmdConnection commands
+  int origin_shard = 0;      // the shard of the client's connection
+  int resp = 2;              // the client's protocol version
+  bool unix_socket = false;  // the client is on --unixsocket (same host): it may get mappings
+  bool deferred = false;     // set by Defer()
 
   // Writes an error reply and counts OOM/BUSY rejections in the shard's stats.
   void Error(const Status& status);

@@ -84,6 +84,15 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
          },
          "Permissions of the --unixsocket file (octal)")
       ->default_str("700");
+  AddSize(app, "--shm-segment-size", &c.shm_segment_size,
+          "Size of each shared-memory segment of a tenant's values (with --unixsocket)");
+  app.add_option("--shm-lease-ttl-ms", c.shm_lease_ttl_ms,
+                 "A shared-memory lease not released within this time is released")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+  app.add_option("--shm-max-leases", c.shm_max_leases, "Leases one client may hold at once")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("-w,--workers", c.workers, "Shards (threads); 0 = number of cores")
       ->capture_default_str()
       ->check(CLI::Range(0, 1024));

@@ -20,7 +20,11 @@ struct Config {
   int port = 1974;
   std::string unixsocket;  // empty: no Unix-domain listener
   unsigned unixsocketperm = 0700;
-  int workers = 0;  // 0: number of cores
+  // Same-host data plane (on with --unixsocket).
+  uint64_t shm_segment_size = 256ull << 20;
+  int64_t shm_lease_ttl_ms = 30000;
+  int shm_max_leases = 4096;  // per client
+  int workers = 0;            // 0: number of cores
   std::string dir = "./data";
   uint64_t maxmemory = 0;   // 0: no limit
   int metrics_port = 9174;  // 0: disabled

@@ -22,6 +22,7 @@ struct RemoteCall {
   int resp;
   std::string peer;
   std::string client_name;
+  bool unix_socket = false;
 };
 
 }  // namespace
@@ -77,7 +78,7 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
   }
   if (owner == shard.id()) {
     if (Execute(*spec, shard, (spec->flags & kCmdConnection) ? &conn : nullptr, conn.tenant,
-                conn.id(), shard.id(), args, rb, conn.peer(), conn.name)) {
+                conn.id(), shard.id(), args, rb, conn.peer(), conn.name, conn.unix_socket)) {
       conn.BeginAsync();  // the reply arrives through the deferred writer
     }
     return;
@@ -92,11 +93,13 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
   call->resp = conn.resp_version();
   call->peer = conn.peer();
   call->client_name = conn.name;
+  call->unix_socket = conn.unix_socket;
   const uint64_t conn_id = conn.id();
   bool posted = shards_[owner]->Post([this, call, conn_id](Shard& target) {
     proto::ReplyBuilder remote_rb(&call->reply, call->resp);
-    bool deferred = Execute(*call->spec, target, nullptr, call->tenant, call->client_id,
-                            call->origin, call->args, remote_rb, call->peer, call->client_name);
+    bool deferred =
+        Execute(*call->spec, target, nullptr, call->tenant, call->client_id, call->origin,
+                call->args, remote_rb, call->peer, call->client_name, call->unix_socket);
     call->args.Clear();
     if (deferred) return;  // the deferred writer delivers to the origin shard itself
     shards_[call->origin]->PostControl([call, conn_id](Shard& home) {
@@ -118,7 +121,8 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
 
 bool Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn, uint32_t tenant,
                      uint64_t client_id, int origin_shard, proto::CmdArgs& args,
-                     proto::ReplyBuilder& rb, std::string_view peer, std::string_view client_name) {
+                     proto::ReplyBuilder& rb, std::string_view peer, std::string_view client_name,
+                     bool unix_socket) {
   // Consecutive commands of a pipelined batch share a clock reading (the end of one is the
   // start of the next) as long as no socket I/O happened in between: one read per command.
   using Clock = std::chrono::steady_clock;
@@ -130,6 +134,7 @@ bool Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* con
   CommandContext ctx{this, &shard, &rb, tenant, client_id, conn};
   ctx.origin_shard = origin_shard;
   ctx.resp = rb.resp3() ? 3 : 2;
+  ctx.unix_socket = unix_socket;
   spec.handler(ctx, args);
   const Clock::time_point t1 = Clock::now();
   last_end = t1;

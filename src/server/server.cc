@@ -43,10 +43,15 @@ Status Server::Init() {
     unix_fd_ = ufd.value();
   }
 
+  shm_ =
+      std::make_unique<ShmPlane>(unix_fd_ >= 0, config_.shm_segment_size, config_.shm_lease_ttl_ms,
+                                 static_cast<size_t>(config_.shm_max_leases));
   for (int i = 0; i < config_.workers; ++i) {
     shards_.push_back(std::make_unique<Shard>(this, i, listen_fd_, unix_fd_, registry_.size(),
                                               static_cast<size_t>(config_.shard_queue_depth)));
     for (auto& hook : shard_inits_) hook(*shards_.back());
+    shards_.back()->store().vstore.set_allocator(
+        [this](uint32_t tenant) { return shm_->AllocatorFor(tenant); });
   }
   io_ = std::make_unique<WorkerPool>(config_.io_threads, 1024);
   compute_ = std::make_unique<WorkerPool>(config_.compute_threads,

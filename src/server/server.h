@@ -17,6 +17,7 @@
 #include "server/config.h"
 #include "server/memory.h"
 #include "server/shard.h"
+#include "server/shm_plane.h"
 #include "server/slowlog.h"
 #include "server/worker_pool.h"
 
@@ -59,6 +60,8 @@ class Server {
   // Attention queries (--compute-threads). Null until Init().
   WorkerPool* compute() { return compute_.get(); }
   attention::Counters& attention_counters() { return attention_counters_; }
+  // The same-host data plane (enabled with --unixsocket).
+  ShmPlane& shm() { return *shm_; }
 
   // Families add start-up work (loading the disk tier) that runs in Init() after the shards
   // exist and before any of them runs, on the main thread.
@@ -99,7 +102,7 @@ class Server {
   // Returns true when the handler deferred its reply (CommandContext::Defer).
   bool Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn, uint32_t tenant,
                uint64_t client_id, int origin_shard, proto::CmdArgs& args, proto::ReplyBuilder& rb,
-               std::string_view peer, std::string_view client_name);
+               std::string_view peer, std::string_view client_name, bool unix_socket);
 
   Config config_;
   RuntimeSettings settings_;
@@ -112,6 +115,7 @@ class Server {
   std::vector<std::function<Status(Server&)>> startup_;
   std::unique_ptr<WorkerPool> io_;
   std::unique_ptr<WorkerPool> compute_;
+  std::unique_ptr<ShmPlane> shm_;
   attention::Counters attention_counters_;
   DiskStats disk_stats_;
   std::unique_ptr<MetricsHttp> metrics_;

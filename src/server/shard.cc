@@ -104,6 +104,7 @@ void Shard::Run() {
 
 void Shard::Tick() {
   auto now = net::Connection::Clock::now();
+  if (id_ == 0) server_->shm().Expire(now);
   uint64_t q = 0, o = 0, biggest = 0;
   for (auto& [id, c] : connections_) {
     c->Tick(now);
@@ -185,6 +186,8 @@ void Shard::OnNetBytes(uint64_t in, uint64_t out) {
 }
 
 void Shard::OnClosed(net::Connection& conn, net::CloseReason reason) {
+  // A client that goes away releases its shared-memory leases.
+  if (conn.unix_socket) server_->shm().ReleaseClient(conn.id());
   switch (reason) {
     case net::CloseReason::kProtocol:
       stats_.Reject(RejectReason::kProtocol);

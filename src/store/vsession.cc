@@ -17,8 +17,8 @@ VSession::Chunk::~Chunk() {
   if (budget_ != nullptr && budget_->release) budget_->release(bytes->size());
 }
 
-VSession::VSession(codec::RowCodec codec, const ByteBudget* budget)
-    : codec_(codec), budget_(budget) {}
+VSession::VSession(codec::RowCodec codec, const ByteBudget* budget, BufferAllocator* alloc)
+    : codec_(codec), budget_(budget), alloc_(alloc) {}
 
 uint64_t VSession::chunk_bytes() const {
   return static_cast<uint64_t>(chunks_.size()) * kRowsPerChunk * codec_.row_bytes();
@@ -39,7 +39,7 @@ StatusOr<VSession::Chunk*> VSession::WritableChunk(int64_t index) {
     Status s = budget_->reserve(size);
     if (!s.ok()) return s;
   }
-  auto buf = BufferAllocator::Default()->Allocate(size);
+  auto buf = alloc_->Allocate(size);
   if (!buf.ok()) {
     if (budget_ != nullptr && budget_->release) budget_->release(size);
     return buf.status();

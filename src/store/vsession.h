@@ -37,7 +37,10 @@ class VSession {
     uint64_t rows = 0;
   };
 
-  VSession(codec::RowCodec codec, const ByteBudget* budget);
+  // Chunks come from alloc (a tenant's shared-memory arena when the same-host data plane is
+  // on, so a client can map them; the heap otherwise).
+  VSession(codec::RowCodec codec, const ByteBudget* budget,
+           BufferAllocator* alloc = BufferAllocator::Default());
 
   const codec::RowCodec& codec() const { return codec_; }
   uint32_t dim() const { return codec_.dim(); }
@@ -88,6 +91,7 @@ class VSession {
 
   codec::RowCodec codec_;
   const ByteBudget* budget_;
+  BufferAllocator* alloc_;
   ChunkMap chunks_;
   uint64_t rows_ = 0;
 };

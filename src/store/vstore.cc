@@ -24,7 +24,8 @@ Status VStore::Create(const TenantKey& key, const codec::RowCodec& codec) {
                  Describe(codec) + "; V.DROP it first");
   }
   Entry e;
-  e.session = std::make_unique<VSession>(codec, &budget_);
+  e.session = std::make_unique<VSession>(
+      codec, &budget_, allocator_for_ ? allocator_for_(key.tenant) : BufferAllocator::Default());
   // Snapshot ids continue above the sealed ones (they survive restarts).
   auto sealed = sealed_.find(key);
   if (sealed != sealed_.end() && !sealed->second.empty()) {

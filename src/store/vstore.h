@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -24,6 +25,9 @@ class VStore {
   };
 
   void set_budget(ByteBudget b) { budget_ = std::move(b); }
+  // Where a tenant's session chunks are allocated (default: the heap).
+  using AllocatorFor = std::function<BufferAllocator*(uint32_t tenant)>;
+  void set_allocator(AllocatorFor f) { allocator_for_ = std::move(f); }
 
   // Creates a session. An existing session with the same codec parameters is kept as is;
   // one with different parameters is an error naming both.
@@ -64,6 +68,7 @@ class VStore {
 
  private:
   ByteBudget budget_;
+  AllocatorFor allocator_for_;
   std::unordered_map<TenantKey, Entry, TenantKeyHash> sessions_;
   std::unordered_map<TenantKey, std::map<uint64_t, Sealed>, TenantKeyHash> sealed_;
   std::atomic<uint64_t> sessions_gauge_{0};

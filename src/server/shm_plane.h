@@ -1,0 +1,81 @@
+// ShmPlane: the same-host data plane (issue 7). With --unixsocket, every tenant's V-store chunks
+// live in that tenant's ShmArena (memfd segments). A client on the Unix socket receives the
+// segments' file descriptors once (SHM.ATTACH, SCM_RIGHTS), maps them read-only, and then asks
+// for mappings instead of bytes (V.FETCH … SHM): the reply names (segment, offset, length)
+// pieces and a lease.
+//
+// A lease holds references to the pieces' buffers. While it is held, the bytes it names cannot
+// change (the stores copy-on-write a buffer that anyone else references) and cannot be reused
+// (a region returns to its arena only when its last reference is gone) — so a reader never sees
+// a torn mix or another value's bytes (the ABA of seed 004 §0x04C cannot happen). Leases end on
+// SHM.RELEASE, when the client's connection closes, or after --shm-lease-ttl-ms. Lease ids are
+// never reused. Thread-safe (one mutex; buffers are released outside it).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "common/buffer.h"
+#include "common/shm_arena.h"
+#include "common/status.h"
+
+namespace pion::server {
+
+class ShmPlane {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  ShmPlane(bool enabled, size_t segment_bytes, int64_t lease_ttl_ms, size_t max_leases);
+
+  bool enabled() const { return enabled_; }
+  // The allocator for a tenant's stored values: its arena when enabled, the heap otherwise.
+  BufferAllocator* AllocatorFor(uint32_t tenant);
+  // The tenant's arena (created on first use). Null when disabled.
+  ShmArena* ArenaFor(uint32_t tenant);
+
+  // Grants a lease on `held` to client. kBusy past --shm-max-leases for that client.
+  StatusOr<uint64_t> Grant(uint64_t client, std::vector<BufferRef> held, uint64_t bytes);
+  bool Release(uint64_t client, uint64_t lease);
+  size_t ReleaseClient(uint64_t client);
+  size_t Expire(Clock::time_point now);
+
+  struct Stats {
+    uint64_t arenas = 0;
+    uint64_t segment_bytes = 0;
+    uint64_t used_bytes = 0;
+    uint64_t leases = 0;
+    uint64_t leased_bytes = 0;
+    uint64_t granted = 0;
+    uint64_t released = 0;
+    uint64_t expired = 0;
+  };
+  Stats stats() const;
+  size_t LeasesOf(uint64_t client) const;
+
+ private:
+  struct Lease {
+    std::vector<BufferRef> held;
+    uint64_t bytes = 0;
+    Clock::time_point expires;
+  };
+
+  const bool enabled_;
+  const size_t segment_bytes_;
+  const std::chrono::milliseconds ttl_;
+  const size_t max_leases_;
+  mutable std::mutex mu_;
+  // Arenas live as long as the process: stored buffers may outlive the server object.
+  std::unordered_map<uint32_t, ShmArena*> arenas_;
+  std::unordered_map<uint64_t, std::map<uint64_t, Lease>> leases_;  // client -> id -> lease
+  uint64_t next_lease_ = 1;
+  uint64_t leased_bytes_ = 0;
+  uint64_t lease_count_ = 0;
+  uint64_t granted_ = 0, released_ = 0, expired_ = 0;
+};
+
+}  // namespace pion::server

@@ -1,0 +1,237 @@
+"""The same-host data plane (--unixsocket): SHM.ATTACH passes the tenant's memfd segments with
+SCM_RIGHTS, V.FETCH … SHM answers with (segment, offset, length) pieces under a lease, and the
+client reads the stored bytes straight from its read-only mapping."""
+import mmap
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+import redis
+
+
+class ShmConn:
+    """A raw RESP connection on the Unix socket that also receives file descriptors."""
+
+    def __init__(self, path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(path)
+        self.buf = b""
+        self.fds = []
+
+    def close(self):
+        self.sock.close()
+        for fd in self.fds:
+            os.close(fd)
+
+    def _fill(self):
+        data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, 64)
+        if not data:
+            raise ConnectionError("closed")
+        self.buf += data
+        self.fds += fds
+
+    def _line(self):
+        while b"\r\n" not in self.buf:
+            self._fill()
+        line, self.buf = self.buf.split(b"\r\n", 1)
+        return line
+
+    def _reply(self):
+        line = self._line()
+        t, rest = line[:1], line[1:]
+        if t == b"+":
+            return rest.decode()
+        if t == b"-":
+            return RuntimeError(rest.decode())
+        if t == b":":
+            return int(rest)
+        if t == b"$":
+            n = int(rest)
+            while len(self.buf) < n + 2:
+                self._fill()
+            out, self.buf = self.buf[:n], self.buf[n + 2:]
+            return out
+        if t == b"*":
+            return [self._reply() for _ in range(int(rest))]
+        raise AssertionError(line)
+
+    def call(self, *args):
+        out = [b"*%d\r\n" % len(args)]
+        for a in args:
+            a = a if isinstance(a, bytes) else str(a).encode()
+            out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+        self.sock.sendall(b"".join(out))
+        return self._reply()
+
+
+def attach(c):
+    """SHM.ATTACH → {segment id: read-only mmap}."""
+    before = len(c.fds)
+    segs = c.call("SHM.ATTACH")
+    fds = c.fds[before:]
+    assert len(fds) == len(segs)
+    maps = {}
+    for (seg, size), fd in zip(segs, fds):
+        maps[seg] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    return maps, fds
+
+
+def shm_fetch(c, maps, sid, start, end):
+    reply = c.call("V.FETCH", sid, "RANGE", start, end, "SHM")
+    assert not isinstance(reply, Exception), reply
+    r = dict(zip([k.decode() for k in reply[::2]], reply[1::2]))
+    if any(seg not in maps for seg, _, _ in r["pieces"]):
+        maps.update(attach(c)[0])  # a segment created since the last attach
+    data = b"".join(maps[seg][off:off + ln] for seg, off, ln in r["pieces"])
+    assert len(data) == r["bytes"]
+    return r["lease"], data, r
+
+
+@pytest.fixture
+def shm_server(pion_factory, tmp_path):
+    path = str(tmp_path / "s.sock")
+    if len(path) > 100:
+        pytest.skip("tmp path too long for a Unix socket")
+    srv = pion_factory("--unixsocket", path, "--shm-segment-size", "4mb")
+    srv.sock_path = path
+    return srv
+
+
+def test_shm_fetch_equals_tcp_fetch_byte_for_byte(shm_server):
+    tcp = shm_server.client()
+    rng = np.random.default_rng(3)
+    for fmt, dim, n in (("fp16", 1024, 700), ("fp32", 256, 130), ("int8", 96, 100), ("turbo3", 128, 257)):
+        sid = "sess_" + fmt
+        tcp.execute_command("V.CREATE", sid, dim, fmt)
+        rows = rng.standard_normal((n, dim)).astype(np.float32)
+        tcp.execute_command("V.STOREBATCH", sid, 0, rows.tobytes())
+        want = tcp.execute_command("V.FETCH", sid, "RANGE", 0, n, "RAW")
+        c = ShmConn(shm_server.sock_path)
+        try:
+            maps, _ = attach(c)
+            for a, b in ((0, n), (5, n - 3), (63, 65)):
+                lease, got, r = shm_fetch(c, maps, sid, a, b)
+                row = r["row_bytes"]
+                assert got == want[a * row:b * row], (fmt, a, b)
+                assert c.call("SHM.RELEASE", lease) == 1
+        finally:
+            c.close()
+
+
+def test_lease_keeps_old_bytes_across_an_overwrite_and_release(shm_server):
+    tcp = shm_server.client()
+    tcp.execute_command("V.CREATE", "ow", 512, "fp16")
+    old = np.full((128, 512), 1.5, np.float32)
+    tcp.execute_command("V.STOREBATCH", "ow", 0, old.tobytes())
+    c = ShmConn(shm_server.sock_path)
+    try:
+        maps, _ = attach(c)
+        lease, before, r0 = shm_fetch(c, maps, "ow", 0, 128)
+        tcp.execute_command("V.STOREBATCH", "ow", 0, np.full((128, 512), -7.0, np.float32).tobytes())
+        # A new fetch sees the new generation ...
+        _, again, _ = shm_fetch(c, maps, "ow", 0, 128)
+        assert np.all(np.frombuffer(again, np.float16) == -7.0)
+        # ... while the first lease's pieces, re-read through the mappings now, still hold the
+        # old bytes, whole: the overwrite copied the chunks instead of writing under the lease.
+        now = b"".join(maps[sg][o:o + ln] for sg, o, ln in r0["pieces"])
+        assert now == before and np.all(np.frombuffer(now, np.float16) == 1.5)
+        assert c.call("SHM.RELEASE", lease) == 1
+        assert c.call("SHM.RELEASE", lease) == 0  # once only
+    finally:
+        c.close()
+
+
+def test_leased_region_is_not_reused_until_released(shm_server):
+    tcp = shm_server.client()
+    tcp.execute_command("V.CREATE", "reuse", 1024, "fp32")
+    tcp.execute_command("V.STOREBATCH", "reuse", 0, np.full((64, 1024), 2.0, np.float32).tobytes())
+    c = ShmConn(shm_server.sock_path)
+    try:
+        maps, _ = attach(c)
+        reply = c.call("V.FETCH", "reuse", "RANGE", 0, 64, "SHM")
+        r = dict(zip([k.decode() for k in reply[::2]], reply[1::2]))
+        [(seg, off, ln)] = r["pieces"]
+        # Drop the session and churn allocations: the leased region must keep its bytes.
+        tcp.execute_command("V.DROP", "reuse")
+        for i in range(6):
+            tcp.execute_command("V.CREATE", "churn%d" % i, 1024, "fp32")
+            tcp.execute_command("V.STOREBATCH", "churn%d" % i, 0,
+                                np.full((64, 1024), 9.0 + i, np.float32).tobytes())
+        maps.update(attach(c)[0])
+        assert np.all(np.frombuffer(maps[seg][off:off + ln], np.float32) == 2.0)
+        assert c.call("SHM.RELEASE", r["lease"]) == 1
+    finally:
+        c.close()
+
+
+def test_client_that_dies_releases_its_leases(shm_server):
+    tcp = shm_server.client()
+    tcp.execute_command("V.CREATE", "die", 64, "fp16")
+    tcp.execute_command("V.STOREBATCH", "die", 0, np.ones((64, 64), np.float32).tobytes())
+    c = ShmConn(shm_server.sock_path)
+    maps, _ = attach(c)
+    for _ in range(3):
+        shm_fetch(c, maps, "die", 0, 64)
+    info = lambda: dict(zip([k.decode() for k in tcp.execute_command("SHM.INFO")[::2]],
+                            tcp.execute_command("SHM.INFO")[1::2]))
+    assert info()["leases"] == 3
+    c.close()
+    deadline = time.time() + 5
+    while info()["leases"] != 0 and time.time() < deadline:
+        time.sleep(0.02)
+    assert info()["leases"] == 0
+
+
+def test_mappings_are_read_only(shm_server):
+    tcp = shm_server.client()
+    tcp.execute_command("V.CREATE", "ro", 64, "fp32")
+    tcp.execute_command("V.STOREBATCH", "ro", 0, np.ones((1, 64), np.float32).tobytes())
+    c = ShmConn(shm_server.sock_path)
+    try:
+        _, fds = attach(c)
+        assert fds
+        with pytest.raises(PermissionError):
+            mmap.mmap(fds[0], 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        c.close()
+
+
+def test_tcp_clients_get_no_mappings(shm_server):
+    tcp = shm_server.client()
+    tcp.execute_command("V.CREATE", "t", 8, "fp32")
+    tcp.execute_command("V.STOREBATCH", "t", 0, np.ones((1, 8), np.float32).tobytes())
+    with pytest.raises(redis.ResponseError, match="only given to clients on the Unix socket"):
+        tcp.execute_command("V.FETCH", "t", "RANGE", 0, 1, "SHM")
+    with pytest.raises(redis.ResponseError, match="only for clients on the Unix socket"):
+        tcp.execute_command("SHM.ATTACH")
+    c = ShmConn(shm_server.sock_path)
+    try:
+        err = c.call("V.FETCH", "t", 0, "SHM")
+        assert isinstance(err, RuntimeError) and "SHM needs the RANGE form" in str(err)
+    finally:
+        c.close()
+
+
+def test_lease_ttl_and_limit(pion_factory, tmp_path):
+    path = str(tmp_path / "l.sock")
+    srv = pion_factory("--unixsocket", path, "--shm-lease-ttl-ms", "200", "--shm-max-leases", "2")
+    tcp = srv.client()
+    tcp.execute_command("V.CREATE", "x", 16, "fp32")
+    tcp.execute_command("V.STOREBATCH", "x", 0, np.ones((4, 16), np.float32).tobytes())
+    c = ShmConn(path)
+    try:
+        maps, _ = attach(c)
+        shm_fetch(c, maps, "x", 0, 4)
+        shm_fetch(c, maps, "x", 0, 4)
+        err = c.call("V.FETCH", "x", "RANGE", 0, 4, "SHM")
+        assert isinstance(err, RuntimeError) and str(err).startswith("BUSY client holds 2 leases")
+        time.sleep(0.6)  # past the TTL: the server released them
+        info = c.call("SHM.INFO")
+        info = dict(zip([k.decode() for k in info[::2]], info[1::2]))
+        assert info["client_leases"] == 0 and info["expired"] >= 2
+        shm_fetch(c, maps, "x", 0, 4)  # room again
+    finally:
+        c.close()
