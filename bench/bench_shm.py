@@ -1,0 +1,144 @@
+#!/usr/bin/python3
+"""Same-host layer fetch: how fast a client on this machine gets one K/V layer into its own
+memory, by path, in one run.
+
+Starts pion-server with --unixsocket and redis-server with a unix socket. Stores one layer
+(--tokens x --kv-heads x --head-dim, fp16: 8 MiB by default) as a V-store session in pion and
+the same RAW bytes as a redis key, then times (median of --reps, after a warm-up), each ending
+with the bytes in a fresh numpy array of the client:
+  pion_tcp_raw     redis-py V.FETCH RANGE … RAW over TCP loopback
+  pion_unix_raw    the same over the Unix socket
+  pion_shm         V.FETCH … SHM over the Unix socket + copy from the read-only mapping
+                   (+ SHM.RELEASE, pipelined with the next fetch's round trip excluded)
+  redis_unix_get   redis-py GET of the same bytes over redis's Unix socket (the peer)
+Prints GB/s per path and ratios to the peer; writes bench/results/shm-<date>.md.
+
+Run:  /usr/bin/python3 bench/bench_shm.py
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from bench_protocol import free_port, git_info, machine_info, stop, wait_ready  # noqa: E402
+from test_shm import ShmConn, attach  # noqa: E402  (the raw SCM_RIGHTS client of the tests)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def timed(fn, reps):
+    fn()
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pion", default="build/pion-server")
+    ap.add_argument("--redis-server", default="/usr/bin/redis-server")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="pion-bench-shm-"))
+    psock, rsock = str(tmp / "pion.sock"), str(tmp / "redis.sock")
+    pport, rport = free_port(), free_port()
+    procs = []
+    rows = []
+    try:
+        log = open(tmp / "pion.log", "w")
+        p = subprocess.Popen([a.pion, "--port", str(pport), "--metrics-port", "0", "--dir",
+                              str(tmp / "d"), "--unixsocket", psock], stdout=log,
+                             stderr=subprocess.STDOUT)
+        procs.append(p)
+        wait_ready(p, pport, "pion", tmp / "pion.log")
+        rlog = open(tmp / "redis.log", "w")
+        rp = subprocess.Popen([a.redis_server, "--port", str(rport), "--bind", "127.0.0.1",
+                               "--unixsocket", rsock, "--save", "", "--appendonly", "no"],
+                              stdout=rlog, stderr=subprocess.STDOUT)
+        procs.append(rp)
+        wait_ready(rp, rport, "redis", tmp / "redis.log")
+
+        dim = a.kv_heads * a.head_dim
+        layer = np.random.default_rng(1).standard_normal((a.tokens, dim)).astype(np.float32)
+        tcp = redis.Redis(port=pport)
+        unix = redis.Redis(unix_socket_path=psock)
+        tcp.execute_command("V.CREATE", "layer", dim, "fp16")
+        tcp.execute_command("V.STOREBATCH", "layer", 0, layer.tobytes())
+        raw = tcp.execute_command("V.FETCH", "layer", "RANGE", 0, a.tokens, "RAW")
+        nbytes = len(raw)
+        rr = redis.Redis(unix_socket_path=rsock)
+        rr.set("layer", raw)
+
+        def fetch(client):
+            def run():
+                b = client.execute_command("V.FETCH", "layer", "RANGE", 0, a.tokens, "RAW")
+                np.frombuffer(b, np.uint8).copy()
+            return run
+
+        c = ShmConn(psock)
+        maps, _ = attach(c)
+
+        def shm():
+            reply = c.call("V.FETCH", "layer", "RANGE", 0, a.tokens, "SHM")
+            r = dict(zip([k.decode() for k in reply[::2]], reply[1::2]))
+            out = np.empty(r["bytes"], np.uint8)
+            pos = 0
+            for seg, off, ln in r["pieces"]:
+                out[pos:pos + ln] = np.frombuffer(maps[seg], np.uint8, ln, off)
+                pos += ln
+            c.call("SHM.RELEASE", r["lease"])
+            return out
+
+        assert shm().tobytes() == raw  # byte for byte, before timing
+
+        def rget():
+            np.frombuffer(rr.get("layer"), np.uint8).copy()
+
+        for name, fn in (("pion_tcp_raw", fetch(tcp)), ("pion_unix_raw", fetch(unix)),
+                         ("pion_shm", shm), ("redis_unix_get", rget)):
+            t = timed(fn, a.reps)
+            rows.append((name, t))
+        c.close()
+    finally:
+        for p in procs:
+            stop(p)
+    peer = dict(rows)["redis_unix_get"]
+    today = dt.date.today().isoformat()
+    m = machine_info()
+    lines = [f"# Same-host layer fetch — {today}", "",
+             f"Command: `/usr/bin/python3 bench/bench_shm.py`  ", f"Commit: {git_info()}  ",
+             f"Machine: {m.get('cpu')}, {m.get('nproc')} cores, {m.get('memory')}, {m.get('os')}  ",
+             f"One layer: {a.tokens} tokens x {a.kv_heads} heads x {a.head_dim} fp16 = "
+             f"{nbytes / 2**20:.1f} MiB; median of {a.reps} fetches into a fresh numpy array "
+             "(redis-py client, one connection).", "",
+             "| path | ms | GB/s | vs redis GET over its Unix socket |", "|---|---:|---:|---:|"]
+    for name, t in rows:
+        lines.append(f"| {name} | {t * 1e3:.2f} | {nbytes / t / 1e9:.2f} | {peer / t:.2f}× |")
+    text = "\n".join(lines) + "\n"
+    out = Path(a.out) if a.out else REPO / "bench" / "results" / f"shm-{today}.md"
+    out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
