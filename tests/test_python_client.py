@@ -1,6 +1,7 @@
 """The Python client (clients/python, package `pion`) against live pion-server processes:
 every helper of every family, RAW decoding of every codec, the seed 002 SSM serialization,
-attention forms against a numpy reference, the LSE merge, and the exception classes.
+attention forms against a numpy reference, the LSE merge, the exception classes, and the
+same-host shared-memory path (--unixsocket: SHM fetches equal TCP, leases, into=, close).
 
 Tolerances: fp32 storage and RAW decoding are exact (bitwise); attention outputs and LSE are
 compared with err = |got - ref| / (1 + |ref|) <= 1e-4 against a float64 numpy reference.
@@ -636,3 +637,187 @@ def test_busy_when_compute_queue_is_full(pion_factory):
     assert not other, other
     assert busy and ok, (len(busy), len(ok))
     assert all(b.startswith("BUSY the compute queue is full (") for b in busy), busy[:3]
+
+
+# ------------------------------------------------------------------------------------------
+# Same-host shared memory (--unixsocket): pion.shm.ShmChannel under Client
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def unix_srv(pion_factory, tmp_path):
+    path = str(tmp_path / "s.sock")
+    if len(path) > 100:
+        pytest.skip("tmp path too long for a Unix socket")
+    srv = pion_factory("--workers", "2", "--unixsocket", path, "--shm-segment-size", "4mb")
+    srv.sock_path = path
+    return srv
+
+
+def _shm_info(tcp):
+    return pion._wire.parse_map(tcp.execute("SHM.INFO"))
+
+
+def _wait_leases(tcp, want, timeout=5.0):
+    """SHM.INFO's server-wide lease count once it reaches `want` (or the timeout)."""
+    import time
+    deadline = time.time() + timeout
+    while _shm_info(tcp)["leases"] != want and time.time() < deadline:
+        time.sleep(0.02)
+    return _shm_info(tcp)["leases"]
+
+
+@pytest.mark.parametrize("fmt,dim,n", [("fp16", 1024, 700), ("fp32", 256, 130),
+                                       ("int8", 96, 100), ("turbo3", 128, 257)])
+def test_shm_fetch_raw_equals_tcp(unix_srv, fmt, dim, n):
+    rng = np.random.default_rng(dim)
+    with pion.Client(port=unix_srv.port) as tcp, \
+            pion.Client(unix_socket_path=unix_srv.sock_path) as u:
+        sid = "shm_" + fmt
+        tcp.v.create(sid, dim, fmt)
+        tcp.v.store_batch(sid, 0, rnd(rng, n, dim))
+        for a, b in ((0, n), (5, n - 3), (63, 65)):
+            want = tcp.v.fetch_raw(sid, a, b, decode=False)
+            assert tcp.last_fetch_path == "tcp"
+            got = u.v.fetch_raw(sid, a, b, decode=False)
+            assert u.last_fetch_path == "shm"
+            assert isinstance(got, bytes) and got == want, (fmt, a, b)
+            dec = u.v.fetch_raw(sid, a, b)
+            assert u.last_fetch_path == "shm" and dec.dtype == np.float32
+            np.testing.assert_array_equal(bits(dec), bits(tcp.v.fetch_raw(sid, a, b)))
+            np.testing.assert_array_equal(bits(dec), bits(tcp.v.fetch(sid, a, b)))
+        assert _wait_leases(tcp, 0) == 0  # every fetch released its lease
+
+
+def test_shm_kv_fetch_layer_equals_tcp(unix_srv):
+    rng = np.random.default_rng(7)
+    L, T, H, D = 2, 96, 4, 32
+    with pion.Client(port=unix_srv.port) as tcp, \
+            pion.Client(unix_socket_path=unix_srv.sock_path) as u:
+        for fmt in ("fp16", "fp32", "int8"):
+            ns = "shmkv_" + fmt
+            tcp.kv.register(ns, L, T, H, D, fmt, model="m")
+            for layer in range(L):
+                tcp.kv.store_layer(ns, layer, rnd(rng, T, H, D), rnd(rng, T, H, D))
+            for layer in range(L):
+                for raw in (False, True):
+                    for layout in ("nhd", "hnd"):
+                        kt, vt = tcp.kv.fetch_layer(ns, layer, raw=raw, layout=layout, model="m")
+                        assert tcp.last_fetch_path == "tcp"
+                        ks, vs = u.kv.fetch_layer(ns, layer, raw=raw, layout=layout, model="m")
+                        assert u.last_fetch_path == "shm"
+                        assert ks.shape == kt.shape == ((T, H, D) if layout == "nhd" else (H, T, D))
+                        np.testing.assert_array_equal(bits(ks), bits(kt))
+                        np.testing.assert_array_equal(bits(vs), bits(vt))
+            with pytest.raises(pion.MismatchError):
+                u.kv.fetch_layer(ns, 0, model="other")
+        assert _wait_leases(tcp, 0) == 0
+
+
+def test_shm_lease_range_is_stable_and_released(unix_srv):
+    with pion.Client(port=unix_srv.port) as tcp, \
+            pion.Client(unix_socket_path=unix_srv.sock_path) as u:
+        tcp.v.create("ow", 512, "fp16")
+        tcp.v.store_batch("ow", 0, np.full((128, 512), 1.5, np.float32))
+        with u.v.lease_range("ow", 0, 128) as view:
+            assert u.last_fetch_path == "shm"
+            parts = view if isinstance(view, list) else [view]
+            assert all(not p.flags.writeable and p.dtype == np.uint8 for p in parts)
+            before = b"".join(p.tobytes() for p in parts)
+            assert before == tcp.v.fetch_raw("ow", 0, 128, decode=False)
+            assert _shm_info(tcp)["leases"] == 1
+            tcp.v.store_batch("ow", 0, np.full((128, 512), -7.0, np.float32))  # concurrent
+            assert np.all(u.v.fetch_raw("ow", 0, 128) == -7.0)  # a new fetch: new bytes
+            now = b"".join(p.tobytes() for p in parts)
+            assert now == before and np.all(np.frombuffer(now, np.float16) == 1.5)
+            with pytest.raises(ValueError):
+                parts[0][0] = 0  # read-only mapping
+        assert _shm_info(tcp)["leases"] == 0
+        # A multi-piece range (more than one chunk) yields a list whose concatenation is RAW.
+        tcp.v.create("big", 1024, "fp32")
+        tcp.v.store_batch("big", 0, rnd(np.random.default_rng(1), 1500, 1024))
+        with u.v.lease_range("big", 0, 1500) as view:
+            parts = view if isinstance(view, list) else [view]
+            assert b"".join(p.tobytes() for p in parts) == \
+                tcp.v.fetch_raw("big", 0, 1500, decode=False)
+        assert _shm_info(tcp)["leases"] == 0
+        with pytest.raises(pion.CommandError, match="Unix socket"):
+            with tcp.v.lease_range("ow", 0, 1):
+                pass
+
+
+def test_shm_fetch_into_caller_buffer(unix_srv):
+    rng = np.random.default_rng(11)
+    rows = rnd(rng, 40, 64)
+    with pion.Client(port=unix_srv.port) as tcp, \
+            pion.Client(unix_socket_path=unix_srv.sock_path) as u:
+        tcp.v.create("into", 64, "int8")
+        tcp.v.store_batch("into", 0, rows)
+        want = tcp.v.fetch_raw("into", 0, 40, decode=False)
+        for client, path in ((u, "shm"), (tcp, "tcp")):
+            buf = np.full(len(want) + 16, 0xAB, np.uint8)
+            got = client.v.fetch_raw("into", 0, 40, decode=False, into=buf)
+            assert client.last_fetch_path == path
+            assert got.tobytes() == want and np.shares_memory(got, buf)
+            assert np.all(buf[len(want):] == 0xAB)
+            dec = client.v.fetch_raw("into", 0, 40, into=np.empty(len(want), np.uint8))
+            np.testing.assert_array_equal(bits(dec), bits(tcp.v.fetch("into", 0, 40)))
+            with pytest.raises(ValueError):
+                client.v.fetch_raw("into", 0, 40, decode=False, into=np.empty(8, np.uint8))
+        tcp.v.create("into32", 16, "fp32")
+        tcp.v.store_batch("into32", 0, rows[:, :16])
+        out = np.empty((40, 16), np.float32)
+        u.v.fetch_raw("into32", 0, 40, decode=False, into=out)
+        np.testing.assert_array_equal(bits(out), bits(rows[:, :16]))
+        assert _wait_leases(tcp, 0) == 0
+
+
+def test_shm_close_releases_leases_and_opt_out(unix_srv):
+    with pion.Client(port=unix_srv.port) as tcp:
+        tcp.v.create("cl", 64, "fp16")
+        tcp.v.store_batch("cl", 0, np.ones((64, 64), np.float32))
+        u = pion.Client(unix_socket_path=unix_srv.sock_path)
+        cms = [u.v.lease_range("cl", 0, 64) for _ in range(2)]
+        for cm in cms:
+            cm.__enter__()
+        assert _shm_info(tcp)["leases"] == 2
+        u.close()
+        assert _wait_leases(tcp, 0) == 0
+        for cm in cms:
+            cm.__exit__(None, None, None)  # after close: nothing left to release, no error
+        # shm=False keeps every byte on the Unix socket.
+        with pion.Client(unix_socket_path=unix_srv.sock_path, shm=False) as n:
+            got = n.v.fetch_raw("cl", 0, 64, decode=False)
+            assert n.last_fetch_path == "tcp"
+            assert got == tcp.v.fetch_raw("cl", 0, 64, decode=False)
+            assert n._shm is None  # no channel was opened
+
+
+def test_shm_channel_auth_and_errors(pion_factory, tmp_path):
+    from pion.shm import ShmChannel
+    path = str(tmp_path / "a.sock")
+    if len(path) > 100:
+        pytest.skip("tmp path too long for a Unix socket")
+    srv = pion_factory("--workers", "1", "--unixsocket", path, "--requirepass", "sekrit")
+    with pion.Client(unix_socket_path=path, password="sekrit") as u:
+        u.v.create("a", 8, "fp32")
+        u.v.store_batch("a", 0, np.arange(16, dtype=np.float32).reshape(2, 8))
+        np.testing.assert_array_equal(u.v.fetch_raw("a", 0, 2).ravel(), np.arange(16))
+        assert u.last_fetch_path == "shm"
+        with pytest.raises(pion.CommandError):
+            u.v.fetch_raw("nope", 0, 1, decode=False)
+        assert u.v.fetch_raw("a", 0, 2, decode=False)  # channel still usable after an error
+    with pytest.raises(pion.WrongPassError):
+        ShmChannel(path, password="wrong")
+    with pytest.raises(pion.NoAuthError):
+        ShmChannel(path)
+    ch = ShmChannel(path, password="sekrit")
+    try:
+        lease, pieces, row_bytes, nbytes = ch.fetch_range("a", 0, 2)
+        assert row_bytes == 32 and nbytes == 64
+        out = np.empty(nbytes, np.uint8)
+        assert ch.read_into(pieces, out) == 64
+        assert np.array_equal(out.view(np.float32), np.arange(16, dtype=np.float32))
+        assert ch.release(lease) is True and ch.release(lease) is False
+    finally:
+        ch.close()
+    assert srv.alive()

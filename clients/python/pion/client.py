@@ -10,10 +10,19 @@ command families as attributes:
     c.ssm     SSM.PREFIX.*     (pion.ssm.SSM)
 
 A Client is as thread-safe as redis.Redis (a connection pool): each command takes a pooled
-connection. The shared-memory data plane (with --unixsocket) arrives in a later release.
+connection.
+
+Same-host shared memory: with `unix_socket_path=` (server started with `--unixsocket`), V raw
+range fetches (`c.v.fetch_raw(sid, start, end)`) and KV.PREFIX layer fetches
+(`c.kv.fetch_layer`) read the stored bytes from the server's read-only shared-memory mappings
+(pion.shm.ShmChannel, created on first use) instead of through the socket; `shm=False` opts
+out. `c.last_fetch_path` says which path ("shm" or "tcp") the last such fetch took.
 """
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import redis
 import redis.exceptions as rex
 from redis.connection import DefaultParser
@@ -38,14 +47,23 @@ class Client:
       unix_socket_path: connect through a Unix socket instead of TCP.
       as_torch: return torch tensors instead of numpy arrays (torch is imported lazily; every
         helper also takes `as_torch=` per call).
+      shm: with unix_socket_path, use the shared-memory data plane for raw range fetches
+        (default True); False keeps every byte on the socket.
       **redis_kwargs: passed to redis.Redis (socket_timeout, socket_connect_timeout, ...).
         `decode_responses` is forced off (replies carry binary blobs).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 1974, password: str | None = None,
                  username: str | None = None, unix_socket_path: str | None = None,
-                 as_torch: bool = False, **redis_kwargs):
+                 as_torch: bool = False, shm: bool = True, **redis_kwargs):
         redis_kwargs["decode_responses"] = False
+        self._unix_socket_path = unix_socket_path
+        self._password, self._username = password, username
+        self._shm_timeout = redis_kwargs.get("socket_timeout", 20.0)
+        self.shm_enabled = bool(shm and unix_socket_path)
+        self._shm = None
+        self._shm_lock = threading.Lock()
+        self.last_fetch_path: str | None = None  # "shm" | "tcp", set by raw range fetches
         self.redis = redis.Redis(host=host, port=port, password=password, username=username,
                                  unix_socket_path=unix_socket_path, **redis_kwargs)
         self.redis.connection_pool.connection_kwargs["parser_class"] = _FullTextParser
@@ -107,7 +125,12 @@ class Client:
         return out
 
     def close(self) -> None:
-        """Closes every pooled connection."""
+        """Closes every pooled connection and the shared-memory channel (the server releases
+        the leases it still held)."""
+        with self._shm_lock:
+            ch, self._shm = self._shm, None
+        if ch is not None:
+            ch.close()
         self.redis.connection_pool.disconnect()
 
     def __enter__(self) -> "Client":
@@ -119,3 +142,40 @@ class Client:
     # --- for the family modules -----------------------------------------------------------
     def _out(self, a, as_torch: bool | None):
         return _wire.maybe_torch(a, self.as_torch if as_torch is None else as_torch)
+
+    def _shm_channel(self):
+        """The ShmChannel (created on first use), or None when the shared-memory path is off
+        (TCP connection, or shm=False)."""
+        if not self.shm_enabled:
+            return None
+        with self._shm_lock:
+            if self._shm is None or self._shm.closed:
+                from .shm import ShmChannel
+                self._shm = ShmChannel(self._unix_socket_path, password=self._password,
+                                       username=self._username, timeout=self._shm_timeout)
+            return self._shm
+
+    def _shm_copy(self, ch, sid, start, end, model=None, generation=None, into=None):
+        """Fetches rows start..end over SHM, copies them into `into` (or a fresh uint8 array)
+        and releases the lease; returns the uint8 array holding exactly the bytes."""
+        lease, pieces, _row_bytes, nbytes = ch.fetch_range(sid, start, end, model, generation)
+        try:
+            if into is None:
+                out = np.empty(nbytes, np.uint8)
+            else:
+                out = _byte_view(into)[:nbytes]
+            ch.read_into(pieces, out)
+        finally:
+            ch.release(lease)
+        return out
+
+
+def _byte_view(a) -> np.ndarray:
+    """A writable, C-contiguous numpy array (or torch CPU tensor) as a flat uint8 view."""
+    if type(a).__module__.startswith("torch"):
+        a = a.numpy()
+    if not isinstance(a, np.ndarray):
+        raise TypeError("into= must be a numpy array (or a CPU torch tensor)")
+    if not a.flags.c_contiguous or not a.flags.writeable:
+        raise ValueError("into= must be C-contiguous and writable")
+    return a.reshape(-1).view(np.uint8)

@@ -88,29 +88,79 @@ class KVPrefix:
 
     def fetch_layer(self, ns: str, layer: int, *, raw: bool = False, layout: str = "nhd",
                     model: str | None = None, generation: int | None = None,
-                    as_torch: bool | None = None):
+                    as_torch: bool | None = None, device: str | None = None):
         """Layer `layer`'s (K, V), each float32 [n_tokens, kv_heads, head_dim] ("nhd") or
         [kv_heads, n_tokens, head_dim] ("hnd"). With raw=True the stored encoding is fetched
         and decoded here (pion.codecs; bit-identical to the server's decode). `model` /
-        `generation` are checked by the server (MismatchError)."""
+        `generation` are checked by the server (MismatchError).
+
+        On a Unix-socket Client (shm=True) the stored bytes are always read from the shared-
+        memory mapping under a lease (released before returning) and decoded here: the
+        result is bit-identical to the TCP path (`client.last_fetch_path` tells which).
+
+        device: e.g. "cuda" or "cuda:1" (needs torch with CUDA; torch is imported only then,
+        and this path is not covered by the local tests): K and V are staged in pinned host
+        tensors (for fp32 storage in "nhd" layout the bytes are copied from the mapping
+        straight into them) and copied to the device with non_blocking=True; the returned
+        tensors live on `device` (synchronize the stream before reading them from the
+        host). as_torch is implied."""
         layout = _check_layout(layout)
-        first = [("KV.PREFIX.INFO", ns)] + ([("V.INFO", ns + "_pk")] if raw else [])
+        ch = self._c._shm_channel()
+        need_vinfo = raw or ch is not None or device is not None
+        first = [("KV.PREFIX.INFO", ns)] + ([("V.INFO", ns + "_pk")] if need_vinfo else [])
         replies = self._c.execute_many(first)
         m = _wire.parse_map(replies[0])
         t, h, d = m["n_tokens"], m["kv_heads"], m["head_dim"]
         lo, hi = int(layer) * t, (int(layer) + 1) * t
+        vi = _wire.parse_map(replies[1]) if need_vinfo else None
+        if device is not None and str(device) != "cpu":
+            return self._fetch_layer_device(ns, ch, vi, lo, hi, t, h, d, layout, raw, model,
+                                            generation, device)
+        if ch is not None:
+            kb = self._c._shm_copy(ch, ns + "_pk", lo, hi, model, generation)
+            vb = self._c._shm_copy(ch, ns + "_pv", lo, hi, model, generation)
+            self._c.last_fetch_path = "shm"
+            kr = codecs.decode(vi["format"], vi["dim"], vi["block"], kb, t)
+            vr = codecs.decode(vi["format"], vi["dim"], vi["block"], vb, t)
+        else:
+            self._c.last_fetch_path = "tcp"
+            kr, vr = self._fetch_rows_tcp(ns, lo, hi, t, h, d, raw, vi, model, generation)
+        return (self._c._out(_from_rows(kr, h, d, layout), as_torch),
+                self._c._out(_from_rows(vr, h, d, layout), as_torch))
+
+    def _fetch_rows_tcp(self, ns, lo, hi, t, h, d, raw, vi, model, generation):
         tail = ["RAW"] if raw else []
         tail += _identity(model, generation)
         kd, vd = self._c.execute_many([("V.FETCH", ns + "_pk", "RANGE", lo, hi, *tail),
                                        ("V.FETCH", ns + "_pv", "RANGE", lo, hi, *tail)])
         if raw:
-            vi = _wire.parse_map(replies[1])
-            kr = codecs.decode(vi["format"], vi["dim"], vi["block"], kd, t)
-            vr = codecs.decode(vi["format"], vi["dim"], vi["block"], vd, t)
-        else:
-            kr, vr = _wire.from_f32(kd, (t, h * d)), _wire.from_f32(vd, (t, h * d))
-        return (self._c._out(_from_rows(kr, h, d, layout), as_torch),
-                self._c._out(_from_rows(vr, h, d, layout), as_torch))
+            return (codecs.decode(vi["format"], vi["dim"], vi["block"], kd, t),
+                    codecs.decode(vi["format"], vi["dim"], vi["block"], vd, t))
+        return _wire.from_f32(kd, (t, h * d)), _wire.from_f32(vd, (t, h * d))
+
+    def _fetch_layer_device(self, ns, ch, vi, lo, hi, t, h, d, layout, raw, model,
+                            generation, device):
+        """fetch_layer(device=...): mapping -> pinned host tensor -> device (non-blocking)."""
+        torch = _wire.torch_module()
+        outs = []
+        for sid in (ns + "_pk", ns + "_pv"):
+            shape = (t, h, d) if layout == "nhd" else (h, t, d)
+            pinned = torch.empty(shape, dtype=torch.float32, pin_memory=True)
+            if ch is not None and vi["format"] == "fp32" and layout == "nhd":
+                self._c._shm_copy(ch, sid, lo, hi, model, generation, into=pinned.numpy())
+                self._c.last_fetch_path = "shm"
+            else:
+                if ch is not None:
+                    buf = self._c._shm_copy(ch, sid, lo, hi, model, generation)
+                    self._c.last_fetch_path = "shm"
+                else:
+                    tail = ["RAW", *_identity(model, generation)]
+                    buf = self._c.execute("V.FETCH", sid, "RANGE", lo, hi, *tail)
+                    self._c.last_fetch_path = "tcp"
+                rows = codecs.decode(vi["format"], vi["dim"], vi["block"], buf, t)
+                pinned.numpy()[...] = _from_rows(rows, h, d, layout)
+            outs.append(pinned.to(device, non_blocking=True))
+        return tuple(outs)
 
     def lookup(self, ns: str, model: str | None = None, position: str | None = None,
                generation: int | None = None) -> bool:

@@ -1,6 +1,7 @@
 """V.* helpers: token-indexed value sessions (rows of `dim` fp32 values stored in a codec)."""
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -72,13 +73,81 @@ class VStore:
 
     def fetch_raw(self, sid: str, start: int, end: int, *, decode: bool = True,
                   model: str | None = None, generation: int | None = None,
-                  as_torch: bool | None = None):
+                  as_torch: bool | None = None, into=None):
         """Rows start <= id < end in the stored encoding. With decode (default) they are
         decoded here in numpy (pion.codecs; bit-identical to `fetch`) into float32
-        [n, dim]; with decode=False the reply's bytes are returned. The session's format is
-        read with V.INFO in the same round trip."""
-        return self._raw(sid, ["RANGE", int(start), int(end)], decode, model, generation,
-                         as_torch)
+        [n, dim]; with decode=False the stored bytes are returned (bytes). The session's
+        format is read with V.INFO (same round trip over TCP).
+
+        On a Unix-socket Client (shm=True, the default) the bytes are copied out of the
+        server's shared-memory mapping under a lease that is released before returning
+        (`client.last_fetch_path == "shm"`); otherwise they come in the reply ("tcp").
+        The result is the same either way.
+
+        into: a writable C-contiguous numpy array (e.g. a pinned host buffer's numpy view)
+        that receives the stored bytes straight from the mapping (or the reply); it must hold
+        at least n * row_bytes bytes. Then decode=False returns the uint8 view of `into`
+        holding them, and decode=True decodes from it."""
+        start, end = int(start), int(end)
+        ch = self._c._shm_channel()
+        if ch is None:
+            self._c.last_fetch_path = "tcp"
+            if into is None:
+                return self._raw(sid, ["RANGE", start, end], decode, model, generation,
+                                 as_torch)
+            fetch = ["V.FETCH", sid, "RANGE", start, end, "RAW", *_identity(model, generation)]
+            if decode:
+                info_reply, data = self._c.execute_many([("V.INFO", sid), fetch])
+            else:
+                info_reply, data = None, self._c.execute(*fetch)
+            from .client import _byte_view
+            dst = _byte_view(into)
+            if len(data) > dst.size:
+                raise ValueError("into= holds %d bytes, the fetch needs %d"
+                                 % (dst.size, len(data)))
+            buf = dst[:len(data)]
+            buf[:] = np.frombuffer(data, np.uint8)
+        else:
+            info_reply = self._c.execute("V.INFO", sid) if decode else None
+            buf = self._c._shm_copy(ch, sid, start, end, model, generation, into)
+            self._c.last_fetch_path = "shm"
+            if not decode and into is None:
+                return buf.tobytes()
+        if not decode:
+            return buf
+        info = _wire.parse_map(info_reply)
+        rows = codecs.decode(info["format"], info["dim"], info["block"], buf)
+        return self._c._out(rows, as_torch)
+
+    @contextlib.contextmanager
+    def lease_range(self, sid: str, start: int, end: int, *, model: str | None = None,
+                    generation: int | None = None):
+        """Zero-copy access to rows start <= id < end in the stored encoding (Unix-socket
+        Client with shm=True only; CommandError otherwise):
+
+            with c.v.lease_range("sid", 0, 128) as views:
+                ...  # read views
+
+        yields the read-only numpy uint8 views straight into the server's shared-memory
+        mappings: a single array when the rows lie in one piece, else a list of arrays
+        whose concatenation is the RAW reply. While inside the `with` the bytes do not
+        change (a concurrent write copies instead of writing under the lease). The lease is
+        released on exit: the views must NOT be used after the `with` (the server may then
+        reuse the memory; copy what you keep)."""
+        ch = self._c._shm_channel()
+        if ch is None:
+            from .errors import CommandError
+            raise CommandError("ERR lease_range needs the shared-memory path: a Client on "
+                               "the server's Unix socket (unix_socket_path=) with shm=True")
+        lease, pieces, _row_bytes, _nbytes = ch.fetch_range(sid, int(start), int(end), model,
+                                                             generation)
+        self._c.last_fetch_path = "shm"
+        try:
+            views = ch.views(pieces)
+            yield views[0] if len(views) == 1 else views
+        finally:
+            if not ch.closed:
+                ch.release(lease)
 
     def fetch_raw_ids(self, sid: str, ids: Sequence[int], *, decode: bool = True,
                       model: str | None = None, generation: int | None = None,

@@ -1,0 +1,217 @@
+"""The same-host data plane (server started with `--unixsocket`): `ShmChannel`.
+
+One ShmChannel owns one raw connection on the server's Unix socket. It is separate from the
+Client's redis-py pool because (1) a lease belongs to the connection that fetched it, and (2)
+only a raw socket can receive the segments' file descriptors (SCM_RIGHTS, `socket.recv_fds`).
+
+    ch = ShmChannel("/tmp/pion.sock", password=None)
+    lease, pieces, row_bytes, nbytes = ch.fetch_range("sid", 0, 128)
+    out = np.empty(nbytes, np.uint8); ch.read_into(pieces, out)
+    ch.release(lease)
+
+`SHM.ATTACH` returns one read-only memfd per segment of the tenant's arena; each is mapped
+read-only once (`{segment id: mmap}`) and re-attached when a fetch names a segment created
+since. While a lease is held the bytes it names do not change (the server copies on write);
+they may be reused after `release`. Closing the channel (or the connection dropping) releases
+every lease it holds. Thread-safe: one lock serializes the connection.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+
+import numpy as np
+
+from . import errors
+
+_MAX_FDS = 1024
+
+
+class ShmChannel:
+    """A raw RESP2 connection on the Unix socket that maps the tenant's SHM segments."""
+
+    def __init__(self, path: str, password: str | None = None, username: str | None = None,
+                 timeout: float | None = 20.0):
+        self.path = path
+        self.maps: dict[int, mmap.mmap] = {}
+        self.leases: set[int] = set()
+        self._lock = threading.RLock()
+        self._buf = b""
+        self._fds: list[int] = []
+        self._closed = False
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.connect(path)
+            if password is not None:
+                if username is not None:
+                    self.call("AUTH", username, password)
+                else:
+                    self.call("AUTH", password)
+            self.attach()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- RESP -----------------------------------------------------------------------------
+    def _fill(self) -> None:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, _MAX_FDS)
+        except OSError as e:
+            raise errors.PionConnectionError("SHM channel: %s" % e) from e
+        self._fds += fds
+        if not data:
+            raise errors.PionConnectionError("SHM channel: connection closed by the server")
+        self._buf += data
+
+    def _line(self) -> bytes:
+        while True:
+            i = self._buf.find(b"\r\n")
+            if i >= 0:
+                line, self._buf = self._buf[:i], self._buf[i + 2:]
+                return line
+            self._fill()
+
+    def _reply(self):
+        line = self._line()
+        t, rest = line[:1], line[1:]
+        if t == b"+":
+            return rest.decode()
+        if t == b"-":
+            return errors.from_text(rest.decode("utf-8", "replace"))
+        if t == b":":
+            return int(rest)
+        if t == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            while len(self._buf) < n + 2:
+                self._fill()
+            out, self._buf = self._buf[:n], self._buf[n + 2:]
+            return out
+        if t == b"*":
+            n = int(rest)
+            return None if n < 0 else [self._reply() for _ in range(n)]
+        raise errors.PionConnectionError("SHM channel: unexpected reply %r" % (line[:64],))
+
+    def call(self, *args):
+        """Sends one command and returns its reply; an error reply raises its PionError."""
+        out = [b"*%d\r\n" % len(args)]
+        for a in args:
+            a = a if isinstance(a, bytes) else str(a).encode()
+            out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+        with self._lock:
+            if self._closed:
+                raise errors.PionConnectionError("SHM channel is closed")
+            try:
+                self.sock.sendall(b"".join(out))
+                reply = self._reply()
+            except OSError as e:  # socket.timeout included
+                self.close()  # the stream is out of step now; the Client opens a new one
+                raise errors.PionConnectionError("SHM channel: %s" % e) from e
+            except errors.PionConnectionError:
+                self.close()
+                raise
+            stray, self._fds = self._fds, []
+            if args[0] == "SHM.ATTACH":
+                return reply, stray
+            for fd in stray:  # descriptors only come with SHM.ATTACH
+                os.close(fd)
+        if isinstance(reply, errors.PionError):
+            raise reply
+        return reply
+
+    # --- segments ---------------------------------------------------------------------------
+    def attach(self) -> None:
+        """SHM.ATTACH: maps (read-only) every segment not mapped yet."""
+        with self._lock:
+            segs, fds = self.call("SHM.ATTACH")
+            try:
+                if isinstance(segs, errors.PionError):
+                    raise segs
+                if len(fds) != len(segs):
+                    raise errors.PionConnectionError(
+                        "SHM.ATTACH: %d segments but %d descriptors" % (len(segs), len(fds)))
+                for (seg, size), fd in zip(segs, fds):
+                    if seg not in self.maps:
+                        # mmap keeps its own duplicate of fd; ours is closed below.
+                        self.maps[seg] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                                                   prot=mmap.PROT_READ)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def fetch_range(self, sid: str, start: int, end: int, model: str | None = None,
+                    generation: int | None = None):
+        """V.FETCH <sid> RANGE <start> <end> SHM → (lease, pieces, row_bytes, nbytes), pieces a
+        list of (segment, offset, length) whose concatenation is the RAW reply. The lease must
+        be released (`release`) once the bytes have been read."""
+        args = ["V.FETCH", sid, "RANGE", int(start), int(end), "SHM"]
+        if model is not None:
+            args += ["MODEL", model]
+        if generation is not None:
+            args += ["GENERATION", int(generation)]
+        with self._lock:
+            reply = self.call(*args)
+            r = {k.decode() if isinstance(k, bytes) else k: v
+                 for k, v in zip(reply[::2], reply[1::2])}
+            lease = int(r["lease"])
+            self.leases.add(lease)
+            pieces = [(int(s), int(o), int(n)) for s, o, n in r["pieces"]]
+            if any(s not in self.maps for s, _, _ in pieces):
+                self.attach()  # a segment added since the last attach
+        return lease, pieces, int(r["row_bytes"]), int(r["bytes"])
+
+    def views(self, pieces) -> list[np.ndarray]:
+        """Read-only numpy uint8 views of the pieces, straight into the mappings (valid only
+        while the lease that named them is held)."""
+        return [np.frombuffer(self.maps[s], dtype=np.uint8, count=n, offset=o)
+                for s, o, n in pieces]
+
+    def read_into(self, pieces, out: np.ndarray) -> int:
+        """Copies the pieces, concatenated, into `out` (a contiguous array, viewed as uint8);
+        returns the number of bytes written."""
+        dst = out.reshape(-1).view(np.uint8) if out.dtype != np.uint8 or out.ndim != 1 else out
+        total = sum(n for _, _, n in pieces)
+        if total > dst.size:
+            raise ValueError("into= holds %d bytes, the fetch needs %d" % (dst.size, total))
+        pos = 0
+        for s, o, n in pieces:
+            dst[pos:pos + n] = np.frombuffer(self.maps[s], dtype=np.uint8, count=n, offset=o)
+            pos += n
+        return pos
+
+    def release(self, lease: int) -> bool:
+        """SHM.RELEASE: True when this connection held the lease."""
+        with self._lock:
+            self.leases.discard(int(lease))
+            if self._closed:
+                return False  # closing the connection already released it
+            return bool(self.call("SHM.RELEASE", int(lease)))
+
+    def close(self) -> None:
+        """Closes the connection (the server releases its leases) and the mappings. A mapping
+        still exported to a live numpy view is left to the garbage collector."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.leases.clear()
+            try:
+                self.sock.close()
+            finally:
+                for fd in self._fds:
+                    os.close(fd)
+                self._fds = []
+                for m in self.maps.values():
+                    try:
+                        m.close()
+                    except BufferError:
+                        pass  # a view still exports it; freed with the view
+                self.maps.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
