@@ -28,7 +28,8 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "attend.prefix.store", "attend.prefix.lookup", "attend.prefix.drop",
                 "attend.prefix.info", "attend.prefix.query", "attend.prefix.query_fused",
                 "attend.prefix.query_sparse", "attend.prefix.query_sparse_auto",
-                "attend.prefix.query_sparse_auto_fused", "shm.attach", "shm.release", "shm.info"}
+                "attend.prefix.query_sparse_auto_fused", "shm.attach", "shm.reserve", "shm.release",
+                "shm.info"}
 
 CONFIG_PARAMS = ["bind", "port", "unixsocket", "unixsocketperm", "workers", "dir", "metrics-port", "kvcache", "users",
                  "attention-backend", "attention-fp16", "attention-memory", "compute-threads",

@@ -235,3 +235,48 @@ def test_lease_ttl_and_limit(pion_factory, tmp_path):
         shm_fetch(c, maps, "x", 0, 4)  # room again
     finally:
         c.close()
+
+
+def test_shm_write_reserve_write_commit(shm_server):
+    tcp = shm_server.client()
+    tcp.execute_command("V.CREATE", "w", 256, "fp32")
+    rows = np.random.default_rng(5).standard_normal((300, 256)).astype(np.float32)
+    c = ShmConn(shm_server.sock_path)
+    try:
+        before = len(c.fds)
+        lease, seg, off, length = c.call("SHM.RESERVE", rows.nbytes)
+        assert length == rows.nbytes and len(c.fds) == before + 1
+        fd = c.fds[-1]
+        region = mmap.mmap(fd, off + length, prot=mmap.PROT_READ | mmap.PROT_WRITE)  # writable
+        region[off:off + length] = rows.tobytes()
+        assert c.call("V.STOREBATCH", "w", 10, "SHM", lease) == 300
+        got = np.frombuffer(tcp.execute_command("V.FETCH", "w", "RANGE", 10, 310), np.float32)
+        assert np.array_equal(got.reshape(300, 256), rows)
+        # One commit per reservation.
+        err = c.call("V.STOREBATCH", "w", 0, "SHM", lease)
+        assert isinstance(err, RuntimeError) and "no SHM.RESERVE lease %d on this connection" % lease in str(err)
+        # A region that is not whole rows is refused (and spent).
+        lease2, _, _, _ = c.call("SHM.RESERVE", 1000)
+        err = c.call("V.STOREBATCH", "w", 0, "SHM", lease2)
+        assert isinstance(err, RuntimeError) and "expected a multiple of 4*dim = 1024" in str(err)
+        # Read leases on fetched rows are still read-only: only staging fds are writable.
+        maps, fds = attach(c)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fds[0], 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        region.close()
+    finally:
+        c.close()
+    # Another connection cannot commit someone else's reservation.
+    c1, c2 = ShmConn(shm_server.sock_path), ShmConn(shm_server.sock_path)
+    try:
+        lease, _, _, _ = c1.call("SHM.RESERVE", 1024)
+        err = c2.call("V.STOREBATCH", "w", 0, "SHM", lease)
+        assert isinstance(err, RuntimeError) and "no SHM.RESERVE lease" in str(err)
+    finally:
+        c1.close()
+        c2.close()
+    with pytest.raises(redis.ResponseError, match="only for clients on the Unix socket"):
+        tcp.execute_command("SHM.RESERVE", 64)
+    with pytest.raises(redis.ResponseError, match="SHM commits are only for clients on the Unix"):
+        tcp.execute_command("V.STOREBATCH", "w", 0, "SHM", 1)
+    assert tcp.ping()

@@ -40,6 +40,29 @@ void Attach(CommandContext& ctx, CmdArgs&) {
   }
 }
 
+// SHM.RESERVE <bytes> → [lease, segment, offset, length], with the segment's writable fd
+// (SCM_RIGHTS). The client writes its fp32 rows there, then commits with
+// V.STOREBATCH <sid> <start> SHM <lease>.
+void Reserve(CommandContext& ctx, CmdArgs& args) {
+  Status s = NeedUnixSocket(ctx);
+  uint64_t bytes = 0;
+  if (s.ok()) s = ParseUint(args[1], "bytes", &bytes);
+  const uint64_t max = ctx.server->settings().proto_max_bulk_len.load();
+  if (s.ok() && (bytes == 0 || bytes > max)) {
+    s = Error("bytes must be in [1, proto-max-bulk-len " + std::to_string(max) + "], got " +
+              std::to_string(bytes));
+  }
+  if (!s.ok()) return ctx.Error(s);
+  auto r = ctx.server->shm().Reserve(ctx.client_id, bytes);
+  if (!r.ok()) return ctx.Error(r.status());
+  ctx.rb->AttachFds({r->segment});
+  ctx.rb->Array(4);
+  ctx.rb->Integer(static_cast<int64_t>(r->lease));
+  ctx.rb->Integer(r->segment);
+  ctx.rb->Integer(static_cast<int64_t>(r->offset));
+  ctx.rb->Integer(static_cast<int64_t>(r->length));
+}
+
 void Release(CommandContext& ctx, CmdArgs& args) {
   Status s = NeedUnixSocket(ctx);
   uint64_t lease = 0;
@@ -78,6 +101,10 @@ void RegisterShmFamily(server::Server& srv) {
   auto& r = srv.registry();
   r.Register({"SHM.ATTACH", 1, kCmdReadOnly | kCmdConnection, 0, 0, 0, Attach, "shm",
               "Passes the caller's shared-memory segments (SCM_RIGHTS; Unix socket only).", ""});
+  r.Register({"SHM.RESERVE", 2, kCmdWrite | kCmdConnection | kCmdDenyOom, 0, 0, 0, Reserve, "shm",
+              "Reserves a writable staging region (its fd via SCM_RIGHTS) for a V.STOREBATCH ... "
+              "SHM commit.",
+              "<bytes>"});
   r.Register({"SHM.RELEASE", 2, kCmdWrite | kCmdConnection | kCmdFast, 0, 0, 0, Release, "shm",
               "Ends a lease from V.FETCH ... SHM; replies 1 if it was held.", "<lease>"});
   r.Register({"SHM.INFO", 1, kCmdReadOnly | kCmdConnection, 0, 0, 0, Info, "shm",

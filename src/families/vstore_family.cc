@@ -118,6 +118,29 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
     }
     std::vector<int64_t> iscratch;
     s = session.StoreIds(BlobAs<int64_t>(ids_blob, &iscratch), BlobAs<float>(data, &fscratch), n);
+  } else if (args.size() == 5 && EqualsIgnoreCase(args[3], "SHM")) {
+    // The rows were written by the client into a SHM.RESERVE region: commit them.
+    if (!ctx.unix_socket) {
+      return ctx.Error(Error("SHM commits are only for clients on the Unix socket (--unixsocket)"));
+    }
+    int64_t start = 0;
+    uint64_t lease = 0;
+    s = ParseInt(args[2], "start_id", &start);
+    if (s.ok()) s = ParseUint(args[4], "lease", &lease);
+    if (!s.ok()) return ctx.Error(s);
+    auto region = ctx.server->shm().Take(ctx.client_id, lease);
+    if (!region.ok()) return ctx.Error(region.status());
+    const BufferRef& b = region.value();
+    if (b->size() % row_floats_bytes != 0) {
+      return ctx.Error(Error("reserved region of lease " + std::to_string(lease) + " has " +
+                             std::to_string(b->size()) + " bytes, expected a multiple of 4*dim = " +
+                             std::to_string(row_floats_bytes) + " (the lease is spent)"));
+    }
+    const size_t n = b->size() / row_floats_bytes;
+    s = session.StoreRange(start, reinterpret_cast<const float*>(b->data()), n);
+    if (!s.ok()) return ctx.Error(s);
+    vs.NoteRows(static_cast<int64_t>(session.rows() - rows_before));
+    return ctx.rb->Integer(static_cast<int64_t>(n));
   } else {
     if (args.size() != 4) {
       return ctx.Error(Error("syntax: V.STOREBATCH <sid> <start_id> <fp32_blob>"));
@@ -404,7 +427,8 @@ void RegisterVStoreFamily(server::Server& srv) {
        "<sid> <dim> fp32|fp16|bf16|int8|turbo4|turbo3|turbo2 [BLOCK <n>]"});
   reg({"V.STOREBATCH", -4, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, StoreBatch, "vstore",
        "Stores fp32 rows (quantized to the session's codec) at consecutive or given ids.",
-       "<sid> <start_id> <fp32_blob> | <sid> IDS <int64_ids_blob> <fp32_blob>"});
+       "<sid> <start_id> <fp32_blob> | <sid> IDS <int64_ids_blob> <fp32_blob> | <sid> <start_id> "
+       "SHM <lease>"});
   reg({"V.FETCH", -3, kKv | kCmdReadOnly, 1, 1, 1, Fetch, "vstore",
        "Fetches rows as fp32 (or RAW stored encoding) by ids or an id range.",
        "<sid> <id> [<id> ...] | <sid> RANGE <start> <end>, then [RAW|SHM] [MODEL <id>] "

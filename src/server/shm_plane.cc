@@ -38,6 +38,69 @@ StatusOr<uint64_t> ShmPlane::Grant(uint64_t client, std::vector<BufferRef> held,
   return id;
 }
 
+StatusOr<ShmPlane::Reservation> ShmPlane::Reserve(uint64_t client, uint64_t bytes) {
+  if (!enabled_) return Error("the shared-memory data plane is off (start with --unixsocket)");
+  BufferRef buf;
+  Reservation r;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& mine = leases_[client];
+    if (mine.size() >= max_leases_) {
+      return Status(ErrorKind::kBusy, "client holds " + std::to_string(mine.size()) +
+                                          " leases, the --shm-max-leases limit; SHM.RELEASE some");
+    }
+    auto& arena = staging_[client];
+    if (!arena) {
+      arena = std::make_unique<ShmArena>("pion-staging-" + std::to_string(client), segment_bytes_,
+                                         /*retain_bytes=*/0);
+    }
+    auto b = arena->Allocate(bytes);
+    if (!b.ok()) return b.status();
+    buf = std::move(b).value();
+    r.lease = next_lease_++;
+    r.segment = buf->segment_fd();
+    r.offset = buf->segment_offset();
+    r.length = bytes;
+    mine.emplace(r.lease, Lease{{buf}, bytes, Clock::now() + ttl_, /*write=*/true});
+    leased_bytes_ += bytes;
+    ++lease_count_;
+    ++granted_;
+  }
+  return r;
+}
+
+StatusOr<BufferRef> ShmPlane::Take(uint64_t client, uint64_t lease) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto c = leases_.find(client);
+  auto it = c == leases_.end() ? decltype(c->second.end()){} : c->second.find(lease);
+  if (c == leases_.end() || it == c->second.end() || !it->second.write) {
+    return Error("no SHM.RESERVE lease " + std::to_string(lease) +
+                 " on this connection (never reserved here, already committed, released or "
+                 "expired)");
+  }
+  BufferRef buf = it->second.held.front();
+  leased_bytes_ -= it->second.bytes;
+  --lease_count_;
+  ++released_;
+  c->second.erase(it);
+  if (c->second.empty()) leases_.erase(c);
+  return buf;
+}
+
+void ShmPlane::RetireStaging(uint64_t client) {
+  auto it = staging_.find(client);
+  if (it == staging_.end()) return;
+  retired_.push_back(std::move(it->second));
+  staging_.erase(it);
+}
+
+void ShmPlane::SweepRetired() {
+  // Deleted only when no region is alive (a commit may still be reading one).
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    it = (*it)->used_bytes() == 0 ? retired_.erase(it) : std::next(it);
+  }
+}
+
 bool ShmPlane::Release(uint64_t client, uint64_t lease) {
   Lease gone;
   {
@@ -60,6 +123,7 @@ size_t ShmPlane::ReleaseClient(uint64_t client) {
   std::map<uint64_t, Lease> gone;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    RetireStaging(client);
     auto c = leases_.find(client);
     if (c == leases_.end()) return 0;
     gone = std::move(c->second);
@@ -90,7 +154,11 @@ size_t ShmPlane::Expire(Clock::time_point now) {
     lease_count_ -= gone.size();
     expired_ += gone.size();
   }
-  return gone.size();
+  const size_t n = gone.size();
+  gone.clear();  // buffers back to their arenas, then delete retired staging arenas
+  std::lock_guard<std::mutex> lock(mu_);
+  SweepRetired();
+  return n;
 }
 
 ShmPlane::Stats ShmPlane::stats() const {

@@ -40,6 +40,19 @@ class ShmPlane {
 
   // Grants a lease on `held` to client. kBusy past --shm-max-leases for that client.
   StatusOr<uint64_t> Grant(uint64_t client, std::vector<BufferRef> held, uint64_t bytes);
+
+  // Writes (reserve → the client writes → commit): a region of `bytes` in the client's own
+  // staging arena — a writable mapping only that connection ever gets, so a client can never
+  // write into stored values — under a write lease. Take() hands the region to the command that
+  // commits it (one shot); the lease ends there.
+  struct Reservation {
+    uint64_t lease = 0;
+    int segment = -1;  // id, and the fd to pass (writable)
+    uint64_t offset = 0;
+    uint64_t length = 0;
+  };
+  StatusOr<Reservation> Reserve(uint64_t client, uint64_t bytes);
+  StatusOr<BufferRef> Take(uint64_t client, uint64_t lease);
   bool Release(uint64_t client, uint64_t lease);
   size_t ReleaseClient(uint64_t client);
   size_t Expire(Clock::time_point now);
@@ -62,7 +75,10 @@ class ShmPlane {
     std::vector<BufferRef> held;
     uint64_t bytes = 0;
     Clock::time_point expires;
+    bool write = false;  // a SHM.RESERVE region, taken by its commit
   };
+  void RetireStaging(uint64_t client);  // mu_ held
+  void SweepRetired();                  // mu_ held
 
   const bool enabled_;
   const size_t segment_bytes_;
@@ -72,6 +88,9 @@ class ShmPlane {
   // Arenas live as long as the process: stored buffers may outlive the server object.
   std::unordered_map<uint32_t, ShmArena*> arenas_;
   std::unordered_map<uint64_t, std::map<uint64_t, Lease>> leases_;  // client -> id -> lease
+  // Per-client write staging; a closed client's arena is deleted once no region of it is alive.
+  std::unordered_map<uint64_t, std::unique_ptr<ShmArena>> staging_;
+  std::vector<std::unique_ptr<ShmArena>> retired_;
   uint64_t next_lease_ = 1;
   uint64_t leased_bytes_ = 0;
   uint64_t lease_count_ = 0;
