@@ -821,3 +821,21 @@ def test_shm_channel_auth_and_errors(pion_factory, tmp_path):
     finally:
         ch.close()
     assert srv.alive()
+
+
+def test_store_batch_writes_through_shared_memory(unix_srv):
+    rng = np.random.default_rng(77)
+    with pion.Client(unix_socket_path=unix_srv.sock_path) as c, \
+            pion.Client(port=unix_srv.port) as tcp:
+        c.v.create("shmw", 512, "fp32")
+        big = rng.standard_normal((400, 512)).astype(np.float32)  # 800 KiB: the SHM path
+        assert c.v.store_batch("shmw", 3, big) == 400
+        assert c.last_store_path == "shm"
+        small = rng.standard_normal((2, 512)).astype(np.float32)   # 4 KiB: inline
+        assert c.v.store_batch("shmw", 500, small) == 2
+        assert c.last_store_path == "tcp"
+        assert np.array_equal(tcp.v.fetch("shmw", 3, 403), big)
+        assert np.array_equal(tcp.v.fetch("shmw", 500, 502), small)
+        # Over TCP the same call sends the bytes inline.
+        assert tcp.v.store_batch("shmw", 600, big) == 400 and tcp.last_store_path == "tcp"
+        assert _wait_leases(tcp, 0) == 0  # every reservation was spent by its commit

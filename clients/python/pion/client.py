@@ -64,6 +64,7 @@ class Client:
         self._shm = None
         self._shm_lock = threading.Lock()
         self.last_fetch_path: str | None = None  # "shm" | "tcp", set by raw range fetches
+        self.last_store_path: str | None = None  # "shm" | "tcp", set by V store_batch
         self.redis = redis.Redis(host=host, port=port, password=password, username=username,
                                  unix_socket_path=unix_socket_path, **redis_kwargs)
         self.redis.connection_pool.connection_kwargs["parser_class"] = _FullTextParser

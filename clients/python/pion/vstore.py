@@ -30,6 +30,10 @@ def _rows(rows) -> np.ndarray:
     return a
 
 
+# Below this a store's round trip dominates: the bytes go inline.
+SHM_STORE_MIN_BYTES = 64 << 10
+
+
 class VStore:
     """`client.v`: V.CREATE / STOREBATCH / FETCH / INFO / DROP / SNAPSHOT / COMMIT / RESTORE.
 
@@ -47,8 +51,16 @@ class VStore:
         self._c.execute(*args)
 
     def store_batch(self, sid: str, start: int, rows) -> int:
-        """Stores rows [n, dim] (float32) at ids start .. start+n-1; returns n."""
-        return self._c.execute("V.STOREBATCH", sid, int(start), _wire.f32(_rows(rows)))
+        """Stores rows [n, dim] (float32) at ids start .. start+n-1; returns n. On the Unix
+        socket, batches of 64 KiB or more go through shared memory (SHM.RESERVE + commit), and
+        `last_store_path` says which path ("shm" or "tcp") was taken."""
+        rows = _rows(rows)
+        ch = self._c._shm_channel() if rows.nbytes >= SHM_STORE_MIN_BYTES else None
+        if ch is not None:
+            self._c.last_store_path = "shm"
+            return ch.store_rows(sid, int(start), rows)
+        self._c.last_store_path = "tcp"
+        return self._c.execute("V.STOREBATCH", sid, int(start), _wire.f32(rows))
 
     def store_ids(self, sid: str, ids: Sequence[int], rows) -> int:
         """Stores rows [n, dim] at the given int64 ids (a repeated id: the last row wins)."""
