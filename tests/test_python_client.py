@@ -834,6 +834,8 @@ def test_store_batch_writes_through_shared_memory(unix_srv):
         small = rng.standard_normal((2, 512)).astype(np.float32)   # 4 KiB: inline
         assert c.v.store_batch("shmw", 500, small) == 2
         assert c.last_store_path == "tcp"
+        assert c.v.store_batch("shmw", 1000, big, checksum=True) == 400  # CRC32 checked
+        assert np.array_equal(tcp.v.fetch("shmw", 1000, 1400), big)
         assert np.array_equal(tcp.v.fetch("shmw", 3, 403), big)
         assert np.array_equal(tcp.v.fetch("shmw", 500, 502), small)
         # Over TCP the same call sends the bytes inline.

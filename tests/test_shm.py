@@ -280,3 +280,34 @@ def test_shm_write_reserve_write_commit(shm_server):
     with pytest.raises(redis.ResponseError, match="SHM commits are only for clients on the Unix"):
         tcp.execute_command("V.STOREBATCH", "w", 0, "SHM", 1)
     assert tcp.ping()
+
+
+def test_shm_commit_with_crc32(shm_server):
+    import zlib
+    tcp = shm_server.client()
+    tcp.execute_command("V.CREATE", "crc", 64, "fp32")
+    rows = np.arange(64 * 10, dtype=np.float32).reshape(10, 64)
+    c = ShmConn(shm_server.sock_path)
+    try:
+        for good in (True, False):
+            lease, seg, off, length = c.call("SHM.RESERVE", rows.nbytes)
+            region = mmap.mmap(c.fds[-1], off + length, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            region[off:off + length] = rows.tobytes()
+            crc = zlib.crc32(rows.tobytes()) ^ (0 if good else 1)
+            got = c.call("V.STOREBATCH", "crc", 0 if good else 20, "SHM", lease, "CRC32", crc)
+            if good:
+                assert got == 10
+            else:
+                assert isinstance(got, RuntimeError) and str(got).startswith(
+                    "CORRUPT SHM region of lease %d has CRC32 %d, expected %d; nothing stored"
+                    % (lease, crc ^ 1, crc))
+            region.close()
+        assert np.array_equal(np.frombuffer(tcp.execute_command("V.FETCH", "crc", "RANGE", 0, 10),
+                                            np.float32).reshape(10, 64), rows)
+        with pytest.raises(redis.ResponseError, match="id 20 was never stored"):
+            tcp.execute_command("V.FETCH", "crc", "RANGE", 20, 21)  # the bad commit stored nothing
+        lease, _, _, _ = c.call("SHM.RESERVE", 256)
+        err = c.call("V.STOREBATCH", "crc", 0, "SHM", lease, "MD5", 1)
+        assert isinstance(err, RuntimeError) and "expected CRC32 <value>" in str(err)
+    finally:
+        c.close()

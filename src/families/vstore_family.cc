@@ -5,6 +5,8 @@
 //
 // A session id "<ns>_pk" / "<ns>_pv" is routed like "<ns>", so a KV.PREFIX namespace and its
 // two sessions live on one shard.
+#include <zlib.h>
+
 #include <cstring>
 #include <vector>
 
@@ -118,7 +120,7 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
     }
     std::vector<int64_t> iscratch;
     s = session.StoreIds(BlobAs<int64_t>(ids_blob, &iscratch), BlobAs<float>(data, &fscratch), n);
-  } else if (args.size() == 5 && EqualsIgnoreCase(args[3], "SHM")) {
+  } else if ((args.size() == 5 || args.size() == 7) && EqualsIgnoreCase(args[3], "SHM")) {
     // The rows were written by the client into a SHM.RESERVE region: commit them.
     if (!ctx.unix_socket) {
       return ctx.Error(Error("SHM commits are only for clients on the Unix socket (--unixsocket)"));
@@ -135,6 +137,22 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
       return ctx.Error(Error("reserved region of lease " + std::to_string(lease) + " has " +
                              std::to_string(b->size()) + " bytes, expected a multiple of 4*dim = " +
                              std::to_string(row_floats_bytes) + " (the lease is spent)"));
+    }
+    if (args.size() == 7) {  // CRC32 <value>: the region must hold what the client meant
+      if (!EqualsIgnoreCase(args[5], "CRC32")) {
+        return ctx.Error(Error("unknown option '" + std::string(args[5].substr(0, 32)) +
+                               "'; expected CRC32 <value>"));
+      }
+      uint64_t want = 0;
+      s = ParseUint(args[6], "CRC32", &want);
+      if (!s.ok()) return ctx.Error(s);
+      const uint64_t got = crc32_z(crc32_z(0, nullptr, 0), b->data(), b->size());
+      if (got != want) {
+        return ctx.Error(Status(ErrorKind::kCorrupt,
+                                "SHM region of lease " + std::to_string(lease) + " has CRC32 " +
+                                    std::to_string(got) + ", expected " + std::to_string(want) +
+                                    "; nothing stored (the lease is spent)"));
+      }
     }
     const size_t n = b->size() / row_floats_bytes;
     s = session.StoreRange(start, reinterpret_cast<const float*>(b->data()), n);
@@ -428,7 +446,7 @@ void RegisterVStoreFamily(server::Server& srv) {
   reg({"V.STOREBATCH", -4, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, StoreBatch, "vstore",
        "Stores fp32 rows (quantized to the session's codec) at consecutive or given ids.",
        "<sid> <start_id> <fp32_blob> | <sid> IDS <int64_ids_blob> <fp32_blob> | <sid> <start_id> "
-       "SHM <lease>"});
+       "SHM <lease> [CRC32 <value>]"});
   reg({"V.FETCH", -3, kKv | kCmdReadOnly, 1, 1, 1, Fetch, "vstore",
        "Fetches rows as fp32 (or RAW stored encoding) by ids or an id range.",
        "<sid> <id> [<id> ...] | <sid> RANGE <start> <end>, then [RAW|SHM] [MODEL <id>] "

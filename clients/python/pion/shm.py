@@ -21,6 +21,7 @@ import mmap
 import os
 import socket
 import threading
+import zlib
 
 import numpy as np
 
@@ -184,10 +185,12 @@ class ShmChannel:
             pos += n
         return pos
 
-    def store_rows(self, sid: str, start: int, rows) -> int:
+    def store_rows(self, sid: str, start: int, rows, checksum: bool = False) -> int:
         """Stores float32 rows [n, dim] at ids start.. through shared memory: SHM.RESERVE a
         region of this connection's writable staging segment, copy the rows in, commit with
-        V.STOREBATCH <sid> <start> SHM <lease>. No row byte crosses the socket. Returns n."""
+        V.STOREBATCH <sid> <start> SHM <lease>. No row byte crosses the socket. Returns n.
+        checksum=True sends the rows' CRC32: the server stores nothing (CorruptError) unless
+        the region holds exactly those bytes."""
         data = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1).view(np.uint8)
         with self._lock:
             reply, fds = self.call("SHM.RESERVE", int(data.size))
@@ -207,7 +210,8 @@ class ShmChannel:
             region = np.frombuffer(self.wmaps[seg], dtype=np.uint8, count=length, offset=off)
             region[:] = data
             del region
-            return int(self.call("V.STOREBATCH", sid, int(start), "SHM", lease))
+            extra = ["CRC32", zlib.crc32(data)] if checksum else []
+            return int(self.call("V.STOREBATCH", sid, int(start), "SHM", lease, *extra))
 
     def release(self, lease: int) -> bool:
         """SHM.RELEASE: True when this connection held the lease."""

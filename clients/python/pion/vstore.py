@@ -50,15 +50,17 @@ class VStore:
             args += ["BLOCK", int(block)]
         self._c.execute(*args)
 
-    def store_batch(self, sid: str, start: int, rows) -> int:
+    def store_batch(self, sid: str, start: int, rows, *, checksum: bool = False) -> int:
         """Stores rows [n, dim] (float32) at ids start .. start+n-1; returns n. On the Unix
         socket, batches of 64 KiB or more go through shared memory (SHM.RESERVE + commit), and
-        `last_store_path` says which path ("shm" or "tcp") was taken."""
+        `last_store_path` says which path ("shm" or "tcp") was taken. checksum=True has the
+        server verify the shared-memory region's CRC32 before storing (TCP is checked by the
+        socket already)."""
         rows = _rows(rows)
         ch = self._c._shm_channel() if rows.nbytes >= SHM_STORE_MIN_BYTES else None
         if ch is not None:
             self._c.last_store_path = "shm"
-            return ch.store_rows(sid, int(start), rows)
+            return ch.store_rows(sid, int(start), rows, checksum=checksum)
         self._c.last_store_path = "tcp"
         return self._c.execute("V.STOREBATCH", sid, int(start), _wire.f32(rows))
 
