@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Same-host layer fetch into GPU memory (run on the GPU machine): one 64 MiB fp16 K/V layer
+(32K tokens x 8 heads x 128) from pion-server to a CUDA tensor, by path, in one run:
+  shm_pinned_bounce        V.FETCH ... SHM, copy from the mapping into a pinned host buffer,
+                           then cudaMemcpyAsync to the GPU (the Python client's device= path)
+  shm_hostregister_direct  the mapping itself registered with cudaHostRegister (read-only
+                           flag), DMA from it to the GPU piece by piece, no host copy
+  tcp_raw_pageable         V.FETCH ... RAW over TCP (redis-py), pageable host memory -> GPU
+Each path's GPU bytes are compared with the RAW reply. Also checks kv.fetch_layer(device="cuda").
+
+The GPU machine has no Debian packages: build here, then carry the server, its shared libraries
+and redis-py (pure Python) in build/devcarry (see bench/README.md), and run from the repo root:
+    python3 bench/bench_shm_gpu.py     (env PION_DEVCARRY=build/devcarry by default)
+"""
+import os, subprocess, sys, time, socket
+CARRY = os.environ.get("PION_DEVCARRY", "build/devcarry")
+sys.path.insert(0, CARRY + "/py"); sys.path.insert(0, "clients/python")
+import numpy as np, torch, pion
+env = dict(os.environ, LD_LIBRARY_PATH=CARRY + "/lib")
+sock = "/tmp/pion-gpu.sock"
+srv = subprocess.Popen([CARRY + "/pion-server", "--port", "19740", "--metrics-port", "0", "--dir", "/tmp/pd",
+                        "--unixsocket", sock, "--shm-segment-size", "1gb"], env=env)
+for _ in range(100):
+    try: socket.create_connection(("127.0.0.1", 19740)).close(); break
+    except OSError: time.sleep(0.1)
+print(torch.__version__, torch.cuda.get_device_name(0), flush=True)
+T, H, D = 32768, 8, 128
+rows = np.random.default_rng(0).standard_normal((T, H * D)).astype(np.float32)
+c = pion.Client(unix_socket_path=sock); tcp = pion.Client(port=19740, shm=False)
+c.v.create("L", H * D, "fp16"); c.v.store_batch("L", 0, rows)
+nbytes = T * H * D * 2
+def med(f, n=15):
+    f(); ts = []
+    for _ in range(n):
+        torch.cuda.synchronize(); t0 = time.perf_counter(); f(); torch.cuda.synchronize(); ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def a():  # SHM -> pinned bounce buffer -> GPU
+    c.v.fetch_raw("L", 0, T, decode=False, into=pinned.numpy()); gpu.copy_(pinned, non_blocking=True)
+ch = c._shm_channel(); cudart = torch.cuda.cudart(); registered = set()
+def b():  # SHM lease, cudaHostRegister the mapping (once per segment), DMA straight from it
+    lease, pieces, _, _ = ch.fetch_range("L", 0, T); pos = 0
+    for s, o, n in pieces:
+        if s not in registered:
+            m = ch.maps[s]; arr = np.frombuffer(m, np.uint8)
+            r = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, 8)  # ReadOnly
+            registered.add(s); print("register", s, r, flush=True)
+        src = torch.from_numpy(np.frombuffer(ch.maps[s], np.uint8, n, o))
+        gpu[pos:pos + n].copy_(src, non_blocking=True); pos += n
+    torch.cuda.synchronize(); ch.release(lease)
+def t():  # TCP RAW -> numpy -> GPU (pageable)
+    g = torch.from_numpy(np.frombuffer(tcp.execute("V.FETCH", "L", "RANGE", 0, T, "RAW"), np.uint8).copy())
+    gpu.copy_(g)
+ref = np.frombuffer(tcp.execute("V.FETCH", "L", "RANGE", 0, T, "RAW"), np.uint8)
+for name, f in (("shm_pinned_bounce", a), ("shm_hostregister_direct", b), ("tcp_raw_pageable", t)):
+    dt = med(f); ok = np.array_equal(gpu.cpu().numpy(), ref)
+    print(f"{name}: {dt*1e3:.2f} ms {nbytes/dt/1e9:.2f} GB/s bytes_equal={ok}", flush=True)
+try:
+    c.kv.register("ns", 1, 1024, 8, 128, "fp16"); kk = rows[:1024].reshape(1024, 8, 128)
+    c.kv.store_layer("ns", 0, kk, kk); k, v = c.kv.fetch_layer("ns", 0, device="cuda")
+    kc, _ = tcp.kv.fetch_layer("ns", 0)
+    print("fetch_layer device=cuda:", k.device, bool(np.array_equal(k.cpu().numpy(), kc)), flush=True)
+except Exception as e:
+    print("fetch_layer device=cuda failed:", repr(e), flush=True)
+srv.terminate(); srv.wait()
