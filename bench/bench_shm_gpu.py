@@ -43,9 +43,7 @@ def b():  # SHM lease, cudaHostRegister the mapping (once per segment), DMA stra
     lease, pieces, _, _ = ch.fetch_range("L", 0, T); pos = 0
     for s, o, n in pieces:
         if s not in registered:
-            m = ch.maps[s]; arr = np.frombuffer(m, np.uint8)
-            r = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, 8)  # ReadOnly
-            registered.add(s); print("register", s, r, flush=True)
+            registered.add(s); print("register", s, ch.cuda_register(s), flush=True)
         src = torch.from_numpy(np.frombuffer(ch.maps[s], np.uint8, n, o))
         gpu[pos:pos + n].copy_(src, non_blocking=True); pos += n
     torch.cuda.synchronize(); ch.release(lease)
@@ -56,11 +54,21 @@ ref = np.frombuffer(tcp.execute("V.FETCH", "L", "RANGE", 0, T, "RAW"), np.uint8)
 for name, f in (("shm_pinned_bounce", a), ("shm_hostregister_direct", b), ("tcp_raw_pageable", t)):
     dt = med(f); ok = np.array_equal(gpu.cpu().numpy(), ref)
     print(f"{name}: {dt*1e3:.2f} ms {nbytes/dt/1e9:.2f} GB/s bytes_equal={ok}", flush=True)
-try:
-    c.kv.register("ns", 1, 1024, 8, 128, "fp16"); kk = rows[:1024].reshape(1024, 8, 128)
-    c.kv.store_layer("ns", 0, kk, kk); k, v = c.kv.fetch_layer("ns", 0, device="cuda")
-    kc, _ = tcp.kv.fetch_layer("ns", 0)
-    print("fetch_layer device=cuda:", k.device, bool(np.array_equal(k.cpu().numpy(), kc)), flush=True)
-except Exception as e:
-    print("fetch_layer device=cuda failed:", repr(e), flush=True)
+for fmt in ("fp16", "bf16", "fp32", "int8"):
+    for layout in ("nhd", "hnd"):
+        ns = "ns_%s_%s" % (fmt, layout)
+        c.kv.register(ns, 1, 4096, 8, 128, fmt)
+        kk = rows[:4096].reshape(4096, 8, 128)
+        c.kv.store_layer(ns, 0, kk, kk[::-1].copy())
+        k, v = c.kv.fetch_layer(ns, 0, device="cuda", layout=layout)
+        kc, vc = tcp.kv.fetch_layer(ns, 0, layout=layout)
+        print(f"fetch_layer {fmt} {layout} device=cuda: {k.device} path={c.last_fetch_path} "
+              f"equal_to_tcp={np.array_equal(k.cpu().numpy(), kc) and np.array_equal(v.cpu().numpy(), vc)}",
+              flush=True)
+c.kv.register("big", 1, T, H, D, "fp16")
+c.kv.store_layer("big", 0, rows.reshape(T, H, D), rows.reshape(T, H, D))
+dt = med(lambda: c.kv.fetch_layer("big", 0, device="cuda"), 9)
+print(f"fetch_layer fp16 32K tokens (K+V {2 * nbytes / 2**20:.0f} MiB) device=cuda: {dt*1e3:.2f} ms "
+      f"{2 * nbytes / dt / 1e9:.2f} GB/s path={c.last_fetch_path}", flush=True)
+c.close()
 srv.terminate(); srv.wait()
