@@ -290,15 +290,18 @@ Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan
   PartialBuf acc(nrows, q.d);
   Partial out_p = acc.View(q.d);
 
+  // Prefix keys each query row may see (the support of an exact pass).
+  std::vector<uint64_t> visible(nrows);
+  for (size_t row = 0; row < nrows; ++row) {
+    visible[row] = VisibleCount(q.pos0 + static_cast<int64_t>(row % q.m), plan.window, n);
+    r->visible_rows += visible[row];
+  }
   switch (plan.form) {
     case Form::kDense:
     case Form::kFused:
       DensePass(kern, par, q, k, v, 0, scale, plan.window, out_p, r);
-      for (size_t row = 0; row < nrows; ++row) {
-        const uint64_t c = VisibleCount(q.pos0 + static_cast<int64_t>(row % q.m), plan.window, n);
-        r->rows_attended += c;
-        r->support[row / q.m] += c;
-      }
+      r->rows_attended = r->visible_rows;
+      for (size_t row = 0; row < nrows; ++row) r->support[row / q.m] += visible[row];
       break;
     case Form::kTopK:  // more than N keys per row is every key: no larger lists needed
       TopK(kern, par, q, k, v, std::min(plan.top_k, n), scale, plan.window, out_p, r);
@@ -310,10 +313,6 @@ Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan
     case Form::kSparseAutoFused:
       SparseAuto(kern, par, plan, k, v, scale, out_p, r);
       break;
-  }
-  r->visible_rows = 0;
-  for (size_t row = 0; row < nrows; ++row) {
-    r->visible_rows += VisibleCount(q.pos0 + static_cast<int64_t>(row % q.m), plan.window, n);
   }
 
   if (fused) {
