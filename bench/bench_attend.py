@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,8 +28,8 @@ import psutil
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_protocol import (free_port, git_info, machine_info, stop, wait_quiet,  # noqa: E402
-                            wait_ready)
+from bench_protocol import (free_port, git_info, machine_info, start_server,  # noqa: E402
+                            stop, wait_quiet)
 from bench_vfetch import resp, run_fetch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,13 +71,6 @@ def time_numpy(q, k, v, hq, seconds: float) -> dict:
     return {"p50_us": lat[len(lat) // 2], "p99_us": lat[int(len(lat) * 0.99)], "n": len(lat)}
 
 
-def start(cmd: list[str], port: int, name: str, log: Path):
-    f = open(log, "w")
-    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    wait_ready(p, port, name, log)
-    return p
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pion", default="build/pion-server")
@@ -103,12 +94,12 @@ def main() -> int:
         servers = {}
         for dtype, extra in (("fp32", []), ("fp16", ["--attention-fp16"])):
             port = free_port()
-            p = start([str(pion), "--port", str(port), "--metrics-port", "0", "--dir",
+            p = start_server([str(pion), "--port", str(port), "--metrics-port", "0", "--dir",
                        str(tmp / dtype)] + extra, port, "pion-" + dtype, tmp / f"pion-{dtype}.log")
             procs.append(p)
             servers[dtype] = (p, port)
         rport = free_port()
-        rp = start([a.redis_server, "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
+        rp = start_server([a.redis_server, "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
                     "--appendonly", "no"], rport, "redis", tmp / "redis.log")
         procs.append(rp)
         rcli = redis.Redis(port=rport)

@@ -73,6 +73,14 @@ def tail(path: Path, n: int = 20) -> str:
         return ""
 
 
+def start_server(cmd: list[str], port: int, name: str, log: Path) -> subprocess.Popen:
+    """Starts a server with its output in `log` and waits until it answers PING."""
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    wait_ready(p, port, name, log)
+    return p
+
+
 def stop(proc: subprocess.Popen | None):
     if proc is None or proc.poll() is not None:
         return

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from bench_protocol import free_port, git_info, machine_info, stop, wait_ready  # noqa: E402
+from bench_protocol import free_port, git_info, machine_info, start_server, stop  # noqa: E402
 from test_shm import ShmConn, attach  # noqa: E402  (the raw SCM_RIGHTS client of the tests)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,18 +63,13 @@ def main() -> int:
     procs = []
     rows = []
     try:
-        log = open(tmp / "pion.log", "w")
-        p = subprocess.Popen([a.pion, "--port", str(pport), "--metrics-port", "0", "--dir",
-                              str(tmp / "d"), "--unixsocket", psock], stdout=log,
-                             stderr=subprocess.STDOUT)
+        p = start_server([a.pion, "--port", str(pport), "--metrics-port", "0", "--dir",
+                          str(tmp / "d"), "--unixsocket", psock], pport, "pion", tmp / "pion.log")
         procs.append(p)
-        wait_ready(p, pport, "pion", tmp / "pion.log")
-        rlog = open(tmp / "redis.log", "w")
-        rp = subprocess.Popen([a.redis_server, "--port", str(rport), "--bind", "127.0.0.1",
-                               "--unixsocket", rsock, "--save", "", "--appendonly", "no"],
-                              stdout=rlog, stderr=subprocess.STDOUT)
+        rp = start_server([a.redis_server, "--port", str(rport), "--bind", "127.0.0.1",
+                           "--unixsocket", rsock, "--save", "", "--appendonly", "no"], rport,
+                          "redis", tmp / "redis.log")
         procs.append(rp)
-        wait_ready(rp, rport, "redis", tmp / "redis.log")
 
         dim = a.kv_heads * a.head_dim
         layer = np.random.default_rng(1).standard_normal((a.tokens, dim)).astype(np.float32)
