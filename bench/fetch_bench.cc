@@ -49,7 +49,13 @@
 #include <thread>
 #include <vector>
 
+#include "load_client.h"
+
 namespace {
+
+using pion::bench::ConnectTcp;
+using pion::bench::ParseSize;
+using pion::bench::Percentile;
 
 using Clock = std::chrono::steady_clock;
 
@@ -94,35 +100,6 @@ struct Options {
   std::exit(1);
 }
 
-uint64_t ParseSize(const char* s) {
-  char* end = nullptr;
-  double v = std::strtod(s, &end);
-  if (end == s || v < 0) {
-    std::fprintf(stderr, "pion-fetch-bench: bad size '%s'\n", s);
-    std::exit(2);
-  }
-  switch (*end) {
-    case 'k':
-    case 'K':
-      v *= 1024.0;
-      break;
-    case 'm':
-    case 'M':
-      v *= 1024.0 * 1024;
-      break;
-    case 'g':
-    case 'G':
-      v *= 1024.0 * 1024 * 1024;
-      break;
-    case '\0':
-      break;
-    default:
-      std::fprintf(stderr, "pion-fetch-bench: bad size '%s'\n", s);
-      std::exit(2);
-  }
-  return static_cast<uint64_t>(v);
-}
-
 Options ParseArgs(int argc, char** argv) {
   Options o;
   bool have_seconds = false;
@@ -152,7 +129,7 @@ Options ParseArgs(int argc, char** argv) {
     else if (a == "--verify-file")
       o.verify_files.emplace_back(val);
     else if (a == "--expect-size") {
-      o.expect_size = ParseSize(val);
+      o.expect_size = ParseSize("pion-fetch-bench", val);
       o.have_expect = true;
     } else if (a == "--connections" || a == "-c")
       o.connections = std::atoi(val);
@@ -290,37 +267,6 @@ struct Result {
   Clock::time_point finished;
   std::string error;
 };
-
-int Connect(const Options& o, std::string* err) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  std::string port = std::to_string(o.port);
-  int rc = getaddrinfo(o.host.c_str(), port.c_str(), &hints, &res);
-  if (rc != 0) {
-    *err = std::string("getaddrinfo: ") + gai_strerror(rc);
-    return -1;
-  }
-  int fd = -1;
-  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
-    fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-    if (fd < 0) continue;
-    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) break;
-    *err = std::string("connect: ") + std::strerror(errno);
-    close(fd);
-    fd = -1;
-  }
-  freeaddrinfo(res);
-  if (fd < 0) {
-    if (err->empty()) *err = "connect failed";
-    return -1;
-  }
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-  return fd;
-}
 
 // Blocking helpers on a non-blocking socket, for the probe.
 void SendAll(int fd, const char* p, size_t n) {
@@ -540,12 +486,6 @@ void RunConnection(Shared* sh, int conn, int fd, uint64_t quota, Result* out) {
   out->finished = Clock::now();
 }
 
-double Percentile(const std::vector<uint32_t>& sorted, double q) {
-  if (sorted.empty()) return 0.0;
-  size_t idx = static_cast<size_t>(q * static_cast<double>(sorted.size() - 1) + 0.5);
-  return sorted[std::min(idx, sorted.size() - 1)];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -569,7 +509,7 @@ int main(int argc, char** argv) {
   std::vector<int> fds;
   for (int c = 0; c < o.connections; ++c) {
     std::string err;
-    int fd = Connect(o, &err);
+    int fd = ConnectTcp(o.host, o.port, &err);
     if (fd < 0) Die(o.host + ":" + std::to_string(o.port) + ": " + err);
     fds.push_back(fd);
   }
