@@ -50,7 +50,6 @@ inline uint64_t ParseSize(const char* prog, const char* s) {
   return static_cast<uint64_t>(v);
 }
 
-
 // A non-blocking TCP connection with TCP_NODELAY, or -1 with *err set.
 inline int ConnectTcp(const std::string& host, int port_number, std::string* err) {
   addrinfo hints{};
