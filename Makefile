@@ -1,7 +1,7 @@
 # Pion — the two set-up commands (see README):
 #   make run    installs dependencies, builds, and runs pion-server with working defaults
 #   make test   installs dependencies, builds, and runs every test (unit, end-to-end, fuzz)
-# Developer targets: build, unit, e2e, fuzz, fuzz-long, asan, tsan, bench, format.
+# Developer targets: build, unit, e2e, fuzz, fuzz-long, asan, tsan, bench, format, test-gpu.
 
 BUILD      ?= build
 JOBS       ?= $(shell nproc)
@@ -9,7 +9,7 @@ PYTHON     ?= /usr/bin/python3
 FUZZ_SECS  ?= 60
 CMAKE_ARGS ?=
 
-.PHONY: deps build run test unit e2e fuzz fuzz-build fuzz-long asan tsan bench format format-check clean
+.PHONY: deps build run test unit e2e fuzz fuzz-build fuzz-long asan tsan bench format format-check clean test-gpu gpu-bundle
 
 deps:
 	@scripts/install-deps.sh
@@ -57,6 +57,14 @@ tsan: deps
 	cmake --build build-tsan -j $(JOBS)
 	cd build-tsan && ctest --output-on-failure -L unit --timeout 600
 	PION_SERVER=$(CURDIR)/build-tsan/pion-server $(PYTHON) -m pytest -q tests
+
+# The CUDA backend's tests, on a machine with an NVIDIA GPU (see scripts/test-gpu.sh).
+test-gpu: build
+	PYTHON=$(PYTHON) PION_GPU_BIN=$(BUILD) scripts/test-gpu.sh
+
+# What a GPU machine without Debian packages needs to run test-gpu and the GPU benches.
+gpu-bundle: build
+	scripts/gpu-bundle.sh $(BUILD)
 
 bench: build
 	$(PYTHON) bench/bench_protocol.py --pion $(BUILD)/pion-server

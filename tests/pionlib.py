@@ -17,6 +17,10 @@ import redis
 REPO = Path(__file__).resolve().parent.parent
 SERVER_BIN = os.environ.get("PION_SERVER") or str(REPO / "build" / "pion-server")
 HOST = "127.0.0.1"
+# Flags added to every test server, e.g. PION_TEST_SERVER_ARGS="--attention-backend cuda" runs
+# the suites against the CUDA backend on the GPU machine (make test-gpu).
+EXTRA_SERVER_ARGS = os.environ.get("PION_TEST_SERVER_ARGS", "").split()
+ATTENTION_BACKEND = "cuda" if "cuda" in EXTRA_SERVER_ARGS else "cpu"
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 5.0
 
@@ -295,7 +299,7 @@ class PionServer:
             cmd += ["--config", str(self.config_file)]
         cmd += ["--bind", HOST, "--port", str(self.port), "--dir", str(self.data_dir),
                 "--metrics-port", str(self.metrics_port)]
-        return cmd + self.extra
+        return cmd + EXTRA_SERVER_ARGS + self.extra
 
     def start(self) -> "PionServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,8 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "shm.info"}
 
 CONFIG_PARAMS = ["bind", "port", "unixsocket", "unixsocketperm", "workers", "dir", "metrics-port", "kvcache", "users",
-                 "attention-backend", "attention-fp16", "attention-memory", "compute-threads",
+                 "attention-backend", "gpu-memory", "attention-fp16", "attention-memory",
+                 "compute-threads",
                  "compute-queue-depth",
                  "maxmemory", "requirepass", "proto-max-bulk-len", "max-multibulk-len",
                  "client-query-buffer-limit", "client-output-buffer-limit",
@@ -45,7 +46,7 @@ ALL_FLAGS = ["--help", "--version", "--config", "--bind", "--port", "--unixsocke
              "--maxmemory", "--metrics-port", "--requirepass", "--users", "--proto-max-bulk-len",
              "--max-multibulk-len", "--client-query-buffer-limit", "--client-output-buffer-limit",
              "--client-output-buffer-timeout-ms", "--maxclients", "--shard-queue-depth",
-             "--attention-backend", "--attention-fp16", "--attention-memory",
+             "--attention-backend", "--gpu-memory", "--attention-fp16", "--attention-memory",
              "--compute-threads", "--compute-queue-depth",
              "--kvcache", "--loglevel", "--logfile", "--slowlog-log-slower-than",
              "--slowlog-max-len"]

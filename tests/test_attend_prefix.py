@@ -25,9 +25,13 @@ import time
 import numpy as np
 import pytest
 
-from pionlib import RespError, ServerFactory, parse_metrics
+from pionlib import ATTENTION_BACKEND, RespError, ServerFactory, parse_metrics
 
 TOL = 1e-4
+# Host-memory slot budgets (--attention-memory, --maxmemory) apply to cpu slots; the cuda
+# backend's --gpu-memory LRU is tested in test_attend_gpu.py.
+HOST_SLOTS = pytest.mark.skipif(ATTENTION_BACKEND == "cuda",
+                                reason="host-memory slot budget (cuda: see test_attend_gpu.py)")
 TOL_FP16_VS_FP32 = 2e-2
 DS = (32, 64, 96, 128, 160, 192, 256, 512)
 
@@ -297,7 +301,7 @@ def test_query_dense_and_topk_match_reference(shared_pion, case):
         assert_lse(lse, ref_lse)
     # Without RECEIPT the bytes are the same.
     assert r.execute_command("ATTEND.PREFIX.QUERY", sid, 0, hq, d, 0, f32(q), *tail) == out
-    assert rc["exact"] == 1 and rc["form"] == "dense" and rc["backend"] == "cpu"
+    assert rc["exact"] == 1 and rc["form"] == "dense" and rc["backend"] == ATTENTION_BACKEND
     assert rc["dtype"] == "fp32" and rc["prefix_rows"] == n and rc["suffix_rows"] == 0
     assert rc["query_rows"] == hq * m
     assert rc["rows_attended"] == rc["visible_rows"] == int(nvis.sum())
@@ -1234,7 +1238,7 @@ def test_lookup_drop_replace_info(shared_pion):
     for s in slots:
         assert s["heads"] == 2 and s["rows"] == 20 and s["head_dim"] == 64
         assert s["dtype"] == "fp32" and s["bytes"] == 2 * 2 * 20 * 64 * 4
-        assert s["source"] == "" and s["backend"] == "cpu" and s["generation"] >= 1
+        assert s["source"] == "" and s["backend"] == ATTENTION_BACKEND and s["generation"] >= 1
     gen1 = slots[1]["generation"]
 
     # Replace layer 1 with another shape: the query uses the new one.
@@ -1267,6 +1271,7 @@ def test_lookup_drop_replace_info(shared_pion):
     assert s0["generation"] > s1["generation"]
 
 
+@HOST_SLOTS
 def test_lru_eviction_and_oom(pion_factory):
     h, n, d = 1, 512, 64
     slot = 2 * h * n * d * 4  # 256 KiB
@@ -1303,6 +1308,7 @@ def test_lru_eviction_and_oom(pion_factory):
     assert r.execute_command("ATTEND.PREFIX.LOOKUP", "lru1", 0) == b"HIT"
 
 
+@HOST_SLOTS
 def test_maxmemory_evicts_lru_slots_then_oom(pion_factory):
     srv = pion_factory("-w", "1", "--maxmemory", "2mb")
     r = srv.client()
@@ -1501,7 +1507,7 @@ def test_info_attention_section(pion_factory):
                             "compute_completed", "attention_memory_limit"):
         assert f in before, (f, before)
     assert before["attention_slots"] == 0 and before["attention_bytes"] == 0
-    assert before["attention_backend"] == "cpu" and before["attention_dtype"] == "fp32"
+    assert before["attention_backend"] == ATTENTION_BACKEND and before["attention_dtype"] == "fp32"
     assert before["attention_memory_limit"] == 64 << 20
     rng = np.random.default_rng(70)
     h, n, d = 2, 40, 64

@@ -6,6 +6,8 @@
 #include <limits>
 #include <numeric>
 
+#include "attention/visibility.h"
+
 namespace pion::attention {
 
 using kernels::Keys;
@@ -49,22 +51,6 @@ struct PartialBuf {
   Partial View(uint32_t d) { return {m.data(), l.data(), o.data(), m.size(), d}; }
 };
 
-// Keys visible to any query row at positions [p_lo, p_hi] under the window, intersected with
-// rows [0, n) of a key set at positions pos0.. : returned as a row range [begin, end).
-std::pair<uint32_t, uint32_t> VisibleRows(int64_t p_lo, int64_t p_hi, int64_t window, int64_t pos0,
-                                          uint32_t n) {
-  int64_t lo = window > 0 ? p_lo - window + 1 : std::numeric_limits<int64_t>::min() / 2;
-  int64_t begin = std::max<int64_t>(0, lo - pos0);
-  int64_t end = std::min<int64_t>(n, p_hi - pos0 + 1);
-  if (end <= begin) return {0, 0};
-  return {static_cast<uint32_t>(begin), static_cast<uint32_t>(end)};
-}
-
-// Keys visible to one query at position p.
-std::pair<uint32_t, uint32_t> VisibleFor(int64_t p, int64_t window, int64_t pos0, uint32_t n) {
-  return VisibleRows(p, p, window, pos0, n);
-}
-
 // Dense attention of every query row over rows [0, k.rows) of k/v at positions pos0..,
 // split across threads by key range and merged exactly.
 void DensePass(const kernels::AttentionKernels& kern, const Parallel& par, const Queries& q,
@@ -89,12 +75,6 @@ void DensePass(const kernels::AttentionKernels& kern, const Parallel& par, const
     kern.Attend(q, piece, scale, window, i == 0 ? out : parts[i - 1].View(out.d));
   });
   for (auto& p : parts) kernels::MergePartial(out, p.View(out.d));
-}
-
-// Rows of query row (h, i) visible under the mask, counted over the prefix [0, n).
-uint64_t VisibleCount(int64_t p, int64_t window, uint32_t n) {
-  auto [b, e] = VisibleFor(p, window, 0, n);
-  return e - b;
 }
 
 // Query rows of head h only (a view into q).

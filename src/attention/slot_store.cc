@@ -25,9 +25,15 @@ StatusOr<std::shared_ptr<Summaries>> Slot::SummariesFor(uint32_t b,
     if (!st.ok()) return st;
     s->charge = std::make_unique<Charge>(budget, bytes);
   }
-  s->mean.resize(n);
-  s->min.resize(n);
-  s->max.resize(n);
+  if (gpu) {
+    auto mem = gpu::Allocate(bytes);
+    if (!mem.ok()) return mem.status();
+    s->dev = std::move(mem).value();
+  } else {
+    s->mean.resize(n);
+    s->min.resize(n);
+    s->max.resize(n);
+  }
   summaries_.push_front(s);
   if (summaries_.size() > kMaxSummaries) summaries_.pop_back();
   return s;
@@ -63,8 +69,33 @@ SlotRef SlotStore::Find(const store::TenantKey& sid, uint32_t layer) {
   if (s == sessions_.end()) return nullptr;
   auto it = s->second.find(layer);
   if (it == s->second.end()) return nullptr;
+  if (it->second.slot->gone()) {  // its GPU copy was evicted: unlink it now
+    Unlink(s->second, it);
+    if (s->second.empty()) sessions_.erase(s);
+    evictions_.fetch_add(1, std::memory_order_relaxed);
+    PublishGauges();
+    return nullptr;
+  }
   lru_.splice(lru_.begin(), lru_, it->second.lru);
   return it->second.slot;
+}
+
+size_t SlotStore::SweepGone() {
+  size_t n = 0;
+  for (auto s = sessions_.begin(); s != sessions_.end();) {
+    for (auto it = s->second.begin(); it != s->second.end();) {
+      auto next = std::next(it);
+      if (it->second.slot->gone()) {
+        Unlink(s->second, it);
+        evictions_.fetch_add(1, std::memory_order_relaxed);
+        ++n;
+      }
+      it = next;
+    }
+    s = s->second.empty() ? sessions_.erase(s) : std::next(s);
+  }
+  if (n > 0) PublishGauges();
+  return n;
 }
 
 void SlotStore::Unlink(std::map<uint32_t, Entry>& layers, std::map<uint32_t, Entry>::iterator it) {
@@ -99,17 +130,21 @@ std::vector<std::pair<uint32_t, SlotRef>> SlotStore::Layers(const store::TenantK
   std::vector<std::pair<uint32_t, SlotRef>> out;
   auto s = sessions_.find(sid);
   if (s == sessions_.end()) return out;
-  for (const auto& [layer, e] : s->second) out.emplace_back(layer, e.slot);
+  for (const auto& [layer, e] : s->second) {
+    if (!e.slot->gone()) out.emplace_back(layer, e.slot);
+  }
   return out;
 }
 
 uint64_t SlotStore::EvictForRoom(uint64_t bytes) {
   uint64_t released = 0;
-  while (released < bytes && !lru_.empty()) {
-    Key victim = lru_.back();
-    auto s = sessions_.find(victim.sid);
-    auto it = s->second.find(victim.layer);
-    released += it->second.slot->bytes();
+  for (auto k = lru_.end(); released < bytes && k != lru_.begin();) {
+    --k;
+    auto s = sessions_.find(k->sid);
+    auto it = s->second.find(k->layer);
+    if (it->second.slot->host_bytes() == 0) continue;  // GPU slots hold no host memory
+    k = std::next(k);                                  // Unlink erases the LRU node under k
+    released += it->second.slot->host_bytes();
     Unlink(s->second, it);
     if (s->second.empty()) sessions_.erase(s);
     evictions_.fetch_add(1, std::memory_order_relaxed);

@@ -23,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "attention/gpu_slots.h"
 #include "common/buffer.h"
 #include "common/status.h"
 #include "kernels/attention.h"
@@ -50,9 +51,16 @@ class Charge {
 struct Summaries {
   uint32_t block = 0;
   uint32_t nblocks = 0;
-  std::vector<float> mean, min, max;  // [heads][nblocks][d]
+  std::vector<float> mean, min, max;  // [heads][nblocks][d] (host slots)
+  gpu::DeviceMemory dev;              // GPU slots: mean, min, max back to back
   std::once_flag filled;
+  Status fill_status;  // set by the filling query (GPU slots can fail)
   std::unique_ptr<Charge> charge;
+
+  size_t elems() const { return mean.empty() ? dev.size() / (3 * sizeof(float)) : mean.size(); }
+  const float* dev_mean() const { return static_cast<const float*>(dev.data()); }
+  const float* dev_min() const { return dev_mean() + elems(); }
+  const float* dev_max() const { return dev_mean() + 2 * elems(); }
 
   kernels::BlockSummaries View(uint32_t heads, uint32_t d) {
     return {mean.data(), min.data(), max.data(), heads, nblocks, block, d};
@@ -64,14 +72,19 @@ struct Slot {
   uint32_t rows = 0;  // N, prefix tokens
   uint32_t d = 0;
   kernels::DType dtype = kernels::DType::kF32;
-  BufferRef k, v;           // [heads][rows][d] of dtype
-  uint64_t generation = 0;  // unique per published slot, store-wide
-  std::string source;       // "" for STORE with blobs; "<ns>@<publication>" for STORE FROM
-  std::unique_ptr<Charge> charge;
+  BufferRef k, v;                  // [heads][rows][d] of dtype
+  uint64_t generation = 0;         // unique per published slot, store-wide
+  std::string source;              // "" for STORE with blobs; "<ns>@<publication>" for STORE FROM
+  std::unique_ptr<Charge> charge;  // host bytes (k, v)
+  // --attention-backend cuda: K and V live on the GPU instead (k, v and charge are empty).
+  std::shared_ptr<GpuCopy> gpu;
 
   kernels::Tensor3 K() const { return {k->data(), dtype, heads, rows, d}; }
   kernels::Tensor3 V() const { return {v->data(), dtype, heads, rows, d}; }
-  uint64_t bytes() const { return charge ? charge->bytes() : 0; }
+  uint64_t host_bytes() const { return charge ? charge->bytes() : 0; }
+  uint64_t bytes() const { return gpu ? gpu->bytes() : host_bytes(); }
+  // A GPU slot whose device copy was evicted: it reads as absent.
+  bool gone() const { return gpu != nullptr && gpu->evicted(); }
 
   // Shard thread only: the summaries for block size b, creating (and charging) them if needed.
   // At most kMaxSummaries block sizes are cached per slot; the least recently used is dropped.
@@ -105,10 +118,12 @@ class SlotStore {
   size_t Drop(const store::TenantKey& sid, std::optional<uint32_t> layer);
   // Layers of a session, in order (for ATTEND.PREFIX.INFO).
   std::vector<std::pair<uint32_t, SlotRef>> Layers(const store::TenantKey& sid) const;
-  // Evicts least recently used slots until `bytes` were released or none is left. Returns the
-  // bytes released (a slot a query still holds is unlinked now; its memory returns when the
-  // query finishes).
+  // Evicts least recently used slots holding host memory until `bytes` were released or none
+  // is left. Returns the bytes released (a slot a query still holds is unlinked now; its memory
+  // returns when the query finishes).
   uint64_t EvictForRoom(uint64_t bytes);
+  // Unlinks GPU slots whose device copy was evicted (GpuSlots LRU); returns how many.
+  size_t SweepGone();
 
   struct Usage {
     uint64_t sessions = 0;

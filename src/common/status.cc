@@ -30,6 +30,8 @@ std::string_view ErrorPrefix(ErrorKind kind) {
       return "CORRUPT";
     case ErrorKind::kMiss:
       return "MISS";
+    case ErrorKind::kDevice:
+      return "DEVERR";
   }
   return "ERR";
 }

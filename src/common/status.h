@@ -27,6 +27,7 @@ enum class ErrorKind : unsigned char {
   kIo,         // -IOERR: the disk tier failed
   kCorrupt,    // -CORRUPT: stored bytes failed validation and are not served
   kMiss,       // -MISS: the object a computation needs is not resident (store it first)
+  kDevice,     // -DEVERR: the accelerator (CUDA) failed a copy or a kernel
 };
 
 // The RESP prefix for an error kind, e.g. "ERR", "OOM".

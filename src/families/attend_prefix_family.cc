@@ -21,7 +21,7 @@ namespace pion::families {
 namespace attend {
 
 Status ParseLayer(std::string_view text, uint32_t* out) {
-  uint64_t v;
+  uint64_t v = 0;
   Status s = ParseUint(text, "layer", &v);
   if (!s.ok()) return s;
   if (v >= kMaxLayer) {
@@ -74,7 +74,7 @@ StatusOr<attention::SlotRef> FindSlot(server::CommandContext& ctx, std::string_v
 }
 
 const kernels::AttentionKernels& Kernels(server::Server&) { return kernels::CpuKernels(); }
-std::string_view BackendName(server::Server&) { return "cpu"; }
+std::string_view BackendName(server::Server& srv) { return srv.attention_backend(); }
 
 }  // namespace attend
 
@@ -98,6 +98,79 @@ void ConvertRows(const float* src, size_t n_rows, uint32_t d, kernels::DType t, 
   fp16.Encode(src, n_rows * d, dst);  // a dim-1 codec: n_rows * d independent halves
 }
 
+// --attention-backend cuda, on a compute thread: moves a built slot's K and V to the GPU
+// (GpuSlots::Place: reserve → copy through pinned staging → validate). k/v hold fp32 values
+// (src_f32, converted to the slot's dtype on the way) or bytes of the slot's dtype. On success
+// the host buffers and their charge are dropped: the slot lives on the GPU only.
+Status PlaceOnGpu(server::Server& srv, attention::Slot& slot, const BufferRef& k,
+                  const BufferRef& v, bool src_f32) {
+  const uint64_t elems = uint64_t{slot.heads} * slot.rows * slot.d;
+  const kernels::DType dtype = slot.dtype;
+  auto fill = [src_f32, dtype](const BufferRef& src) {
+    return [src_f32, dtype, src](uint8_t* dst, uint64_t off, uint64_t n) {
+      if (!src_f32 || dtype == kernels::DType::kF32) {
+        std::memcpy(dst, src->data() + off, n);
+      } else {  // fp32 → fp16: offsets and sizes are in fp16 bytes
+        ConvertRows(reinterpret_cast<const float*>(src->data()) + off / 2, n / 2, 1, dtype, dst);
+      }
+    };
+  };
+  auto copy = srv.gpu_slots()->Place(elems * kernels::DTypeSize(dtype), fill(k), fill(v));
+  if (!copy.ok()) return copy.status();
+  slot.gpu = std::move(copy).value();
+  slot.k.reset();
+  slot.v.reset();
+  slot.charge.reset();
+  return Status::Ok();
+}
+
+// Publishes a slot on its shard and replies OK (or the error that stopped it).
+void PublishFromCompute(server::Server* srv, int shard_id, std::shared_ptr<attention::Slot> slot,
+                        store::TenantKey sid, uint32_t layer, Status st, bool promotion,
+                        std::function<void(server::CommandContext::ReplyWriter)> reply) {
+  srv->shard(shard_id).PostControl(
+      [srv, slot, sid, layer, st, promotion, reply](server::Shard& sh) {
+        if (!st.ok()) return reply([st](proto::ReplyBuilder& rb) { rb.Error(st); });
+        slot->generation = attention::NextSlotGeneration();
+        sh.store().attention.Publish(sid, layer, slot);
+        (promotion ? srv->attention_counters().promotions : srv->attention_counters().stores)
+            .fetch_add(1, std::memory_order_relaxed);
+        reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
+      });
+}
+
+// STORE with blobs under the cuda backend: the upload (and fp16 conversion) runs on the compute
+// pool; the slot is published on this shard once its GPU copy is complete.
+void StoreBlobsGpu(CommandContext& ctx, CmdArgs& args, uint32_t layer, uint32_t heads,
+                   uint32_t rows, uint32_t d) {
+  server::Server& srv = *ctx.server;
+  auto slot = std::make_shared<attention::Slot>();
+  slot->heads = heads;
+  slot->rows = rows;
+  slot->d = d;
+  slot->dtype = StorageType(srv);
+  BufferRef src[2];
+  for (int i = 0; i < 2; ++i) {
+    auto b = args.TakeBuffer(6 + i);
+    if (!b.ok()) return ctx.Error(b.status());
+    src[i] = std::move(b).value();
+  }
+  server::Server* srvp = &srv;
+  const int shard_id = ctx.shard->id();
+  const store::TenantKey sid = ctx.Key(args[1]);
+  auto reply = ctx.Defer();
+  bool queued = srv.compute()->Submit([srvp, shard_id, slot, sid, layer, src, reply]() {
+    Status st = PlaceOnGpu(*srvp, *slot, src[0], src[1], true);
+    PublishFromCompute(srvp, shard_id, slot, sid, layer, st, false, reply);
+  });
+  if (!queued) {
+    ctx.shard->stats().Reject(server::RejectReason::kBusy);
+    reply([](proto::ReplyBuilder& rb) {
+      rb.Error(Status(ErrorKind::kBusy, "the compute queue is full; retry later"));
+    });
+  }
+}
+
 // ATTEND.PREFIX.STORE <sid> <layer> <H> <N> <D> <K_blob> <V_blob>
 void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
   uint32_t layer, heads, rows, d;
@@ -114,6 +187,7 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
   if (!s.ok()) return ctx.Error(s);
 
   server::Server& srv = *ctx.server;
+  if (srv.gpu_slots() != nullptr) return StoreBlobsGpu(ctx, args, layer, heads, rows, d);
   const kernels::DType dtype = StorageType(srv);
   auto& store = ctx.shard->store().attention;
   auto charge = store.Reserve(2 * elems * kernels::DTypeSize(dtype));
@@ -326,17 +400,12 @@ void StoreFrom(CommandContext& ctx, CmdArgs& args) {
       const bool valid = slot->k->size() == slot->v->size() &&
                          slot->k->size() == uint64_t{slot->heads} * slot->rows * slot->d *
                                                 kernels::DTypeSize(slot->dtype);
-      srv->shard(sid_shard).PostControl([srv, slot, sid, layer, valid, reply](server::Shard& sh) {
-        if (!valid) {
-          return reply([](proto::ReplyBuilder& rb) {
-            rb.Error(Status(ErrorKind::kCorrupt, "decoded slot does not match its manifest"));
-          });
-        }
-        slot->generation = attention::NextSlotGeneration();
-        sh.store().attention.Publish(sid, layer, slot);
-        srv->attention_counters().promotions.fetch_add(1, std::memory_order_relaxed);
-        reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
-      });
+      Status st = valid ? Status::Ok()
+                        : Status(ErrorKind::kCorrupt, "decoded slot does not match its manifest");
+      if (st.ok() && srv->gpu_slots() != nullptr) {
+        st = PlaceOnGpu(*srv, *slot, slot->k, slot->v, false);
+      }
+      PublishFromCompute(srv, sid_shard, slot, sid, layer, st, true, reply);
     });
     if (!queued) {
       shard.stats().Reject(server::RejectReason::kBusy);

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "attention/executor.h"
+#include "attention/gpu_executor.h"
 #include "families/args.h"
 #include "families/attend_prefix_internal.h"
 #include "server/server.h"
@@ -235,7 +236,7 @@ void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
   bool queued = srv->compute()->Submit([srv, job, reply]() {
     const kernels::AttentionKernels& kern = Kernels(*srv);
     const attention::Slot& slot = *job->slot;
-    if (job->summaries) {
+    if (job->summaries && !slot.gpu) {
       std::call_once(job->summaries->filled,
                      [&] { kern.Summarize(slot.K(), job->summaries->View(slot.heads, slot.d)); });
     }
@@ -253,7 +254,17 @@ void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
         pool->threads(),
         [pool](size_t n, const std::function<void(size_t)>& fn) { pool->ParallelFor(n, fn); }};
     auto r = std::make_shared<attention::Receipt>();
-    Status s = attention::Run(kern, par, job->plan, slot.K(), slot.V(), o, lse, r.get());
+    Status s;
+    if (slot.gpu) {
+      // The copy cannot be evicted while pinned; one evicted since the lookup is a miss.
+      auto pin = srv->gpu_slots()->Acquire(slot.gpu);
+      s = pin ? attention::RunGpu(job->plan, slot, *slot.gpu, job->summaries.get(), o, lse, r.get())
+              : Status(ErrorKind::kMiss,
+                       "the slot's GPU copy was evicted for room meanwhile (--gpu-memory); "
+                       "ATTEND.PREFIX.STORE it again");
+    } else {
+      s = attention::Run(kern, par, job->plan, slot.K(), slot.V(), o, lse, r.get());
+    }
     auto& c = srv->attention_counters();
     c.queries[static_cast<int>(job->plan.form)].fetch_add(1, std::memory_order_relaxed);
     (r->exact ? c.exact : c.approximate).fetch_add(1, std::memory_order_relaxed);
@@ -461,7 +472,8 @@ void QuerySparseAutoImpl(CommandContext& ctx, CmdArgs& args, bool fused) {
   auto map = s.ok() ? Take(args, map_i, job.get()) : StatusOr<BufferRef>(s);
   if (s.ok()) s = map.ok() ? CheckHeadMap(map.value(), h.hq, h_kv, job.get()) : map.status();
   if (!s.ok()) return ctx.Error(s);
-  auto summaries = h.slot->SummariesFor(block, ctx.shard->store().attention.budget());
+  auto summaries = h.slot->SummariesFor(
+      block, h.slot->gpu ? ctx.server->gpu_budget() : ctx.shard->store().attention.budget());
   if (!summaries.ok()) return ctx.Error(summaries.status());
   job->summaries = std::move(summaries).value();
   job->slot = h.slot;

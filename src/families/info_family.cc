@@ -13,6 +13,7 @@
 #include "common/bytes.h"
 #include "families/args.h"
 #include "families/families.h"
+#include "kernels/cuda/gpu.h"
 #include "server/process_stats.h"
 #include "server/server.h"
 
@@ -212,11 +213,14 @@ void AttentionSection(server::Server& srv, std::string& out) {
     u.evictions += t.evictions;
   }
   const auto& c = srv.attention_counters();
-  Kv(out, "attention_backend", "cpu");
+  Kv(out, "attention_backend", std::string(srv.attention_backend()));
   Kv(out, "attention_dtype", srv.config().attention_fp16 ? "fp16" : "fp32");
   Kv(out, "attention_sessions", u.sessions);
   Kv(out, "attention_slots", u.slots);
-  Kv(out, "attention_bytes", srv.memory().used(server::MemFamily::kAttention));
+  // Host bytes (cpu slots, summaries, transient STORE FROM decodes) plus the GPU copies.
+  Kv(out, "attention_bytes",
+     srv.memory().used(server::MemFamily::kAttention) +
+         (srv.gpu_slots() ? srv.gpu_slots()->stats().used : 0));
   Kv(out, "attention_memory_limit", srv.memory().family_limit(server::MemFamily::kAttention));
   Kv(out, "attention_evictions", u.evictions);
   Kv(out, "attention_stores", c.stores.load());
@@ -231,6 +235,16 @@ void AttentionSection(server::Server& srv, std::string& out) {
   Kv(out, "attention_approximate", c.approximate.load());
   Kv(out, "attention_rows_attended", c.rows_attended.load());
   Kv(out, "attention_compute_us", c.compute_us.load());
+  const attention::GpuSlots::Stats g =
+      srv.gpu_slots() ? srv.gpu_slots()->stats() : attention::GpuSlots::Stats{};
+  Kv(out, "attention_gpu_device", srv.gpu_slots() ? gpu::Info().name : std::string());
+  Kv(out, "attention_gpu_memory_limit", g.limit);
+  Kv(out, "attention_gpu_bytes", g.used);
+  Kv(out, "attention_gpu_copies", g.copies);
+  Kv(out, "attention_gpu_evictions", g.evictions);
+  Kv(out, "attention_gpu_uploads", g.uploads);
+  Kv(out, "attention_gpu_upload_bytes", g.upload_bytes);
+  Kv(out, "attention_gpu_upload_failures", g.failures);
   server::WorkerPool* pool = srv.compute();
   Kv(out, "compute_threads", static_cast<uint64_t>(pool ? pool->threads() : 0));
   Kv(out, "compute_queue_depth", static_cast<uint64_t>(pool ? pool->capacity() : 0));

@@ -131,11 +131,15 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   app.add_option("--attention-backend", c.attention_backend,
-                 "Where ATTEND.PREFIX.* computes: cpu | auto (auto = the best available)")
+                 "Where ATTEND.PREFIX.* slots live and compute: cpu | cuda | auto (auto = cuda "
+                 "when a GPU is present, else cpu)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"cpu", "auto"}));
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   app.add_flag("--attention-fp16", c.attention_fp16,
                "Store attention slots as fp16 (half the memory; parity with fp16 engines)");
+  AddSize(app, "--gpu-memory", &c.gpu_memory,
+          "cuda backend: GPU memory for attention slots (LRU eviction beyond it); 0 = 90% of "
+          "the device memory free at start");
   AddSize(app, "--attention-memory", &c.attention_memory,
           "Cap on resident attention slots (LRU eviction beyond it); 0 = only --maxmemory");
   app.add_option("--compute-threads", c.compute_threads,

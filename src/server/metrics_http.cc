@@ -173,6 +173,20 @@ std::string MetricsHttp::Render(Server& server) {
   line("pion_attention_evictions_total", evictions);
   metric("pion_attention_misses_total", "counter", "Queries on a slot that was not resident.");
   line("pion_attention_misses_total", ac.misses.load());
+  if (attention::GpuSlots* gs = server.gpu_slots()) {
+    const auto g = gs->stats();
+    metric("pion_attention_gpu_bytes", "gauge", "GPU bytes held by slot copies and summaries.");
+    line("pion_attention_gpu_bytes", g.used);
+    metric("pion_attention_gpu_memory_limit_bytes", "gauge", "--gpu-memory.");
+    line("pion_attention_gpu_memory_limit_bytes", g.limit);
+    metric("pion_attention_gpu_evictions_total", "counter", "GPU copies evicted for room (LRU).");
+    line("pion_attention_gpu_evictions_total", g.evictions);
+    metric("pion_attention_gpu_upload_bytes_total", "counter", "Bytes copied to the GPU.");
+    line("pion_attention_gpu_upload_bytes_total", g.upload_bytes);
+    metric("pion_attention_gpu_upload_failures_total", "counter",
+           "STOREs refused at the GPU stage (no room, device error).");
+    line("pion_attention_gpu_upload_failures_total", g.failures);
+  }
   if (WorkerPool* pool = server.compute()) {
     metric("pion_compute_queued", "gauge", "Queries waiting for a compute thread.");
     line("pion_compute_queued", static_cast<uint64_t>(pool->queued()));

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <ctime>
 
+#include "kernels/cuda/gpu.h"
 #include "net/socket.h"
 #include "server/metrics_http.h"
 
@@ -41,6 +42,26 @@ Status Server::Init() {
     auto ufd = net::ListenUnix(config_.unixsocket, config_.unixsocketperm);
     if (!ufd.ok()) return ufd.status();
     unix_fd_ = ufd.value();
+  }
+
+  // The attention backend: slots on the GPU (cuda) or in host memory (cpu).
+  const gpu::DeviceInfo& dev = gpu::Info();
+  if (config_.attention_backend == "cuda" && !dev.present) {
+    return Error("--attention-backend cuda: no usable CUDA device (" + dev.reason +
+                 "); use --attention-backend cpu or auto");
+  }
+  if (config_.attention_backend == "cuda" || (config_.attention_backend == "auto" && dev.present)) {
+    const uint64_t limit = config_.gpu_memory != 0 ? config_.gpu_memory : dev.free_bytes / 10 * 9;
+    gpu_slots_ = std::make_unique<attention::GpuSlots>(limit);
+    attention::GpuSlots* gs = gpu_slots_.get();
+    gpu_budget_.reserve = [gs](uint64_t n) {
+      return gs->ReserveExtra(n)
+                 ? Status::Ok()
+                 : Status(ErrorKind::kOom, "GPU attention memory full (--gpu-memory)");
+    };
+    gpu_budget_.release = [gs](uint64_t n) { gs->ReleaseExtra(n); };
+    spdlog::info("attention on {} (sm_{}{}, {} SMs): {} MiB for slots", dev.name, dev.cc_major,
+                 dev.cc_minor, dev.sms, limit >> 20);
   }
 
   shm_ =

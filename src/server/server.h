@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attention/counters.h"
+#include "attention/gpu_slots.h"
 #include "server/auth.h"
 #include "server/command.h"
 #include "server/config.h"
@@ -60,6 +61,11 @@ class Server {
   // Attention queries (--compute-threads). Null until Init().
   WorkerPool* compute() { return compute_.get(); }
   attention::Counters& attention_counters() { return attention_counters_; }
+  // --attention-backend as resolved by Init(): non-null when slots live on the GPU (cuda).
+  attention::GpuSlots* gpu_slots() { return gpu_slots_.get(); }
+  std::string_view attention_backend() const { return gpu_slots_ ? "cuda" : "cpu"; }
+  // Charges GPU bytes outside slots (block summaries) against --gpu-memory.
+  const store::ByteBudget* gpu_budget() const { return &gpu_budget_; }
   // The same-host data plane (enabled with --unixsocket).
   ShmPlane& shm() { return *shm_; }
 
@@ -110,6 +116,8 @@ class Server {
   MemoryAccountant memory_;
   UserTable users_;
   SlowLog slowlog_;
+  std::unique_ptr<attention::GpuSlots> gpu_slots_;  // outlives the shards (their slots' copies)
+  store::ByteBudget gpu_budget_;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<std::function<void(Shard&)>> shard_inits_;
   std::vector<std::function<Status(Server&)>> startup_;

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU tests (make test-gpu), on a machine with an NVIDIA GPU:
+#   1. gpu_attention_test: every CUDA kernel and form against the scalar reference, plus GPU
+#      slot residency;
+#   2. the same test's Smoke cases under compute-sanitizer memcheck and racecheck;
+#   3. the Stage 2 end-to-end suites against a real pion-server with --attention-backend cuda.
+# PION_GPU_BIN names the directory with pion-server and gpu_attention_test (default: build).
+set -euo pipefail
+BIN=$(cd "${PION_GPU_BIN:-build}" && pwd)
+PY=${PYTHON:-python3}
+"$BIN/gpu_attention_test"
+if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
+  CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck racecheck; do
+    "$CS" --tool "$tool" --error-exitcode 1 "$BIN/gpu_attention_test" \
+      --gtest_filter='GpuExecutor.Smoke:GpuSlotsTest.*'
+  done
+else
+  echo "compute-sanitizer not found: skipping memcheck/racecheck" >&2
+  exit 1
+fi
+PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda" \
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_attend_prefix.py tests/test_attend_gpu.py
+echo "test-gpu: all GPU suites passed"

@@ -1,0 +1,374 @@
+#include "attention/gpu_executor.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "attention/visibility.h"
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/gpu.h"
+
+namespace pion::attention {
+namespace {
+
+using kernels::cuda::AttendArgs;
+using kernels::cuda::Item;
+
+#define PION_TRY(expr)         \
+  do {                         \
+    Status st_ = (expr);       \
+    if (!st_.ok()) return st_; \
+  } while (0)
+
+// One query's device work on the thread's context: scratch allocation and uploads.
+class Job {
+ public:
+  explicit Job(gpu::Context* c) : c_(c) { c_->Reset(); }
+  void* stream() const { return c_->stream(); }
+  gpu::Context* ctx() const { return c_; }
+
+  template <typename T>
+  StatusOr<T*> Dev(size_t n) {
+    auto p = c_->Device(std::max<size_t>(n, 1) * sizeof(T));
+    if (!p.ok()) return p.status();
+    return static_cast<T*>(p.value());
+  }
+  // Host data → pinned scratch → device (async on the stream).
+  template <typename T>
+  StatusOr<T*> Up(const T* host, size_t n) {
+    auto d = Dev<T>(n);
+    if (!d.ok()) return d.status();
+    auto h = c_->Host(std::max<size_t>(n, 1) * sizeof(T));
+    if (!h.ok()) return h.status();
+    if (n > 0) std::memcpy(h.value(), host, n * sizeof(T));
+    Status s = c_->ToDevice(d.value(), h.value(), n * sizeof(T));
+    if (!s.ok()) return s;
+    return d.value();
+  }
+  // Device → pinned scratch (async); the host pointer is valid after Sync().
+  template <typename T>
+  StatusOr<T*> Down(const T* dev, size_t n) {
+    auto h = c_->Host(std::max<size_t>(n, 1) * sizeof(T));
+    if (!h.ok()) return h.status();
+    Status s = c_->ToHost(h.value(), dev, n * sizeof(T));
+    if (!s.ok()) return s;
+    return static_cast<T*>(h.value());
+  }
+
+ private:
+  gpu::Context* c_;
+};
+
+#define PION_ASSIGN(var, expr)                  \
+  auto var##_or = (expr);                       \
+  if (!var##_or.ok()) return var##_or.status(); \
+  auto var = var##_or.value()
+
+// Partials of every output row: parts × rows × (m, l, o).
+struct Parts {
+  float* m = nullptr;
+  float* l = nullptr;
+  float* o = nullptr;
+  uint32_t count = 0;  // parts written so far
+};
+
+Status AllocParts(Job& job, uint32_t parts, uint32_t nrows, uint32_t d, Parts* p) {
+  PION_ASSIGN(m, job.Dev<float>(size_t{parts} * nrows));
+  PION_ASSIGN(l, job.Dev<float>(size_t{parts} * nrows));
+  PION_ASSIGN(o, job.Dev<float>(size_t{parts} * nrows * d));
+  *p = Parts{m, l, o, 0};
+  return Status::Ok();
+}
+
+// The arguments common to every attend launch over the slot (prefix keys at positions 0..N−1).
+AttendArgs PrefixArgs(const Plan& plan, const Slot& slot, const GpuCopy& copy, const float* dq,
+                      float scale) {
+  AttendArgs a;
+  a.q = dq;
+  a.hq = plan.q.hq;
+  a.m = plan.q.m;
+  a.d = plan.q.d;
+  a.q_pos0 = plan.q.pos0;
+  a.k = copy.k();
+  a.v = copy.v();
+  a.dtype = slot.dtype;
+  a.heads = slot.heads;
+  a.rows = slot.rows;
+  a.k_pos0 = 0;
+  a.begin = 0;
+  a.end = slot.rows;
+  a.scale = scale;
+  a.window = plan.window;
+  a.nrows = plan.q.hq * plan.q.m;
+  return a;
+}
+
+// A dense pass of every query row over keys [0, a.rows) of `a` (dense items), writing its
+// splits into parts. `keys` is how many keys any row sees (0: nothing to launch).
+Status DenseLaunch(Job& job, AttendArgs a, const int32_t* head_map, uint64_t keys, Parts* parts,
+                   uint32_t splits) {
+  if (keys == 0) return Status::Ok();
+  a.dense_items = true;
+  const int pad = kernels::cuda::UsesTensorCores(a) ? kernels::cuda::FlashRowGroups(a) : 1;
+  std::vector<Item> items = kernels::cuda::DenseItems(a.hq, a.m, head_map, pad);
+  PION_ASSIGN(ditems, job.Up(items.data(), items.size()));
+  a.items = ditems;
+  a.n_items = static_cast<uint32_t>(items.size());
+  a.splits = splits;
+  a.part_m = parts->m;
+  a.part_l = parts->l;
+  a.part_o = parts->o;
+  a.part0 = parts->count;
+  parts->count += splits;
+  return kernels::cuda::LaunchAttend(a, job.stream());
+}
+
+// Splits a dense pass should use (items as DenseLaunch builds them).
+uint32_t DenseSplitsFor(AttendArgs a, const int32_t* head_map, uint64_t keys) {
+  if (keys == 0) return 0;
+  a.dense_items = true;
+  const int pad = kernels::cuda::UsesTensorCores(a) ? kernels::cuda::FlashRowGroups(a) : 1;
+  a.n_items = static_cast<uint32_t>(kernels::cuda::DenseItems(a.hq, a.m, head_map, pad).size());
+  return kernels::cuda::PlanSplits(a, keys);
+}
+
+// A sparse pass: row r attends list[r*stride ..+counts[r]) (device), one item per row.
+Status SparseLaunch(Job& job, AttendArgs a, const int32_t* head_map, const int32_t* list,
+                    const int32_t* counts, uint32_t stride, Parts* parts, uint32_t splits) {
+  std::vector<Item> items = kernels::cuda::RowItems(a.hq, a.m, head_map);
+  PION_ASSIGN(ditems, job.Up(items.data(), items.size()));
+  a.items = ditems;
+  a.n_items = static_cast<uint32_t>(items.size());
+  a.dense_items = false;
+  a.list = list;
+  a.counts = counts;
+  a.stride = stride;
+  a.splits = splits;
+  a.part_m = parts->m;
+  a.part_l = parts->l;
+  a.part_o = parts->o;
+  a.part0 = parts->count;
+  parts->count += splits;
+  return kernels::cuda::LaunchAttend(a, job.stream());
+}
+
+uint32_t SparseSplitsFor(AttendArgs a, const int32_t* head_map, uint32_t stride) {
+  a.dense_items = false;
+  a.list = reinterpret_cast<const int32_t*>(1);  // shape only: any sparse launch
+  a.n_items = a.hq * a.m;
+  return std::max<uint32_t>(1, kernels::cuda::PlanSplits(a, stride));
+}
+
+}  // namespace
+
+Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summaries, float* out,
+              float* lse, Receipt* r) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ctx = gpu::Context::ForThisThread();
+  if (!ctx.ok()) return ctx.status();
+  Job job(ctx.value());
+  kernels::Queries& q = plan.q;
+  const float scale = plan.scale > 0 ? plan.scale : 1.0f / std::sqrt(static_cast<float>(q.d));
+  const uint32_t n = slot.rows;
+  const uint32_t s_suf = plan.k_suffix.rows;
+  const bool fused = plan.form == Form::kFused || plan.form == Form::kSparseAutoFused;
+  if (fused) q.pos0 = static_cast<int64_t>(n) + s_suf - q.m;
+  const uint32_t nrows = q.hq * q.m;
+  *r = Receipt{};
+  r->support.assign(q.hq, 0);
+  std::vector<uint64_t> visible(nrows);
+  for (uint32_t row = 0; row < nrows; ++row) {
+    visible[row] = VisibleCount(q.pos0 + static_cast<int64_t>(row % q.m), plan.window, n);
+    r->visible_rows += visible[row];
+  }
+
+  // The copy's bytes are complete before any kernel of this stream reads them.
+  PION_TRY(copy.ready().WaitOn(job.stream()));
+  PION_ASSIGN(dq, job.Up(q.q, size_t{nrows} * q.d));
+  PION_ASSIGN(dmap, job.Up(q.head_map, q.hq));
+  AttendArgs base = PrefixArgs(plan, slot, copy, dq, scale);
+  const auto [vis_lo, vis_hi] = VisibleRows(q.pos0, q.pos0 + q.m - 1, plan.window, 0, n);
+
+  // Suffix (fused forms): fp32 K/V at positions N..N+S−1, dense and causal.
+  AttendArgs suf = base;
+  uint32_t suf_splits = 0;
+  if (fused && s_suf > 0) {
+    const size_t elems = size_t{plan.k_suffix.heads} * s_suf * q.d;
+    PION_ASSIGN(dk, job.Up(static_cast<const float*>(plan.k_suffix.data), elems));
+    PION_ASSIGN(dv, job.Up(static_cast<const float*>(plan.v_suffix.data), elems));
+    suf.k = dk;
+    suf.v = dv;
+    suf.dtype = kernels::DType::kF32;
+    suf.rows = s_suf;
+    suf.k_pos0 = n;
+    suf.begin = 0;
+    suf.end = s_suf;
+    const auto [sb, se] = VisibleRows(q.pos0, q.pos0 + q.m - 1, plan.window, n, s_suf);
+    suf_splits = DenseSplitsFor(suf, q.head_map, se - sb);
+  }
+
+  Parts parts;
+  // Device results the receipt reads back.
+  const int32_t* h_counts = nullptr;
+  const float* h_omitted = nullptr;
+  const uint8_t* h_exact = nullptr;
+  const int32_t* h_blocks = nullptr;
+  const int32_t* h_nchosen = nullptr;
+  uint32_t top_k = 0, b_lo = 0, b_hi = 0;
+
+  switch (plan.form) {
+    case Form::kDense:
+    case Form::kFused: {
+      const uint32_t splits = DenseSplitsFor(base, q.head_map, vis_hi - vis_lo);
+      PION_TRY(AllocParts(job, splits + suf_splits, nrows, q.d, &parts));
+      PION_TRY(DenseLaunch(job, base, q.head_map, vis_hi - vis_lo, &parts, splits));
+      r->splits = std::max<uint32_t>(splits, 1);
+      r->rows_attended = r->visible_rows;
+      for (uint32_t row = 0; row < nrows; ++row) r->support[row / q.m] += visible[row];
+      break;
+    }
+    case Form::kTopK: {
+      top_k = std::min(plan.top_k, n);
+      PION_ASSIGN(list, job.Dev<int32_t>(size_t{nrows} * top_k));
+      PION_ASSIGN(counts, job.Dev<int32_t>(nrows));
+      PION_ASSIGN(omitted, job.Dev<float>(nrows));
+      PION_ASSIGN(exact, job.Dev<uint8_t>(nrows));
+      // Scores in chunks of rows (at most 64 MiB of scores at a time).
+      const uint32_t chunk = static_cast<uint32_t>(
+          std::clamp<uint64_t>((64ull << 20) / (4ull * std::max(n, 1u)), 1, nrows));
+      PION_ASSIGN(scores, job.Dev<float>(size_t{chunk} * n));
+      for (uint32_t row0 = 0; row0 < nrows; row0 += chunk) {
+        const uint32_t cn = std::min(chunk, nrows - row0);
+        PION_TRY(kernels::cuda::LaunchScores(base, dmap, row0, cn, scores, job.stream()));
+        PION_TRY(kernels::cuda::LaunchSelectRows(base, row0, cn, scores, top_k, list, counts,
+                                                 omitted, exact, job.stream()));
+      }
+      const uint32_t splits = SparseSplitsFor(base, q.head_map, top_k);
+      PION_TRY(AllocParts(job, splits, nrows, q.d, &parts));
+      PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, top_k, &parts, splits));
+      r->splits = splits;
+      PION_ASSIGN(hc, job.Down(counts, nrows));
+      PION_ASSIGN(ho, job.Down(omitted, nrows));
+      PION_ASSIGN(he, job.Down(exact, nrows));
+      h_counts = hc, h_omitted = ho, h_exact = he;
+      break;
+    }
+    case Form::kSparse: {
+      PION_ASSIGN(list, job.Up(plan.rows, size_t{q.hq} * plan.stride));
+      PION_ASSIGN(counts, job.Up(plan.counts, q.hq));
+      const uint32_t splits = SparseSplitsFor(base, q.head_map, plan.stride);
+      PION_TRY(AllocParts(job, splits, nrows, q.d, &parts));
+      PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, plan.stride, &parts, splits));
+      r->splits = splits;
+      for (uint32_t h = 0; h < q.hq; ++h) {
+        uint64_t seen = 0;
+        for (int32_t j = 0; j < plan.counts[h]; ++j) {
+          const int32_t t = plan.rows[size_t{h} * plan.stride + j];
+          if (t >= static_cast<int32_t>(vis_lo) && t < static_cast<int32_t>(vis_hi)) ++seen;
+        }
+        r->support[h] = seen;
+        r->rows_attended += seen;
+        if (seen < vis_hi - vis_lo) r->exact = false;
+      }
+      break;
+    }
+    case Form::kSparseAuto:
+    case Form::kSparseAutoFused: {
+      const uint32_t nb = summaries->nblocks, B = summaries->block;
+      std::call_once(summaries->filled, [&] {
+        summaries->fill_status = kernels::cuda::LaunchSummarize(
+            copy.k(), slot.dtype, slot.heads, slot.rows, slot.d, B, nb,
+            const_cast<float*>(summaries->dev_mean()), const_cast<float*>(summaries->dev_min()),
+            const_cast<float*>(summaries->dev_max()), job.stream());
+        if (summaries->fill_status.ok()) summaries->fill_status = job.ctx()->Sync();
+      });
+      PION_TRY(summaries->fill_status);
+      const uint32_t stride =
+          static_cast<uint32_t>(std::min<uint64_t>(uint64_t{plan.k_top + 2} * B, n));
+      PION_ASSIGN(sel, job.Dev<float>(size_t{q.hq} * nb));
+      PION_ASSIGN(ms, job.Dev<float>(size_t{q.hq} * nb));
+      PION_ASSIGN(blocks, job.Dev<int32_t>(size_t{q.hq} * (plan.k_top + 2)));
+      PION_ASSIGN(nchosen, job.Dev<int32_t>(q.hq));
+      PION_ASSIGN(list, job.Dev<int32_t>(size_t{q.hq} * stride));
+      PION_ASSIGN(counts, job.Dev<int32_t>(q.hq));
+      PION_ASSIGN(omitted, job.Dev<float>(q.hq));
+      const uint32_t splits = SparseSplitsFor(base, q.head_map, stride);
+      PION_TRY(AllocParts(job, splits + suf_splits, nrows, q.d, &parts));
+      if (vis_lo < vis_hi) {
+        b_lo = vis_lo / B;
+        b_hi = (vis_hi - 1) / B;
+        PION_TRY(kernels::cuda::LaunchScoreBlocks(dq, q.hq, q.d, dmap, summaries->dev_mean(),
+                                                  summaries->dev_min(), summaries->dev_max(), nb,
+                                                  plan.selector, sel, ms, job.stream()));
+        PION_TRY(kernels::cuda::LaunchSelectBlocks(sel, ms, q.hq, nb, B, vis_lo, vis_hi, plan.k_top,
+                                                   scale, blocks, nchosen, list, counts, stride,
+                                                   omitted, job.stream()));
+        PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits));
+        r->splits = splits;
+        PION_ASSIGN(hb, job.Down(blocks, size_t{q.hq} * (plan.k_top + 2)));
+        PION_ASSIGN(hn, job.Down(nchosen, q.hq));
+        PION_ASSIGN(hc, job.Down(counts, q.hq));
+        PION_ASSIGN(ho, job.Down(omitted, q.hq));
+        h_blocks = hb, h_nchosen = hn, h_counts = hc, h_omitted = ho;
+      }
+      break;
+    }
+  }
+
+  if (fused && suf_splits > 0) {
+    if (parts.m == nullptr) PION_TRY(AllocParts(job, suf_splits, nrows, q.d, &parts));
+    PION_TRY(DenseLaunch(job, suf, q.head_map, 1, &parts, suf_splits));
+  }
+  if (parts.m == nullptr) PION_TRY(AllocParts(job, 0, nrows, q.d, &parts));
+  PION_ASSIGN(dout, job.Dev<float>(size_t{nrows} * q.d));
+  PION_ASSIGN(dlse, job.Dev<float>(nrows));
+  PION_TRY(kernels::cuda::LaunchCombine(parts.count, nrows, q.d, parts.m, parts.l, parts.o, dout,
+                                        dlse, job.stream()));
+  PION_ASSIGN(hout, job.Down(dout, size_t{nrows} * q.d));
+  PION_ASSIGN(hlse, job.Down(dlse, nrows));
+  PION_TRY(job.ctx()->Sync());
+  std::memcpy(out, hout, size_t{nrows} * q.d * sizeof(float));
+  if (lse != nullptr) std::memcpy(lse, hlse, nrows * sizeof(float));
+
+  // The receipt from what the selection kernels reported.
+  if (plan.form == Form::kTopK) {
+    double om = 0;
+    for (uint32_t row = 0; row < nrows; ++row) {
+      r->rows_attended += h_counts[row];
+      r->support[row / q.m] += h_counts[row];
+      r->exact = r->exact && h_exact[row];
+      om += h_omitted[row];
+    }
+    r->omitted_mass_estimate = nrows ? om / nrows : 0;
+  } else if (plan.form == Form::kSparseAuto || plan.form == Form::kSparseAutoFused) {
+    r->blocks.assign(q.hq, {});
+    double om = 0;
+    if (h_blocks != nullptr) {
+      r->blocks_total = b_hi - b_lo + 1;
+      for (uint32_t h = 0; h < q.hq; ++h) {
+        const int32_t* hb = h_blocks + size_t{h} * (plan.k_top + 2);
+        r->blocks[h].assign(hb, hb + h_nchosen[h]);
+        if (r->blocks[h].size() < r->blocks_total) r->exact = false;
+        r->support[h] += h_counts[h];
+        r->rows_attended += h_counts[h];
+        om += h_omitted[h];
+      }
+    }
+    r->omitted_mass_estimate = q.hq ? om / q.hq : 0;
+  }
+  if (fused) {
+    for (uint32_t row = 0; row < nrows; ++row) {
+      const int64_t p = q.pos0 + static_cast<int64_t>(row % q.m);
+      auto [b, e] = VisibleFor(p, plan.window, n, s_suf);
+      r->rows_attended += e - b;
+      r->visible_rows += e - b;
+      r->support[row / q.m] += e - b;
+    }
+  }
+  r->micros =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  return Status::Ok();
+}
+
+}  // namespace pion::attention

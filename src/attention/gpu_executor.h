@@ -1,0 +1,23 @@
+// The GPU executor: runs one ATTEND.PREFIX plan over a slot's device copy with the CUDA kernels
+// (kernels/cuda/cuda_attention.h) — the same forms, semantics and receipt as Run() on the CPU
+// (executor.h), on the calling thread's compute stream:
+//
+//   upload Q (and the fused suffix, caller lists) through pinned scratch
+//   → wait on the slot copy's ready event → split-K partial kernels (dense, or sparse over row
+//   lists that top_k and sparse-auto select on the GPU) → combine into output and LSE
+//   → download output, LSE and the few numbers the receipt needs → synchronize.
+#pragma once
+
+#include "attention/executor.h"
+#include "attention/gpu_slots.h"
+#include "attention/slot_store.h"
+
+namespace pion::attention {
+
+// `copy` is the slot's device copy, pinned by the caller for the duration. `summaries` (the
+// sparse-auto forms) are the slot's summaries for plan.block, filled on the GPU by the first
+// query that needs them. out/lse are host memory as in Run().
+Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summaries, float* out,
+              float* lse, Receipt* receipt);
+
+}  // namespace pion::attention

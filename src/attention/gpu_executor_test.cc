@@ -1,0 +1,382 @@
+// The CUDA backend against the scalar reference: every form (dense, top_k, fused, caller
+// sparse, sparse-auto with mean and Quest, sparse-auto fused) over fp32 and fp16 slots, every
+// head dim, GQA, M = 1 and batched, windows and query positions — outputs, LSE and receipts.
+// Also: slot residency (upload, eviction of unheld copies, pins). Skips without a CUDA device.
+//
+// Tolerances, err = |gpu − ref| / (1 + |ref|), ref = ReferenceKernels (double) over the same
+// stored values (fp16 slots: the reference reads the same fp16 K/V):
+//   fp32 slots, and fp16 slots on the decode path (Q and P split hi+lo)   1e-4
+//   fp16 slots, batched tensor-core path (Q and P as fp16)               4e-3
+// Receipts (rows attended, support, chosen blocks, exactness) must match exactly; omitted-mass
+// estimates within 1e-4.
+#include "attention/gpu_executor.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/gpu.h"
+#include "store/codec/codec_internal.h"
+
+namespace pion::attention {
+namespace {
+
+using kernels::DType;
+
+#define SKIP_WITHOUT_GPU()  \
+  if (!gpu::Info().present) \
+  GTEST_SKIP() << "no CUDA device (" << gpu::Info().reason << "): GPU tests run on the GPU machine"
+
+std::vector<float> Randn(size_t n, std::mt19937& rng, float scale = 1.f) {
+  std::normal_distribution<float> g(0.f, scale);
+  std::vector<float> x(n);
+  for (auto& e : x) e = g(rng);
+  return x;
+}
+
+// A slot in both places: host bytes (for the reference) and its GPU copy.
+struct TestSlot {
+  Slot slot;
+  std::vector<uint8_t> k, v;
+  std::shared_ptr<GpuCopy> copy;
+  kernels::Tensor3 K() const { return {k.data(), slot.dtype, slot.heads, slot.rows, slot.d}; }
+  kernels::Tensor3 V() const { return {v.data(), slot.dtype, slot.heads, slot.rows, slot.d}; }
+};
+
+GpuSlots& Slots() {
+  static GpuSlots slots(8ull << 30);
+  return slots;
+}
+
+std::unique_ptr<TestSlot> MakeSlot(uint32_t heads, uint32_t rows, uint32_t d, DType dtype,
+                                   std::mt19937& rng) {
+  auto t = std::make_unique<TestSlot>();
+  t->slot.heads = heads;
+  t->slot.rows = rows;
+  t->slot.d = d;
+  t->slot.dtype = dtype;
+  const size_t elems = size_t{heads} * rows * d;
+  for (auto* dst : {&t->k, &t->v}) {
+    auto src = Randn(elems, rng);
+    dst->resize(elems * kernels::DTypeSize(dtype));
+    if (dtype == DType::kF32) {
+      std::memcpy(dst->data(), src.data(), elems * 4);
+    } else {
+      auto* h = reinterpret_cast<uint16_t*>(dst->data());
+      for (size_t i = 0; i < elems; ++i) h[i] = codec::internal::F32ToF16Bits(src[i]);
+    }
+  }
+  const uint64_t each = t->k.size();
+  auto copy = Slots().Place(
+      each, [&](uint8_t* s, uint64_t off, uint64_t n) { std::memcpy(s, t->k.data() + off, n); },
+      [&](uint8_t* s, uint64_t off, uint64_t n) { std::memcpy(s, t->v.data() + off, n); });
+  EXPECT_TRUE(copy.ok()) << copy.status().message();
+  t->copy = copy.value();
+  t->slot.gpu = t->copy;
+  return t;
+}
+
+struct Case {
+  Form form = Form::kDense;
+  uint32_t hq = 8, heads = 2, m = 1, n = 1000, d = 64;
+  DType dtype = DType::kF32;
+  int64_t window = 0;
+  int64_t qpos = -1;  // −1: right after the prefix
+  uint32_t top_k = 0, block = 32, k_top = 4, suffix = 0;
+  kernels::BlockSelector selector = kernels::BlockSelector::kMean;
+};
+
+std::string Describe(const Case& c) {
+  return "form=" + std::string(FormName(c.form)) + " hq=" + std::to_string(c.hq) +
+         " heads=" + std::to_string(c.heads) + " m=" + std::to_string(c.m) +
+         " n=" + std::to_string(c.n) + " d=" + std::to_string(c.d) +
+         " dtype=" + std::string(kernels::DTypeName(c.dtype)) +
+         " window=" + std::to_string(c.window) + " qpos=" + std::to_string(c.qpos);
+}
+
+void Check(const Case& c, uint32_t seed = 1) {
+  SCOPED_TRACE(Describe(c));
+  std::mt19937 rng(seed);
+  auto ts = MakeSlot(c.heads, c.n, c.d, c.dtype, rng);
+  auto q = Randn(size_t{c.hq} * c.m * c.d, rng);
+  std::vector<int32_t> map(c.hq);
+  for (uint32_t h = 0; h < c.hq; ++h) map[h] = static_cast<int32_t>(h / (c.hq / c.heads));
+  Plan p;
+  p.form = c.form;
+  p.q = {q.data(), c.hq, c.m, c.d, map.data(), c.qpos >= 0 ? c.qpos : int64_t{c.n}};
+  p.window = c.window;
+  p.top_k = c.top_k;
+  std::vector<float> ks, vs;
+  if (c.suffix > 0) {
+    ks = Randn(size_t{c.heads} * c.suffix * c.d, rng);
+    vs = Randn(ks.size(), rng);
+    p.k_suffix = {ks.data(), DType::kF32, c.heads, c.suffix, c.d};
+    p.v_suffix = {vs.data(), DType::kF32, c.heads, c.suffix, c.d};
+  }
+  std::vector<int32_t> rows, counts;
+  if (c.form == Form::kSparse) {
+    p.stride = std::min<uint32_t>(c.n, 200);
+    rows.resize(size_t{c.hq} * p.stride);
+    counts.resize(c.hq);
+    for (uint32_t h = 0; h < c.hq; ++h) {
+      std::vector<int32_t> all(c.n);
+      for (uint32_t t = 0; t < c.n; ++t) all[t] = static_cast<int32_t>(t);
+      std::shuffle(all.begin(), all.end(), rng);
+      counts[h] = static_cast<int32_t>(p.stride - h % 3);
+      std::copy(all.begin(), all.begin() + counts[h], rows.begin() + size_t{h} * p.stride);
+    }
+    p.rows = rows.data();
+    p.counts = counts.data();
+  }
+  Summaries host_sum;
+  std::shared_ptr<Summaries> dev_sum;
+  if (c.form == Form::kSparseAuto || c.form == Form::kSparseAutoFused) {
+    p.block = c.block;
+    p.k_top = c.k_top;
+    p.selector = c.selector;
+    host_sum.block = c.block;
+    host_sum.nblocks = (c.n + c.block - 1) / c.block;
+    const size_t ns = size_t{c.heads} * host_sum.nblocks * c.d;
+    host_sum.mean.resize(ns);
+    host_sum.min.resize(ns);
+    host_sum.max.resize(ns);
+    kernels::ReferenceKernels().Summarize(ts->K(), host_sum.View(c.heads, c.d));
+    auto s = ts->slot.SummariesFor(c.block, nullptr);
+    ASSERT_TRUE(s.ok()) << s.status().message();
+    dev_sum = s.value();
+  }
+  const bool sparse_out =
+      c.form == Form::kSparse || c.form == Form::kSparseAuto || c.form == Form::kSparseAutoFused;
+  const size_t out_rows = size_t{c.hq} * c.m;
+  std::vector<float> ref(out_rows * c.d), ref_lse(out_rows), got(ref.size()), got_lse(out_rows);
+  Receipt rr, rg;
+  Plan pref = p;
+  if (dev_sum) pref.summaries = host_sum.View(c.heads, c.d);
+  ASSERT_TRUE(Run(kernels::ReferenceKernels(), Parallel{}, pref, ts->K(), ts->V(), ref.data(),
+                  ref_lse.data(), &rr)
+                  .ok());
+  auto pin = Slots().Acquire(ts->copy);
+  ASSERT_TRUE(static_cast<bool>(pin));
+  Status s = RunGpu(p, ts->slot, *ts->copy, dev_sum.get(), got.data(), got_lse.data(), &rg);
+  ASSERT_TRUE(s.ok()) << s.message();
+
+  kernels::cuda::AttendArgs probe;
+  probe.dtype = c.dtype;
+  probe.d = c.d;
+  probe.hq = c.hq;
+  probe.heads = c.heads;
+  probe.m = c.m;
+  const bool fast_fp16 = c.dtype == DType::kF16 && !sparse_out && c.form != Form::kTopK &&
+                         c.d <= 256 && kernels::cuda::FlashRowGroups(probe) == 4;
+  const float tol = fast_fp16 ? 4e-3f : 1e-4f;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_NEAR(got[i], ref[i], tol * (1 + std::fabs(ref[i]))) << "output " << i;
+  }
+  for (size_t i = 0; i < out_rows; ++i) {
+    if (std::isinf(ref_lse[i])) {
+      ASSERT_TRUE(std::isinf(got_lse[i]) && got_lse[i] < 0) << "lse " << i;
+    } else {
+      ASSERT_NEAR(got_lse[i], ref_lse[i], tol * (1 + std::fabs(ref_lse[i]))) << "lse " << i;
+    }
+  }
+  EXPECT_EQ(rg.exact, rr.exact);
+  EXPECT_EQ(rg.rows_attended, rr.rows_attended);
+  EXPECT_EQ(rg.visible_rows, rr.visible_rows);
+  EXPECT_EQ(rg.support, rr.support);
+  EXPECT_EQ(rg.blocks, rr.blocks);
+  EXPECT_EQ(rg.blocks_total, rr.blocks_total);
+  EXPECT_NEAR(rg.omitted_mass_estimate, rr.omitted_mass_estimate, 1e-4);
+}
+
+// One small case of every kernel variant: the compute-sanitizer (memcheck, racecheck) target.
+TEST(GpuExecutor, Smoke) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kF16}) {
+    for (uint32_t m : {1u, 40u}) {
+      for (Form f : {Form::kDense, Form::kTopK, Form::kFused}) {
+        Case c;
+        c.form = f;
+        c.dtype = t;
+        c.m = m;
+        c.n = 300;
+        c.d = 64;
+        c.top_k = 20;
+        c.suffix = f == Form::kFused ? 20 : 0;
+        Check(c);
+      }
+    }
+    for (Form f : {Form::kSparse, Form::kSparseAuto, Form::kSparseAutoFused}) {
+      Case c;
+      c.form = f;
+      c.dtype = t;
+      c.n = 300;
+      c.d = 64;
+      c.block = 16;
+      c.k_top = 3;
+      c.selector = kernels::BlockSelector::kQuest;
+      c.suffix = f == Form::kSparseAutoFused ? 10 : 0;
+      Check(c);
+    }
+  }
+}
+
+TEST(GpuExecutor, DenseEveryHeadDimAndDtype) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kF16}) {
+    for (uint32_t d : {32u, 64u, 96u, 128u, 160u, 192u, 256u, 512u}) {
+      Case c;
+      c.d = d;
+      c.dtype = t;
+      c.n = 777;
+      Check(c);
+      c.m = 5;  // a few rows: the decode path
+      Check(c);
+      c.m = 40;  // 4 heads per K/V head × 40 rows: the batched path
+      Check(c);
+    }
+  }
+}
+
+TEST(GpuExecutor, GqaWindowsAndPositions) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kF16}) {
+    for (auto [hq, heads] : {std::pair{4u, 4u}, {8u, 2u}, {32u, 4u}, {16u, 2u}}) {
+      for (int64_t window : {0, 1, 100}) {
+        for (uint32_t m : {1u, 7u, 33u}) {
+          Case c;
+          c.hq = hq;
+          c.heads = heads;
+          c.dtype = t;
+          c.window = window;
+          c.m = m;
+          c.n = 1500;
+          c.d = 128;
+          Check(c);
+          c.qpos = 700;  // inside the prefix: later keys are hidden
+          Check(c);
+          c.qpos = 0;
+          Check(c);
+        }
+      }
+    }
+  }
+}
+
+TEST(GpuExecutor, LongPrefixSplits) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kF16}) {
+    Case c;
+    c.hq = 32;
+    c.heads = 8;
+    c.n = 70000;
+    c.d = 128;
+    c.dtype = t;
+    Check(c);
+    c.n = 20000;
+    c.m = 16;  // 64 rows per K/V head: the batched path
+    Check(c);
+  }
+}
+
+TEST(GpuExecutor, TopK) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kF16}) {
+    for (uint32_t k : {1u, 17u, 300u, 5000u}) {
+      Case c;
+      c.form = Form::kTopK;
+      c.dtype = t;
+      c.top_k = k;
+      c.m = 3;
+      c.n = 3000;
+      Check(c);
+      c.window = 50;
+      Check(c);
+    }
+  }
+}
+
+TEST(GpuExecutor, FusedSuffix) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kF16}) {
+    for (uint32_t m : {1u, 4u, 64u}) {
+      Case c;
+      c.form = Form::kFused;
+      c.dtype = t;
+      c.m = m;
+      c.suffix = 80;
+      c.n = 900;
+      Check(c);
+      c.window = 60;  // the window ends inside the suffix for some rows
+      Check(c);
+    }
+  }
+}
+
+TEST(GpuExecutor, CallerSparse) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kF16}) {
+    for (uint32_t d : {64u, 128u, 512u}) {
+      Case c;
+      c.form = Form::kSparse;
+      c.dtype = t;
+      c.d = d;
+      c.n = 1200;
+      Check(c);
+      c.window = 300;
+      Check(c);
+    }
+  }
+}
+
+TEST(GpuExecutor, SparseAuto) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kF16}) {
+    for (auto sel : {kernels::BlockSelector::kMean, kernels::BlockSelector::kQuest}) {
+      for (uint32_t k_top : {0u, 3u, 20u, 1000u}) {
+        Case c;
+        c.form = Form::kSparseAuto;
+        c.dtype = t;
+        c.selector = sel;
+        c.k_top = k_top;
+        c.n = 4000;
+        c.block = 64;
+        Check(c);
+        c.window = 1000;
+        Check(c);
+        c.form = Form::kSparseAutoFused;
+        c.suffix = 30;
+        Check(c);
+      }
+    }
+  }
+}
+
+TEST(GpuSlotsTest, EvictsUnheldCopiesOnly) {
+  SKIP_WITHOUT_GPU();
+  GpuSlots slots(3 << 20);
+  auto fill = [](uint8_t* s, uint64_t, uint64_t n) { std::memset(s, 1, n); };
+  auto a = slots.Place(1 << 20, fill, fill);  // 2 MiB
+  ASSERT_TRUE(a.ok());
+  auto pin = slots.Acquire(a.value());
+  ASSERT_TRUE(static_cast<bool>(pin));
+  auto b = slots.Place(1 << 20, fill, fill);  // a is held: no room
+  EXPECT_FALSE(b.ok());
+  EXPECT_EQ(b.status().kind(), ErrorKind::kOom);
+  pin = GpuSlots::Pin();
+  auto c = slots.Place(1 << 20, fill, fill);  // a is evicted now
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(a.value()->evicted());
+  EXPECT_FALSE(static_cast<bool>(slots.Acquire(a.value())));
+  EXPECT_EQ(slots.stats().evictions, 1u);
+  EXPECT_EQ(slots.stats().used, 2u << 20);
+  a.value().reset();
+  c.value().reset();
+  EXPECT_EQ(slots.stats().used, 0u);
+}
+
+}  // namespace
+}  // namespace pion::attention

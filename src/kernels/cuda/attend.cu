@@ -1,0 +1,370 @@
+// The SIMT attention kernel (every dtype, D, dense or sparse item) and the split combine.
+//
+// One thread block (128 threads) owns one item — up to kItemRows query rows of one K/V head —
+// and one split of its keys. Keys stream through shared memory in tiles, double-buffered with
+// cp.async so the next tile's loads are in flight while this one is computed:
+//   scores   thread per (row, key): the whole dot over D from shared memory (K rows padded by
+//            16 bytes so a warp's rows hit distinct banks; q broadcast)
+//   softmax  warp per row: tile max, rescale factor, p = exp(s − m), running l
+//   p·V      thread per 4 consecutive outputs of a row, o kept in registers across tiles
+// and the block writes its rows' (m, l, o) partials; LaunchCombine merges the splits.
+#include <cuda_fp16.h>
+#include <cuda_pipeline.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/gpu.h"
+
+namespace pion::kernels::cuda {
+
+namespace {
+
+template <typename T, int D>
+struct Simt {
+  static constexpr int kThreads = 128;
+  static constexpr int kTk = std::clamp<int>(16384 / (D * int(sizeof(T))), 8, 64);  // keys/tile
+  static constexpr int kStride = D + 16 / int(sizeof(T));  // smem row, padded by 16 bytes
+  static constexpr int kVecs = D * int(sizeof(T)) / 16;    // 16-byte vectors per row
+  static constexpr int kMaxO = (kItemRows * D / 4 + kThreads - 1) / kThreads;
+
+  // Shared memory layout (bytes).
+  static constexpr size_t kQ = size_t{kItemRows} * D * 4;
+  static constexpr size_t kTile = size_t{kTk} * kStride * sizeof(T);
+  static constexpr size_t kS = size_t{kItemRows} * kTk * 4;
+  static constexpr size_t kBytes = kQ + 4 * kTile + kS + 2 * kTk * 4 + 3 * kItemRows * 4;
+};
+
+__device__ inline void Load8(const float* p, float (&x)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+__device__ inline void Load8(const __half* p, float (&x)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(h[i]);
+    x[2 * i] = f.x, x[2 * i + 1] = f.y;
+  }
+}
+__device__ inline float4 Load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ inline float4 Load4(const __half* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+  const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
+  using C = Simt<T, D>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  float* qs = reinterpret_cast<float*>(smem);
+  T* ks = reinterpret_cast<T*>(smem + C::kQ);                         // [2][kTk][kStride]
+  T* vs = reinterpret_cast<T*>(smem + C::kQ + 2 * C::kTile);          // [2][kTk][kStride]
+  float* ss = reinterpret_cast<float*>(smem + C::kQ + 4 * C::kTile);  // [kItemRows][kTk]
+  int32_t* kidx = reinterpret_cast<int32_t*>(smem + C::kQ + 4 * C::kTile + C::kS);  // [2][kTk]
+  float* rm = reinterpret_cast<float*>(kidx + 2 * C::kTk);
+  float* rl = rm + kItemRows;
+  float* ralpha = rl + kItemRows;
+  __shared__ int64_t qpos[kItemRows];
+  __shared__ int32_t rowid[kItemRows];
+  __shared__ uint32_t range[2];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const Item& item = a.items[blockIdx.x];
+  const int nr = item.n;
+  const uint32_t split = blockIdx.y;
+  const bool sparse = a.list != nullptr;
+  if (tid < nr) {
+    const int32_t r = item.rows[tid];
+    rowid[tid] = r;
+    qpos[tid] = a.q_pos0 + static_cast<int64_t>(r % a.m);
+    rm[tid] = -INFINITY;
+    rl[tid] = 0.f;
+  }
+  __syncthreads();
+  for (int e = tid; e < nr * D / 4; e += C::kThreads) {
+    const int r = e / (D / 4), c = e % (D / 4);
+    reinterpret_cast<float4*>(qs)[r * (D / 4) + c] =
+        reinterpret_cast<const float4*>(a.q + static_cast<size_t>(rowid[r]) * D)[c];
+  }
+  // This block's keys: [k0, k1) of the dense range, or entries [k0, k1) of the row's list.
+  if (tid == 0) {
+    uint32_t lo, hi;
+    if (sparse) {
+      lo = 0;
+      hi = static_cast<uint32_t>(a.counts[rowid[0]]);
+    } else {
+      int64_t vlo = INT64_MAX, vhi = INT64_MIN;
+      for (int r = 0; r < nr; ++r) {
+        const int64_t p = qpos[r];
+        const int64_t first = a.window > 0 ? p - a.window + 1 : INT64_MIN / 2;
+        vlo = min(vlo, first - a.k_pos0);
+        vhi = max(vhi, p - a.k_pos0 + 1);
+      }
+      const int64_t b = Max<int64_t>(vlo, a.begin), e = Min<int64_t>(vhi, a.end);
+      lo = static_cast<uint32_t>(b < e ? b : 0);
+      hi = static_cast<uint32_t>(b < e ? e : 0);
+    }
+    const uint64_t len = hi - lo;
+    range[0] = lo + static_cast<uint32_t>(len * split / a.splits);
+    range[1] = lo + static_cast<uint32_t>(len * (split + 1) / a.splits);
+  }
+  __syncthreads();
+  const uint32_t k0 = range[0], k1 = range[1];
+  const int ntiles = static_cast<int>((k1 - k0 + C::kTk - 1) / C::kTk);
+  const T* kbase = static_cast<const T*>(a.k) + static_cast<size_t>(item.kv) * a.rows * D;
+  const T* vbase = static_cast<const T*>(a.v) + static_cast<size_t>(item.kv) * a.rows * D;
+  const int32_t* list = sparse ? a.list + static_cast<size_t>(rowid[0]) * a.stride : nullptr;
+
+  auto prefetch = [&](int t, int buf) {
+    const uint32_t first = k0 + t * C::kTk;
+    const int tk = Min<int>(C::kTk, k1 - first);
+    for (int e = tid; e < tk * C::kVecs; e += C::kThreads) {
+      const int j = e / C::kVecs, c = e % C::kVecs;
+      const int32_t key = sparse ? list[first + j] : static_cast<int32_t>(first + j);
+      if (c == 0) kidx[buf * C::kTk + j] = key;
+      const size_t off = static_cast<size_t>(key) * D;
+      const size_t soff = (static_cast<size_t>(buf) * C::kTk + j) * C::kStride;
+      __pipeline_memcpy_async(ks + soff + c * (16 / sizeof(T)), kbase + off + c * (16 / sizeof(T)),
+                              16);
+      __pipeline_memcpy_async(vs + soff + c * (16 / sizeof(T)), vbase + off + c * (16 / sizeof(T)),
+                              16);
+    }
+    __pipeline_commit();
+  };
+
+  float4 o[C::kMaxO];
+#pragma unroll
+  for (int s = 0; s < C::kMaxO; ++s) o[s] = make_float4(0.f, 0.f, 0.f, 0.f);
+
+  if (ntiles > 0) prefetch(0, 0);
+  for (int t = 0; t < ntiles; ++t) {
+    const int buf = t & 1;
+    if (t + 1 < ntiles) {
+      prefetch(t + 1, buf ^ 1);
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();
+    const int tk = Min<int>(C::kTk, k1 - (k0 + t * C::kTk));
+    const T* kt = ks + static_cast<size_t>(buf) * C::kTk * C::kStride;
+    const T* vt = vs + static_cast<size_t>(buf) * C::kTk * C::kStride;
+    // Scores.
+    for (int p = tid; p < nr * C::kTk; p += C::kThreads) {
+      const int r = p / C::kTk, j = p % C::kTk;
+      float s = -INFINITY;
+      if (j < tk) {
+        const int64_t kpos = a.k_pos0 + kidx[buf * C::kTk + j];
+        const int64_t qp = qpos[r];
+        if (kpos <= qp && (a.window <= 0 || kpos > qp - a.window)) {
+          const float* qr = qs + r * D;
+          const T* kr = kt + j * C::kStride;
+          float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+          for (int d = 0; d < D; d += 8) {
+            float kx[8];
+            Load8(kr + d, kx);
+            const float4 q0 = *reinterpret_cast<const float4*>(qr + d);
+            const float4 q1 = *reinterpret_cast<const float4*>(qr + d + 4);
+            acc0 = fmaf(q0.x, kx[0], acc0);
+            acc1 = fmaf(q0.y, kx[1], acc1);
+            acc0 = fmaf(q0.z, kx[2], acc0);
+            acc1 = fmaf(q0.w, kx[3], acc1);
+            acc0 = fmaf(q1.x, kx[4], acc0);
+            acc1 = fmaf(q1.y, kx[5], acc1);
+            acc0 = fmaf(q1.z, kx[6], acc0);
+            acc1 = fmaf(q1.w, kx[7], acc1);
+          }
+          s = (acc0 + acc1) * a.scale;
+        }
+      }
+      ss[r * C::kTk + j] = s;
+    }
+    __syncthreads();
+    // Online softmax, a warp per row.
+    for (int r = warp; r < nr; r += C::kThreads / 32) {
+      float* sr = ss + r * C::kTk;
+      const float x0 = lane < C::kTk ? sr[lane] : -INFINITY;
+      const float x1 = lane + 32 < C::kTk ? sr[lane + 32] : -INFINITY;
+      const float mx = WarpMax(fmaxf(x0, x1));
+      const float m_old = rm[r];
+      const float m_new = fmaxf(m_old, mx);
+      float p0 = 0.f, p1 = 0.f, alpha = 1.f;
+      if (m_new != -INFINITY) {
+        p0 = expf(x0 - m_new);
+        p1 = expf(x1 - m_new);
+        alpha = expf(m_old - m_new);
+      }
+      if (lane < C::kTk) sr[lane] = p0;
+      if (lane + 32 < C::kTk) sr[lane + 32] = p1;
+      const float sum = WarpSum(p0 + p1);
+      __syncwarp();  // every lane has read rm[r] and rl[r]
+      if (lane == 0) {
+        rl[r] = rl[r] * alpha + sum;
+        rm[r] = m_new;
+        ralpha[r] = alpha;
+      }
+    }
+    __syncthreads();
+    // o = alpha·o + p·V.
+#pragma unroll
+    for (int s = 0; s < C::kMaxO; ++s) {
+      const int e = tid + s * C::kThreads;
+      if (e < nr * D / 4) {
+        const int r = e / (D / 4), c = (e % (D / 4)) * 4;
+        const float al = ralpha[r];
+        float4 acc = make_float4(o[s].x * al, o[s].y * al, o[s].z * al, o[s].w * al);
+        const float* pr = ss + r * C::kTk;
+        for (int j = 0; j < tk; ++j) {
+          const float pj = pr[j];
+          const float4 v = Load4(vt + j * C::kStride + c);
+          acc.x = fmaf(pj, v.x, acc.x);
+          acc.y = fmaf(pj, v.y, acc.y);
+          acc.z = fmaf(pj, v.z, acc.z);
+          acc.w = fmaf(pj, v.w, acc.w);
+        }
+        o[s] = acc;
+      }
+    }
+    __syncthreads();
+  }
+  // Partials of this split.
+  const size_t part = a.part0 + split;
+  if (tid < nr) {
+    a.part_m[part * a.nrows + rowid[tid]] = rm[tid];
+    a.part_l[part * a.nrows + rowid[tid]] = rl[tid];
+  }
+#pragma unroll
+  for (int s = 0; s < C::kMaxO; ++s) {
+    const int e = tid + s * C::kThreads;
+    if (e < nr * D / 4) {
+      const int r = e / (D / 4), c = e % (D / 4);
+      reinterpret_cast<float4*>(a.part_o + (part * a.nrows + rowid[r]) * D)[c] = o[s];
+    }
+  }
+}
+
+template <typename T, int D>
+Status LaunchSimt(const AttendArgs& a, cudaStream_t stream) {
+  using C = Simt<T, D>;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      AttendSimt<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kBytes));
+  if (attr != cudaSuccess) return gpu::CudaError(attr, "attention kernel shared memory");
+  dim3 grid(a.n_items, a.splits);
+  AttendSimt<T, D><<<grid, C::kThreads, C::kBytes, stream>>>(a);
+  return KernelStatus("attention kernel");
+}
+
+template <typename T>
+Status LaunchSimtD(const AttendArgs& a, cudaStream_t stream) {
+  switch (a.d) {
+    case 32:
+      return LaunchSimt<T, 32>(a, stream);
+    case 64:
+      return LaunchSimt<T, 64>(a, stream);
+    case 96:
+      return LaunchSimt<T, 96>(a, stream);
+    case 128:
+      return LaunchSimt<T, 128>(a, stream);
+    case 160:
+      return LaunchSimt<T, 160>(a, stream);
+    case 192:
+      return LaunchSimt<T, 192>(a, stream);
+    case 256:
+      return LaunchSimt<T, 256>(a, stream);
+    case 512:
+      return LaunchSimt<T, 512>(a, stream);
+  }
+  return Status(ErrorKind::kErr, "unsupported head dim " + std::to_string(a.d));
+}
+
+__global__ void Combine(uint32_t parts, uint32_t nrows, uint32_t d, const float* pm,
+                        const float* pl, const float* po, float* out, float* lse) {
+  const uint32_t row = blockIdx.x;
+  float mx = -INFINITY;
+  for (uint32_t p = 0; p < parts; ++p) mx = fmaxf(mx, pm[size_t{p} * nrows + row]);
+  float* o = out + size_t{row} * d;
+  if (mx == -INFINITY) {
+    for (uint32_t x = threadIdx.x; x < d; x += blockDim.x) o[x] = 0.f;
+    if (threadIdx.x == 0 && lse != nullptr) lse[row] = -INFINITY;
+    return;
+  }
+  float l = 0.f;
+  for (uint32_t p = 0; p < parts; ++p) {
+    const float m = pm[size_t{p} * nrows + row];
+    if (m != -INFINITY) l += pl[size_t{p} * nrows + row] * expf(m - mx);
+  }
+  for (uint32_t x = threadIdx.x; x < d; x += blockDim.x) {
+    float acc = 0.f;
+    for (uint32_t p = 0; p < parts; ++p) {
+      const float m = pm[size_t{p} * nrows + row];
+      if (m != -INFINITY) acc += po[(size_t{p} * nrows + row) * d + x] * expf(m - mx);
+    }
+    o[x] = acc / l;
+  }
+  if (threadIdx.x == 0 && lse != nullptr) lse[row] = mx + logf(l);
+}
+
+template <typename T>
+size_t SimtBytes(uint32_t d) {
+  switch (d) {
+    case 32:
+      return Simt<T, 32>::kBytes;
+    case 64:
+      return Simt<T, 64>::kBytes;
+    case 96:
+      return Simt<T, 96>::kBytes;
+    case 128:
+      return Simt<T, 128>::kBytes;
+    case 160:
+      return Simt<T, 160>::kBytes;
+    case 192:
+      return Simt<T, 192>::kBytes;
+    case 256:
+      return Simt<T, 256>::kBytes;
+  }
+  return Simt<T, 512>::kBytes;
+}
+
+}  // namespace
+
+uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
+  const bool tc = UsesTensorCores(a);
+  const size_t smem =
+      tc ? FlashBytes(a)
+         : (a.dtype == DType::kF16 ? SimtBytes<__half>(a.d) : SimtBytes<float>(a.d));
+  // Resident 128-thread blocks per SM: shared memory (227 KiB usable) and 16 warps' worth.
+  const uint64_t per_sm = std::clamp<uint64_t>((227u << 10) / std::max<size_t>(smem, 1), 1, 4);
+  const uint64_t slots = per_sm * std::max(gpu::Info().sms, 1);
+  const uint64_t blocks = tc ? (a.n_items + FlashRowGroups(a) - 1) / FlashRowGroups(a) : a.n_items;
+  uint64_t splits = std::max<uint64_t>(1, slots / std::max<uint64_t>(blocks, 1));
+  splits = std::min<uint64_t>(splits, std::max<uint64_t>(1, keys / 128));
+  return static_cast<uint32_t>(std::min<uint64_t>(splits, 4096));
+}
+
+Status LaunchAttend(const AttendArgs& a, void* stream) {
+  if (a.n_items == 0) return Status::Ok();
+  auto s = static_cast<cudaStream_t>(stream);
+  if (UsesTensorCores(a)) return LaunchFlash(a, s);
+  return a.dtype == DType::kF16 ? LaunchSimtD<__half>(a, s) : LaunchSimtD<float>(a, s);
+}
+
+Status LaunchCombine(uint32_t parts, uint32_t nrows, uint32_t d, const float* part_m,
+                     const float* part_l, const float* part_o, float* out, float* lse,
+                     void* stream) {
+  if (nrows == 0) return Status::Ok();
+  const uint32_t threads = std::min<uint32_t>(256, std::max<uint32_t>(32, d));
+  Combine<<<nrows, threads, 0, static_cast<cudaStream_t>(stream)>>>(parts, nrows, d, part_m, part_l,
+                                                                    part_o, out, lse);
+  return KernelStatus("combine kernel");
+}
+
+}  // namespace pion::kernels::cuda

@@ -1,0 +1,112 @@
+// The CUDA attention kernels, as launches over device memory (no CUDA types in this header).
+// The same math as kernels/attention.h — per query row a mergeable (m, l, o) state under the
+// causal / window mask by positions — computed as split-K partials that LaunchCombine merges and
+// finalizes:
+//
+//   LaunchAttend     partials of query-row groups over a dense key range or per-row sparse lists
+//                    (fp16 dense with enough rows per group runs on tensor cores, the rest on a
+//                    shared-memory SIMT kernel; both keep scores, partials and LSE in fp32)
+//   LaunchCombine    merges P partials per row and writes output (o/l) and LSE (m + ln l)
+//   LaunchScores     exact scaled scores of query rows over their visible keys (top_k)
+//   LaunchSelectRows per-row top-k of those scores by radix select: ascending row lists, the
+//                    exact omitted softmax mass
+//   LaunchSummarize  per-block mean/min/max of K (sparse-auto summaries)
+//   LaunchScoreBlocks block scores of M=1 queries: q·mean, and the Quest bound when asked
+//   LaunchSelectBlocks per-head top K_top blocks plus the first and last visible ones, their row
+//                    lists, and the block-mean omitted-mass proxy
+//
+// All pointers are device pointers unless a comment says host. Rows of Q are r = h*m + i.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common/status.h"
+#include "kernels/attention.h"
+
+namespace pion::kernels::cuda {
+
+// A group of query rows that attend the same K/V head (so each key is read once for all of
+// them); a sparse item holds one row.
+inline constexpr int kItemRows = 16;
+struct Item {
+  int32_t kv = 0;
+  int32_t n = 0;
+  int32_t rows[kItemRows] = {};
+};
+// Host: the dense grouping — rows of query heads mapped to the same K/V head, kItemRows at a
+// time (a group's rows are consecutive query positions of its heads, so their key ranges
+// overlap), each K/V head's run padded with empty items to a multiple of `pad` (the row groups
+// of one tensor-core block). head_map is host memory.
+std::vector<Item> DenseItems(uint32_t hq, uint32_t m, const int32_t* head_map, int pad = 1);
+// Host: one item per query row (sparse lists differ per row).
+std::vector<Item> RowItems(uint32_t hq, uint32_t m, const int32_t* head_map);
+
+struct AttendArgs {
+  const float* q = nullptr;  // [hq][m][d]
+  uint32_t hq = 0, m = 0, d = 0;
+  int64_t q_pos0 = 0;
+  const void* k = nullptr;  // [heads][rows][d] of dtype
+  const void* v = nullptr;
+  DType dtype = DType::kF32;
+  uint32_t heads = 0, rows = 0;
+  int64_t k_pos0 = 0;
+  uint32_t begin = 0, end = 0;  // dense key range
+  // Sparse: per query row r, list[r*stride .. + counts[r]) (distinct, in [0, rows)).
+  const int32_t* list = nullptr;
+  const int32_t* counts = nullptr;
+  uint32_t stride = 0;
+  float scale = 0;
+  int64_t window = 0;
+  const Item* items = nullptr;
+  uint32_t n_items = 0;
+  bool dense_items = true;  // items from DenseItems (eligible for tensor cores)
+  uint32_t splits = 1;      // key-range pieces per item (blockIdx.y)
+  // Partial outputs: part p, row r at [p*nrows + r] (o: times d).
+  float* part_m = nullptr;
+  float* part_l = nullptr;
+  float* part_o = nullptr;
+  uint32_t part0 = 0;  // this launch writes parts part0 .. part0 + splits - 1
+  uint32_t nrows = 0;  // hq * m
+};
+
+// Whether LaunchAttend runs these args on tensor cores (fp16, dense, d <= 256, sm_80+), and how
+// many 16-row groups one such block holds (4 when a K/V head has >= 64 query rows, else 1).
+// Call before building items: DenseItems(..., FlashRowGroups(a)) when UsesTensorCores(a).
+bool UsesTensorCores(const AttendArgs& a);
+int FlashRowGroups(const AttendArgs& a);
+// Key-range splits for a dense launch of `a` (items set) over `keys` keys: enough blocks for one
+// full wave of the device at the kernel's occupancy, at least two key tiles per split.
+uint32_t PlanSplits(const AttendArgs& a, uint64_t keys);
+
+Status LaunchAttend(const AttendArgs& a, void* stream);
+Status LaunchCombine(uint32_t parts, uint32_t nrows, uint32_t d, const float* part_m,
+                     const float* part_l, const float* part_o, float* out, float* lse,
+                     void* stream);
+
+// Scores of rows [row0, row0 + n) (r = h*m + i) over each row's visible keys, into
+// scores[(r - row0) * a.rows + t] for the visible t (other entries untouched).
+Status LaunchScores(const AttendArgs& a, const int32_t* head_map, uint32_t row0, uint32_t n,
+                    float* scores, void* stream);
+// Per row of that chunk: keep = min(top_k, visible); list[r*top_k ..] ascending key indices,
+// counts[r] = keep, omitted[r] = exact softmax mass left out, exact[r] = (keep == visible).
+Status LaunchSelectRows(const AttendArgs& a, uint32_t row0, uint32_t n, const float* scores,
+                        uint32_t top_k, int32_t* list, int32_t* counts, float* omitted,
+                        uint8_t* exact, void* stream);
+
+Status LaunchSummarize(const void* k, DType dtype, uint32_t heads, uint32_t rows, uint32_t d,
+                       uint32_t block, uint32_t nblocks, float* mean, float* min, float* max,
+                       void* stream);
+// sel[h*nb + b] by the selector, mean_scores[h*nb + b] = q·mean (both unscaled). q is M=1.
+Status LaunchScoreBlocks(const float* q, uint32_t hq, uint32_t d, const int32_t* head_map,
+                         const float* mean, const float* min, const float* max, uint32_t nblocks,
+                         BlockSelector selector, float* sel, float* mean_scores, void* stream);
+// Visible rows [lo, hi) (hi > lo), blocks b_lo = lo/B .. b_hi = (hi-1)/B. Per head h:
+// blocks[h*(k_top+2) ..] ascending chosen blocks (nchosen[h] of them), list[h*stride ..] their
+// visible rows ascending (counts[h]), omitted[h] the block-mean proxy of the mass left out.
+Status LaunchSelectBlocks(const float* sel, const float* mean_scores, uint32_t hq, uint32_t nblocks,
+                          uint32_t block, uint32_t lo, uint32_t hi, uint32_t k_top, float scale,
+                          int32_t* blocks, int32_t* nchosen, int32_t* list, int32_t* counts,
+                          uint32_t stride, float* omitted, void* stream);
+
+}  // namespace pion::kernels::cuda

@@ -1,0 +1,403 @@
+// The tensor-core attention kernel for fp16 K/V (d <= 256): flash attention on mma.sync
+// m16n8k16 (fp16 inputs, fp32 accumulation), K/V tiles of 64 keys double-buffered in shared
+// memory with cp.async, ldmatrix fragments (K plain, V transposed), online softmax in registers.
+//
+// Two shapes, chosen by rows per K/V head:
+//   WR = 4  batched: the block's four warps own 16 query rows each (64 rows) and share every
+//           K/V tile — the flash-attention layout for M > 1. Q and P enter the tensor cores as
+//           fp16 (flash-attention precision; partials, LSE and the output stay fp32).
+//   WR = 1  decode: one group of up to 16 rows (all query heads of a K/V head, a few positions);
+//           the four warps split each tile's 64 keys and merge their states at the end. Q and P
+//           are split into fp16 hi + lo parts (two MMAs each), so the scores and weights keep
+//           fp32-level accuracy while the kernel stays bound by reading K/V.
+#include <cuda_fp16.h>
+#include <cuda_pipeline.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace pion::kernels::cuda {
+namespace {
+
+constexpr int kBk = 64;  // keys per tile
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ inline uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ inline void Ldm4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ inline void Ldm4T(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ inline void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ inline uint32_t Pack(float x, float y) {
+  __half2 h = __floats2half2_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+// x − fp16(x), packed: the low part of a hi/lo split.
+__device__ inline uint32_t PackLo(float x, float y) {
+  const float hx = __half2float(__float2half_rn(x)), hy = __half2float(__float2half_rn(y));
+  return Pack(x - hx, y - hy);
+}
+
+template <int D, int WR, bool kSplit>
+struct Flash {
+  static constexpr int kStr = D + 8;  // padded smem row (halves): ldmatrix rows hit distinct banks
+  static constexpr int kRows = 16 * WR;
+  static constexpr int kKw = kBk * WR / 4;  // keys per warp per tile
+  static constexpr size_t kQ = size_t{kRows} * kStr * 2 * (kSplit ? 2 : 1);
+  static constexpr size_t kTile = size_t{kBk} * kStr * 2;
+  static constexpr size_t kMerge = WR == 1 ? size_t{4} * 16 * (D + 2) * 4 : 0;
+  static constexpr size_t kBytes = std::max(kQ + 4 * kTile, kQ + kMerge);
+};
+
+template <int D, int WR, bool kSplit>
+__global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
+  using C = Flash<D, WR, kSplit>;
+  constexpr int kStr = C::kStr, kKw = C::kKw, kNt = kKw / 8;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __half* qh = reinterpret_cast<__half*>(smem);
+  __half* ql = qh + C::kRows * kStr;
+  __half* kt = reinterpret_cast<__half*>(smem + C::kQ);  // [2][kBk][kStr]
+  __half* vt = kt + 2 * kBk * kStr;                      // [2][kBk][kStr]
+  __shared__ int64_t qpos[C::kRows];
+  __shared__ int32_t rowid[C::kRows];
+  __shared__ uint32_t range[2];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rg = warp % WR, kg = warp / WR;
+  const uint32_t first_item = blockIdx.x * WR;
+  const int32_t kv = a.items[first_item].kv;
+  for (int t = tid; t < C::kRows; t += 128) {
+    const uint32_t it = first_item + t / 16;
+    const int j = t % 16;
+    int32_t r = -1;
+    if (it < a.n_items && j < a.items[it].n) r = a.items[it].rows[j];
+    rowid[t] = r;
+    qpos[t] = r >= 0 ? a.q_pos0 + static_cast<int64_t>(r % a.m) : 0;
+  }
+  __syncthreads();
+  for (int e = tid; e < C::kRows * D / 4; e += 128) {
+    const int r = e / (D / 4), c = (e % (D / 4)) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (rowid[r] >= 0) x = *reinterpret_cast<const float4*>(a.q + size_t(rowid[r]) * D + c);
+    uint2 hi{Pack(x.x, x.y), Pack(x.z, x.w)};
+    *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
+    if constexpr (kSplit) {
+      uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
+      *reinterpret_cast<uint2*>(ql + r * kStr + c) = lo;
+    }
+  }
+  if (tid == 0) {
+    int64_t vlo = INT64_MAX, vhi = INT64_MIN;
+    for (int r = 0; r < C::kRows; ++r) {
+      if (rowid[r] < 0) continue;
+      vlo = min(vlo, FirstVisible(qpos[r], a.window, a.k_pos0));
+      vhi = max(vhi, qpos[r] - a.k_pos0 + 1);
+    }
+    const int64_t b = Max<int64_t>(vlo, a.begin), e = Min<int64_t>(vhi, a.end);
+    const uint32_t lo = static_cast<uint32_t>(b < e ? b : 0),
+                   hi = static_cast<uint32_t>(b < e ? e : 0);
+    const uint64_t len = hi - lo;
+    range[0] = lo + static_cast<uint32_t>(len * blockIdx.y / a.splits);
+    range[1] = lo + static_cast<uint32_t>(len * (blockIdx.y + 1) / a.splits);
+  }
+  __syncthreads();
+  const uint32_t k0 = range[0], k1 = range[1];
+  const int ntiles = static_cast<int>((k1 - k0 + kBk - 1) / kBk);
+  const __half* kbase = static_cast<const __half*>(a.k) + size_t(kv) * a.rows * D;
+  const __half* vbase = static_cast<const __half*>(a.v) + size_t(kv) * a.rows * D;
+
+  auto prefetch = [&](int t, int buf) {
+    const uint32_t first = k0 + t * kBk;
+    const int tk = Min<int>(kBk, k1 - first);
+    for (int e = tid; e < kBk * (D / 8); e += 128) {
+      const int j = e / (D / 8), c = (e % (D / 8)) * 8;
+      const size_t so = (size_t(buf) * kBk + j) * kStr + c;
+      if (j < tk) {
+        const size_t go = size_t(first + j) * D + c;
+        __pipeline_memcpy_async(kt + so, kbase + go, 16);
+        __pipeline_memcpy_async(vt + so, vbase + go, 16);
+      } else {  // zero rows past the range: p = 0 must not meet garbage (0 · NaN)
+        *reinterpret_cast<uint4*>(kt + so) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(vt + so) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    __pipeline_commit();
+  };
+
+  // This thread's rows: g and g + 8 of its warp's row group.
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+  const int row_a = rg * 16 + g, row_b = row_a + 8;
+  const bool valid_a = rowid[row_a] >= 0, valid_b = rowid[row_b] >= 0;
+  const int64_t qp_a = qpos[row_a], qp_b = qpos[row_b];
+  const float sl2 = a.scale * kLog2e;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+
+  // ldmatrix lane addressing.
+  const int lm = lane >> 3, lr = lane & 7;
+  if (ntiles > 0) prefetch(0, 0);
+  for (int t = 0; t < ntiles; ++t) {
+    const int buf = t & 1;
+    if (t + 1 < ntiles) {
+      prefetch(t + 1, buf ^ 1);
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();
+    const __half* kb = kt + size_t(buf) * kBk * kStr + size_t(kg) * kKw * kStr;
+    const __half* vb = vt + size_t(buf) * kBk * kStr + size_t(kg) * kKw * kStr;
+    float s[kNt][4];
+#pragma unroll
+    for (int n = 0; n < kNt; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t ah[4], al[4];
+      const int qr = rg * 16 + (lm & 1) * 8 + lr, qc = ks * 16 + (lm >> 1) * 8;
+      Ldm4(ah, qh + qr * kStr + qc);
+      if constexpr (kSplit) Ldm4(al, ql + qr * kStr + qc);
+#pragma unroll
+      for (int j = 0; j < kNt / 2; ++j) {
+        uint32_t b[4];
+        Ldm4(b, kb + (j * 16 + (lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
+        Mma(s[2 * j], ah, b[0], b[1]);
+        Mma(s[2 * j + 1], ah, b[2], b[3]);
+        if constexpr (kSplit) {
+          Mma(s[2 * j], al, b[0], b[1]);
+          Mma(s[2 * j + 1], al, b[2], b[3]);
+        }
+      }
+    }
+    // Mask (position, window, range, padding rows), scale into the log2 domain, row max.
+    const int64_t key0 = int64_t(k0) + t * kBk + kg * kKw;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t key = key0 + n * 8 + c2 + (e & 1);
+        const int64_t kpos = a.k_pos0 + key;
+        const bool rb = e >= 2;
+        const int64_t qp = rb ? qp_b : qp_a;
+        const bool ok = (rb ? valid_b : valid_a) && key < k1 && kpos <= qp &&
+                        (a.window <= 0 || kpos > qp - a.window);
+        s[n][e] = ok ? s[n][e] * sl2 : -INFINITY;
+        mx[rb] = fmaxf(mx[rb], s[n][e]);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      const float m_new = fmaxf(m_run[i], mx[i]);
+      alpha[i] = m_new == -INFINITY ? 1.f : exp2f(m_run[i] - m_new);
+      m_run[i] = m_new;
+      l_run[i] *= alpha[i];
+    }
+#pragma unroll
+    for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1;
+        const float p = m_run[i] == -INFINITY ? 0.f : exp2f(s[n][e] - m_run[i]);
+        s[n][e] = p;
+        l_run[i] += p;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+    // o += P·V, 16 keys at a time.
+#pragma unroll
+    for (int kk = 0; kk < kKw / 16; ++kk) {
+      uint32_t ph[4] = {Pack(s[2 * kk][0], s[2 * kk][1]), Pack(s[2 * kk][2], s[2 * kk][3]),
+                        Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                        Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      uint32_t pl[4];
+      if constexpr (kSplit) {
+        pl[0] = PackLo(s[2 * kk][0], s[2 * kk][1]);
+        pl[1] = PackLo(s[2 * kk][2], s[2 * kk][3]);
+        pl[2] = PackLo(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pl[3] = PackLo(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        uint32_t b[4];
+        Ldm4T(b, vb + (kk * 16 + (lm & 1) * 8 + lr) * kStr + dn * 16 + (lm >> 1) * 8);
+        Mma(o[2 * dn], ph, b[0], b[1]);
+        Mma(o[2 * dn + 1], ph, b[2], b[3]);
+        if constexpr (kSplit) {
+          Mma(o[2 * dn], pl, b[0], b[1]);
+          Mma(o[2 * dn + 1], pl, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  // Row sums over the quad.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+  }
+  const size_t part = a.part0 + blockIdx.y;
+  if constexpr (WR == 4) {
+    // Each warp owns its rows: write the partials directly (m back to natural log units).
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = i == 0 ? row_a : row_b;
+      if (rowid[row] < 0) continue;
+      const size_t pr = part * a.nrows + size_t(rowid[row]);
+      if ((lane & 3) == 0) {
+        a.part_m[pr] = m_run[i] == -INFINITY ? -INFINITY : m_run[i] * kLn2;
+        a.part_l[pr] = l_run[i];
+      }
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<float2*>(a.part_o + pr * D + n * 8 + c2) =
+            make_float2(o[n][2 * i], o[n][2 * i + 1]);
+      }
+    }
+  } else {
+    // Four warps hold states of the same 16 rows over different keys: merge in shared memory.
+    float* ms = reinterpret_cast<float*>(smem + C::kQ);  // [4][16]
+    float* ls = ms + 64;                                 // [4][16]
+    float* os = ls + 64;                                 // [4][16][D]
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = g + 8 * i;
+      if ((lane & 3) == 0) {
+        ms[warp * 16 + row] = m_run[i];
+        ls[warp * 16 + row] = l_run[i];
+      }
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<float2*>(os + (warp * 16 + row) * D + n * 8 + c2) =
+            make_float2(o[n][2 * i], o[n][2 * i + 1]);
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e < 16 * D; e += 128) {
+      const int row = e / D, x = e % D;
+      if (rowid[row] < 0) continue;
+      float m = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) m = fmaxf(m, ms[w * 16 + row]);
+      float l = 0.f, acc = 0.f;
+      if (m != -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const float f = exp2f(ms[w * 16 + row] - m);
+          l += ls[w * 16 + row] * f;
+          acc += os[(w * 16 + row) * D + x] * f;
+        }
+      }
+      const size_t pr = part * a.nrows + size_t(rowid[row]);
+      a.part_o[pr * D + x] = acc;
+      if (x == 0) {
+        a.part_m[pr] = m == -INFINITY ? -INFINITY : m * kLn2;
+        a.part_l[pr] = l;
+      }
+    }
+  }
+}
+
+template <int D, int WR, bool kSplit>
+Status Launch(const AttendArgs& a, cudaStream_t stream) {
+  using C = Flash<D, WR, kSplit>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(FlashKernel<D, WR, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(C::kBytes));
+  if (attr != cudaSuccess) return gpu::CudaError(attr, "tensor-core kernel shared memory");
+  dim3 grid((a.n_items + WR - 1) / WR, a.splits);
+  FlashKernel<D, WR, kSplit><<<grid, 128, C::kBytes, stream>>>(a);
+  return KernelStatus("tensor-core attention kernel");
+}
+
+template <int WR, bool kSplit>
+size_t BytesD(uint32_t d) {
+  switch (d) {
+    case 32:
+      return Flash<32, WR, kSplit>::kBytes;
+    case 64:
+      return Flash<64, WR, kSplit>::kBytes;
+    case 96:
+      return Flash<96, WR, kSplit>::kBytes;
+    case 128:
+      return Flash<128, WR, kSplit>::kBytes;
+    case 160:
+      return Flash<160, WR, kSplit>::kBytes;
+    case 192:
+      return Flash<192, WR, kSplit>::kBytes;
+  }
+  return Flash<256, WR, kSplit>::kBytes;
+}
+
+template <int WR, bool kSplit>
+Status LaunchD(const AttendArgs& a, cudaStream_t stream) {
+  switch (a.d) {
+    case 32:
+      return Launch<32, WR, kSplit>(a, stream);
+    case 64:
+      return Launch<64, WR, kSplit>(a, stream);
+    case 96:
+      return Launch<96, WR, kSplit>(a, stream);
+    case 128:
+      return Launch<128, WR, kSplit>(a, stream);
+    case 160:
+      return Launch<160, WR, kSplit>(a, stream);
+    case 192:
+      return Launch<192, WR, kSplit>(a, stream);
+    case 256:
+      return Launch<256, WR, kSplit>(a, stream);
+  }
+  return Status(ErrorKind::kErr, "no tensor-core kernel for head dim " + std::to_string(a.d));
+}
+
+}  // namespace
+
+int FlashRowGroups(const AttendArgs& a) {
+  // Batched (four row groups per block) when a K/V head has at least 64 query rows.
+  const uint32_t heads_per_kv = a.heads > 0 ? a.hq / a.heads : 1;
+  return uint64_t{heads_per_kv} * a.m >= 64 ? 4 : 1;
+}
+
+bool UsesTensorCores(const AttendArgs& a) {
+  return a.dtype == DType::kF16 && a.dense_items && a.d <= 256 && a.list == nullptr &&
+         gpu::Info().cc_major >= 8;
+}
+
+size_t FlashBytes(const AttendArgs& a) {
+  return FlashRowGroups(a) == 4 ? BytesD<4, false>(a.d) : BytesD<1, true>(a.d);
+}
+
+Status LaunchFlash(const AttendArgs& a, cudaStream_t stream) {
+  return FlashRowGroups(a) == 4 ? LaunchD<4, false>(a, stream) : LaunchD<1, true>(a, stream);
+}
+
+}  // namespace pion::kernels::cuda

@@ -1,0 +1,133 @@
+// The CUDA runtime as Pion uses it, behind a header with no CUDA types: device probing, a
+// cudaMalloc-backed memory pool, per-thread streams with pinned and device scratch, events, and
+// uploads through pinned staging. A build without CUDA (or a host without a GPU) gets the same
+// interface with Info().present == false and every allocation refused, so callers need no #ifdefs.
+//
+// Residency rules (seed 004 §0x02A, §0x03D–0x03F): an upload returns only after the copy's
+// event completed and the copy was checked, so nothing is published from an unfinished
+// transfer; every allocation carries a unique id so a completion can be matched against the
+// allocation it was issued for (a freed and reused block has a new id: no ABA).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace pion::gpu {
+
+struct DeviceInfo {
+  bool built = false;    // compiled with CUDA
+  bool present = false;  // a usable device was found
+  std::string reason;    // why not, when !present
+  std::string name;
+  int cc_major = 0, cc_minor = 0, sms = 0;
+  uint64_t total_bytes = 0, free_bytes = 0;
+};
+// Probes device 0 once (thread-safe).
+const DeviceInfo& Info();
+
+// One block of device memory from the pool; returns to the pool when destroyed.
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  ~DeviceMemory();
+  DeviceMemory(DeviceMemory&& o) noexcept { *this = std::move(o); }
+  DeviceMemory& operator=(DeviceMemory&& o) noexcept;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+
+  void* data() const { return ptr_; }
+  uint64_t size() const { return bytes_; }
+  uint64_t id() const { return id_; }  // unique per allocation, never reused
+  explicit operator bool() const { return ptr_ != nullptr; }
+
+ private:
+  friend StatusOr<DeviceMemory> Allocate(uint64_t bytes);
+  void* ptr_ = nullptr;
+  uint64_t bytes_ = 0;     // requested
+  uint64_t capacity_ = 0;  // the pool block's size class
+  uint64_t id_ = 0;
+};
+
+// Plain cudaMalloc memory (never managed), rounded up to a size class and cached on free; kOom
+// when the device has no room even after the cache was released.
+StatusOr<DeviceMemory> Allocate(uint64_t bytes);
+
+struct PoolStats {
+  uint64_t in_use_bytes = 0;  // handed out
+  uint64_t cached_bytes = 0;  // freed, kept for reuse
+  uint64_t allocations = 0;   // Allocate calls that succeeded
+  uint64_t device_mallocs = 0;
+};
+PoolStats Pool();
+
+// A completion marker recorded on a stream (cudaEvent, timing disabled).
+class Event {
+ public:
+  Event();
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  // Makes work later submitted to `stream` wait for this event (no host wait).
+  Status WaitOn(void* stream) const;
+  Status Synchronize() const;
+  void* raw() const { return ev_; }
+
+ private:
+  void* ev_ = nullptr;
+};
+
+// The calling thread's execution context: its own non-blocking stream, a pinned host scratch
+// and a device scratch, both growing bump arenas reset per job.
+class Context {
+ public:
+  static StatusOr<Context*> ForThisThread();
+  ~Context();
+
+  void* stream() const { return stream_; }
+  // Starts a job: both arenas are empty again.
+  void Reset();
+  // n bytes (256-aligned) of pinned host / device scratch valid until the next Reset (an arena
+  // that runs out starts a larger block; earlier blocks live until the Reset).
+  StatusOr<void*> Host(size_t n);
+  StatusOr<void*> Device(size_t n);
+  Status ToDevice(void* dst, const void* src, size_t n);  // async on stream()
+  Status ToHost(void* dst, const void* src, size_t n);    // async on stream()
+  Status Memset(void* dst, int value, size_t n);          // async on stream()
+  // Waits for everything submitted to stream(); reports a kernel or copy failure.
+  Status Sync();
+  // The last launch error (after a kernel launch).
+  Status CheckLaunch(const char* what);
+
+ private:
+  Context() = default;
+  struct Arena {
+    void* base = nullptr;
+    size_t cap = 0, used = 0;
+    std::vector<void*> retired;  // outgrown blocks of the current job
+  };
+  void Free(Arena& a, bool pinned);
+  StatusOr<void*> Take(Arena& a, size_t n, bool pinned);
+  void* stream_ = nullptr;
+  Arena host_, dev_;
+};
+
+// Copies `bytes` into `dst` through pinned staging on a dedicated copy stream: fill(staging,
+// offset, n) writes the next n bytes (so callers can convert on the way). Returns once the copy
+// completed and its id fence still matched; `done` (if given) is recorded after the last copy.
+Status Upload(DeviceMemory& dst, uint64_t bytes,
+              const std::function<void(uint8_t* staging, uint64_t offset, uint64_t n)>& fill,
+              Event* done);
+
+// Device → host copy of n bytes (blocking), for tests and diagnostics.
+Status Download(void* dst, const void* src, size_t n);
+
+// "cuda error <name>: <text> (<what>)".
+Status CudaError(int code, const char* what);
+
+}  // namespace pion::gpu

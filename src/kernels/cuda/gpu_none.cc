@@ -1,0 +1,87 @@
+// gpu.h for a build without CUDA: no device, so --attention-backend cuda is refused at startup
+// with this reason and auto picks the CPU.
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/gpu.h"
+
+namespace pion::gpu {
+
+Status NoCuda() {
+  return Status(ErrorKind::kDevice, "this pion-server was built without CUDA (PION_CUDA=OFF)");
+}
+
+const DeviceInfo& Info() {
+  static const DeviceInfo info = [] {
+    DeviceInfo d;
+    d.reason = "built without CUDA";
+    return d;
+  }();
+  return info;
+}
+
+StatusOr<DeviceMemory> Allocate(uint64_t) { return NoCuda(); }
+DeviceMemory::~DeviceMemory() = default;
+DeviceMemory& DeviceMemory::operator=(DeviceMemory&& o) noexcept { return *this; }
+PoolStats Pool() { return {}; }
+
+Event::Event() = default;
+Event::~Event() = default;
+Status Event::WaitOn(void*) const { return NoCuda(); }
+Status Event::Synchronize() const { return NoCuda(); }
+
+StatusOr<Context*> Context::ForThisThread() { return NoCuda(); }
+Context::~Context() = default;
+void Context::Reset() {}
+void Context::Free(Arena&, bool) {}
+StatusOr<void*> Context::Take(Arena&, size_t, bool) { return NoCuda(); }
+StatusOr<void*> Context::Host(size_t) { return NoCuda(); }
+StatusOr<void*> Context::Device(size_t) { return NoCuda(); }
+Status Context::ToDevice(void*, const void*, size_t) { return NoCuda(); }
+Status Context::ToHost(void*, const void*, size_t) { return NoCuda(); }
+Status Context::Memset(void*, int, size_t) { return NoCuda(); }
+Status Context::Sync() { return NoCuda(); }
+Status Context::CheckLaunch(const char*) { return NoCuda(); }
+
+Status Upload(DeviceMemory&, uint64_t, const std::function<void(uint8_t*, uint64_t, uint64_t)>&,
+              Event*) {
+  return NoCuda();
+}
+Status Download(void*, const void*, size_t) { return NoCuda(); }
+Status CudaError(int, const char*) { return NoCuda(); }
+
+}  // namespace pion::gpu
+
+namespace pion::kernels::cuda {
+
+using gpu::NoCuda;
+
+bool UsesTensorCores(const AttendArgs&) { return false; }
+int FlashRowGroups(const AttendArgs&) { return 1; }
+uint32_t PlanSplits(const AttendArgs&, uint64_t) { return 1; }
+Status LaunchAttend(const AttendArgs&, void*) { return NoCuda(); }
+Status LaunchCombine(uint32_t, uint32_t, uint32_t, const float*, const float*, const float*, float*,
+                     float*, void*) {
+  return NoCuda();
+}
+Status LaunchScores(const AttendArgs&, const int32_t*, uint32_t, uint32_t, float*, void*) {
+  return NoCuda();
+}
+Status LaunchSelectRows(const AttendArgs&, uint32_t, uint32_t, const float*, uint32_t, int32_t*,
+                        int32_t*, float*, uint8_t*, void*) {
+  return NoCuda();
+}
+Status LaunchSummarize(const void*, DType, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, float*,
+                       float*, float*, void*) {
+  return NoCuda();
+}
+Status LaunchScoreBlocks(const float*, uint32_t, uint32_t, const int32_t*, const float*,
+                         const float*, const float*, uint32_t, BlockSelector, float*, float*,
+                         void*) {
+  return NoCuda();
+}
+Status LaunchSelectBlocks(const float*, const float*, uint32_t, uint32_t, uint32_t, uint32_t,
+                          uint32_t, uint32_t, float, int32_t*, int32_t*, int32_t*, int32_t*,
+                          uint32_t, float*, void*) {
+  return NoCuda();
+}
+
+}  // namespace pion::kernels::cuda

@@ -1,0 +1,49 @@
+// Host-side grouping of query rows into kernel work items (cuda_attention.h); plain C++, built
+// with or without CUDA.
+#include <algorithm>
+
+#include "kernels/cuda/cuda_attention.h"
+
+namespace pion::kernels::cuda {
+
+std::vector<Item> DenseItems(uint32_t hq, uint32_t m, const int32_t* head_map, int pad) {
+  std::vector<Item> items;
+  int32_t kv_max = 0;
+  for (uint32_t h = 0; h < hq; ++h) kv_max = std::max(kv_max, head_map[h]);
+  for (int32_t kv = 0; kv <= kv_max; ++kv) {
+    // Rows of this K/V head ordered by position first, so a group spans few positions.
+    std::vector<int32_t> heads;
+    for (uint32_t h = 0; h < hq; ++h) {
+      if (head_map[h] == kv) heads.push_back(static_cast<int32_t>(h));
+    }
+    if (heads.empty()) continue;
+    Item cur;
+    cur.kv = kv;
+    for (uint32_t i = 0; i < m; ++i) {
+      for (int32_t h : heads) {
+        cur.rows[cur.n++] = static_cast<int32_t>(h * m + i);
+        if (cur.n == kItemRows) {
+          items.push_back(cur);
+          cur.n = 0;
+        }
+      }
+    }
+    if (cur.n > 0) items.push_back(cur);
+    Item empty;
+    empty.kv = kv;
+    while (items.size() % pad != 0) items.push_back(empty);
+  }
+  return items;
+}
+
+std::vector<Item> RowItems(uint32_t hq, uint32_t m, const int32_t* head_map) {
+  std::vector<Item> items(size_t{hq} * m);
+  for (uint32_t r = 0; r < hq * m; ++r) {
+    items[r].kv = head_map[r / m];
+    items[r].n = 1;
+    items[r].rows[0] = static_cast<int32_t>(r);
+  }
+  return items;
+}
+
+}  // namespace pion::kernels::cuda

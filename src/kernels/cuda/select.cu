@@ -1,0 +1,373 @@
+// Selection on the GPU: exact scores and per-row top-k (QUERY with top_k), block summaries,
+// block scores and per-head block choice (QUERY_SPARSE_AUTO). Top-k is a radix select over
+// order-preserving keys (four 8-bit passes of a block-wide histogram), then one ordered
+// compaction pass that emits the chosen indices ascending — ties at the threshold go to the
+// lower index, as the CPU executor breaks them — and sums the softmax mass left out.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace pion::kernels::cuda {
+namespace {
+
+constexpr int kSelThreads = 256;
+
+template <typename Op>
+__device__ float BlockReduce(float x, Op op, float identity) {
+  __shared__ float part[32];
+  __shared__ float result;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+  if (lane == 0) part[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    x = lane < static_cast<int>(blockDim.x / 32) ? part[lane] : identity;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+    if (lane == 0) result = x;
+  }
+  __syncthreads();
+  const float r = result;
+  __syncthreads();
+  return r;
+}
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+
+// The k-th largest key among key(0..n-1) (1 <= k <= n): *thr, and how many keys equal to it
+// belong to the top k (*need_eq; every key above it does).
+template <typename KeyFn>
+__device__ void RadixSelect(const KeyFn& key, int n, int k, uint32_t* thr, int* need_eq) {
+  __shared__ int hist[256];
+  __shared__ uint32_t s_prefix, s_mask;
+  __shared__ int s_k;
+  if (threadIdx.x == 0) {
+    s_prefix = 0;
+    s_mask = 0;
+    s_k = k;
+  }
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    const uint32_t prefix = s_prefix, mask = s_mask;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const uint32_t u = key(i);
+      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int cum = 0;
+      for (int b = 255; b >= 0; --b) {
+        if (cum + hist[b] >= s_k) {
+          s_prefix |= static_cast<uint32_t>(b) << shift;
+          s_mask |= 255u << shift;
+          s_k -= cum;
+          break;
+        }
+        cum += hist[b];
+      }
+    }
+    __syncthreads();
+  }
+  *thr = s_prefix;
+  *need_eq = s_k;
+  __syncthreads();
+}
+
+// Visits i = 0..n-1 in index order: visit(i, taken, rank) with rank the position of i among
+// the taken ones (ascending). Taken: key > thr, or key == thr among the first need_eq such.
+template <typename KeyFn, typename Visit>
+__device__ void CompactAscending(const KeyFn& key, int n, uint32_t thr, int need_eq,
+                                 const Visit& visit) {
+  using Scan = cub::BlockScan<int, kSelThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  int eq_before = 0, taken_before = 0;
+  for (int base = 0; base < n; base += kSelThreads) {
+    const int i = base + threadIdx.x;
+    const uint32_t u = i < n ? key(i) : 0;
+    const int gt = i < n && u > thr, eq = i < n && u == thr;
+    int eq_excl, eq_total;
+    Scan(tmp).ExclusiveSum(eq, eq_excl, eq_total);
+    __syncthreads();
+    const int take = gt || (eq && eq_before + eq_excl < need_eq);
+    int t_excl, t_total;
+    Scan(tmp).ExclusiveSum(take, t_excl, t_total);
+    __syncthreads();
+    if (i < n) visit(i, take != 0, taken_before + t_excl);
+    eq_before += eq_total;
+    taken_before += t_total;
+  }
+}
+
+template <typename T>
+__device__ inline float ToF(T x) {
+  return static_cast<float>(x);
+}
+template <>
+__device__ inline float ToF<__half>(__half x) {
+  return __half2float(x);
+}
+
+// Visible keys [lo, hi) of query row r over a prefix at positions 0..rows-1.
+__device__ inline void RowRange(const AttendArgs& a, uint32_t r, uint32_t* lo, uint32_t* hi) {
+  const int64_t p = a.q_pos0 + static_cast<int64_t>(r % a.m);
+  const int64_t b = Max<int64_t>(0, FirstVisible(p, a.window, a.k_pos0));
+  const int64_t e = Min<int64_t>(a.rows, p - a.k_pos0 + 1);
+  *lo = static_cast<uint32_t>(b < e ? b : 0);
+  *hi = static_cast<uint32_t>(b < e ? e : 0);
+}
+
+constexpr int kScoreChunk = 2048;
+
+template <typename T>
+__global__ void __launch_bounds__(256)
+    Scores(AttendArgs a, const int32_t* head_map, uint32_t row0, float* scores) {
+  __shared__ float q[512];
+  const uint32_t r = row0 + blockIdx.x;
+  const uint32_t h = r / a.m;
+  const int32_t kv = head_map[h];
+  for (uint32_t x = threadIdx.x; x < a.d; x += blockDim.x) q[x] = a.q[size_t{r} * a.d + x];
+  __syncthreads();
+  uint32_t lo, hi;
+  RowRange(a, r, &lo, &hi);
+  const uint32_t t0 = lo + blockIdx.y * kScoreChunk;
+  const uint32_t t1 = min(hi, t0 + kScoreChunk);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const T* k = static_cast<const T*>(a.k) + size_t{static_cast<uint32_t>(kv)} * a.rows * a.d;
+  for (uint32_t t = t0 + warp; t < t1; t += blockDim.x / 32) {
+    const T* kr = k + size_t{t} * a.d;
+    float acc = 0.f;
+    for (uint32_t x = lane; x < a.d; x += 32) acc = fmaf(q[x], ToF(kr[x]), acc);
+    acc = WarpSum(acc);
+    if (lane == 0) scores[size_t{blockIdx.x} * a.rows + t] = acc * a.scale;
+  }
+}
+
+__global__ void __launch_bounds__(kSelThreads)
+    SelectRows(AttendArgs a, uint32_t row0, const float* scores, uint32_t top_k, int32_t* list,
+               int32_t* counts, float* omitted, uint8_t* exact) {
+  const uint32_t r = row0 + blockIdx.x;
+  uint32_t lo, hi;
+  RowRange(a, r, &lo, &hi);
+  const int n = static_cast<int>(hi - lo);
+  const int keep = Min<int>(static_cast<int>(top_k), n);
+  int32_t* out = list + size_t{r} * top_k;
+  if (keep == n) {  // every visible key (or none)
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = static_cast<int32_t>(lo + i);
+    if (threadIdx.x == 0) {
+      counts[r] = n;
+      omitted[r] = 0.f;
+      exact[r] = 1;
+    }
+    return;
+  }
+  const float* s = scores + size_t{blockIdx.x} * a.rows + lo;
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, s[i]);
+  mx = BlockReduce(mx, MaxOp{}, -INFINITY);
+  auto key = [s](int i) { return SortKey(s[i]); };
+  uint32_t thr;
+  int need;
+  RadixSelect(key, n, keep, &thr, &need);
+  float all = 0.f, left = 0.f;
+  CompactAscending(key, n, thr, need, [&](int i, bool taken, int rank) {
+    const float w = expf(s[i] - mx);
+    all += w;
+    if (taken) {
+      out[rank] = static_cast<int32_t>(lo + i);
+    } else {
+      left += w;
+    }
+  });
+  all = BlockReduce(all, SumOp{}, 0.f);
+  left = BlockReduce(left, SumOp{}, 0.f);
+  if (threadIdx.x == 0) {
+    counts[r] = keep;
+    omitted[r] = all > 0.f ? left / all : 0.f;
+    exact[r] = 0;
+  }
+}
+
+template <typename T>
+__global__ void Summarize(const T* k, uint32_t rows, uint32_t d, uint32_t block, uint32_t nb,
+                          float* mean, float* mn, float* mx) {
+  const uint32_t b = blockIdx.x, h = blockIdx.y;
+  const uint32_t first = b * block, last = min(rows, first + block);
+  for (uint32_t x = threadIdx.x; x < d; x += blockDim.x) {
+    float sum = 0.f, lo = INFINITY, hi = -INFINITY;
+    for (uint32_t t = first; t < last; ++t) {
+      const float v = ToF(k[(size_t{h} * rows + t) * d + x]);
+      sum += v;
+      lo = fminf(lo, v);
+      hi = fmaxf(hi, v);
+    }
+    const size_t o = (size_t{h} * nb + b) * d + x;
+    const uint32_t count = last > first ? last - first : 0;
+    mean[o] = count ? sum / count : 0.f;
+    mn[o] = count ? lo : 0.f;
+    mx[o] = count ? hi : 0.f;
+  }
+}
+
+__global__ void __launch_bounds__(256)
+    ScoreBlocks(const float* q, uint32_t d, const int32_t* head_map, const float* mean,
+                const float* mn, const float* mx, uint32_t nb, bool quest, float* sel,
+                float* mean_scores) {
+  const uint32_t h = blockIdx.y;
+  const uint32_t b = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (b >= nb) return;
+  const size_t base = (size_t{static_cast<uint32_t>(head_map[h])} * nb + b) * d;
+  const float* qh = q + size_t{h} * d;
+  float dot = 0.f, bound = 0.f;
+  for (uint32_t x = lane; x < d; x += 32) {
+    const float qx = qh[x];
+    dot = fmaf(qx, mean[base + x], dot);
+    if (quest) bound += fmaxf(qx * mn[base + x], qx * mx[base + x]);
+  }
+  dot = WarpSum(dot);
+  if (quest) bound = WarpSum(bound);
+  if (lane == 0) {
+    mean_scores[size_t{h} * nb + b] = dot;
+    sel[size_t{h} * nb + b] = quest ? bound : dot;
+  }
+}
+
+__global__ void __launch_bounds__(kSelThreads)
+    SelectBlocks(const float* sel, const float* ms, uint32_t nb, uint32_t B, uint32_t lo,
+                 uint32_t hi, uint32_t k_top, float scale, int32_t* blocks, int32_t* nchosen,
+                 int32_t* list, int32_t* counts, uint32_t stride, float* omitted) {
+  const uint32_t h = blockIdx.x;
+  const uint32_t b_lo = lo / B, b_hi = (hi - 1) / B;
+  const float* hs = sel + size_t{h} * nb;
+  const float* hm = ms + size_t{h} * nb;
+  auto weight_of = [&](uint32_t b, float top) {
+    const uint32_t r0 = max(b * B, lo), r1 = min((b + 1) * B, hi);
+    return static_cast<float>(r1 - r0) * expf(hm[b] * scale - top);
+  };
+  float top = -INFINITY;
+  for (uint32_t b = b_lo + threadIdx.x; b <= b_hi; b += blockDim.x) top = fmaxf(top, hm[b] * scale);
+  top = BlockReduce(top, MaxOp{}, -INFINITY);
+
+  const int ncand = b_hi > b_lo ? static_cast<int>(b_hi - b_lo - 1) : 0;
+  const int keep = Min<int>(static_cast<int>(k_top), ncand);
+  int32_t* hb = blocks + size_t{h} * (k_top + 2);
+  int32_t* hl = list + size_t{h} * stride;
+  const uint32_t len0 = min((b_lo + 1) * B, hi) - lo;
+  const bool two = b_hi != b_lo;
+  // The first and last visible blocks, always chosen.
+  for (uint32_t t = threadIdx.x; t < len0; t += blockDim.x) hl[t] = static_cast<int32_t>(lo + t);
+  if (two) {
+    const uint32_t off = len0 + static_cast<uint32_t>(keep) * B;
+    for (uint32_t t = b_hi * B + threadIdx.x; t < hi; t += blockDim.x) {
+      hl[off + t - b_hi * B] = static_cast<int32_t>(t);
+    }
+  }
+  float all = 0.f, left = 0.f;
+  auto visit = [&](int i, bool taken, int rank) {
+    const uint32_t b = b_lo + 1 + static_cast<uint32_t>(i);
+    const float w = weight_of(b, top);
+    all += w;
+    if (!taken) {
+      left += w;
+      return;
+    }
+    hb[1 + rank] = static_cast<int32_t>(b);
+    int32_t* dst = hl + len0 + static_cast<size_t>(rank) * B;
+    for (uint32_t t = 0; t < B; ++t) dst[t] = static_cast<int32_t>(b * B + t);
+  };
+  auto key = [hs, b_lo](int i) { return SortKey(hs[b_lo + 1 + i]); };
+  if (keep == ncand || keep == 0) {
+    for (int i = threadIdx.x; i < ncand; i += blockDim.x) visit(i, keep > 0, i);
+  } else {
+    uint32_t thr;
+    int need;
+    RadixSelect(key, ncand, keep, &thr, &need);
+    CompactAscending(key, ncand, thr, need, visit);
+  }
+  all = BlockReduce(all, SumOp{}, 0.f);
+  left = BlockReduce(left, SumOp{}, 0.f);
+  if (threadIdx.x == 0) {
+    all += weight_of(b_lo, top) + (two ? weight_of(b_hi, top) : 0.f);
+    hb[0] = static_cast<int32_t>(b_lo);
+    if (two) hb[1 + keep] = static_cast<int32_t>(b_hi);
+    nchosen[h] = 1 + keep + (two ? 1 : 0);
+    counts[h] =
+        static_cast<int32_t>(len0 + static_cast<uint32_t>(keep) * B + (two ? hi - b_hi * B : 0));
+    omitted[h] = all > 0.f ? left / all : 0.f;
+  }
+}
+
+}  // namespace
+
+Status LaunchScores(const AttendArgs& a, const int32_t* head_map, uint32_t row0, uint32_t n,
+                    float* scores, void* stream) {
+  if (n == 0 || a.rows == 0) return Status::Ok();
+  dim3 grid(n, (a.rows + kScoreChunk - 1) / kScoreChunk);
+  auto s = static_cast<cudaStream_t>(stream);
+  if (a.dtype == DType::kF16) {
+    Scores<__half><<<grid, 256, 0, s>>>(a, head_map, row0, scores);
+  } else {
+    Scores<float><<<grid, 256, 0, s>>>(a, head_map, row0, scores);
+  }
+  return KernelStatus("scores kernel");
+}
+
+Status LaunchSelectRows(const AttendArgs& a, uint32_t row0, uint32_t n, const float* scores,
+                        uint32_t top_k, int32_t* list, int32_t* counts, float* omitted,
+                        uint8_t* exact, void* stream) {
+  if (n == 0) return Status::Ok();
+  SelectRows<<<n, kSelThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, row0, scores, top_k, list,
+                                                                       counts, omitted, exact);
+  return KernelStatus("top-k select kernel");
+}
+
+Status LaunchSummarize(const void* k, DType dtype, uint32_t heads, uint32_t rows, uint32_t d,
+                       uint32_t block, uint32_t nblocks, float* mean, float* min, float* max,
+                       void* stream) {
+  if (heads == 0 || nblocks == 0) return Status::Ok();
+  dim3 grid(nblocks, heads);
+  const uint32_t threads = std::min<uint32_t>(d, 512);
+  auto s = static_cast<cudaStream_t>(stream);
+  if (dtype == DType::kF16) {
+    Summarize<<<grid, threads, 0, s>>>(static_cast<const __half*>(k), rows, d, block, nblocks, mean,
+                                       min, max);
+  } else {
+    Summarize<<<grid, threads, 0, s>>>(static_cast<const float*>(k), rows, d, block, nblocks, mean,
+                                       min, max);
+  }
+  return KernelStatus("summarize kernel");
+}
+
+Status LaunchScoreBlocks(const float* q, uint32_t hq, uint32_t d, const int32_t* head_map,
+                         const float* mean, const float* min, const float* max, uint32_t nblocks,
+                         BlockSelector selector, float* sel, float* mean_scores, void* stream) {
+  if (hq == 0 || nblocks == 0) return Status::Ok();
+  dim3 grid((nblocks + 7) / 8, hq);
+  ScoreBlocks<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      q, d, head_map, mean, min, max, nblocks, selector == BlockSelector::kQuest, sel, mean_scores);
+  return KernelStatus("block score kernel");
+}
+
+Status LaunchSelectBlocks(const float* sel, const float* mean_scores, uint32_t hq, uint32_t nblocks,
+                          uint32_t block, uint32_t lo, uint32_t hi, uint32_t k_top, float scale,
+                          int32_t* blocks, int32_t* nchosen, int32_t* list, int32_t* counts,
+                          uint32_t stride, float* omitted, void* stream) {
+  if (hq == 0 || hi <= lo) return Status::Ok();
+  SelectBlocks<<<hq, kSelThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      sel, mean_scores, nblocks, block, lo, hi, k_top, scale, blocks, nchosen, list, counts, stride,
+      omitted);
+  return KernelStatus("block select kernel");
+}
+
+}  // namespace pion::kernels::cuda

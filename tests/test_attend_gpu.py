@@ -1,0 +1,183 @@
+"""ATTEND.PREFIX.* on the CUDA backend (--attention-backend cuda): what only the GPU path has.
+The whole Stage 2 suite (test_attend_prefix.py) also runs against this backend on the GPU
+machine (make test-gpu); these tests cover GPU residency and the tensor-core path. Without a
+GPU they check that `cuda` is refused clearly and `auto` falls back to the CPU.
+
+Tolerances, err = |got - ref| / (1 + |ref|) against the float64 numpy reference:
+- fp32 slots and fp16 decode (few query rows per K/V head): 1e-4 (fp16: vs the reference on
+  K/V rounded to float16), as in test_attend_prefix.py;
+- fp16 slots with >= 64 query rows per K/V head (tensor cores, Q and P as fp16): 4e-3 vs the
+  fp16-rounded reference.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from pionlib import ATTENTION_BACKEND, RespError, parse_metrics
+from test_attend_prefix import (assert_close, assert_lse, attend_ref, contiguous_map, err, f32,
+                                info_slots, parse_out, rnd, store)
+
+on_gpu = pytest.mark.skipif(ATTENTION_BACKEND != "cuda",
+                            reason="needs --attention-backend cuda (make test-gpu on the GPU "
+                                   "machine)")
+
+
+def attn(srv) -> dict:
+    return srv.info("attention")
+
+
+@pytest.mark.skipif(ATTENTION_BACKEND == "cuda", reason="runs where there is no GPU")
+def test_cuda_backend_refused_without_a_gpu(pion_factory):
+    with pytest.raises(RuntimeError) as e:
+        pion_factory("--attention-backend", "cuda")
+    assert "--attention-backend cuda: no usable CUDA device" in str(e.value)
+    srv = pion_factory("--attention-backend", "auto")
+    assert attn(srv)["attention_backend"] == "cpu"
+    r = srv.client()
+    assert r.config_get("gpu-memory")["gpu-memory"] == "0"
+    with pytest.raises(Exception) as e2:
+        r.config_set("gpu-memory", "1gb")
+    assert "gpu-memory applies to --attention-backend cuda" in str(e2.value)
+
+
+@on_gpu
+def test_info_and_metrics_describe_the_gpu(pion_factory):
+    srv = pion_factory("-w", "2", "--gpu-memory", "64mb")
+    a = attn(srv)
+    assert a["attention_backend"] == "cuda" and a["attention_gpu_device"]
+    assert int(a["attention_gpu_memory_limit"]) == 64 << 20
+    r = srv.client()
+    rng = np.random.default_rng(1)
+    k, v = rnd(rng, 2, 300, 64), rnd(rng, 2, 300, 64)
+    store(r, "g", 0, k, v)
+    [s] = info_slots(r, "g")
+    assert s["backend"] == "cuda" and s["bytes"] == 2 * 2 * 300 * 64 * 4
+    a = attn(srv)
+    assert int(a["attention_gpu_bytes"]) >= s["bytes"] and int(a["attention_gpu_copies"]) == 1
+    assert int(a["attention_gpu_uploads"]) == 1
+    m = parse_metrics(srv.metrics_text())
+    assert m["pion_attention_gpu_memory_limit_bytes"] == 64 << 20
+    assert m["pion_attention_gpu_upload_bytes_total"] >= s["bytes"]
+
+
+@on_gpu
+def test_gpu_memory_lru_eviction_then_oom(pion_factory):
+    n, d = 4096, 128
+    slot = 2 * 1 * n * d * 4  # 4 MiB
+    srv = pion_factory("-w", "2", "--gpu-memory", str(slot * 7 // 2))  # room for 3.5 slots
+    r = srv.client()
+    rng = np.random.default_rng(2)
+    kv = [(rnd(rng, 1, n, d), rnd(rng, 1, n, d)) for _ in range(5)]
+    q = rnd(rng, 1, 1, d)
+    for i in range(3):
+        store(r, "e%d" % i, 0, *kv[i])
+    r.execute_command("ATTEND.PREFIX.QUERY", "e0", 0, 1, d, 0, f32(q))  # e0 most recent
+    store(r, "e3", 0, *kv[3])  # evicts e1
+    r.execute_command("ATTEND.PREFIX.QUERY", "e0", 0, 1, d, 0, f32(q))
+    store(r, "e4", 0, *kv[4])  # evicts e2
+    hits = [r.execute_command("ATTEND.PREFIX.LOOKUP", "e%d" % i, 0) for i in range(5)]
+    assert hits == [b"HIT", b"MISS", b"MISS", b"HIT", b"HIT"]
+    a = attn(srv)
+    assert int(a["attention_gpu_evictions"]) == 2 and int(a["attention_gpu_copies"]) == 3
+    for i in (0, 3, 4):
+        out = r.execute_command("ATTEND.PREFIX.QUERY", "e%d" % i, 0, 1, d, 0, f32(q))
+        ref, _, _ = attend_ref(q, *kv[i], [0], [n], np.arange(n), 0)
+        assert_close(parse_out(out, 1, 1, d, False)[0], ref)
+    assert err(srv, "ATTEND.PREFIX.QUERY", "e1", 0, 1, d, 0, f32(q)).startswith("MISS ")
+    # Larger than all of --gpu-memory: -OOM naming the GPU budget; nothing stored.
+    big = rnd(rng, 1, 4 * n, d)
+    e = err(srv, "ATTEND.PREFIX.STORE", "big", 0, 1, 4 * n, d, f32(big), f32(big))
+    assert e.startswith("OOM GPU attention memory full") and "--gpu-memory" in e, e
+    assert r.execute_command("ATTEND.PREFIX.LOOKUP", "big", 0) == b"MISS"
+    # CONFIG SET gpu-memory shrinks the budget: LRU copies go at once.
+    r.config_set("gpu-memory", str(slot + slot // 2))
+    assert int(attn(srv)["attention_gpu_bytes"]) <= slot + slot // 2
+    assert r.execute_command("ATTEND.PREFIX.LOOKUP", "e4", 0) == b"HIT"
+    assert r.execute_command("ATTEND.PREFIX.LOOKUP", "e0", 0) == b"MISS"
+    assert r.ping()
+
+
+@on_gpu
+@pytest.mark.parametrize("hq,hkv,m,d", [(32, 8, 16, 128), (8, 2, 64, 64), (16, 2, 20, 256),
+                                        (8, 8, 80, 96)])
+def test_fp16_batched_tensor_core_path(pion_factory, hq, hkv, m, d):
+    srv = pion_factory("-w", "1", "--attention-fp16")
+    r = srv.client()
+    rng = np.random.default_rng(hq * m + d)
+    n = 1500
+    k, v, q = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d), rnd(rng, hq, m, d)
+    k16 = k.astype(np.float16).astype(np.float32)
+    v16 = v.astype(np.float16).astype(np.float32)
+    store(r, "tc", 0, k, v)
+    hm = contiguous_map(hq, hkv)
+    for qpos, window in ((n, 0), (700, 0), (n, 300)):
+        out = r.execute_command("ATTEND.PREFIX.QUERY", "tc", 0, hq, d, 0, f32(q), window, "QPOS",
+                                qpos)
+        got, lse = parse_out(out, hq, m, d, True)
+        ref, ref_lse, _ = attend_ref(q, k16, v16, hm, np.arange(qpos, qpos + m), np.arange(n),
+                                     window)
+        assert_close(got, ref, 4e-3, "fp16 batched qpos=%d window=%d" % (qpos, window))
+        assert_lse(lse, ref_lse, 4e-3)
+
+
+@on_gpu
+def test_query_racing_store_sees_old_or_new_on_gpu(pion_factory):
+    """Queries while STOREs replace the slot: every reply equals the old or the new slot's
+    reference, never a mix (the GPU copy is published only after its upload completed)."""
+    srv = pion_factory("-w", "2")
+    rng = np.random.default_rng(3)
+    hq, hkv, n, d = 8, 2, 20000, 128
+    kvs = [(rnd(rng, hkv, n, d), rnd(rng, hkv, n, d)) for _ in range(2)]
+    q = rnd(rng, hq, 1, d)
+    hm = contiguous_map(hq, hkv)
+    refs = [attend_ref(q, k, v, hm, [n], np.arange(n), 0)[0] for k, v in kvs]
+    r = srv.client()
+    store(r, "race", 0, *kvs[0])
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def writer():
+        w = srv.client()
+        i = 1
+        while not stop.is_set():
+            store(w, "race", 0, *kvs[i % 2])
+            i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for _ in range(60):
+            out = r.execute_command("ATTEND.PREFIX.QUERY", "race", 0, hq, d, 0, f32(q))
+            got = parse_out(out, hq, 1, d, False)[0]
+            errs = [float(np.max(np.abs(got - ref) / (1 + np.abs(ref)))) for ref in refs]
+            if min(errs) > 1e-4:
+                errors.append("reply matches neither slot: %r" % errs)
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert not errors, errors[:3]
+
+
+@on_gpu
+def test_store_from_namespace_lands_on_gpu(pion_factory):
+    srv = pion_factory("-w", "2")
+    r = srv.client()
+    rng = np.random.default_rng(4)
+    T, H, D = 300, 2, 64
+    r.execute_command("KV.PREFIX.REGISTER", "ns", 1, T, H, D, "fp16")
+    kt, vt = rnd(rng, T, H * D), rnd(rng, T, H * D)
+    r.execute_command("V.STOREBATCH", "ns_pk", 0, f32(kt))
+    r.execute_command("V.STOREBATCH", "ns_pv", 0, f32(vt))
+    assert r.execute_command("ATTEND.PREFIX.STORE", "s", 0, "FROM", "ns") == b"OK"
+    [s] = info_slots(r, "s")
+    assert s["backend"] == "cuda" and s["source"].startswith("ns@")
+    k = kt.reshape(T, H, D).transpose(1, 0, 2).astype(np.float16).astype(np.float32)
+    v = vt.reshape(T, H, D).transpose(1, 0, 2).astype(np.float16).astype(np.float32)
+    q = rnd(rng, 4, 1, D)
+    out = r.execute_command("ATTEND.PREFIX.QUERY", "s", 0, 4, D, 0, f32(q))
+    ref, _, _ = attend_ref(q, k, v, contiguous_map(4, 2), [T], np.arange(T), 0)
+    assert_close(parse_out(out, 4, 1, D, False)[0], ref)
+    assert int(attn(srv)["attention_promotions"]) == 1
