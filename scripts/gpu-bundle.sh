@@ -8,7 +8,7 @@ BUILD=${1:-build}
 OUT=build/devcarry
 rm -rf "$OUT"
 mkdir -p "$OUT/bin" "$OUT/lib" "$OUT/py" "$OUT/pytest"
-for b in pion-server gpu_attention_test pion-attn-bench; do
+for b in pion-server gpu_attention_test pion-attn-bench pion-gpu-attn-bench pion-fetch-bench; do
   [ -x "$BUILD/$b" ] && cp "$BUILD/$b" "$OUT/bin/"
 done
 ldd "$OUT"/bin/* | awk '$3 ~ /^\// {print $3}' | sort -u | while read -r lib; do

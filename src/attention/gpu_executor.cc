@@ -34,18 +34,16 @@ class Job {
     if (!p.ok()) return p.status();
     return static_cast<T*>(p.value());
   }
-  // Host data → pinned scratch → device (async on the stream).
+  // Host data → pinned staging; its device address is valid once Flush() ran (before the
+  // first kernel that reads it): one transfer carries everything staged in between.
   template <typename T>
   StatusOr<T*> Up(const T* host, size_t n) {
-    auto d = Dev<T>(n);
-    if (!d.ok()) return d.status();
-    auto h = c_->Host(std::max<size_t>(n, 1) * sizeof(T));
-    if (!h.ok()) return h.status();
-    if (n > 0) std::memcpy(h.value(), host, n * sizeof(T));
-    Status s = c_->ToDevice(d.value(), h.value(), n * sizeof(T));
-    if (!s.ok()) return s;
-    return d.value();
+    auto st = c_->Stage(std::max<size_t>(n, 1) * sizeof(T));
+    if (!st.ok()) return st.status();
+    if (n > 0) std::memcpy(st->host, host, n * sizeof(T));
+    return static_cast<T*>(st->device);
   }
+  Status Flush() { return c_->FlushStaged(); }
   // Device → pinned scratch (async); the host pointer is valid after Sync().
   template <typename T>
   StatusOr<T*> Down(const T* dev, size_t n) {
@@ -121,6 +119,7 @@ Status DenseLaunch(Job& job, AttendArgs a, const int32_t* head_map, uint64_t key
   a.part_o = parts->o;
   a.part0 = parts->count;
   parts->count += splits;
+  PION_TRY(job.Flush());
   return kernels::cuda::LaunchAttend(a, job.stream());
 }
 
@@ -150,6 +149,7 @@ Status SparseLaunch(Job& job, AttendArgs a, const int32_t* head_map, const int32
   a.part_o = parts->o;
   a.part0 = parts->count;
   parts->count += splits;
+  PION_TRY(job.Flush());
   return kernels::cuda::LaunchAttend(a, job.stream());
 }
 
@@ -238,6 +238,7 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       const uint32_t chunk = static_cast<uint32_t>(
           std::clamp<uint64_t>((64ull << 20) / (4ull * std::max(n, 1u)), 1, nrows));
       PION_ASSIGN(scores, job.Dev<float>(size_t{chunk} * n));
+      PION_TRY(job.Flush());
       for (uint32_t row0 = 0; row0 < nrows; row0 += chunk) {
         const uint32_t cn = std::min(chunk, nrows - row0);
         PION_TRY(kernels::cuda::LaunchScores(base, dmap, row0, cn, scores, job.stream()));
@@ -284,6 +285,7 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
         if (summaries->fill_status.ok()) summaries->fill_status = job.ctx()->Sync();
       });
       PION_TRY(summaries->fill_status);
+      PION_TRY(job.Flush());
       const uint32_t stride =
           static_cast<uint32_t>(std::min<uint64_t>(uint64_t{plan.k_top + 2} * B, n));
       PION_ASSIGN(sel, job.Dev<float>(size_t{q.hq} * nb));
@@ -321,15 +323,16 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
     PION_TRY(DenseLaunch(job, suf, q.head_map, 1, &parts, suf_splits));
   }
   if (parts.m == nullptr) PION_TRY(AllocParts(job, 0, nrows, q.d, &parts));
-  PION_ASSIGN(dout, job.Dev<float>(size_t{nrows} * q.d));
-  PION_ASSIGN(dlse, job.Dev<float>(nrows));
+  // Output then LSE, back to back: one download.
+  const size_t out_n = size_t{nrows} * q.d;
+  PION_ASSIGN(dout, job.Dev<float>(out_n + nrows));
+  PION_TRY(job.Flush());
   PION_TRY(kernels::cuda::LaunchCombine(parts.count, nrows, q.d, parts.m, parts.l, parts.o, dout,
-                                        dlse, job.stream()));
-  PION_ASSIGN(hout, job.Down(dout, size_t{nrows} * q.d));
-  PION_ASSIGN(hlse, job.Down(dlse, nrows));
+                                        dout + out_n, job.stream()));
+  PION_ASSIGN(hout, job.Down(dout, out_n + nrows));
   PION_TRY(job.ctx()->Sync());
-  std::memcpy(out, hout, size_t{nrows} * q.d * sizeof(float));
-  if (lse != nullptr) std::memcpy(lse, hlse, nrows * sizeof(float));
+  std::memcpy(out, hout, out_n * sizeof(float));
+  if (lse != nullptr) std::memcpy(lse, hout + out_n, nrows * sizeof(float));
 
   // The receipt from what the selection kernels reported.
   if (plan.form == Form::kTopK) {

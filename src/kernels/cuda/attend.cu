@@ -1,7 +1,7 @@
 // The SIMT attention kernel (every dtype, D, dense or sparse item) and the split combine.
 //
 // One thread block (128 threads) owns one item — up to kItemRows query rows of one K/V head —
-// and one split of its keys. Keys stream through shared memory in tiles, double-buffered with
+// and one split of its keys. Keys stream through shared memory in tiles, three buffers with
 // cp.async so the next tile's loads are in flight while this one is computed:
 //   scores   thread per (row, key): the whole dot over D from shared memory (K rows padded by
 //            16 bytes so a warp's rows hit distinct banks; q broadcast)
@@ -35,7 +35,9 @@ struct Simt {
   static constexpr size_t kQ = size_t{kItemRows} * D * 4;
   static constexpr size_t kTile = size_t{kTk} * kStride * sizeof(T);
   static constexpr size_t kS = size_t{kItemRows} * kTk * 4;
-  static constexpr size_t kBytes = kQ + 4 * kTile + kS + 2 * kTk * 4 + 3 * kItemRows * 4;
+  static constexpr int kStages = 3;  // tiles in flight: two loading while one is computed
+  static constexpr size_t kBytes =
+      kQ + 2 * kStages * kTile + kS + kStages * kTk * 4 + 3 * kItemRows * 4;
 };
 
 __device__ inline void Load8(const float* p, float (&x)[8]) {
@@ -65,11 +67,13 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
   using C = Simt<T, D>;
   extern __shared__ __align__(16) uint8_t smem[];
   float* qs = reinterpret_cast<float*>(smem);
-  T* ks = reinterpret_cast<T*>(smem + C::kQ);                         // [2][kTk][kStride]
-  T* vs = reinterpret_cast<T*>(smem + C::kQ + 2 * C::kTile);          // [2][kTk][kStride]
-  float* ss = reinterpret_cast<float*>(smem + C::kQ + 4 * C::kTile);  // [kItemRows][kTk]
-  int32_t* kidx = reinterpret_cast<int32_t*>(smem + C::kQ + 4 * C::kTile + C::kS);  // [2][kTk]
-  float* rm = reinterpret_cast<float*>(kidx + 2 * C::kTk);
+  T* ks = reinterpret_cast<T*>(smem + C::kQ);  // [2][kTk][kStride]
+  constexpr int kSt = C::kStages;
+  T* vs = reinterpret_cast<T*>(smem + C::kQ + kSt * C::kTile);              // [kSt][kTk][kStride]
+  float* ss = reinterpret_cast<float*>(smem + C::kQ + 2 * kSt * C::kTile);  // [kItemRows][kTk]
+  int32_t* kidx =
+      reinterpret_cast<int32_t*>(smem + C::kQ + 2 * kSt * C::kTile + C::kS);  // [kSt][kTk]
+  float* rm = reinterpret_cast<float*>(kidx + kSt * C::kTk);
   float* rl = rm + kItemRows;
   float* ralpha = rl + kItemRows;
   __shared__ int64_t qpos[kItemRows];
@@ -123,7 +127,11 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
   const T* vbase = static_cast<const T*>(a.v) + static_cast<size_t>(item.kv) * a.rows * D;
   const int32_t* list = sparse ? a.list + static_cast<size_t>(rowid[0]) * a.stride : nullptr;
 
-  auto prefetch = [&](int t, int buf) {
+  // Tile t into buffer t % kSt; one commit group per call (empty past the end), so that
+  // wait_prior(kSt − 1) means "tile t has landed".
+  auto prefetch = [&](int t) {
+    if (t >= ntiles) return __pipeline_commit();
+    const int buf = t % kSt;
     const uint32_t first = k0 + t * C::kTk;
     const int tk = Min<int>(C::kTk, k1 - first);
     for (int e = tid; e < tk * C::kVecs; e += C::kThreads) {
@@ -144,15 +152,12 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
 #pragma unroll
   for (int s = 0; s < C::kMaxO; ++s) o[s] = make_float4(0.f, 0.f, 0.f, 0.f);
 
-  if (ntiles > 0) prefetch(0, 0);
+#pragma unroll
+  for (int t = 0; t < kSt - 1; ++t) prefetch(t);
   for (int t = 0; t < ntiles; ++t) {
-    const int buf = t & 1;
-    if (t + 1 < ntiles) {
-      prefetch(t + 1, buf ^ 1);
-      __pipeline_wait_prior(1);
-    } else {
-      __pipeline_wait_prior(0);
-    }
+    const int buf = t % kSt;
+    prefetch(t + kSt - 1);
+    __pipeline_wait_prior(kSt - 1);
     __syncthreads();
     const int tk = Min<int>(C::kTk, k1 - (k0 + t * C::kTk));
     const T* kt = ks + static_cast<size_t>(buf) * C::kTk * C::kStride;
@@ -286,31 +291,70 @@ Status LaunchSimtD(const AttendArgs& a, cudaStream_t stream) {
   return Status(ErrorKind::kErr, "unsupported head dim " + std::to_string(a.d));
 }
 
-__global__ void Combine(uint32_t parts, uint32_t nrows, uint32_t d, const float* pm,
-                        const float* pl, const float* po, float* out, float* lse) {
+// One block (4 warps) per output row. Each lane owns 4 consecutive columns; warp w sums the
+// parts p ≡ w (mod 4) with their weights exp(m_p − M), loads issued 4 parts at a time so they
+// overlap; the four warp sums meet in shared memory.
+__global__ void __launch_bounds__(128)
+    Combine(uint32_t parts, uint32_t nrows, uint32_t d, const float* pm, const float* pl,
+            const float* po, float* out, float* lse) {
+  __shared__ float top, wsum[4];
+  __shared__ float4 part_o[4][128];  // [warp][column group], d <= 512
   const uint32_t row = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float mx = -INFINITY;
-  for (uint32_t p = 0; p < parts; ++p) mx = fmaxf(mx, pm[size_t{p} * nrows + row]);
+  for (uint32_t p = threadIdx.x; p < parts; p += blockDim.x) {
+    mx = fmaxf(mx, pm[size_t{p} * nrows + row]);
+  }
+  mx = WarpMax(mx);
+  if (lane == 0) wsum[warp] = mx;
+  __syncthreads();
+  if (threadIdx.x == 0) top = fmaxf(fmaxf(wsum[0], wsum[1]), fmaxf(wsum[2], wsum[3]));
+  __syncthreads();
+  mx = top;
   float* o = out + size_t{row} * d;
   if (mx == -INFINITY) {
     for (uint32_t x = threadIdx.x; x < d; x += blockDim.x) o[x] = 0.f;
     if (threadIdx.x == 0 && lse != nullptr) lse[row] = -INFINITY;
     return;
   }
+  const uint32_t groups = d / 4;  // float4 columns
   float l = 0.f;
-  for (uint32_t p = 0; p < parts; ++p) {
-    const float m = pm[size_t{p} * nrows + row];
-    if (m != -INFINITY) l += pl[size_t{p} * nrows + row] * expf(m - mx);
-  }
-  for (uint32_t x = threadIdx.x; x < d; x += blockDim.x) {
-    float acc = 0.f;
-    for (uint32_t p = 0; p < parts; ++p) {
-      const float m = pm[size_t{p} * nrows + row];
-      if (m != -INFINITY) acc += po[(size_t{p} * nrows + row) * d + x] * expf(m - mx);
+  for (uint32_t g0 = 0; g0 < groups; g0 += 32) {
+    const uint32_t g = g0 + lane;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (uint32_t p0 = warp; p0 < parts; p0 += 16) {
+      float w[4];
+      float4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const uint32_t p = p0 + 4 * u;
+        const float m = p < parts ? pm[size_t{p} * nrows + row] : -INFINITY;
+        w[u] = m == -INFINITY ? 0.f : expf(m - mx);
+        v[u] = w[u] != 0.f && g < groups
+                   ? reinterpret_cast<const float4*>(po + (size_t{p} * nrows + row) * d)[g]
+                   : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (g0 == 0 && lane == 0 && w[u] != 0.f) l += w[u] * pl[size_t{p} * nrows + row];
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        acc.x += w[u] * v[u].x;
+        acc.y += w[u] * v[u].y;
+        acc.z += w[u] * v[u].z;
+        acc.w += w[u] * v[u].w;
+      }
     }
-    o[x] = acc / l;
+    if (g < groups) part_o[warp][g] = acc;
   }
-  if (threadIdx.x == 0 && lse != nullptr) lse[row] = mx + logf(l);
+  if (lane == 0) wsum[warp] = l;
+  __syncthreads();
+  const float total = wsum[0] + wsum[1] + wsum[2] + wsum[3];
+  for (uint32_t g = threadIdx.x; g < groups; g += blockDim.x) {
+    const float4 a = part_o[0][g], b = part_o[1][g], c = part_o[2][g], e = part_o[3][g];
+    reinterpret_cast<float4*>(o)[g] =
+        make_float4((a.x + b.x + c.x + e.x) / total, (a.y + b.y + c.y + e.y) / total,
+                    (a.z + b.z + c.z + e.z) / total, (a.w + b.w + c.w + e.w) / total);
+  }
+  if (threadIdx.x == 0 && lse != nullptr) lse[row] = mx + logf(total);
 }
 
 template <typename T>
@@ -361,9 +405,8 @@ Status LaunchCombine(uint32_t parts, uint32_t nrows, uint32_t d, const float* pa
                      const float* part_l, const float* part_o, float* out, float* lse,
                      void* stream) {
   if (nrows == 0) return Status::Ok();
-  const uint32_t threads = std::min<uint32_t>(256, std::max<uint32_t>(32, d));
-  Combine<<<nrows, threads, 0, static_cast<cudaStream_t>(stream)>>>(parts, nrows, d, part_m, part_l,
-                                                                    part_o, out, lse);
+  Combine<<<nrows, 128, 0, static_cast<cudaStream_t>(stream)>>>(parts, nrows, d, part_m, part_l,
+                                                                part_o, out, lse);
   return KernelStatus("combine kernel");
 }
 

@@ -70,7 +70,8 @@ struct AttendArgs {
   uint32_t nrows = 0;  // hq * m
 };
 
-// Whether LaunchAttend runs these args on tensor cores (fp16, dense, d <= 256, sm_80+), and how
+// Whether LaunchAttend runs these args on tensor cores (fp16, dense, d <= 256, sm_80+; the
+// flash kernel also takes sparse lists, but they measure faster on the SIMT kernel), and how
 // many 16-row groups one such block holds (4 when a K/V head has >= 64 query rows, else 1).
 // Call before building items: DenseItems(..., FlashRowGroups(a)) when UsesTensorCores(a).
 bool UsesTensorCores(const AttendArgs& a);

@@ -61,29 +61,34 @@ struct Flash {
   static constexpr int kStr = D + 8;  // padded smem row (halves): ldmatrix rows hit distinct banks
   static constexpr int kRows = 16 * WR;
   static constexpr int kKw = kBk * WR / 4;  // keys per warp per tile
+  // Decode keeps three tiles in flight (it is bound by reading K/V); batched two.
+  static constexpr int kStages = WR == 1 ? 3 : 2;
   static constexpr size_t kQ = size_t{kRows} * kStr * 2 * (kSplit ? 2 : 1);
   static constexpr size_t kTile = size_t{kBk} * kStr * 2;
   static constexpr size_t kMerge = WR == 1 ? size_t{4} * 16 * (D + 2) * 4 : 0;
-  static constexpr size_t kBytes = std::max(kQ + 4 * kTile, kQ + kMerge);
+  static constexpr size_t kBytes = std::max(kQ + 2 * kStages * kTile, kQ + kMerge);
 };
 
 template <int D, int WR, bool kSplit>
 __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   using C = Flash<D, WR, kSplit>;
-  constexpr int kStr = C::kStr, kKw = C::kKw, kNt = kKw / 8;
+  constexpr int kStr = C::kStr, kKw = C::kKw, kNt = kKw / 8, kS = C::kStages;
   extern __shared__ __align__(16) uint8_t smem[];
   __half* qh = reinterpret_cast<__half*>(smem);
   __half* ql = qh + C::kRows * kStr;
-  __half* kt = reinterpret_cast<__half*>(smem + C::kQ);  // [2][kBk][kStr]
-  __half* vt = kt + 2 * kBk * kStr;                      // [2][kBk][kStr]
+  __half* kt = reinterpret_cast<__half*>(smem + C::kQ);  // [kS][kBk][kStr]
+  __half* vt = kt + kS * kBk * kStr;                     // [kS][kBk][kStr]
   __shared__ int64_t qpos[C::kRows];
   __shared__ int32_t rowid[C::kRows];
   __shared__ uint32_t range[2];
+  __shared__ int64_t qspan[2];       // min and max position of the block's rows
+  __shared__ int32_t kidx[kS][kBk];  // sparse: the key rows of each buffered tile
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int rg = warp % WR, kg = warp / WR;
+  const int rg = warp % WR;
   const uint32_t first_item = blockIdx.x * WR;
   const int32_t kv = a.items[first_item].kv;
+  const bool sparse = a.list != nullptr;  // WR == 1, one row per item
   for (int t = tid; t < C::kRows; t += 128) {
     const uint32_t it = first_item + t / 16;
     const int j = t % 16;
@@ -105,38 +110,82 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
     }
   }
   if (tid == 0) {
-    int64_t vlo = INT64_MAX, vhi = INT64_MIN;
+    int64_t vlo = INT64_MAX, vhi = INT64_MIN, pmin = INT64_MAX, pmax = INT64_MIN;
     for (int r = 0; r < C::kRows; ++r) {
       if (rowid[r] < 0) continue;
-      vlo = min(vlo, FirstVisible(qpos[r], a.window, a.k_pos0));
-      vhi = max(vhi, qpos[r] - a.k_pos0 + 1);
+      vlo = Min(vlo, FirstVisible(qpos[r], a.window, a.k_pos0));
+      vhi = Max(vhi, qpos[r] - a.k_pos0 + 1);
+      pmin = Min(pmin, qpos[r]);
+      pmax = Max(pmax, qpos[r]);
     }
-    const int64_t b = Max<int64_t>(vlo, a.begin), e = Min<int64_t>(vhi, a.end);
-    const uint32_t lo = static_cast<uint32_t>(b < e ? b : 0),
-                   hi = static_cast<uint32_t>(b < e ? e : 0);
+    qspan[0] = pmin;
+    qspan[1] = pmax;
+    uint32_t lo = 0, hi = 0;
+    if (sparse) {
+      hi = rowid[0] >= 0 ? static_cast<uint32_t>(a.counts[rowid[0]]) : 0;
+    } else {
+      const int64_t b = Max<int64_t>(vlo, a.begin), e = Min<int64_t>(vhi, a.end);
+      lo = static_cast<uint32_t>(b < e ? b : 0);
+      hi = static_cast<uint32_t>(b < e ? e : 0);
+    }
     const uint64_t len = hi - lo;
     range[0] = lo + static_cast<uint32_t>(len * blockIdx.y / a.splits);
     range[1] = lo + static_cast<uint32_t>(len * (blockIdx.y + 1) / a.splits);
   }
   __syncthreads();
-  const uint32_t k0 = range[0], k1 = range[1];
-  const int ntiles = static_cast<int>((k1 - k0 + kBk - 1) / kBk);
+  // Decode (WR = 1): each warp streams its own quarter of the block's keys through its own
+  // ring of 16-row tiles, synchronizing only with itself (__syncwarp), so the four warps hide
+  // each other's latencies. Batched (WR = 4): the block streams 64-row tiles all warps share.
+  constexpr bool kIndep = WR == 1;
+  constexpr int kTileRows = kIndep ? 16 : kBk;
+  constexpr int kLoaders = kIndep ? 32 : 128;
+  const int ltid = kIndep ? lane : tid;
+  uint32_t k0 = range[0], k1 = range[1];
+  if (kIndep) {
+    const uint64_t len = k1 - k0;
+    k1 = k0 + static_cast<uint32_t>(len * (warp + 1) / 4);
+    k0 = k0 + static_cast<uint32_t>(len * warp / 4);
+  }
+  const int ntiles = static_cast<int>((k1 - k0 + kTileRows - 1) / kTileRows);
   const __half* kbase = static_cast<const __half*>(a.k) + size_t(kv) * a.rows * D;
   const __half* vbase = static_cast<const __half*>(a.v) + size_t(kv) * a.rows * D;
+  const int32_t* list = sparse && rowid[0] >= 0 ? a.list + size_t(rowid[0]) * a.stride : nullptr;
+  // Buffer `buf` of this warp's (decode) or the block's (batched) ring, and its key indices.
+  auto tile_k = [&](int buf) { return kt + (kIndep ? (warp * kS + buf) * 16 : buf * kBk) * kStr; };
+  auto tile_v = [&](int buf) { return vt + (kIndep ? (warp * kS + buf) * 16 : buf * kBk) * kStr; };
+  const int kidx0 = kIndep ? warp * 16 : 0;
 
-  auto prefetch = [&](int t, int buf) {
-    const uint32_t first = k0 + t * kBk;
-    const int tk = Min<int>(kBk, k1 - first);
-    for (int e = tid; e < kBk * (D / 8); e += 128) {
-      const int j = e / (D / 8), c = (e % (D / 8)) * 8;
-      const size_t so = (size_t(buf) * kBk + j) * kStr + c;
-      if (j < tk) {
-        const size_t go = size_t(first + j) * D + c;
-        __pipeline_memcpy_async(kt + so, kbase + go, 16);
-        __pipeline_memcpy_async(vt + so, vbase + go, 16);
-      } else {  // zero rows past the range: p = 0 must not meet garbage (0 · NaN)
-        *reinterpret_cast<uint4*>(kt + so) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(vt + so) = make_uint4(0, 0, 0, 0);
+  // Tile t into buffer t % kS; always one commit group per call (empty past the end) so that
+  // wait_prior(kS − 1) means "tile t has landed".
+  auto prefetch = [&](int t) {
+    if (t < ntiles) {
+      const int buf = t % kS;
+      const uint32_t first = k0 + t * kTileRows;
+      const int tk = Min<int>(kTileRows, k1 - first);
+      const __half* kg = kbase + size_t(first) * D;  // dense: rows first.. are contiguous
+      const __half* vg = vbase + size_t(first) * D;
+      __half* ks = tile_k(buf);
+      __half* vs = tile_v(buf);
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {  // kTileRows × D/8 chunks of 16 bytes over the loaders
+        const int e = ltid + kLoaders * i;
+        const int j = e / (D / 8), c = (e % (D / 8)) * 8;
+        const int so = j * kStr + c;
+        if (j < tk) {
+          ptrdiff_t go;
+          if (list != nullptr) {
+            const int32_t key = list[first + j];
+            if (c == 0) kidx[buf][kidx0 + j] = key;
+            go = (ptrdiff_t(key) - ptrdiff_t(first)) * D + c;
+          } else {
+            go = j * D + c;
+          }
+          __pipeline_memcpy_async(ks + so, kg + go, 16);
+          __pipeline_memcpy_async(vs + so, vg + go, 16);
+        } else {  // zero rows past the range: p = 0 must not meet garbage (0 · NaN)
+          *reinterpret_cast<uint4*>(ks + so) = make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(vs + so) = make_uint4(0, 0, 0, 0);
+        }
       }
     }
     __pipeline_commit();
@@ -147,6 +196,7 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   const int row_a = rg * 16 + g, row_b = row_a + 8;
   const bool valid_a = rowid[row_a] >= 0, valid_b = rowid[row_b] >= 0;
   const int64_t qp_a = qpos[row_a], qp_b = qpos[row_b];
+  const int64_t qmin = qspan[0], qmax = qspan[1];
   const float sl2 = a.scale * kLog2e;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   float o[D / 8][4];
@@ -155,18 +205,19 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
 
   // ldmatrix lane addressing.
   const int lm = lane >> 3, lr = lane & 7;
-  if (ntiles > 0) prefetch(0, 0);
+#pragma unroll
+  for (int t = 0; t < kS - 1; ++t) prefetch(t);
   for (int t = 0; t < ntiles; ++t) {
-    const int buf = t & 1;
-    if (t + 1 < ntiles) {
-      prefetch(t + 1, buf ^ 1);
-      __pipeline_wait_prior(1);
+    const int buf = t % kS;
+    prefetch(t + kS - 1);
+    __pipeline_wait_prior(kS - 1);
+    if constexpr (kIndep) {
+      __syncwarp();
     } else {
-      __pipeline_wait_prior(0);
+      __syncthreads();
     }
-    __syncthreads();
-    const __half* kb = kt + size_t(buf) * kBk * kStr + size_t(kg) * kKw * kStr;
-    const __half* vb = vt + size_t(buf) * kBk * kStr + size_t(kg) * kKw * kStr;
+    const __half* kb = tile_k(buf);
+    const __half* vb = tile_v(buf);
     float s[kNt][4];
 #pragma unroll
     for (int n = 0; n < kNt; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -188,19 +239,25 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
         }
       }
     }
-    // Mask (position, window, range, padding rows), scale into the log2 domain, row max.
-    const int64_t key0 = int64_t(k0) + t * kBk + kg * kKw;
+    // Mask (position, window, range, padding rows), scale into the log2 domain, row max. A
+    // dense tile every row of the block fully sees skips the per-key tests.
+    const int64_t e0 = int64_t(k0) + t * kTileRows;  // this warp's first entry
+    const bool full = !sparse && e0 + kKw <= k1 && a.k_pos0 + e0 + kKw - 1 <= qmin &&
+                      (a.window <= 0 || a.k_pos0 + e0 > qmax - a.window);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < kNt; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int64_t key = key0 + n * 8 + c2 + (e & 1);
-        const int64_t kpos = a.k_pos0 + key;
         const bool rb = e >= 2;
-        const int64_t qp = rb ? qp_b : qp_a;
-        const bool ok = (rb ? valid_b : valid_a) && key < k1 && kpos <= qp &&
-                        (a.window <= 0 || kpos > qp - a.window);
+        bool ok = rb ? valid_b : valid_a;
+        if (!full) {
+          const int local = kidx0 + n * 8 + c2 + (e & 1);
+          const int64_t entry = e0 + n * 8 + c2 + (e & 1);
+          const int64_t kpos = a.k_pos0 + (sparse ? kidx[buf][local < kBk ? local : 0] : entry);
+          const int64_t qp = rb ? qp_b : qp_a;
+          ok = ok && entry < k1 && kpos <= qp && (a.window <= 0 || kpos > qp - a.window);
+        }
         s[n][e] = ok ? s[n][e] * sl2 : -INFINITY;
         mx[rb] = fmaxf(mx[rb], s[n][e]);
       }
@@ -225,12 +282,15 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
         l_run[i] += p;
       }
     }
+    // Once the running maxima settle the factors are 1: skip the rescale (warp-uniform test).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+      }
     }
     // o += P·V, 16 keys at a time.
 #pragma unroll
@@ -257,7 +317,11 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
         }
       }
     }
-    __syncthreads();
+    if constexpr (kIndep) {  // the buffer is refilled next iteration: all lanes are done with it
+      __syncwarp();
+    } else {
+      __syncthreads();
+    }
   }
   // Row sums over the quad.
 #pragma unroll
@@ -284,7 +348,9 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       }
     }
   } else {
-    // Four warps hold states of the same 16 rows over different keys: merge in shared memory.
+    // Four warps hold states of the same 16 rows over different keys: merge in shared memory
+    // (the tile rings, once every warp is done streaming).
+    __syncthreads();
     float* ms = reinterpret_cast<float*>(smem + C::kQ);  // [4][16]
     float* ls = ms + 64;                                 // [4][16]
     float* os = ls + 64;                                 // [4][16][D]
@@ -382,13 +448,16 @@ Status LaunchD(const AttendArgs& a, cudaStream_t stream) {
 }  // namespace
 
 int FlashRowGroups(const AttendArgs& a) {
-  // Batched (four row groups per block) when a K/V head has at least 64 query rows.
+  // Batched (four row groups per block) when a K/V head has at least 64 query rows; sparse
+  // lists (one row per item) and decode use one.
+  if (a.list != nullptr || !a.dense_items) return 1;
   const uint32_t heads_per_kv = a.heads > 0 ? a.hq / a.heads : 1;
   return uint64_t{heads_per_kv} * a.m >= 64 ? 4 : 1;
 }
 
 bool UsesTensorCores(const AttendArgs& a) {
-  return a.dtype == DType::kF16 && a.dense_items && a.d <= 256 && a.list == nullptr &&
+  // Sparse lists (one row per item) measured faster on the SIMT kernel: keep them there.
+  return a.dtype == DType::kF16 && a.d <= 256 && a.list == nullptr && a.dense_items &&
          gpu::Info().cc_major >= 8;
 }
 

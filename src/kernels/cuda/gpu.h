@@ -96,6 +96,15 @@ class Context {
   // that runs out starts a larger block; earlier blocks live until the Reset).
   StatusOr<void*> Host(size_t n);
   StatusOr<void*> Device(size_t n);
+  // Upload staging: n bytes (256-aligned) of pinned memory to fill now, and the device address
+  // they will have after the next FlushStaged() — which copies everything staged since the last
+  // flush in one transfer.
+  struct Staged {
+    void* host;
+    void* device;
+  };
+  StatusOr<Staged> Stage(size_t n);
+  Status FlushStaged();
   Status ToDevice(void* dst, const void* src, size_t n);  // async on stream()
   Status ToHost(void* dst, const void* src, size_t n);    // async on stream()
   Status Memset(void* dst, int value, size_t n);          // async on stream()
@@ -115,6 +124,8 @@ class Context {
   StatusOr<void*> Take(Arena& a, size_t n, bool pinned);
   void* stream_ = nullptr;
   Arena host_, dev_;
+  Arena up_host_, up_dev_;  // upload twins: same offsets, same capacity
+  size_t up_flushed_ = 0;
 };
 
 // Copies `bytes` into `dst` through pinned staging on a dedicated copy stream: fill(staging,

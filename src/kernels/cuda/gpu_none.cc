@@ -35,6 +35,8 @@ void Context::Free(Arena&, bool) {}
 StatusOr<void*> Context::Take(Arena&, size_t, bool) { return NoCuda(); }
 StatusOr<void*> Context::Host(size_t) { return NoCuda(); }
 StatusOr<void*> Context::Device(size_t) { return NoCuda(); }
+StatusOr<Context::Staged> Context::Stage(size_t) { return NoCuda(); }
+Status Context::FlushStaged() { return NoCuda(); }
 Status Context::ToDevice(void*, const void*, size_t) { return NoCuda(); }
 Status Context::ToHost(void*, const void*, size_t) { return NoCuda(); }
 Status Context::Memset(void*, int, size_t) { return NoCuda(); }

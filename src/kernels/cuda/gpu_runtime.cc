@@ -193,6 +193,8 @@ Context::~Context() {
   }
   Free(host_, true);
   Free(dev_, false);
+  Free(up_host_, true);
+  Free(up_dev_, false);
 }
 
 void Context::Free(Arena& a, bool pinned) {
@@ -205,11 +207,52 @@ void Context::Free(Arena& a, bool pinned) {
 
 void Context::Reset() {
   // The previous job synchronized its stream: outgrown blocks are free to go.
-  for (Arena* a : {&host_, &dev_}) {
-    for (void* p : a->retired) a == &host_ ? cudaFreeHost(p) : cudaFree(p);
+  for (Arena* a : {&host_, &dev_, &up_host_, &up_dev_}) {
+    const bool pinned = a == &host_ || a == &up_host_;
+    for (void* p : a->retired) pinned ? cudaFreeHost(p) : cudaFree(p);
     a->retired.clear();
     a->used = 0;
   }
+  up_flushed_ = 0;
+}
+
+StatusOr<Context::Staged> Context::Stage(size_t n) {
+  n = (n + 255) & ~size_t{255};
+  if (up_host_.used + n > up_host_.cap) {
+    // Growing moves to new blocks: send what is staged in the old ones first.
+    Status s = FlushStaged();
+    if (!s.ok()) return s;
+  }
+  auto h = Take(up_host_, n, true);
+  if (!h.ok()) return h.status();
+  if (up_dev_.cap != up_host_.cap) {  // the host twin grew: grow the device twin alike
+    if (up_dev_.base != nullptr) up_dev_.retired.push_back(up_dev_.base);
+    up_dev_.base = nullptr;
+    up_dev_.used = 0;
+    up_dev_.cap = 0;
+    cudaError_t e = cudaMalloc(&up_dev_.base, up_host_.cap);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      up_dev_.base = nullptr;
+      return Status(ErrorKind::kOom, std::string("GPU upload staging: ") + cudaGetErrorString(e));
+    }
+    up_dev_.cap = up_host_.cap;
+    up_flushed_ = up_host_.used - n;  // the new block starts here
+  }
+  const size_t off = up_host_.used - n;
+  up_dev_.used = up_host_.used;
+  return Staged{h.value(), static_cast<uint8_t*>(up_dev_.base) + off};
+}
+
+Status Context::FlushStaged() {
+  if (up_host_.used <= up_flushed_) return Status::Ok();
+  const size_t off = up_flushed_, n = up_host_.used - up_flushed_;
+  up_flushed_ = up_host_.used;
+  PION_CUDA_TRY(cudaMemcpyAsync(static_cast<uint8_t*>(up_dev_.base) + off,
+                                static_cast<uint8_t*>(up_host_.base) + off, n,
+                                cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream_)),
+                "staged upload");
+  return Status::Ok();
 }
 
 StatusOr<void*> Context::Take(Arena& a, size_t n, bool pinned) {

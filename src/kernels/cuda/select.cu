@@ -16,6 +16,7 @@ namespace pion::kernels::cuda {
 namespace {
 
 constexpr int kSelThreads = 256;
+constexpr int kSmemKeys = 8192;  // candidates whose keys a select keeps in shared memory
 
 template <typename Op>
 __device__ float BlockReduce(float x, Op op, float identity) {
@@ -45,9 +46,12 @@ struct SumOp {
 };
 
 // The k-th largest key among key(0..n-1) (1 <= k <= n): *thr, and how many keys equal to it
-// belong to the top k (*need_eq; every key above it does).
+// belong to the top k (*need_eq; every key above it does). One kSelThreads block; per 8-bit digit
+// a shared histogram, then a block scan over the bins from the top finds the digit.
 template <typename KeyFn>
 __device__ void RadixSelect(const KeyFn& key, int n, int k, uint32_t* thr, int* need_eq) {
+  using Scan = cub::BlockScan<int, kSelThreads>;
+  __shared__ typename Scan::TempStorage tmp;
   __shared__ int hist[256];
   __shared__ uint32_t s_prefix, s_mask;
   __shared__ int s_k;
@@ -57,25 +61,24 @@ __device__ void RadixSelect(const KeyFn& key, int n, int k, uint32_t* thr, int* 
     s_k = k;
   }
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+    hist[threadIdx.x] = 0;
     __syncthreads();
     const uint32_t prefix = s_prefix, mask = s_mask;
+    const int want = s_k;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
       const uint32_t u = key(i);
       if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      int cum = 0;
-      for (int b = 255; b >= 0; --b) {
-        if (cum + hist[b] >= s_k) {
-          s_prefix |= static_cast<uint32_t>(b) << shift;
-          s_mask |= 255u << shift;
-          s_k -= cum;
-          break;
-        }
-        cum += hist[b];
-      }
+    // Thread t owns bin 255 − t: `above` counts the keys in higher bins.
+    const int b = 255 - static_cast<int>(threadIdx.x);
+    const int h = hist[b];
+    int above;
+    Scan(tmp).ExclusiveSum(h, above);
+    if (above < want && want <= above + h) {
+      s_prefix = prefix | (static_cast<uint32_t>(b) << shift);
+      s_mask = mask | (255u << shift);
+      s_k = want - above;
     }
     __syncthreads();
   }
@@ -219,27 +222,48 @@ __global__ void Summarize(const T* k, uint32_t rows, uint32_t d, uint32_t block,
   }
 }
 
+// A warp scores kScoreRun consecutive blocks of one query head: its loads for all of them are
+// issued before the reductions, so they overlap. Lanes own d/32 columns each.
+constexpr int kScoreWarps = 8;
+constexpr int kScoreRun = 8;
+
+template <bool kQuest>
 __global__ void __launch_bounds__(256)
     ScoreBlocks(const float* q, uint32_t d, const int32_t* head_map, const float* mean,
-                const float* mn, const float* mx, uint32_t nb, bool quest, float* sel,
-                float* mean_scores) {
+                const float* mn, const float* mx, uint32_t nb, float* sel, float* mean_scores) {
   const uint32_t h = blockIdx.y;
-  const uint32_t b = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+  const uint32_t b0 = (blockIdx.x * kScoreWarps + (threadIdx.x >> 5)) * kScoreRun;
   const int lane = threadIdx.x & 31;
-  if (b >= nb) return;
-  const size_t base = (size_t{static_cast<uint32_t>(head_map[h])} * nb + b) * d;
+  if (b0 >= nb) return;
   const float* qh = q + size_t{h} * d;
-  float dot = 0.f, bound = 0.f;
+  const size_t head = size_t{static_cast<uint32_t>(head_map[h])} * nb;
+  float dot[kScoreRun], bound[kScoreRun];
+#pragma unroll
+  for (int r = 0; r < kScoreRun; ++r) dot[r] = bound[r] = 0.f;
   for (uint32_t x = lane; x < d; x += 32) {
-    const float qx = qh[x];
-    dot = fmaf(qx, mean[base + x], dot);
-    if (quest) bound += fmaxf(qx * mn[base + x], qx * mx[base + x]);
+    const float qx = __ldg(qh + x);
+#pragma unroll
+    for (int r = 0; r < kScoreRun; ++r) {
+      if (b0 + r < nb) {
+        const size_t i = (head + b0 + r) * d + x;
+        dot[r] = fmaf(qx, __ldg(mean + i), dot[r]);
+        if (kQuest) bound[r] += fmaxf(qx * __ldg(mn + i), qx * __ldg(mx + i));
+      }
+    }
   }
-  dot = WarpSum(dot);
-  if (quest) bound = WarpSum(bound);
-  if (lane == 0) {
-    mean_scores[size_t{h} * nb + b] = dot;
-    sel[size_t{h} * nb + b] = quest ? bound : dot;
+#pragma unroll
+  for (int r = 0; r < kScoreRun; ++r) {
+    dot[r] = WarpSum(dot[r]);
+    if (kQuest) bound[r] = WarpSum(bound[r]);
+  }
+  if (lane < kScoreRun && b0 + lane < nb) {
+    float dv = 0.f, bv = 0.f;
+#pragma unroll
+    for (int r = 0; r < kScoreRun; ++r) {
+      if (r == lane) dv = dot[r], bv = bound[r];
+    }
+    mean_scores[size_t{h} * nb + b0 + lane] = dv;
+    sel[size_t{h} * nb + b0 + lane] = kQuest ? bv : dv;
   }
 }
 
@@ -286,10 +310,20 @@ __global__ void __launch_bounds__(kSelThreads)
     int32_t* dst = hl + len0 + static_cast<size_t>(rank) * B;
     for (uint32_t t = 0; t < B; ++t) dst[t] = static_cast<int32_t>(b * B + t);
   };
-  auto key = [hs, b_lo](int i) { return SortKey(hs[b_lo + 1 + i]); };
   if (keep == ncand || keep == 0) {
     for (int i = threadIdx.x; i < ncand; i += blockDim.x) visit(i, keep > 0, i);
+  } else if (ncand <= kSmemKeys) {
+    // The candidates' keys in shared memory: the select's passes read them from there.
+    __shared__ uint32_t skeys[kSmemKeys];
+    for (int i = threadIdx.x; i < ncand; i += blockDim.x) skeys[i] = SortKey(hs[b_lo + 1 + i]);
+    __syncthreads();
+    auto key = [](int i) { return skeys[i]; };
+    uint32_t thr;
+    int need;
+    RadixSelect(key, ncand, keep, &thr, &need);
+    CompactAscending(key, ncand, thr, need, visit);
   } else {
+    auto key = [hs, b_lo](int i) { return SortKey(hs[b_lo + 1 + i]); };
     uint32_t thr;
     int need;
     RadixSelect(key, ncand, keep, &thr, &need);
@@ -353,9 +387,15 @@ Status LaunchScoreBlocks(const float* q, uint32_t hq, uint32_t d, const int32_t*
                          const float* mean, const float* min, const float* max, uint32_t nblocks,
                          BlockSelector selector, float* sel, float* mean_scores, void* stream) {
   if (hq == 0 || nblocks == 0) return Status::Ok();
-  dim3 grid((nblocks + 7) / 8, hq);
-  ScoreBlocks<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      q, d, head_map, mean, min, max, nblocks, selector == BlockSelector::kQuest, sel, mean_scores);
+  dim3 grid((nblocks + kScoreWarps * kScoreRun - 1) / (kScoreWarps * kScoreRun), hq);
+  auto st = static_cast<cudaStream_t>(stream);
+  if (selector == BlockSelector::kQuest) {
+    ScoreBlocks<true><<<grid, 32 * kScoreWarps, 0, st>>>(q, d, head_map, mean, min, max, nblocks,
+                                                         sel, mean_scores);
+  } else {
+    ScoreBlocks<false><<<grid, 32 * kScoreWarps, 0, st>>>(q, d, head_map, mean, min, max, nblocks,
+                                                          sel, mean_scores);
+  }
   return KernelStatus("block score kernel");
 }
 

@@ -1,0 +1,282 @@
+// pion-gpu-attn-bench: Pion's CUDA attention kernels alone (kernels/cuda/cuda_attention.h), timed
+// with CUDA events as the mean over back-to-back iterations after a warm-up, next to a plain
+// streaming-read kernel over the same bytes in the same run (the bandwidth ceiling). The launch
+// sequence per iteration is the one the GPU executor issues: split-K partials + combine (dense),
+// or block scores + block selection + sparse partials + combine (sparse-auto).
+//
+//   pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>
+//   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top>
+//   pion-gpu-attn-bench stream <bytes>
+//
+// Prints one JSON object per line (us per call, bytes of K/V read, GB/s). Run by
+// bench/bench_attend_gpu.py, which runs torch's scaled_dot_product_attention on the same shapes.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/gpu.h"
+
+void LaunchStreamRead(const void* p, size_t bytes, uint32_t* sink, int sms, cudaStream_t s);
+
+namespace {
+
+using namespace pion;
+using kernels::DType;
+using kernels::cuda::AttendArgs;
+
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+void Ok(const Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", s.message().c_str());
+    std::exit(1);
+  }
+}
+
+template <typename T>
+T* DevAlloc(size_t n) {
+  void* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+// Random device values: fp32 normal-ish (sum of uniforms), or their fp16 bits.
+void* RandomTensor(size_t elems, DType t, uint32_t seed) {
+  std::vector<float> f(elems);
+  uint64_t x = 0x9e3779b97f4a7c15ull * (seed + 1);
+  for (auto& e : f) {
+    float s = 0;
+    for (int i = 0; i < 3; ++i) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      s += static_cast<float>(x >> 40) / static_cast<float>(1 << 24);
+    }
+    e = (s - 1.5f) * 2.0f;
+  }
+  void* d = nullptr;
+  if (t == DType::kF32) {
+    CK(cudaMalloc(&d, elems * 4));
+    CK(cudaMemcpy(d, f.data(), elems * 4, cudaMemcpyHostToDevice));
+  } else {
+    std::vector<uint16_t> h(elems);
+    for (size_t i = 0; i < elems; ++i) {  // round-to-nearest fp16 of small normals
+      uint32_t b;
+      std::memcpy(&b, &f[i], 4);
+      const uint32_t sign = (b >> 16) & 0x8000u;
+      const int exp = static_cast<int>((b >> 23) & 0xff) - 127 + 15;
+      uint32_t mant = b & 0x7fffffu;
+      uint16_t out;
+      if (exp <= 0) {
+        out = static_cast<uint16_t>(sign);
+      } else {
+        uint32_t r = (static_cast<uint32_t>(exp) << 10) | (mant >> 13);
+        if ((mant & 0x1fffu) > 0x1000u || ((mant & 0x1fffu) == 0x1000u && (r & 1))) ++r;
+        out = static_cast<uint16_t>(sign | r);
+      }
+      h[i] = out;
+    }
+    CK(cudaMalloc(&d, elems * 2));
+    CK(cudaMemcpy(d, h.data(), elems * 2, cudaMemcpyHostToDevice));
+  }
+  return d;
+}
+
+template <typename F>
+double TimeUs(cudaStream_t s, F&& launch, int iters) {
+  for (int i = 0; i < 5; ++i) launch();
+  CK(cudaStreamSynchronize(s));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  CK(cudaEventRecord(a, s));
+  for (int i = 0; i < iters; ++i) launch();
+  CK(cudaEventRecord(b, s));
+  CK(cudaEventSynchronize(b));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  return 1000.0 * ms / iters;
+}
+
+int Iters(double bytes) { return bytes > 1e9 ? 30 : bytes > 1e8 ? 100 : 400; }
+
+struct Setup {
+  AttendArgs a;
+  std::vector<int32_t> map;
+  std::vector<kernels::cuda::Item> items;
+  float *pm, *pl, *po, *out, *lse;
+  uint32_t parts = 0;
+};
+
+AttendArgs Base(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d) {
+  AttendArgs a;
+  const size_t elems = size_t{hkv} * n * d;
+  a.k = RandomTensor(elems, t, 1);
+  a.v = RandomTensor(elems, t, 2);
+  a.q = static_cast<float*>(RandomTensor(size_t{hq} * m * d, DType::kF32, 3));
+  a.hq = hq;
+  a.m = m;
+  a.d = d;
+  a.q_pos0 = n;
+  a.dtype = t;
+  a.heads = hkv;
+  a.rows = n;
+  a.begin = 0;
+  a.end = n;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  a.nrows = hq * m;
+  return a;
+}
+
+std::vector<int32_t> Contiguous(uint32_t hq, uint32_t hkv) {
+  std::vector<int32_t> m(hq);
+  for (uint32_t h = 0; h < hq; ++h) m[h] = static_cast<int32_t>(h / (hq / hkv));
+  return m;
+}
+
+int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d) {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  AttendArgs a = Base(t, hq, hkv, m, n, d);
+  auto map = Contiguous(hq, hkv);
+  a.dense_items = true;
+  const bool tc = kernels::cuda::UsesTensorCores(a);
+  const int pad = tc ? kernels::cuda::FlashRowGroups(a) : 1;
+  auto items = kernels::cuda::DenseItems(hq, m, map.data(), pad);
+  auto* di = DevAlloc<kernels::cuda::Item>(items.size());
+  CK(cudaMemcpy(di, items.data(), items.size() * sizeof(items[0]), cudaMemcpyHostToDevice));
+  a.items = di;
+  a.n_items = static_cast<uint32_t>(items.size());
+  a.splits = kernels::cuda::PlanSplits(a, n);
+  a.part_m = DevAlloc<float>(size_t{a.splits} * a.nrows);
+  a.part_l = DevAlloc<float>(size_t{a.splits} * a.nrows);
+  a.part_o = DevAlloc<float>(size_t{a.splits} * a.nrows * d);
+  float* out = DevAlloc<float>(size_t{a.nrows} * d);
+  float* lse = DevAlloc<float>(a.nrows);
+  const double bytes = 2.0 * hkv * n * d * kernels::DTypeSize(t);
+  const double us = TimeUs(
+      s,
+      [&] {
+        Ok(kernels::cuda::LaunchAttend(a, s));
+        Ok(kernels::cuda::LaunchCombine(a.splits, a.nrows, d, a.part_m, a.part_l, a.part_o, out,
+                                        lse, s));
+      },
+      Iters(bytes));
+  std::printf(
+      "{\"kind\": \"dense\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": %u, \"n\": %u, "
+      "\"d\": %u, \"us\": %.2f, \"bytes\": %.0f, \"gbps\": %.1f, \"splits\": %u, \"path\": "
+      "\"%s\"}\n",
+      t == DType::kF16 ? "f16" : "f32", hq, hkv, m, n, d, us, bytes, bytes / us / 1e3, a.splits,
+      tc ? (pad == 4 ? "tensor-core batched" : "tensor-core decode") : "simt");
+  return 0;
+}
+
+int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint32_t block,
+               uint32_t k_top) {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  AttendArgs a = Base(t, hq, hkv, 1, n, d);
+  auto map = Contiguous(hq, hkv);
+  int32_t* dmap = DevAlloc<int32_t>(hq);
+  CK(cudaMemcpy(dmap, map.data(), hq * 4, cudaMemcpyHostToDevice));
+  const uint32_t nb = (n + block - 1) / block;
+  const size_t ns = size_t{hkv} * nb * d;
+  float* mean = DevAlloc<float>(ns);
+  float* mn = DevAlloc<float>(ns);
+  float* mx = DevAlloc<float>(ns);
+  Ok(kernels::cuda::LaunchSummarize(a.k, t, hkv, n, d, block, nb, mean, mn, mx, s));
+  const uint32_t stride = std::min<uint32_t>((k_top + 2) * block, n);
+  float* sel = DevAlloc<float>(size_t{hq} * nb);
+  float* ms = DevAlloc<float>(size_t{hq} * nb);
+  int32_t* blocks = DevAlloc<int32_t>(size_t{hq} * (k_top + 2));
+  int32_t* nchosen = DevAlloc<int32_t>(hq);
+  int32_t* list = DevAlloc<int32_t>(size_t{hq} * stride);
+  int32_t* counts = DevAlloc<int32_t>(hq);
+  float* omitted = DevAlloc<float>(hq);
+  auto items = kernels::cuda::RowItems(hq, 1, map.data());
+  auto* di = DevAlloc<kernels::cuda::Item>(items.size());
+  CK(cudaMemcpy(di, items.data(), items.size() * sizeof(items[0]), cudaMemcpyHostToDevice));
+  a.items = di;
+  a.n_items = hq;
+  a.dense_items = false;
+  a.list = list;
+  a.counts = counts;
+  a.stride = stride;
+  a.splits = kernels::cuda::PlanSplits(a, stride);
+  a.part_m = DevAlloc<float>(size_t{a.splits} * hq);
+  a.part_l = DevAlloc<float>(size_t{a.splits} * hq);
+  a.part_o = DevAlloc<float>(size_t{a.splits} * hq * d);
+  float* out = DevAlloc<float>(size_t{hq} * d);
+  float* lse = DevAlloc<float>(hq);
+  const double bytes = 2.0 * hq * stride * d * kernels::DTypeSize(t);  // worst case: no sharing
+  const double us = TimeUs(
+      s,
+      [&] {
+        Ok(kernels::cuda::LaunchScoreBlocks(a.q, hq, d, dmap, mean, mn, mx, nb,
+                                            kernels::BlockSelector::kMean, sel, ms, s));
+        Ok(kernels::cuda::LaunchSelectBlocks(sel, ms, hq, nb, block, 0, n, k_top, a.scale, blocks,
+                                             nchosen, list, counts, stride, omitted, s));
+        Ok(kernels::cuda::LaunchAttend(a, s));
+        Ok(kernels::cuda::LaunchCombine(a.splits, hq, d, a.part_m, a.part_l, a.part_o, out, lse,
+                                        s));
+      },
+      200);
+  std::printf(
+      "{\"kind\": \"sparse_auto\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": 1, \"n\": "
+      "%u, \"d\": %u, \"block\": %u, \"k_top\": %u, \"budget\": %u, \"us\": %.2f, \"bytes\": "
+      "%.0f, \"splits\": %u}\n",
+      t == DType::kF16 ? "f16" : "f32", hq, hkv, n, d, block, k_top, stride, us, bytes, a.splits);
+  return 0;
+}
+
+int Stream(size_t bytes) {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  void* p = DevAlloc<uint8_t>(bytes);
+  CK(cudaMemset(p, 1, bytes));
+  uint32_t* sink = DevAlloc<uint32_t>(1 << 16);
+  const int sms = gpu::Info().sms;
+  const double us = TimeUs(
+      s, [&] { LaunchStreamRead(p, bytes, sink, sms, s); }, Iters(bytes));
+  std::printf("{\"kind\": \"stream\", \"bytes\": %zu, \"us\": %.2f, \"gbps\": %.1f}\n", bytes, us,
+              bytes / us / 1e3);
+  return 0;
+}
+
+DType ParseType(const char* s) { return std::strcmp(s, "f16") == 0 ? DType::kF16 : DType::kF32; }
+uint32_t U(const char* s) { return static_cast<uint32_t>(std::strtoul(s, nullptr, 10)); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!gpu::Info().present) {
+    std::fprintf(stderr, "no CUDA device: %s\n", gpu::Info().reason.c_str());
+    return 2;
+  }
+  const std::string kind = argc > 1 ? argv[1] : "";
+  if (kind == "dense" && argc == 8) {
+    return Dense(ParseType(argv[2]), U(argv[3]), U(argv[4]), U(argv[5]), U(argv[6]), U(argv[7]));
+  }
+  if (kind == "sparse_auto" && argc == 9) {
+    return SparseAuto(ParseType(argv[2]), U(argv[3]), U(argv[4]), U(argv[5]), U(argv[6]),
+                      U(argv[7]), U(argv[8]));
+  }
+  if (kind == "stream" && argc == 3) return Stream(std::strtoull(argv[2], nullptr, 10));
+  std::fprintf(stderr,
+               "usage: pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>\n"
+               "       pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> "
+               "<K_top>\n"
+               "       pion-gpu-attn-bench stream <bytes>\n");
+  return 2;
+}
