@@ -11,6 +11,8 @@ Tolerances, err = |got - ref| / (1 + |ref|) against the float64 numpy reference:
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import numpy as np
@@ -19,6 +21,10 @@ import pytest
 from pionlib import ATTENTION_BACKEND, RespError, parse_metrics
 from test_attend_prefix import (assert_close, assert_lse, attend_ref, contiguous_map, err, f32,
                                 info_slots, parse_out, rnd, store)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients",
+                                "python"))
+import pion  # noqa: E402
 
 on_gpu = pytest.mark.skipif(ATTENTION_BACKEND != "cuda",
                             reason="needs --attention-backend cuda (make test-gpu on the GPU "
@@ -181,3 +187,106 @@ def test_store_from_namespace_lands_on_gpu(pion_factory):
     ref, _, _ = attend_ref(q, k, v, contiguous_map(4, 2), [T], np.arange(T), 0)
     assert_close(parse_out(out, 4, 1, D, False)[0], ref)
     assert int(attn(srv)["attention_promotions"]) == 1
+
+
+def test_export_needs_the_unix_socket_and_the_gpu(pion_factory, tmp_path):
+    path = str(tmp_path / "pion.sock")
+    srv = pion_factory("-w", "1", "--unixsocket", path)
+    r = srv.client()
+    rng = np.random.default_rng(5)
+    store(r, "x", 0, rnd(rng, 2, 64, 64), rnd(rng, 2, 64, 64))
+    e = err(srv, "ATTEND.PREFIX.EXPORT", "x", 0)
+    assert e == ("ERR ATTEND.PREFIX.EXPORT is for same-host clients: connect over the "
+                 "--unixsocket socket"), e
+    c = pion.Client(unix_socket_path=path)
+    try:
+        if ATTENTION_BACKEND == "cuda":
+            with pytest.raises(pion.MissError):
+                c.attend.export("nope", 0)
+        else:
+            with pytest.raises(pion.CommandError) as ex:
+                c.attend.export("x", 0)
+            assert "needs slots on the GPU (--attention-backend cuda)" in str(ex.value)
+    finally:
+        c.close()
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+@on_gpu
+def test_export_gpu_view_reads_the_slot_device_to_device(pion_factory, tmp_path):
+    """ATTEND.PREFIX.EXPORT + CUDA IPC: another process (this test) maps the slot's GPU copy
+    and reads exactly the stored K/V; the lease pins the copy against eviction and replacement;
+    released, the copy is evictable again."""
+    torch = _torch_cuda()
+    if torch is None:
+        pytest.skip("needs torch with CUDA in the test process")
+    path = str(tmp_path / "pion.sock")
+    h, n, d = 2, 4096, 128
+    slot = 2 * h * n * d * 4  # 8 MiB
+    srv = pion_factory("-w", "2", "--unixsocket", path, "--gpu-memory", str(2 * slot + slot // 2))
+    r = srv.client()
+    rng = np.random.default_rng(6)
+    kv = [(rnd(rng, h, n, d), rnd(rng, h, n, d)) for _ in range(4)]
+    store(r, "a", 0, *kv[0])
+    c = pion.Client(unix_socket_path=path)
+    try:
+        with c.attend.gpu_view("a", 0) as view:
+            assert view.export["dtype"] == "fp32" and view.export["rows"] == n
+            assert view.k.is_cuda and tuple(view.k.shape) == (h, n, d)
+            assert np.array_equal(view.k.cpu().numpy(), kv[0][0])
+            assert np.array_equal(view.v.cpu().numpy(), kv[0][1])
+            # Replaced while exported: the view keeps reading the old copy.
+            store(r, "a", 0, *kv[1])
+            assert np.array_equal(view.k.cpu().numpy(), kv[0][0])
+            assert np.array_equal(view.v.cpu().numpy(), kv[0][1])
+            assert int(attn(srv)["attention_gpu_copies"]) == 2  # old (leased) and new
+        # Released: the old copy is gone, the current slot reads its new values.
+        with c.attend.gpu_view("a", 0) as view:
+            assert np.array_equal(view.k.cpu().numpy(), kv[1][0])
+    finally:
+        c.close()
+    # fp16 slots export as float16.
+    srv16 = pion_factory("-w", "1", "--unixsocket", str(tmp_path / "p16.sock"),
+                         "--attention-fp16")
+    store(srv16.client(), "h", 0, *kv[3])
+    c16 = pion.Client(unix_socket_path=str(tmp_path / "p16.sock"))
+    try:
+        with c16.attend.gpu_view("h", 0) as view:
+            assert view.k.dtype == torch.float16
+            assert np.array_equal(view.k.cpu().numpy(), kv[3][0].astype(np.float16))
+    finally:
+        c16.close()
+
+
+@on_gpu
+def test_export_lease_pins_the_copy_against_eviction(pion_factory, tmp_path):
+    path = str(tmp_path / "pion.sock")
+    h, n, d = 1, 4096, 128
+    slot = 2 * h * n * d * 4  # 4 MiB
+    srv = pion_factory("-w", "1", "--unixsocket", path, "--gpu-memory", str(2 * slot))
+    r = srv.client()
+    rng = np.random.default_rng(7)
+    kv = [(rnd(rng, h, n, d), rnd(rng, h, n, d)) for _ in range(3)]
+    store(r, "p0", 0, *kv[0])
+    store(r, "p1", 0, *kv[1])
+    c = pion.Client(unix_socket_path=path)
+    try:
+        ex = c.attend.export("p0", 0)
+        assert len(ex["handle"]) == 64 and ex["lease"] > 0 and ex["ttl_ms"] > 0
+        q = rnd(rng, 1, 1, d)
+        r.execute_command("ATTEND.PREFIX.QUERY", "p1", 0, 1, d, 0, f32(q))  # p0 is now LRU
+        store(r, "p2", 0, *kv[2])  # needs room: p0 is leased, so p1 goes
+        assert [r.execute_command("ATTEND.PREFIX.LOOKUP", "p%d" % i, 0) for i in range(3)] == \
+            [b"HIT", b"MISS", b"HIT"]
+        assert c.attend.release_export(ex["lease"])
+        store(r, "p1", 0, *kv[1])  # now p0 (unheld, least recently used) goes
+        assert r.execute_command("ATTEND.PREFIX.LOOKUP", "p0", 0) == b"MISS"
+    finally:
+        c.close()

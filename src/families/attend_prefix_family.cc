@@ -14,6 +14,7 @@
 #include "families/attend_prefix_internal.h"
 #include "families/families.h"
 #include "families/kvprefix_internal.h"
+#include "kernels/cuda/gpu.h"
 #include "server/server.h"
 #include "store/codec/codec.h"
 
@@ -461,6 +462,69 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->Integer(static_cast<int64_t>(ctx.shard->store().attention.Drop(ctx.Key(args[1]), layer)));
 }
 
+// ATTEND.PREFIX.EXPORT <sid> <layer>: a CUDA IPC handle to the slot's GPU copy for a process on
+// the same host and GPU (Unix socket only, the caller's tenant only). The copy is pinned under a
+// lease — neither evicted nor freed, even if the slot is replaced or dropped — until SHM.RELEASE,
+// the connection closes, or --shm-lease-ttl-ms passes.
+void Export(CommandContext& ctx, CmdArgs& args) {
+  uint32_t layer;
+  Status s = ParseLayer(args[2], &layer);
+  if (!s.ok()) return ctx.Error(s);
+  if (!ctx.unix_socket) {
+    return ctx.Error(Error(
+        "ATTEND.PREFIX.EXPORT is for same-host clients: connect over the --unixsocket socket"));
+  }
+  server::Server& srv = *ctx.server;
+  if (srv.gpu_slots() == nullptr) {
+    return ctx.Error(
+        Error("ATTEND.PREFIX.EXPORT needs slots on the GPU (--attention-backend "
+              "cuda); this server keeps them in host memory"));
+  }
+  auto found = FindSlot(ctx, args[1], layer);
+  if (!found.ok()) return ctx.Error(found.status());
+  const attention::SlotRef slot = std::move(found).value();
+  auto pin = srv.gpu_slots()->Acquire(slot->gpu);
+  if (!pin) {
+    return ctx.Error(Status(ErrorKind::kMiss,
+                            "the slot's GPU copy was evicted for room meanwhile (--gpu-memory); "
+                            "ATTEND.PREFIX.STORE it again"));
+  }
+  auto handle = gpu::IpcHandle(slot->gpu->k());
+  if (!handle.ok()) return ctx.Error(handle.status());
+  const uint64_t v_offset = static_cast<uint64_t>(static_cast<const uint8_t*>(slot->gpu->v()) -
+                                                  static_cast<const uint8_t*>(slot->gpu->k()));
+  auto lease = srv.shm().Grant(ctx.client_id, {}, slot->gpu->bytes(),
+                               std::make_shared<attention::GpuSlots::Pin>(std::move(pin)));
+  if (!lease.ok()) return ctx.Error(lease.status());
+  auto& rb = *ctx.rb;
+  rb.Map(12);
+  rb.Bulk("handle");
+  rb.Bulk(handle.value());
+  rb.Bulk("device");
+  rb.Bulk(gpu::Info().pci_bus_id);
+  rb.Bulk("k_offset");
+  rb.Integer(0);
+  rb.Bulk("v_offset");
+  rb.Integer(static_cast<int64_t>(v_offset));
+  rb.Bulk("bytes");
+  rb.Integer(static_cast<int64_t>(uint64_t{slot->heads} * slot->rows * slot->d *
+                                  kernels::DTypeSize(slot->dtype)));
+  rb.Bulk("heads");
+  rb.Integer(slot->heads);
+  rb.Bulk("rows");
+  rb.Integer(slot->rows);
+  rb.Bulk("head_dim");
+  rb.Integer(slot->d);
+  rb.Bulk("dtype");
+  rb.Bulk(kernels::DTypeName(slot->dtype));
+  rb.Bulk("generation");
+  rb.Integer(static_cast<int64_t>(slot->generation));
+  rb.Bulk("lease");
+  rb.Integer(static_cast<int64_t>(lease.value()));
+  rb.Bulk("ttl_ms");
+  rb.Integer(static_cast<int64_t>(srv.shm().lease_ttl().count()));
+}
+
 void Info(CommandContext& ctx, CmdArgs& args) {
   auto layers = ctx.shard->store().attention.Layers(ctx.Key(args[1]));
   auto& rb = *ctx.rb;
@@ -506,6 +570,10 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
   r.Register({"ATTEND.PREFIX.DROP", -2, kKv | kCmdWrite, 1, 1, 1, Drop, "attend_prefix",
               "Drops one layer's slot, or every layer of the session; replies how many.",
               "<sid> [<layer>]"});
+  r.Register({"ATTEND.PREFIX.EXPORT", 3, kKv | kCmdReadOnly, 1, 1, 1, Export, "attend_prefix",
+              "A CUDA IPC handle to the slot's GPU copy for a same-host process (Unix socket, "
+              "cuda backend), pinned under a lease until SHM.RELEASE.",
+              "<sid> <layer>"});
   r.Register({"ATTEND.PREFIX.INFO", 2, kKv | kCmdReadOnly, 1, 1, 1, Info, "attend_prefix",
               "The session's resident layers: shape, storage type, bytes, generation, source.",
               "<sid>"});

@@ -23,7 +23,8 @@ BufferAllocator* ShmPlane::AllocatorFor(uint32_t tenant) {
   return a != nullptr ? static_cast<BufferAllocator*>(a) : BufferAllocator::Default();
 }
 
-StatusOr<uint64_t> ShmPlane::Grant(uint64_t client, std::vector<BufferRef> held, uint64_t bytes) {
+StatusOr<uint64_t> ShmPlane::Grant(uint64_t client, std::vector<BufferRef> held, uint64_t bytes,
+                                   std::shared_ptr<void> keep) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& mine = leases_[client];
   if (mine.size() >= max_leases_) {
@@ -31,7 +32,7 @@ StatusOr<uint64_t> ShmPlane::Grant(uint64_t client, std::vector<BufferRef> held,
                                         " leases, the --shm-max-leases limit; SHM.RELEASE some");
   }
   const uint64_t id = next_lease_++;
-  mine.emplace(id, Lease{std::move(held), bytes, Clock::now() + ttl_});
+  mine.emplace(id, Lease{std::move(held), bytes, Clock::now() + ttl_, false, std::move(keep)});
   leased_bytes_ += bytes;
   ++lease_count_;
   ++granted_;

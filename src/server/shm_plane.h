@@ -38,8 +38,11 @@ class ShmPlane {
   // The tenant's arena (created on first use). Null when disabled.
   ShmArena* ArenaFor(uint32_t tenant);
 
-  // Grants a lease on `held` to client. kBusy past --shm-max-leases for that client.
-  StatusOr<uint64_t> Grant(uint64_t client, std::vector<BufferRef> held, uint64_t bytes);
+  // Grants a lease on `held` to client (and keeps `keep` alive as long: e.g. a GPU copy's pin
+  // for ATTEND.PREFIX.EXPORT). kBusy past --shm-max-leases for that client.
+  StatusOr<uint64_t> Grant(uint64_t client, std::vector<BufferRef> held, uint64_t bytes,
+                           std::shared_ptr<void> keep = nullptr);
+  std::chrono::milliseconds lease_ttl() const { return ttl_; }
 
   // Writes (reserve → the client writes → commit): a region of `bytes` in the client's own
   // staging arena — a writable mapping only that connection ever gets, so a client can never
@@ -76,6 +79,7 @@ class ShmPlane {
     uint64_t bytes = 0;
     Clock::time_point expires;
     bool write = false;  // a SHM.RESERVE region, taken by its commit
+    std::shared_ptr<void> keep;
   };
   void RetireStaging(uint64_t client);  // mu_ held
   void SweepRetired();                  // mu_ held

@@ -11,9 +11,9 @@ c.ssm (SSM.PREFIX.*). Errors raise pion.PionError subclasses carrying the server
 """
 from .attend import AttendResult, merge_lse, parse_receipt
 from .client import Client
-from .errors import (AuthError, BusyError, CommandError, CorruptError, IoError, MismatchError,
-                     MissError, NoAuthError, NoPermError, OomError, PionConnectionError,
-                     PionError, WrongPassError)
+from .errors import (AuthError, BusyError, CommandError, CorruptError, DeviceError, IoError,
+                     MismatchError, MissError, NoAuthError, NoPermError, OomError,
+                     PionConnectionError, PionError, WrongPassError)
 from .ssm import deserialize_arrays, serialize_arrays
 
 __version__ = "0.1.0"
@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Client", "AttendResult", "merge_lse", "parse_receipt", "serialize_arrays",
     "deserialize_arrays", "PionError", "CommandError", "OomError", "BusyError",
-    "MismatchError", "MissError", "CorruptError", "IoError", "AuthError", "NoAuthError",
+    "MismatchError", "MissError", "CorruptError", "IoError", "DeviceError", "AuthError",
+    "NoAuthError",
     "WrongPassError", "NoPermError", "PionConnectionError",
 ]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import numpy as np
 
-from . import _wire
+from . import _wire, errors
 
 if TYPE_CHECKING:
     from .client import Client
@@ -148,6 +148,50 @@ class Attend:
         """One dict per resident layer: layer, heads, rows, head_dim, dtype, bytes,
         generation, source, backend."""
         return [_wire.parse_map(m) for m in self._c.execute("ATTEND.PREFIX.INFO", sid)]
+
+    def export(self, sid: str, layer: int) -> dict:
+        """ATTEND.PREFIX.EXPORT: a CUDA IPC handle to the GPU copy of slot (sid, layer), pinned
+        under a lease on this client's shared-memory channel (needs unix_socket_path and a server
+        with --attention-backend cuda). Keys: handle (64 bytes), device (PCI bus id), k_offset,
+        v_offset, bytes, heads, rows, head_dim, dtype, generation, lease, ttl_ms. Release it with
+        release_export(lease) — or use gpu_view()."""
+        ch = self._c._shm_channel()
+        if ch is None:
+            raise errors.PionError("ATTEND.PREFIX.EXPORT needs a Unix-socket client "
+                                   "(pion.Client(unix_socket_path=...))")
+        reply = ch.call("ATTEND.PREFIX.EXPORT", sid, int(layer))
+        pairs = list(reply.items()) if isinstance(reply, dict) else \
+            [(reply[i], reply[i + 1]) for i in range(0, len(reply), 2)]
+        handle = next(bytes(v) for k, v in pairs if _wire.text(k) == "handle")
+        out = _wire.parse_map([x for k, v in pairs if _wire.text(k) != "handle" for x in (k, v)])
+        out["handle"] = handle  # raw bytes, not text
+        return out
+
+    def release_export(self, lease: int) -> bool:
+        """SHM.RELEASE of an export's lease (the slot's GPU copy may be evicted again)."""
+        ch = self._c._shm_channel()
+        return ch is not None and int(ch.call("SHM.RELEASE", int(lease))) == 1
+
+    @contextlib.contextmanager
+    def gpu_view(self, sid: str, layer: int):
+        """Context manager: the GPU-resident slot's K and V as torch CUDA tensors [H, N, D]
+        (float32 or float16) that alias the server's device memory through CUDA IPC — no copy,
+        device to device. Yields a GpuView (.k, .v, .export); on exit the mapping is closed and
+        the lease released. The memory is the server's: read it, do not write it."""
+        from .cuda_ipc import GpuView
+        ex = self.export(sid, layer)
+        try:
+            view = GpuView(ex)
+        except BaseException:
+            self.release_export(ex["lease"])
+            raise
+        try:
+            yield view
+        finally:
+            try:
+                view.close()
+            finally:
+                self.release_export(ex["lease"])
 
     @contextlib.contextmanager
     def lease(self, sid: str, layer: int, k, v):

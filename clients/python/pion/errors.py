@@ -61,6 +61,11 @@ class IoError(PionError):
     prefix = "IOERR"
 
 
+class DeviceError(PionError):
+    """-DEVERR: the server's GPU failed a copy or a kernel (--attention-backend cuda)."""
+    prefix = "DEVERR"
+
+
 class AuthError(PionError):
     """Base of the authentication errors."""
 
@@ -89,8 +94,8 @@ class FullTextError(rex.ResponseError):
 
 
 _BY_PREFIX = {cls.prefix: cls for cls in (CommandError, OomError, BusyError, MismatchError,
-                                          MissError, CorruptError, IoError, NoAuthError,
-                                          WrongPassError, NoPermError)}
+                                          MissError, CorruptError, IoError, DeviceError,
+                                          NoAuthError, WrongPassError, NoPermError)}
 
 # Prefixes redis-py leaves in the message (it only strips those it knows).
 _UNSTRIPPED = set(_BY_PREFIX) - {"ERR", "NOAUTH", "NOPERM"} | {"NOPROTO", "WRONGTYPE"}

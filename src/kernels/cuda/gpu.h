@@ -25,6 +25,7 @@ struct DeviceInfo {
   bool present = false;  // a usable device was found
   std::string reason;    // why not, when !present
   std::string name;
+  std::string pci_bus_id;  // e.g. "0000:1B:00.0": which GPU an IPC handle belongs to
   int cc_major = 0, cc_minor = 0, sms = 0;
   uint64_t total_bytes = 0, free_bytes = 0;
 };
@@ -134,6 +135,11 @@ class Context {
 Status Upload(DeviceMemory& dst, uint64_t bytes,
               const std::function<void(uint8_t* staging, uint64_t offset, uint64_t n)>& fill,
               Event* done);
+
+// A CUDA IPC handle (cudaIpcMemHandle_t, 64 bytes) for the device allocation that starts at
+// `base` (a DeviceMemory's data()): another process on the same GPU opens it with
+// cudaIpcOpenMemHandle / cuIpcOpenMemHandle and reads the memory device to device.
+StatusOr<std::string> IpcHandle(const void* base);
 
 // Device → host copy of n bytes (blocking), for tests and diagnostics.
 Status Download(void* dst, const void* src, size_t n);

@@ -47,6 +47,7 @@ Status Upload(DeviceMemory&, uint64_t, const std::function<void(uint8_t*, uint64
               Event*) {
   return NoCuda();
 }
+StatusOr<std::string> IpcHandle(const void*) { return NoCuda(); }
 Status Download(void*, const void*, size_t) { return NoCuda(); }
 Status CudaError(int, const char*) { return NoCuda(); }
 

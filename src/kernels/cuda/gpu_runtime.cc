@@ -47,6 +47,8 @@ const DeviceInfo& Info() {
     }
     d.present = true;
     d.name = p.name;
+    char bus[32] = {0};
+    if (cudaDeviceGetPCIBusId(bus, sizeof(bus), 0) == cudaSuccess) d.pci_bus_id = bus;
     d.cc_major = p.major;
     d.cc_minor = p.minor;
     d.sms = p.multiProcessorCount;
@@ -369,6 +371,12 @@ Status Upload(DeviceMemory& dst, uint64_t bytes,
   PION_CUDA_TRY(cudaStreamSynchronize(stager->stream), "upload completion");
   if (dst.id() != fence) return Status(ErrorKind::kDevice, "upload target was reallocated");
   return Status::Ok();
+}
+
+StatusOr<std::string> IpcHandle(const void* base) {
+  cudaIpcMemHandle_t h;
+  PION_CUDA_TRY(cudaIpcGetMemHandle(&h, const_cast<void*>(base)), "cudaIpcGetMemHandle");
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
 }
 
 Status Download(void* dst, const void* src, size_t n) {
