@@ -1,8 +1,9 @@
 // pion-gpu-attn-bench: Pion's CUDA attention kernels alone (kernels/cuda/cuda_attention.h), timed
 // with CUDA events as the mean over back-to-back iterations after a warm-up, next to a plain
 // streaming-read kernel over the same bytes in the same run (the bandwidth ceiling). The launch
-// sequence per iteration is the one the GPU executor issues: split-K partials + combine (dense),
-// or block scores + block selection + sparse partials + combine (sparse-auto).
+// sequence per iteration is the one the GPU executor issues: split-K partials + combine (or, with
+// one split, a launch that finishes itself), or block scores + block selection + sparse partials
+// + combine (sparse-auto).
 //
 //   pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>
 //   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top>
@@ -162,15 +163,23 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   a.part_m = DevAlloc<float>(size_t{a.splits} * a.nrows);
   a.part_l = DevAlloc<float>(size_t{a.splits} * a.nrows);
   a.part_o = DevAlloc<float>(size_t{a.splits} * a.nrows * d);
-  float* out = DevAlloc<float>(size_t{a.nrows} * d);
-  float* lse = DevAlloc<float>(a.nrows);
+  // The launch finishes itself (its last block per row group merges the splits), as the
+  // executor runs it.
+  a.out = DevAlloc<float>(size_t{a.nrows} * d);
+  a.lse = DevAlloc<float>(a.nrows);
+  if (a.splits == 1) {  // as the executor: one split finishes in the launch
+    a.counters = DevAlloc<uint32_t>(kernels::cuda::GridBlocks(a));
+    CK(cudaMemset(a.counters, 0, kernels::cuda::GridBlocks(a) * sizeof(uint32_t)));
+  }
   const double bytes = 2.0 * hkv * n * d * kernels::DTypeSize(t);
   const double us = TimeUs(
       s,
       [&] {
         Ok(kernels::cuda::LaunchAttend(a, s));
-        Ok(kernels::cuda::LaunchCombine(a.splits, a.nrows, d, a.part_m, a.part_l, a.part_o, out,
-                                        lse, s));
+        if (a.counters == nullptr) {
+          Ok(kernels::cuda::LaunchCombine(a.splits, a.nrows, d, a.part_m, a.part_l, a.part_o, a.out,
+                                          a.lse, s));
+        }
       },
       Iters(bytes));
   std::printf(
@@ -217,8 +226,8 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   a.part_m = DevAlloc<float>(size_t{a.splits} * hq);
   a.part_l = DevAlloc<float>(size_t{a.splits} * hq);
   a.part_o = DevAlloc<float>(size_t{a.splits} * hq * d);
-  float* out = DevAlloc<float>(size_t{hq} * d);
-  float* lse = DevAlloc<float>(hq);
+  a.out = DevAlloc<float>(size_t{hq} * d);
+  a.lse = DevAlloc<float>(hq);
   const double bytes = 2.0 * hq * stride * d * kernels::DTypeSize(t);  // worst case: no sharing
   const double us = TimeUs(
       s,
@@ -228,7 +237,7 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
         Ok(kernels::cuda::LaunchSelectBlocks(sel, ms, hq, nb, block, 0, n, k_top, a.scale, blocks,
                                              nchosen, list, counts, stride, omitted, s));
         Ok(kernels::cuda::LaunchAttend(a, s));
-        Ok(kernels::cuda::LaunchCombine(a.splits, hq, d, a.part_m, a.part_l, a.part_o, out, lse,
+        Ok(kernels::cuda::LaunchCombine(a.splits, hq, d, a.part_m, a.part_l, a.part_o, a.out, a.lse,
                                         s));
       },
       200);

@@ -102,10 +102,31 @@ AttendArgs PrefixArgs(const Plan& plan, const Slot& slot, const GpuCopy& copy, c
   return a;
 }
 
+// When one launch computes every part of the output rows in one split, it finishes itself
+// (writes out/lse; no combine launch).
+struct Finish {
+  float* out = nullptr;
+  float* lse = nullptr;
+  bool done = false;  // set by the launch that took it over
+};
+
+Status TakeFinish(Job& job, AttendArgs* a, Finish* fin) {
+  // With several splits the combine kernel merges faster than a launch's last blocks would
+  // (measured on the H200): finish in the launch only when there is one split.
+  if (fin == nullptr || a->splits != 1) return Status::Ok();
+  auto counters = job.ctx()->Counters(kernels::cuda::GridBlocks(*a));
+  if (!counters.ok()) return counters.status();
+  a->counters = counters.value();
+  a->out = fin->out;
+  a->lse = fin->lse;
+  fin->done = true;
+  return Status::Ok();
+}
+
 // A dense pass of every query row over keys [0, a.rows) of `a` (dense items), writing its
 // splits into parts. `keys` is how many keys any row sees (0: nothing to launch).
 Status DenseLaunch(Job& job, AttendArgs a, const int32_t* head_map, uint64_t keys, Parts* parts,
-                   uint32_t splits) {
+                   uint32_t splits, Finish* fin = nullptr) {
   if (keys == 0) return Status::Ok();
   a.dense_items = true;
   const int pad = kernels::cuda::UsesTensorCores(a) ? kernels::cuda::FlashRowGroups(a) : 1;
@@ -119,6 +140,7 @@ Status DenseLaunch(Job& job, AttendArgs a, const int32_t* head_map, uint64_t key
   a.part_o = parts->o;
   a.part0 = parts->count;
   parts->count += splits;
+  PION_TRY(TakeFinish(job, &a, fin));
   PION_TRY(job.Flush());
   return kernels::cuda::LaunchAttend(a, job.stream());
 }
@@ -134,7 +156,8 @@ uint32_t DenseSplitsFor(AttendArgs a, const int32_t* head_map, uint64_t keys) {
 
 // A sparse pass: row r attends list[r*stride ..+counts[r]) (device), one item per row.
 Status SparseLaunch(Job& job, AttendArgs a, const int32_t* head_map, const int32_t* list,
-                    const int32_t* counts, uint32_t stride, Parts* parts, uint32_t splits) {
+                    const int32_t* counts, uint32_t stride, Parts* parts, uint32_t splits,
+                    Finish* fin = nullptr) {
   std::vector<Item> items = kernels::cuda::RowItems(a.hq, a.m, head_map);
   PION_ASSIGN(ditems, job.Up(items.data(), items.size()));
   a.items = ditems;
@@ -149,6 +172,7 @@ Status SparseLaunch(Job& job, AttendArgs a, const int32_t* head_map, const int32
   a.part_o = parts->o;
   a.part0 = parts->count;
   parts->count += splits;
+  PION_TRY(TakeFinish(job, &a, fin));
   PION_TRY(job.Flush());
   return kernels::cuda::LaunchAttend(a, job.stream());
 }
@@ -209,6 +233,12 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
   }
 
   Parts parts;
+  // Output then LSE, back to back: one download. Forms with a single attention launch (all but
+  // the fused ones) finish in that launch.
+  const size_t out_n = size_t{nrows} * q.d;
+  PION_ASSIGN(dout, job.Dev<float>(out_n + nrows));
+  Finish finish{dout, dout + out_n};
+  Finish* fin = fused ? nullptr : &finish;
   // Device results the receipt reads back.
   const int32_t* h_counts = nullptr;
   const float* h_omitted = nullptr;
@@ -222,7 +252,7 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
     case Form::kFused: {
       const uint32_t splits = DenseSplitsFor(base, q.head_map, vis_hi - vis_lo);
       PION_TRY(AllocParts(job, splits + suf_splits, nrows, q.d, &parts));
-      PION_TRY(DenseLaunch(job, base, q.head_map, vis_hi - vis_lo, &parts, splits));
+      PION_TRY(DenseLaunch(job, base, q.head_map, vis_hi - vis_lo, &parts, splits, fin));
       r->splits = std::max<uint32_t>(splits, 1);
       r->rows_attended = r->visible_rows;
       for (uint32_t row = 0; row < nrows; ++row) r->support[row / q.m] += visible[row];
@@ -247,7 +277,7 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       }
       const uint32_t splits = SparseSplitsFor(base, q.head_map, top_k);
       PION_TRY(AllocParts(job, splits, nrows, q.d, &parts));
-      PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, top_k, &parts, splits));
+      PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, top_k, &parts, splits, fin));
       r->splits = splits;
       PION_ASSIGN(hc, job.Down(counts, nrows));
       PION_ASSIGN(ho, job.Down(omitted, nrows));
@@ -260,7 +290,7 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       PION_ASSIGN(counts, job.Up(plan.counts, q.hq));
       const uint32_t splits = SparseSplitsFor(base, q.head_map, plan.stride);
       PION_TRY(AllocParts(job, splits, nrows, q.d, &parts));
-      PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, plan.stride, &parts, splits));
+      PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, plan.stride, &parts, splits, fin));
       r->splits = splits;
       for (uint32_t h = 0; h < q.hq; ++h) {
         uint64_t seen = 0;
@@ -306,7 +336,7 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
         PION_TRY(kernels::cuda::LaunchSelectBlocks(sel, ms, q.hq, nb, B, vis_lo, vis_hi, plan.k_top,
                                                    scale, blocks, nchosen, list, counts, stride,
                                                    omitted, job.stream()));
-        PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits));
+        PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits, fin));
         r->splits = splits;
         PION_ASSIGN(hb, job.Down(blocks, size_t{q.hq} * (plan.k_top + 2)));
         PION_ASSIGN(hn, job.Down(nchosen, q.hq));
@@ -323,12 +353,11 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
     PION_TRY(DenseLaunch(job, suf, q.head_map, 1, &parts, suf_splits));
   }
   if (parts.m == nullptr) PION_TRY(AllocParts(job, 0, nrows, q.d, &parts));
-  // Output then LSE, back to back: one download.
-  const size_t out_n = size_t{nrows} * q.d;
-  PION_ASSIGN(dout, job.Dev<float>(out_n + nrows));
   PION_TRY(job.Flush());
-  PION_TRY(kernels::cuda::LaunchCombine(parts.count, nrows, q.d, parts.m, parts.l, parts.o, dout,
-                                        dout + out_n, job.stream()));
+  if (!finish.done) {
+    PION_TRY(kernels::cuda::LaunchCombine(parts.count, nrows, q.d, parts.m, parts.l, parts.o, dout,
+                                          dout + out_n, job.stream()));
+  }
   PION_ASSIGN(hout, job.Down(dout, out_n + nrows));
   PION_TRY(job.ctx()->Sync());
   std::memcpy(out, hout, out_n * sizeof(float));

@@ -140,10 +140,8 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
       if (c == 0) kidx[buf * C::kTk + j] = key;
       const size_t off = static_cast<size_t>(key) * D;
       const size_t soff = (static_cast<size_t>(buf) * C::kTk + j) * C::kStride;
-      __pipeline_memcpy_async(ks + soff + c * (16 / sizeof(T)), kbase + off + c * (16 / sizeof(T)),
-                              16);
-      __pipeline_memcpy_async(vs + soff + c * (16 / sizeof(T)), vbase + off + c * (16 / sizeof(T)),
-                              16);
+      CpAsync16(ks + soff + c * (16 / sizeof(T)), kbase + off + c * (16 / sizeof(T)));
+      CpAsync16(vs + soff + c * (16 / sizeof(T)), vbase + off + c * (16 / sizeof(T)));
     }
     __pipeline_commit();
   };
@@ -255,6 +253,7 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
       reinterpret_cast<float4*>(a.part_o + (part * a.nrows + rowid[r]) * D)[c] = o[s];
     }
   }
+  FinishSplits(a, rowid, nr);
 }
 
 template <typename T, int D>
@@ -379,6 +378,10 @@ size_t SimtBytes(uint32_t d) {
 }
 
 }  // namespace
+
+uint32_t GridBlocks(const AttendArgs& a) {
+  return UsesTensorCores(a) ? (a.n_items + FlashRowGroups(a) - 1) / FlashRowGroups(a) : a.n_items;
+}
 
 uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
   const bool tc = UsesTensorCores(a);

@@ -68,7 +68,15 @@ struct AttendArgs {
   float* part_o = nullptr;
   uint32_t part0 = 0;  // this launch writes parts part0 .. part0 + splits - 1
   uint32_t nrows = 0;  // hq * m
+  // Finish in the launch (optional; only when it writes every part of its rows, part0 = 0):
+  // the last block of each blockIdx.x to finish merges its rows' splits into out [nrows][d] and
+  // lse [nrows] — no LaunchCombine. counters: one per blockIdx.x, zero, left zero after.
+  uint32_t* counters = nullptr;
+  float* out = nullptr;
+  float* lse = nullptr;
 };
+// Blocks along x of a LaunchAttend of `a` (one counter each when finishing in the launch).
+uint32_t GridBlocks(const AttendArgs& a);
 
 // Whether LaunchAttend runs these args on tensor cores (fp16, dense, d <= 256, sm_80+; the
 // flash kernel also takes sparse lists, but they measure faster on the SIMT kernel), and how

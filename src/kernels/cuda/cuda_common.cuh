@@ -29,6 +29,14 @@ __device__ inline float WarpSum(float x) {
   return x;
 }
 
+// 16 bytes global → shared, asynchronously (cp.async, L1 bypassed), with a 256-byte L2
+// prefetch hint: a streaming read keeps more DRAM requests in flight. Committed and awaited with
+// __pipeline_commit / __pipeline_wait_prior like __pipeline_memcpy_async.
+__device__ inline void CpAsync16(void* smem_dst, const void* gmem_src) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));
+}
+
 // Order-preserving uint32 of a float: larger float → larger key (−inf lowest but NaN).
 __device__ inline uint32_t SortKey(float f) {
   const uint32_t u = __float_as_uint(f);
@@ -38,6 +46,53 @@ __device__ inline uint32_t SortKey(float f) {
 // The first visible key of a query at position p (window W > 0), relative to keys at pos0.
 __device__ inline int64_t FirstVisible(int64_t p, int64_t window, int64_t pos0) {
   return window > 0 ? p - window + 1 - pos0 : 0;
+}
+
+// The end of a split-K attention block when the launch finishes itself (a.counters set): every
+// block counts itself done; the last of its blockIdx.x merges the splits of its rows (`rows`,
+// −1 = none) into a.out / a.lse, exactly as LaunchCombine would, and resets the counter.
+__device__ inline void FinishSplits(const AttendArgs& a, const int32_t* rows, int nrows_block) {
+  if (a.counters == nullptr) return;
+  __shared__ bool last;
+  __threadfence();  // this block's partials are visible device-wide before it counts itself
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&a.counters[blockIdx.x], 1u) == a.splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const uint32_t groups = a.d / 4, parts = a.splits;
+  for (int e = threadIdx.x; e < nrows_block * static_cast<int>(groups); e += blockDim.x) {
+    const int32_t row = rows[e / groups];
+    const uint32_t g = e % groups;
+    if (row < 0) continue;
+    float mx = -INFINITY;
+    for (uint32_t p = 0; p < parts; ++p)
+      mx = fmaxf(mx, __ldcg(a.part_m + size_t{p} * a.nrows + row));
+    float4* o = reinterpret_cast<float4*>(a.out + size_t(row) * a.d) + g;
+    if (mx == -INFINITY) {
+      *o = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (g == 0 && a.lse != nullptr) a.lse[row] = -INFINITY;
+      continue;
+    }
+    float l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (uint32_t p = 0; p < parts; ++p) {
+      const size_t pr = size_t{p} * a.nrows + row;
+      const float m = __ldcg(a.part_m + pr);
+      if (m == -INFINITY) continue;
+      const float w = expf(m - mx);
+      l += w * __ldcg(a.part_l + pr);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(a.part_o + pr * a.d) + g);
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+    }
+    *o = make_float4(acc.x / l, acc.y / l, acc.z / l, acc.w / l);
+    if (g == 0 && a.lse != nullptr) a.lse[row] = mx + logf(l);
+  }
+  if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;
 }
 
 inline Status KernelStatus(const char* what) {

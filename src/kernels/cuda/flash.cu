@@ -98,17 +98,6 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
     qpos[t] = r >= 0 ? a.q_pos0 + static_cast<int64_t>(r % a.m) : 0;
   }
   __syncthreads();
-  for (int e = tid; e < C::kRows * D / 4; e += 128) {
-    const int r = e / (D / 4), c = (e % (D / 4)) * 4;
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (rowid[r] >= 0) x = *reinterpret_cast<const float4*>(a.q + size_t(rowid[r]) * D + c);
-    uint2 hi{Pack(x.x, x.y), Pack(x.z, x.w)};
-    *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
-    if constexpr (kSplit) {
-      uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
-      *reinterpret_cast<uint2*>(ql + r * kStr + c) = lo;
-    }
-  }
   if (tid == 0) {
     int64_t vlo = INT64_MAX, vhi = INT64_MIN, pmin = INT64_MAX, pmax = INT64_MIN;
     for (int r = 0; r < C::kRows; ++r) {
@@ -180,8 +169,8 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
           } else {
             go = j * D + c;
           }
-          __pipeline_memcpy_async(ks + so, kg + go, 16);
-          __pipeline_memcpy_async(vs + so, vg + go, 16);
+          CpAsync16(ks + so, kg + go);
+          CpAsync16(vs + so, vg + go);
         } else {  // zero rows past the range: p = 0 must not meet garbage (0 · NaN)
           *reinterpret_cast<uint4*>(ks + so) = make_uint4(0, 0, 0, 0);
           *reinterpret_cast<uint4*>(vs + so) = make_uint4(0, 0, 0, 0);
@@ -207,6 +196,19 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   const int lm = lane >> 3, lr = lane & 7;
 #pragma unroll
   for (int t = 0; t < kS - 1; ++t) prefetch(t);
+  // Q (fp16, and its low part) into shared memory while the first tiles are on their way.
+  for (int e = tid; e < C::kRows * D / 4; e += 128) {
+    const int r = e / (D / 4), c = (e % (D / 4)) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (rowid[r] >= 0) x = *reinterpret_cast<const float4*>(a.q + size_t(rowid[r]) * D + c);
+    uint2 hi{Pack(x.x, x.y), Pack(x.z, x.w)};
+    *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
+    if constexpr (kSplit) {
+      uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
+      *reinterpret_cast<uint2*>(ql + r * kStr + c) = lo;
+    }
+  }
+  __syncthreads();
   for (int t = 0; t < ntiles; ++t) {
     const int buf = t % kS;
     prefetch(t + kS - 1);
@@ -391,6 +393,7 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       }
     }
   }
+  FinishSplits(a, rowid, C::kRows);
 }
 
 template <int D, int WR, bool kSplit>

@@ -106,6 +106,9 @@ class Context {
   };
   StatusOr<Staged> Stage(size_t n);
   Status FlushStaged();
+  // n zeroed uint32 counters on the device that kernels leave zeroed again (split-K finish);
+  // persistent across jobs, grown on demand.
+  StatusOr<uint32_t*> Counters(size_t n);
   Status ToDevice(void* dst, const void* src, size_t n);  // async on stream()
   Status ToHost(void* dst, const void* src, size_t n);    // async on stream()
   Status Memset(void* dst, int value, size_t n);          // async on stream()
@@ -127,6 +130,8 @@ class Context {
   Arena host_, dev_;
   Arena up_host_, up_dev_;  // upload twins: same offsets, same capacity
   size_t up_flushed_ = 0;
+  uint32_t* counters_ = nullptr;
+  size_t counters_n_ = 0;
 };
 
 // Copies `bytes` into `dst` through pinned staging on a dedicated copy stream: fill(staging,

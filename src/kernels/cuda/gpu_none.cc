@@ -37,6 +37,7 @@ StatusOr<void*> Context::Host(size_t) { return NoCuda(); }
 StatusOr<void*> Context::Device(size_t) { return NoCuda(); }
 StatusOr<Context::Staged> Context::Stage(size_t) { return NoCuda(); }
 Status Context::FlushStaged() { return NoCuda(); }
+StatusOr<uint32_t*> Context::Counters(size_t) { return NoCuda(); }
 Status Context::ToDevice(void*, const void*, size_t) { return NoCuda(); }
 Status Context::ToHost(void*, const void*, size_t) { return NoCuda(); }
 Status Context::Memset(void*, int, size_t) { return NoCuda(); }
@@ -60,6 +61,7 @@ using gpu::NoCuda;
 bool UsesTensorCores(const AttendArgs&) { return false; }
 int FlashRowGroups(const AttendArgs&) { return 1; }
 uint32_t PlanSplits(const AttendArgs&, uint64_t) { return 1; }
+uint32_t GridBlocks(const AttendArgs& a) { return a.n_items; }
 Status LaunchAttend(const AttendArgs&, void*) { return NoCuda(); }
 Status LaunchCombine(uint32_t, uint32_t, uint32_t, const float*, const float*, const float*, float*,
                      float*, void*) {

@@ -197,6 +197,23 @@ Context::~Context() {
   Free(dev_, false);
   Free(up_host_, true);
   Free(up_dev_, false);
+  if (counters_ != nullptr) cudaFree(counters_);
+}
+
+StatusOr<uint32_t*> Context::Counters(size_t n) {
+  if (n > counters_n_) {
+    const size_t want = std::max<size_t>(n, 4096);
+    PION_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "counters");
+    if (counters_ != nullptr) cudaFree(counters_);
+    counters_ = nullptr;
+    counters_n_ = 0;
+    void* p = nullptr;
+    PION_CUDA_TRY(cudaMalloc(&p, want * sizeof(uint32_t)), "counters");
+    PION_CUDA_TRY(cudaMemset(p, 0, want * sizeof(uint32_t)), "counters");
+    counters_ = static_cast<uint32_t*>(p);
+    counters_n_ = want;
+  }
+  return counters_;
 }
 
 void Context::Free(Arena& a, bool pinned) {
