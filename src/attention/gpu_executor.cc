@@ -123,14 +123,9 @@ Status TakeFinish(Job& job, AttendArgs* a, Finish* fin) {
   return Status::Ok();
 }
 
-// A dense pass of every query row over keys [0, a.rows) of `a` (dense items), writing its
-// splits into parts. `keys` is how many keys any row sees (0: nothing to launch).
-Status DenseLaunch(Job& job, AttendArgs a, const int32_t* head_map, uint64_t keys, Parts* parts,
-                   uint32_t splits, Finish* fin = nullptr) {
-  if (keys == 0) return Status::Ok();
-  a.dense_items = true;
-  const int pad = kernels::cuda::UsesTensorCores(a) ? kernels::cuda::FlashRowGroups(a) : 1;
-  std::vector<Item> items = kernels::cuda::DenseItems(a.hq, a.m, head_map, pad);
+// Uploads `items`, points `a` at the next `splits` parts and launches (flushing what is staged).
+Status LaunchItems(Job& job, AttendArgs a, const std::vector<Item>& items, Parts* parts,
+                   uint32_t splits, Finish* fin) {
   PION_ASSIGN(ditems, job.Up(items.data(), items.size()));
   a.items = ditems;
   a.n_items = static_cast<uint32_t>(items.size());
@@ -143,6 +138,17 @@ Status DenseLaunch(Job& job, AttendArgs a, const int32_t* head_map, uint64_t key
   PION_TRY(TakeFinish(job, &a, fin));
   PION_TRY(job.Flush());
   return kernels::cuda::LaunchAttend(a, job.stream());
+}
+
+// A dense pass of every query row over keys [0, a.rows) of `a` (dense items), writing its
+// splits into parts. `keys` is how many keys any row sees (0: nothing to launch).
+Status DenseLaunch(Job& job, AttendArgs a, const int32_t* head_map, uint64_t keys, Parts* parts,
+                   uint32_t splits, Finish* fin = nullptr) {
+  if (keys == 0) return Status::Ok();
+  a.dense_items = true;
+  const int pad = kernels::cuda::UsesTensorCores(a) ? kernels::cuda::FlashRowGroups(a) : 1;
+  return LaunchItems(job, a, kernels::cuda::DenseItems(a.hq, a.m, head_map, pad), parts, splits,
+                     fin);
 }
 
 // Splits a dense pass should use (items as DenseLaunch builds them).
@@ -158,23 +164,11 @@ uint32_t DenseSplitsFor(AttendArgs a, const int32_t* head_map, uint64_t keys) {
 Status SparseLaunch(Job& job, AttendArgs a, const int32_t* head_map, const int32_t* list,
                     const int32_t* counts, uint32_t stride, Parts* parts, uint32_t splits,
                     Finish* fin = nullptr) {
-  std::vector<Item> items = kernels::cuda::RowItems(a.hq, a.m, head_map);
-  PION_ASSIGN(ditems, job.Up(items.data(), items.size()));
-  a.items = ditems;
-  a.n_items = static_cast<uint32_t>(items.size());
   a.dense_items = false;
   a.list = list;
   a.counts = counts;
   a.stride = stride;
-  a.splits = splits;
-  a.part_m = parts->m;
-  a.part_l = parts->l;
-  a.part_o = parts->o;
-  a.part0 = parts->count;
-  parts->count += splits;
-  PION_TRY(TakeFinish(job, &a, fin));
-  PION_TRY(job.Flush());
-  return kernels::cuda::LaunchAttend(a, job.stream());
+  return LaunchItems(job, a, kernels::cuda::RowItems(a.hq, a.m, head_map), parts, splits, fin);
 }
 
 uint32_t SparseSplitsFor(AttendArgs a, const int32_t* head_map, uint32_t stride) {

@@ -462,6 +462,18 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->Integer(static_cast<int64_t>(ctx.shard->store().attention.Drop(ctx.Key(args[1]), layer)));
 }
 
+// Four map entries: heads, rows, head_dim, dtype.
+void WriteShape(proto::ReplyBuilder& rb, const attention::Slot& slot) {
+  rb.Bulk("heads");
+  rb.Integer(slot.heads);
+  rb.Bulk("rows");
+  rb.Integer(slot.rows);
+  rb.Bulk("head_dim");
+  rb.Integer(slot.d);
+  rb.Bulk("dtype");
+  rb.Bulk(kernels::DTypeName(slot.dtype));
+}
+
 // ATTEND.PREFIX.EXPORT <sid> <layer>: a CUDA IPC handle to the slot's GPU copy for a process on
 // the same host and GPU (Unix socket only, the caller's tenant only). The copy is pinned under a
 // lease — neither evicted nor freed, even if the slot is replaced or dropped — until SHM.RELEASE,
@@ -509,14 +521,7 @@ void Export(CommandContext& ctx, CmdArgs& args) {
   rb.Bulk("bytes");
   rb.Integer(static_cast<int64_t>(uint64_t{slot->heads} * slot->rows * slot->d *
                                   kernels::DTypeSize(slot->dtype)));
-  rb.Bulk("heads");
-  rb.Integer(slot->heads);
-  rb.Bulk("rows");
-  rb.Integer(slot->rows);
-  rb.Bulk("head_dim");
-  rb.Integer(slot->d);
-  rb.Bulk("dtype");
-  rb.Bulk(kernels::DTypeName(slot->dtype));
+  WriteShape(rb, *slot);
   rb.Bulk("generation");
   rb.Integer(static_cast<int64_t>(slot->generation));
   rb.Bulk("lease");
@@ -533,14 +538,7 @@ void Info(CommandContext& ctx, CmdArgs& args) {
     rb.Map(9);
     rb.Bulk("layer");
     rb.Integer(layer);
-    rb.Bulk("heads");
-    rb.Integer(slot->heads);
-    rb.Bulk("rows");
-    rb.Integer(slot->rows);
-    rb.Bulk("head_dim");
-    rb.Integer(slot->d);
-    rb.Bulk("dtype");
-    rb.Bulk(kernels::DTypeName(slot->dtype));
+    WriteShape(rb, *slot);
     rb.Bulk("bytes");
     rb.Integer(static_cast<int64_t>(slot->bytes()));
     rb.Bulk("generation");
