@@ -5,7 +5,7 @@ set -euo pipefail
 
 PKGS=(
   build-essential cmake ninja-build pkg-config clang clang-format
-  libspdlog-dev libfmt-dev libcli11-dev libtomlplusplus-dev libxxhash-dev zlib1g-dev
+  libspdlog-dev libfmt-dev libcli11-dev libtomlplusplus-dev libxxhash-dev zlib1g-dev libhnswlib-dev
   libgtest-dev libgmock-dev
   redis-server redis-tools
   python3 python3-pytest python3-redis python3-numpy python3-psutil

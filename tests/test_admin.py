@@ -28,7 +28,9 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "attend.prefix.store", "attend.prefix.lookup", "attend.prefix.drop",
                 "attend.prefix.info", "attend.prefix.query", "attend.prefix.query_fused",
                 "attend.prefix.query_sparse", "attend.prefix.query_sparse_auto",
-                "attend.prefix.query_sparse_auto_fused", "attend.prefix.export", "shm.attach", "shm.reserve", "shm.release",
+                "attend.prefix.query_sparse_auto_fused", "attend.prefix.export", "attend.create",
+                "attend.store", "attend.finalize", "attend.query", "attend.info", "attend.drop",
+                "shm.attach", "shm.reserve", "shm.release",
                 "shm.info"}
 
 CONFIG_PARAMS = ["bind", "port", "unixsocket", "unixsocketperm", "workers", "dir", "metrics-port", "kvcache", "users",

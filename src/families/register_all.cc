@@ -12,6 +12,7 @@ void RegisterAll(server::Server& server) {
   RegisterSsmFamily(server);
   RegisterKvPrefixFamily(server);
   RegisterAttendPrefixFamily(server);
+  RegisterAttendIndexFamily(server);
   RegisterShmFamily(server);
 }
 

@@ -21,6 +21,7 @@
 #include "net/connection.h"
 #include "net/event_loop.h"
 #include "server/stats.h"
+#include "store/attn_index.h"
 #include "store/prefix_registry.h"
 #include "store/ssm_store.h"
 #include "store/state_slots.h"
@@ -37,6 +38,7 @@ struct ShardStore {
   store::SsmStore ssm;
   store::PrefixRegistry prefixes;
   attention::SlotStore attention;
+  store::IndexStore index;  // ATTEND.* sessions (HNSW)
 };
 
 class Shard final : public net::ConnectionHost, public net::EventHandler {

@@ -1,0 +1,348 @@
+#include "store/attn_index.h"
+
+#include <hnswlib/hnswlib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace pion::store {
+
+std::string_view IndexMetricName(IndexMetric m) {
+  switch (m) {
+    case IndexMetric::kIp:
+      return "ip";
+    case IndexMetric::kL2:
+      return "l2";
+    case IndexMetric::kCos:
+      return "cos";
+  }
+  return "ip";
+}
+
+// ---- Rows ----------------------------------------------------------------------------------
+
+uint64_t IndexRows::ChunksFor(uint64_t more) const {
+  const uint64_t have = chunks_.size() * uint64_t{kChunkRows};
+  const uint64_t need = n_ + more;
+  return need <= have ? 0 : (need - have + kChunkRows - 1) / kChunkRows;
+}
+
+uint64_t IndexRows::bytes() const { return chunks_.size() * chunk_bytes(); }
+
+void IndexRows::Append(const float* keys, const float* values, uint64_t n, int64_t start_pos) {
+  uint64_t done = 0;
+  while (done < n) {
+    if (n_ % kChunkRows == 0 && n_ / kChunkRows == chunks_.size()) {
+      auto c = std::make_shared<Chunk>();
+      c->keys.resize(size_t{kChunkRows} * key_dim_);
+      c->values.resize(size_t{kChunkRows} * value_dim_);
+      c->positions.resize(kChunkRows);
+      chunks_.push_back(std::move(c));
+    }
+    Chunk& c = *chunks_[n_ / kChunkRows];
+    const uint64_t at = n_ % kChunkRows;
+    const uint64_t take = std::min<uint64_t>(n - done, kChunkRows - at);
+    std::memcpy(c.keys.data() + at * key_dim_, keys + done * key_dim_,
+                take * key_dim_ * sizeof(float));
+    std::memcpy(c.values.data() + at * value_dim_, values + done * value_dim_,
+                take * value_dim_ * sizeof(float));
+    for (uint64_t i = 0; i < take; ++i) {
+      c.positions[at + i] = start_pos + static_cast<int64_t>(done + i);
+    }
+    n_ += take;
+    done += take;
+  }
+}
+
+// ---- The graph -----------------------------------------------------------------------------
+
+// Inner product is searched as L2 over keys augmented with one coordinate,
+// sqrt(max‖k‖² − ‖k‖²), and queries augmented with 0: ‖q' − k'‖² = ‖q‖² + max‖k‖² − 2·q·k, so
+// the nearest augmented key is the largest inner product (a proper metric for the graph, where
+// a raw inner-product graph loses recall on clustered keys).
+struct BuiltIndex::Graph {
+  std::unique_ptr<hnswlib::SpaceInterface<float>> space;
+  std::unique_ptr<hnswlib::HierarchicalNSW<float>> hnsw;
+  uint32_t dim = 0;      // of the vectors in the graph
+  double max_norm2 = 0;  // inner product: max ‖k‖² over the rows
+};
+
+BuiltIndex::~BuiltIndex() = default;
+
+namespace {
+
+void Normalize(const float* in, uint32_t d, float* out) {
+  double s = 0;
+  for (uint32_t j = 0; j < d; ++j) s += double{in[j]} * in[j];
+  const float inv = s > 0 ? static_cast<float>(1.0 / std::sqrt(s)) : 0.f;
+  for (uint32_t j = 0; j < d; ++j) out[j] = in[j] * inv;
+}
+
+}  // namespace
+
+StatusOr<std::shared_ptr<const BuiltIndex>> BuiltIndex::Build(const IndexParams& p, IndexRows rows,
+                                                              uint64_t generation,
+                                                              const ParallelRun& parallel) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::shared_ptr<BuiltIndex> idx(new BuiltIndex());
+  idx->params_ = p;
+  idx->rows_ = std::move(rows);
+  idx->generation_ = generation;
+  const uint64_t n = idx->rows_.size();
+  auto g = std::make_unique<Graph>();
+  const bool ip = p.metric == IndexMetric::kIp;
+  g->dim = p.key_dim + (ip ? 1 : 0);
+  if (p.metric == IndexMetric::kCos) {
+    g->space = std::make_unique<hnswlib::InnerProductSpace>(g->dim);
+  } else {
+    g->space = std::make_unique<hnswlib::L2Space>(g->dim);
+  }
+  if (ip) {
+    for (uint64_t i = 0; i < n; ++i) {
+      double s = 0;
+      for (uint32_t j = 0; j < p.key_dim; ++j)
+        s += double{idx->rows_.Key(i)[j]} * idx->rows_.Key(i)[j];
+      g->max_norm2 = std::max(g->max_norm2, s);
+    }
+  }
+  try {
+    g->hnsw = std::make_unique<hnswlib::HierarchicalNSW<float>>(
+        g->space.get(), std::max<uint64_t>(n, 1), p.m, p.ef_construction, /*seed=*/100);
+  } catch (const std::exception& e) {
+    return Status(ErrorKind::kOom, std::string("cannot allocate the HNSW graph: ") + e.what());
+  }
+  hnswlib::HierarchicalNSW<float>* h = g->hnsw.get();
+  const IndexRows& r = idx->rows_;
+  const bool cos = p.metric == IndexMetric::kCos;
+  const double max_norm2 = g->max_norm2;
+  auto insert = [&](uint64_t i) {
+    if (cos) {
+      std::vector<float> v(p.key_dim);
+      Normalize(r.Key(i), p.key_dim, v.data());
+      h->addPoint(v.data(), i);
+    } else if (ip) {
+      std::vector<float> v(r.Key(i), r.Key(i) + p.key_dim);
+      double s = 0;
+      for (float x : v) s += double{x} * x;
+      v.push_back(static_cast<float>(std::sqrt(std::max(0.0, max_norm2 - s))));
+      h->addPoint(v.data(), i);
+    } else {
+      h->addPoint(r.Key(i), i);
+    }
+  };
+  // The first row alone (it becomes the entry point), then the rest in parallel pieces.
+  if (n > 0) insert(0);
+  const size_t pieces = n > 1 ? std::min<uint64_t>(64, (n - 1 + 1023) / 1024) : 0;
+  if (pieces > 0) {
+    parallel(pieces, [&](size_t piece) {
+      const uint64_t a = 1 + (n - 1) * piece / pieces, b = 1 + (n - 1) * (piece + 1) / pieces;
+      for (uint64_t i = a; i < b; ++i) insert(i);
+    });
+  }
+  idx->graph_ = std::move(g);
+  idx->bytes_ = n * (h->size_data_per_element_ + h->size_links_per_element_ / 2) +
+                n * sizeof(void*) + h->max_elements_ * sizeof(hnswlib::labeltype);
+  // Recall@10 against brute force on up to 64 stored keys.
+  const uint32_t samples = static_cast<uint32_t>(std::min<uint64_t>(64, n));
+  const uint32_t k = static_cast<uint32_t>(std::min<uint64_t>(10, n));
+  uint64_t found = 0, wanted = 0;
+  for (uint32_t s = 0; s < samples; ++s) {
+    const float* q = r.Key(n * s / samples);
+    auto approx = idx->Search(q, k, kDefaultEf);
+    auto exact = idx->BruteForce(q, k);
+    for (const Hit& e : exact) {
+      ++wanted;
+      for (const Hit& a : approx) {
+        if (a.id == e.id) {
+          ++found;
+          break;
+        }
+      }
+    }
+  }
+  idx->recall_ = wanted > 0 ? static_cast<double>(found) / wanted : 1.0;
+  idx->build_ms_ =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return std::shared_ptr<const BuiltIndex>(std::move(idx));
+}
+
+float BuiltIndex::Score(const float* q, const float* k) const {
+  const uint32_t d = params_.key_dim;
+  double s = 0;
+  if (params_.metric == IndexMetric::kL2) {
+    for (uint32_t j = 0; j < d; ++j) s -= double{q[j] - k[j]} * (q[j] - k[j]);
+    return static_cast<float>(s);
+  }
+  double qq = 0, kk = 0;
+  for (uint32_t j = 0; j < d; ++j) {
+    s += double{q[j]} * k[j];
+    qq += double{q[j]} * q[j];
+    kk += double{k[j]} * k[j];
+  }
+  if (params_.metric == IndexMetric::kCos) {
+    return qq > 0 && kk > 0 ? static_cast<float>(s / std::sqrt(qq * kk)) : 0.f;
+  }
+  return static_cast<float>(s);
+}
+
+std::vector<BuiltIndex::Hit> BuiltIndex::Search(const float* q, uint32_t k, uint32_t ef) const {
+  hnswlib::HierarchicalNSW<float>* h = graph_->hnsw.get();
+  std::vector<Hit> out;
+  if (h->cur_element_count == 0 || k == 0) return out;
+  std::vector<float> qn;
+  const float* qv = q;
+  if (params_.metric == IndexMetric::kCos) {
+    qn.resize(params_.key_dim);
+    Normalize(q, params_.key_dim, qn.data());
+    qv = qn.data();
+  } else if (params_.metric == IndexMetric::kIp) {
+    qn.assign(q, q + params_.key_dim);
+    qn.push_back(0.f);
+    qv = qn.data();
+  }
+  // Greedy descent through the upper layers, then a beam of max(ef, k) on layer 0.
+  hnswlib::tableint cur = h->enterpoint_node_;
+  float best = h->fstdistfunc_(qv, h->getDataByInternalId(cur), h->dist_func_param_);
+  for (int level = h->maxlevel_; level > 0; --level) {
+    for (bool moved = true; moved;) {
+      moved = false;
+      auto* list = reinterpret_cast<unsigned int*>(h->get_linklist(cur, level));
+      const int size = h->getListCount(list);
+      const auto* next = reinterpret_cast<const hnswlib::tableint*>(list + 1);
+      for (int i = 0; i < size; ++i) {
+        const float d = h->fstdistfunc_(qv, h->getDataByInternalId(next[i]), h->dist_func_param_);
+        if (d < best) {
+          best = d;
+          cur = next[i];
+          moved = true;
+        }
+      }
+    }
+  }
+  auto top = h->searchBaseLayerST<false>(cur, qv, std::max<size_t>(ef, k));
+  while (top.size() > k) top.pop();
+  out.resize(top.size());
+  for (size_t i = out.size(); i-- > 0; top.pop()) {
+    const uint32_t id = static_cast<uint32_t>(h->getExternalLabel(top.top().second));
+    out[i] = {id, Score(q, rows_.Key(id))};
+  }
+  return out;
+}
+
+std::vector<BuiltIndex::Hit> BuiltIndex::BruteForce(const float* q, uint32_t k) const {
+  const uint64_t n = rows_.size();
+  std::vector<Hit> all(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    all[i] = {static_cast<uint32_t>(i), Score(q, rows_.Key(i))};
+  }
+  const size_t keep = std::min<size_t>(k, all.size());
+  std::partial_sort(all.begin(), all.begin() + keep, all.end(), [](const Hit& a, const Hit& b) {
+    return a.score > b.score || (a.score == b.score && a.id < b.id);
+  });
+  all.resize(keep);
+  return all;
+}
+
+void AttendRows(const IndexRows& rows, const float* q, const std::vector<uint32_t>& ids, float* out,
+                float* lse) {
+  const uint32_t dk = rows.key_dim(), dv = rows.value_dim();
+  std::fill(out, out + dv, 0.f);
+  if (ids.empty()) {
+    *lse = -std::numeric_limits<float>::infinity();
+    return;
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dk));
+  std::vector<double> s(ids.size());
+  double mx = -std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const float* k = rows.Key(ids[i]);
+    double dot = 0;
+    for (uint32_t j = 0; j < dk; ++j) dot += double{q[j]} * k[j];
+    s[i] = dot * scale;
+    mx = std::max(mx, s[i]);
+  }
+  std::vector<double> acc(dv, 0.0);
+  double l = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const double p = std::exp(s[i] - mx);
+    l += p;
+    const float* v = rows.Value(ids[i]);
+    for (uint32_t j = 0; j < dv; ++j) acc[j] += p * v[j];
+  }
+  for (uint32_t j = 0; j < dv; ++j) out[j] = static_cast<float>(acc[j] / l);
+  *lse = static_cast<float>(mx + std::log(l));
+}
+
+// ---- Sessions ------------------------------------------------------------------------------
+
+StatusOr<IndexSession*> IndexStore::Create(const TenantKey& sid, const IndexParams& p) {
+  auto [it, added] = sessions_.try_emplace(sid);
+  if (!added) {
+    return Error("attention session '" + sid.name.substr(0, 128) +
+                 "' already exists; ATTEND.DROP it first");
+  }
+  it->second = std::make_unique<IndexSession>();
+  it->second->params = p;
+  it->second->rows = IndexRows(p.key_dim, p.value_dim);
+  Gauges();
+  return it->second.get();
+}
+
+IndexSession* IndexStore::Find(const TenantKey& sid) {
+  auto it = sessions_.find(sid);
+  return it == sessions_.end() ? nullptr : it->second.get();
+}
+
+Status IndexStore::Append(IndexSession& s, const float* keys, const float* values, uint64_t n,
+                          int64_t start_pos) {
+  const uint64_t more = s.rows.ChunksFor(n) * s.rows.chunk_bytes();
+  if (more > 0 && budget_.reserve) {
+    Status st = budget_.reserve(more);
+    if (!st.ok()) return st;
+  }
+  s.charged_rows += more;
+  s.rows.Append(keys, values, n, start_pos);
+  Gauges();
+  return Status::Ok();
+}
+
+Status IndexStore::Publish(IndexSession& s, std::shared_ptr<const BuiltIndex> index) {
+  const uint64_t bytes = index->bytes();
+  if (bytes > s.charged_index && budget_.reserve) {
+    Status st = budget_.reserve(bytes - s.charged_index);
+    if (!st.ok()) return st;
+  } else if (bytes < s.charged_index && budget_.release) {
+    budget_.release(s.charged_index - bytes);
+  }
+  s.charged_index = bytes;
+  s.index = std::move(index);
+  Gauges();
+  return Status::Ok();
+}
+
+bool IndexStore::Drop(const TenantKey& sid) {
+  auto it = sessions_.find(sid);
+  if (it == sessions_.end()) return false;
+  if (budget_.release) budget_.release(it->second->charged_rows + it->second->charged_index);
+  sessions_.erase(it);
+  Gauges();
+  return true;
+}
+
+void IndexStore::Gauges() {
+  uint64_t rows = 0, indexed = 0, bytes = 0;
+  for (const auto& [k, s] : sessions_) {
+    rows += s->rows.size();
+    indexed += s->index ? s->index->rows().size() : 0;
+    bytes += s->charged_rows + s->charged_index;
+  }
+  sessions_gauge_.store(sessions_.size(), std::memory_order_relaxed);
+  rows_gauge_.store(rows, std::memory_order_relaxed);
+  indexed_gauge_.store(indexed, std::memory_order_relaxed);
+  bytes_gauge_.store(bytes, std::memory_order_relaxed);
+}
+
+}  // namespace pion::store

@@ -1,0 +1,180 @@
+// The ATTEND.* attention index (seed 000, seed 004 §0x07G–0x07G1, §0x07C): a session stages
+// token K/V rows with their positions, FINALIZE builds an HNSW graph (hnswlib) over the keys
+// staged so far and publishes it, and queries search the published graph for the top-k keys and
+// can attend over the rows found.
+//
+// Contracts:
+//   - Staged rows live in fixed-size chunks that never move: STORE appends with one copy per
+//     chunk touched, and a published index keeps its own snapshot of the chunk list, so rows it
+//     names are never reclaimed while it can return them (entries unreachable before rows go).
+//   - An index covers rows [0, n) as of its FINALIZE (its generation); rows staged later are
+//     invisible to queries until the next FINALIZE.
+//   - Candidate ids are row indexes in the session; positions are the tokens' positions (a
+//     STORE gives its start position): replies carry both.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "store/byte_budget.h"
+#include "store/tenant_key.h"
+
+namespace pion::store {
+
+// The query beam when ATTEND.QUERY gives no EF (at least k).
+inline constexpr uint32_t kDefaultEf = 320;
+
+enum class IndexMetric : uint8_t { kIp = 0, kL2 = 1, kCos = 2 };
+std::string_view IndexMetricName(IndexMetric m);
+
+struct IndexParams {
+  uint32_t key_dim = 0;
+  uint32_t value_dim = 0;
+  IndexMetric metric = IndexMetric::kIp;
+  uint32_t m = 16;                 // graph degree
+  uint32_t ef_construction = 200;  // build-time beam
+};
+
+// Rows in chunks of kChunkRows; a snapshot shares the chunks (append-only, never moved).
+class IndexRows {
+ public:
+  static constexpr uint32_t kChunkRows = 4096;
+  struct Chunk {
+    std::vector<float> keys;         // [kChunkRows][key_dim]
+    std::vector<float> values;       // [kChunkRows][value_dim]
+    std::vector<int64_t> positions;  // [kChunkRows]
+  };
+
+  IndexRows() = default;
+  IndexRows(uint32_t key_dim, uint32_t value_dim) : key_dim_(key_dim), value_dim_(value_dim) {}
+
+  // Appends n rows; row i gets position start_pos + i.
+  void Append(const float* keys, const float* values, uint64_t n, int64_t start_pos);
+  uint64_t size() const { return n_; }
+  uint32_t key_dim() const { return key_dim_; }
+  uint32_t value_dim() const { return value_dim_; }
+  const float* Key(uint64_t i) const {
+    return chunks_[i / kChunkRows]->keys.data() + (i % kChunkRows) * key_dim_;
+  }
+  const float* Value(uint64_t i) const {
+    return chunks_[i / kChunkRows]->values.data() + (i % kChunkRows) * value_dim_;
+  }
+  int64_t Position(uint64_t i) const { return chunks_[i / kChunkRows]->positions[i % kChunkRows]; }
+  // Bytes held by the chunks (allocated capacity).
+  uint64_t bytes() const;
+  // Bytes one more chunk costs.
+  uint64_t chunk_bytes() const {
+    return uint64_t{kChunkRows} * ((key_dim_ + value_dim_) * sizeof(float) + sizeof(int64_t));
+  }
+  // Chunks needed to hold `more` further rows.
+  uint64_t ChunksFor(uint64_t more) const;
+
+ private:
+  uint32_t key_dim_ = 0, value_dim_ = 0;
+  uint64_t n_ = 0;
+  std::vector<std::shared_ptr<Chunk>> chunks_;
+};
+
+// Runs fn(0..n-1), possibly in parallel (WorkerPool::ParallelFor in the server).
+using ParallelRun = std::function<void(size_t n, const std::function<void(size_t)>& fn)>;
+
+// An HNSW graph over rows [0, rows.size()) of a snapshot; immutable once built.
+class BuiltIndex {
+ public:
+  ~BuiltIndex();
+  // Builds over every row of `rows` (parallel inserts). Also estimates recall@10 against brute
+  // force on up to 64 of the stored keys (the key distribution).
+  static StatusOr<std::shared_ptr<const BuiltIndex>> Build(const IndexParams& p, IndexRows rows,
+                                                           uint64_t generation,
+                                                           const ParallelRun& parallel);
+
+  struct Hit {
+    uint32_t id = 0;  // row index in the session
+    float score = 0;  // ip: q·k; cos: cosine similarity; l2: −‖q − k‖²
+  };
+  // The best `k` rows for query q (key_dim floats), best first; beam max(ef, k).
+  std::vector<Hit> Search(const float* q, uint32_t k, uint32_t ef) const;
+  // Exact top-k by the same score (the baseline).
+  std::vector<Hit> BruteForce(const float* q, uint32_t k) const;
+
+  const IndexRows& rows() const { return rows_; }
+  const IndexParams& params() const { return params_; }
+  uint64_t generation() const { return generation_; }
+  uint64_t bytes() const { return bytes_; }
+  double recall_estimate() const { return recall_; }
+  double build_ms() const { return build_ms_; }
+
+ private:
+  BuiltIndex() = default;
+  struct Graph;
+  float Score(const float* q, const float* k) const;
+  IndexParams params_;
+  IndexRows rows_;
+  uint64_t generation_ = 0;
+  uint64_t bytes_ = 0;
+  double recall_ = 0, build_ms_ = 0;
+  std::unique_ptr<Graph> graph_;
+};
+
+// Attention over chosen rows: softmax of (q·k)/√key_dim over `ids`, output Σ p·v (value_dim
+// floats) and its log-sum-exp (merge-compatible with ATTEND.PREFIX partials). ids empty: output
+// 0, lse −inf.
+void AttendRows(const IndexRows& rows, const float* q, const std::vector<uint32_t>& ids, float* out,
+                float* lse);
+
+// One ATTEND session: its parameters, staged rows and the published index (if any).
+struct IndexSession {
+  IndexParams params;
+  IndexRows rows;
+  std::shared_ptr<const BuiltIndex> index;  // null until the first FINALIZE completes
+  uint64_t next_generation = 1;
+  bool building = false;
+  std::shared_ptr<std::atomic<uint64_t>> queries = std::make_shared<std::atomic<uint64_t>>(0);
+  uint64_t charged_rows = 0, charged_index = 0;  // bytes reserved against the budget
+};
+
+// A shard's ATTEND sessions. Shard thread only (gauges readable anywhere).
+class IndexStore {
+ public:
+  void set_budget(ByteBudget b) { budget_ = std::move(b); }
+  // kErr when the session exists.
+  StatusOr<IndexSession*> Create(const TenantKey& sid, const IndexParams& p);
+  IndexSession* Find(const TenantKey& sid);
+  // Appends n rows (reserving the chunks they need first: kOom leaves the session unchanged).
+  Status Append(IndexSession& s, const float* keys, const float* values, uint64_t n,
+                int64_t start_pos);
+  // Publishes a built index (charging its bytes; the previous index's are released).
+  Status Publish(IndexSession& s, std::shared_ptr<const BuiltIndex> index);
+  bool Drop(const TenantKey& sid);
+  template <typename F>
+  void ForEach(uint32_t tenant, F&& f) const {
+    for (const auto& [k, s] : sessions_) {
+      if (k.tenant == tenant) f(k, *s);
+    }
+  }
+
+  struct Usage {
+    uint64_t sessions = 0, rows = 0, indexed_rows = 0, bytes = 0;
+  };
+  Usage Total() const {
+    return {sessions_gauge_.load(std::memory_order_relaxed),
+            rows_gauge_.load(std::memory_order_relaxed),
+            indexed_gauge_.load(std::memory_order_relaxed),
+            bytes_gauge_.load(std::memory_order_relaxed)};
+  }
+
+ private:
+  void Gauges();
+  ByteBudget budget_;
+  std::unordered_map<TenantKey, std::unique_ptr<IndexSession>, TenantKeyHash> sessions_;
+  std::atomic<uint64_t> sessions_gauge_{0}, rows_gauge_{0}, indexed_gauge_{0}, bytes_gauge_{0};
+};
+
+}  // namespace pion::store

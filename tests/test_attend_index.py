@@ -1,0 +1,233 @@
+"""ATTEND.CREATE / STORE / FINALIZE / QUERY / INFO / DROP: the HNSW attention index against a
+numpy brute-force reference.
+
+- Recall@32 (default parameters: M 16, EF_CONSTRUCTION 200, EF 320) against numpy's exact top-32
+  by the session's metric, on random and clustered keys, with key-distributed queries (stored keys
+  plus noise) and shifted queries (another distribution): printed, and asserted >= 0.95 for the
+  key-distributed ones (>= 0.90 shifted).
+- ATTEND: output and LSE equal numpy's softmax((q·k)/√key_dim)·V over exactly the returned rows
+  (rel err <= 1e-5).
+- Rows staged after a FINALIZE are invisible until the next one; positions are kept per row.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from pionlib import RespError
+
+
+def f32(a) -> bytes:
+    return np.ascontiguousarray(a, dtype="<f4").tobytes()
+
+
+def qmap(flat) -> dict:
+    if isinstance(flat, dict):
+        items = list(flat.items())
+    else:
+        items = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+    return {(k.decode() if isinstance(k, bytes) else k): v for k, v in items}
+
+
+def query(r, sid, k, q, *extra):
+    m = qmap(r.execute_command("ATTEND.QUERY", sid, k, f32(q), *extra))
+    kk = int(m["k"])
+    nq = q.size // q.shape[-1]
+    out = {
+        "generation": int(m["generation"]), "k": kk,
+        "ids": np.frombuffer(m["ids"], "<u4").reshape(nq, kk),
+        "positions": np.frombuffer(m["positions"], "<i8").reshape(nq, kk),
+        "scores": np.frombuffer(m["scores"], "<f4").reshape(nq, kk),
+    }
+    if "output" in m:
+        out["output"] = np.frombuffer(m["output"], "<f4").reshape(nq, -1)
+        out["lse"] = np.frombuffer(m["lse"], "<f4")
+    return out
+
+
+def err(srv, *args) -> str:
+    with srv.raw() as c:
+        got = c.call(*args)
+    assert isinstance(got, RespError), "expected an error, got %r" % (got,)
+    return str(got)
+
+
+def scores_ref(q, keys, metric):
+    q64, k64 = q.astype(np.float64), keys.astype(np.float64)
+    if metric == "l2":
+        return -((q64[:, None, :] - k64[None]) ** 2).sum(-1)
+    dots = q64 @ k64.T
+    if metric == "cos":
+        return dots / np.outer(np.linalg.norm(q64, axis=1), np.linalg.norm(k64, axis=1))
+    return dots
+
+
+def finalize(r, sid) -> dict:
+    m = qmap(r.execute_command("ATTEND.FINALIZE", sid))
+    return {k: (float(v) if k in ("recall_estimate", "build_ms") else int(v)) for k, v in m.items()}
+
+
+def make_keys(rng, n, d, clustered):
+    keys = rng.standard_normal((n, d)).astype(np.float32)
+    if clustered:
+        centers = 3 * rng.standard_normal((16, d)).astype(np.float32)
+        keys += centers[np.arange(n) % 16]
+    return keys
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2", "cos"])
+@pytest.mark.parametrize("clustered", [False, True])
+def test_recall_at_32_against_brute_force(shared_pion, metric, clustered):
+    r = shared_pion.client()
+    rng = np.random.default_rng(1 + clustered + 3 * ["ip", "l2", "cos"].index(metric))
+    n, d, dv = 5000, 64, 16
+    sid = "rec-%s-%d" % (metric, clustered)
+    keys = make_keys(rng, n, d, clustered)
+    values = rng.standard_normal((n, dv)).astype(np.float32)
+    assert r.execute_command("ATTEND.CREATE", sid, d, dv, "METRIC", metric) == b"OK"
+    for a in range(0, n, 1024):  # several STOREs
+        b = min(n, a + 1024)
+        assert r.execute_command("ATTEND.STORE", sid, f32(keys[a:b]), f32(values[a:b])) == b
+    fin = finalize(r, sid)
+    assert fin["generation"] == 1 and fin["rows"] == n and 0 < fin["recall_estimate"] <= 1
+    near = keys[rng.integers(0, n, 40)] + 0.3 * rng.standard_normal((40, d)).astype(np.float32)
+    shifted = 1.5 * keys[rng.integers(0, n, 40)] + 0.5 * rng.standard_normal((40, d)) + 0.3
+    recalls = []
+    for qs in (near, shifted.astype(np.float32)):
+        got = query(r, sid, 32, qs)
+        ref = scores_ref(qs, keys, metric)
+        exact = np.argsort(-ref, axis=1)[:, :32]
+        recalls.append(np.mean([len(set(got["ids"][i]) & set(exact[i])) / 32
+                                for i in range(len(qs))]))
+        # Scores are the true scores of the returned rows, best first.
+        true = np.take_along_axis(ref, got["ids"].astype(np.int64), 1)
+        assert np.allclose(got["scores"], true, rtol=1e-4, atol=1e-3)
+        assert np.all(np.diff(got["scores"], axis=1) <= 1e-5)
+    print("recall@32 %s %s: key-distributed %.3f shifted %.3f" %
+          (metric, "clustered" if clustered else "random", *recalls))
+    assert recalls[0] >= 0.95 and recalls[1] >= 0.90, recalls
+    r.execute_command("ATTEND.DROP", sid)
+
+
+def test_attend_equals_exact_attention_over_returned_rows(shared_pion):
+    r = shared_pion.client()
+    rng = np.random.default_rng(2)
+    n, d, dv = 3000, 32, 24
+    keys = rng.standard_normal((n, d)).astype(np.float32)
+    values = rng.standard_normal((n, dv)).astype(np.float32)
+    r.execute_command("ATTEND.CREATE", "att", d, dv)
+    r.execute_command("ATTEND.STORE", "att", f32(keys), f32(values), 500)
+    finalize(r, "att")
+    q = rng.standard_normal((3, d)).astype(np.float32)
+    got = query(r, "att", 40, q, "EF", 100, "ATTEND")
+    assert got["k"] == 40
+    for i in range(3):
+        ids = got["ids"][i].astype(np.int64)
+        assert np.array_equal(got["positions"][i], 500 + ids)  # candidate ids are not positions
+        s = keys[ids].astype(np.float64) @ q[i].astype(np.float64) / np.sqrt(d)
+        mx = s.max()
+        p = np.exp(s - mx)
+        ref = (p / p.sum()) @ values[ids].astype(np.float64)
+        assert np.allclose(got["output"][i], ref, rtol=1e-5, atol=1e-6)
+        assert abs(got["lse"][i] - (mx + np.log(p.sum()))) <= 1e-5 * (1 + abs(mx))
+    r.execute_command("ATTEND.DROP", "att")
+
+
+def test_staged_rows_invisible_until_the_next_finalize(shared_pion):
+    r = shared_pion.client()
+    rng = np.random.default_rng(3)
+    d = 16
+    a = rng.standard_normal((200, d)).astype(np.float32)
+    b = 10 + rng.standard_normal((50, d)).astype(np.float32)  # far from a, close to the query
+    r.execute_command("ATTEND.CREATE", "vis", d, 4, "METRIC", "l2")
+    e = err(shared_pion, "ATTEND.QUERY", "vis", 5, f32(a[:1]))
+    assert e == "ERR session 'vis' has no index yet (0 rows staged); ATTEND.FINALIZE it", e
+    r.execute_command("ATTEND.STORE", "vis", f32(a), f32(np.zeros((200, 4))))
+    assert finalize(r, "vis")["generation"] == 1
+    assert r.execute_command("ATTEND.STORE", "vis", f32(b), f32(np.ones((50, 4))), 10_000) == 250
+    q = np.full((1, d), 10, np.float32)
+    got = query(r, "vis", 10, q)
+    assert got["generation"] == 1 and np.all(got["ids"] < 200)
+    info = qmap(r.execute_command("ATTEND.INFO", "vis"))
+    assert int(info["rows"]) == 250 and int(info["indexed_rows"]) == 200
+    assert finalize(r, "vis")["generation"] == 2
+    got = query(r, "vis", 10, q, "ATTEND")
+    assert got["generation"] == 2 and np.all(got["ids"] >= 200)
+    assert np.all(got["positions"] >= 10_000)
+    assert np.allclose(got["output"], 1.0)
+    r.execute_command("ATTEND.DROP", "vis")
+
+
+def test_queries_during_a_finalize_use_the_published_index(shared_pion):
+    r = shared_pion.client()
+    rng = np.random.default_rng(4)
+    d = 32
+    keys = rng.standard_normal((4000, d)).astype(np.float32)
+    r.execute_command("ATTEND.CREATE", "live", d, 2)
+    r.execute_command("ATTEND.STORE", "live", f32(keys[:1000]), f32(np.zeros((1000, 2))))
+    finalize(r, "live")
+    r.execute_command("ATTEND.STORE", "live", f32(keys[1000:]), f32(np.zeros((3000, 2))))
+    done = []
+    t = threading.Thread(target=lambda: done.append(finalize(shared_pion.client(), "live")))
+    t.start()
+    gens = set()
+    while t.is_alive():
+        got = query(r, "live", 5, keys[:1])
+        gens.add(got["generation"])
+        assert np.all(got["ids"] < (1000 if got["generation"] == 1 else 4000))
+    t.join()
+    assert done[0]["generation"] == 2 and gens <= {1, 2}
+    r.execute_command("ATTEND.DROP", "live")
+
+
+def test_info_drop_and_errors(shared_pion):
+    r = shared_pion.client()
+    srv = shared_pion
+    assert r.execute_command("ATTEND.CREATE", "e", 8, 4, "M", 8, "EF_CONSTRUCTION", 64) == b"OK"
+    info = qmap(r.execute_command("ATTEND.INFO", "e"))
+    assert info["metric"] == b"ip" and int(info["m"]) == 8 and int(info["ef_construction"]) == 64
+    assert int(info["generation"]) == 0 and int(info["rows"]) == 0
+    cases = [
+        (("ATTEND.CREATE", "e", 8, 4), "ERR attention session 'e' already exists; ATTEND.DROP it first"),
+        (("ATTEND.CREATE", "x", 0, 4), "ERR key_dim must be an integer in [1, 4096], got '0'"),
+        (("ATTEND.CREATE", "x", 8, 4, "METRIC", "dot"), "ERR METRIC must be ip, l2 or cos, got 'dot'"),
+        (("ATTEND.CREATE", "x", 8, 4, "M"), "ERR option 'M' needs a value"),
+        (("ATTEND.CREATE", "x", 8, 4, "FOO", 1), "ERR unknown option 'FOO'; expected M, EF_CONSTRUCTION or METRIC"),
+        (("ATTEND.STORE", "nope", b"x" * 32, b"x" * 16), "MISS no attention session 'nope'; ATTEND.CREATE it"),
+        (("ATTEND.STORE", "e", b"x" * 31, b"x" * 16), "ERR keys_blob must be a non-zero multiple of key_dim*4 = 32 bytes, got 31"),
+        (("ATTEND.STORE", "e", b"x" * 64, b"x" * 16), "ERR values_blob must be N*value_dim*4 (N=2 value_dim=4) = 32 bytes, got 16"),
+        (("ATTEND.STORE", "e", b"x" * 32, b"x" * 16, -1), "ERR start_pos must be in [0, 2^62], got -1"),
+        (("ATTEND.FINALIZE", "e"), "ERR session 'e' has no rows; ATTEND.STORE some first"),
+        (("ATTEND.QUERY", "e", 0, b"x" * 32), "ERR k must be an integer in [1, 65536], got '0'"),
+        (("ATTEND.QUERY", "e", 5, b"x" * 32, "BOGUS"), "ERR unexpected argument 'BOGUS'; expected EF <ef> or ATTEND"),
+        (("ATTEND.INFO", "nope"), "MISS no attention session 'nope'; ATTEND.CREATE it"),
+    ]
+    for args, want in cases:
+        assert err(srv, *args) == want, (args, err(srv, *args))
+    r.execute_command("ATTEND.STORE", "e", f32(np.ones((3, 8))), f32(np.ones((3, 4))))
+    finalize(r, "e")
+    e = err(srv, "ATTEND.QUERY", "e", 5, b"x" * 31)
+    assert e == "ERR q_blob must be a non-zero multiple of key_dim*4 = 32 bytes, got 31", e
+    assert query(r, "e", 10, np.ones((1, 8), np.float32))["k"] == 3  # k beyond the rows
+    totals = qmap(r.execute_command("ATTEND.INFO"))
+    assert int(totals["sessions"]) >= 1 and int(totals["rows"]) >= 3
+    assert r.execute_command("ATTEND.DROP", "e") == 1
+    assert r.execute_command("ATTEND.DROP", "e") == 0
+    assert r.ping()
+
+
+def test_index_memory_is_charged_and_bounded(pion_factory):
+    srv = pion_factory("-w", "1", "--maxmemory", "4mb")
+    r = srv.client()
+    d = 64
+    r.execute_command("ATTEND.CREATE", "big", d, d)
+    rows = np.zeros((4096, d), np.float32)
+    assert r.execute_command("ATTEND.STORE", "big", f32(rows), f32(rows)) == 4096  # one chunk: 2 MiB
+    e = err(srv, "ATTEND.STORE", "big", f32(rows), f32(rows))
+    assert e.startswith("OOM "), e
+    assert qmap(r.execute_command("ATTEND.INFO", "big"))["rows"] == 4096
+    assert int(srv.info("memory")["used_memory_index"]) > 2 << 20
+    r.execute_command("ATTEND.DROP", "big")
+    assert int(srv.info("memory")["used_memory_index"]) == 0
