@@ -30,12 +30,13 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "attend.prefix.query_sparse", "attend.prefix.query_sparse_auto",
                 "attend.prefix.query_sparse_auto_fused", "attend.prefix.export", "attend.create",
                 "attend.store", "attend.finalize", "attend.query", "attend.info", "attend.drop",
+                "kv.store", "kv.fetch", "kv.info", "kv.evict",
                 "shm.attach", "shm.reserve", "shm.release",
                 "shm.info"}
 
 CONFIG_PARAMS = ["bind", "port", "unixsocket", "unixsocketperm", "workers", "dir", "metrics-port", "kvcache", "users",
                  "attention-backend", "gpu-memory", "attention-fp16", "attention-memory",
-                 "compute-threads",
+                 "kv-cache-capacity", "compute-threads",
                  "compute-queue-depth",
                  "maxmemory", "requirepass", "proto-max-bulk-len", "max-multibulk-len",
                  "client-query-buffer-limit", "client-output-buffer-limit",
@@ -49,6 +50,7 @@ ALL_FLAGS = ["--help", "--version", "--config", "--bind", "--port", "--unixsocke
              "--max-multibulk-len", "--client-query-buffer-limit", "--client-output-buffer-limit",
              "--client-output-buffer-timeout-ms", "--maxclients", "--shard-queue-depth",
              "--attention-backend", "--gpu-memory", "--attention-fp16", "--attention-memory",
+             "--kv-cache-capacity",
              "--compute-threads", "--compute-queue-depth",
              "--kvcache", "--loglevel", "--logfile", "--slowlog-log-slower-than",
              "--slowlog-max-len"]

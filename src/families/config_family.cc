@@ -149,6 +149,13 @@ const std::vector<Param>& Params() {
            s.memory().set_family_limit(server::MemFamily::kAttention, n);
          });
        }},
+      {"kv-cache-capacity",
+       [](Server& s) { return std::to_string(s.kv_cache() ? s.kv_cache()->capacity() : 0); },
+       [](Server& s, std::string_view v, bool apply) {
+         return SetInt(v, 1, int64_t{1} << 32, apply, [&](int64_t n) {
+           if (s.kv_cache() != nullptr) s.kv_cache()->set_capacity(static_cast<uint64_t>(n));
+         });
+       }},
       {"compute-threads",
        [](Server& s) { return std::to_string(s.compute() ? s.compute()->threads() : 0); }, nullptr},
       {"compute-queue-depth",

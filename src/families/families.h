@@ -18,6 +18,7 @@ void RegisterVStoreFamily(server::Server& server);    // V.*
 void RegisterSsmFamily(server::Server& server);       // SSM.PREFIX.*
 void RegisterKvPrefixFamily(server::Server& server);  // KV.PREFIX.*
 void RegisterAttendPrefixFamily(server::Server& server);  // ATTEND.PREFIX.*
+void RegisterKvCacheFamily(server::Server& server);       // KV.STORE KV.FETCH KV.INFO KV.EVICT
 void RegisterAttendIndexFamily(server::Server& server);   // ATTEND.CREATE/STORE/FINALIZE/QUERY/...
 void RegisterShmFamily(server::Server& server);           // SHM.* (same-host data plane)
 

@@ -13,6 +13,7 @@ void RegisterAll(server::Server& server) {
   RegisterKvPrefixFamily(server);
   RegisterAttendPrefixFamily(server);
   RegisterAttendIndexFamily(server);
+  RegisterKvCacheFamily(server);
   RegisterShmFamily(server);
 }
 

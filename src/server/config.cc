@@ -142,6 +142,10 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
           "the device memory free at start");
   AddSize(app, "--attention-memory", &c.attention_memory,
           "Cap on resident attention slots (LRU eviction beyond it); 0 = only --maxmemory");
+  app.add_option("--kv-cache-capacity", c.kv_cache_capacity,
+                 "KV.STORE entries kept per tenant; beyond it the least recently used go")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32));
   app.add_option("--compute-threads", c.compute_threads,
                  "Threads that run attention queries; 0 = number of cores")
       ->capture_default_str()

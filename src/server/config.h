@@ -42,9 +42,10 @@ struct Config {
   std::string attention_backend = "auto";  // cpu | cuda | auto (cuda when a GPU is present)
   bool attention_fp16 = false;             // store slots as fp16 (parity with fp16 engines)
   uint64_t attention_memory = 0;           // cap on resident slots; 0 = only --maxmemory
-  uint64_t gpu_memory = 0;        // cuda: GPU bytes for slots; 0 = 90% of free device memory
-  int compute_threads = 0;        // 0: number of cores
-  int compute_queue_depth = 256;  // queries waiting for a compute thread; then -BUSY
+  uint64_t gpu_memory = 0;             // cuda: GPU bytes for slots; 0 = 90% of free device memory
+  int compute_threads = 0;             // 0: number of cores
+  int compute_queue_depth = 256;       // queries waiting for a compute thread; then -BUSY
+  uint64_t kv_cache_capacity = 10000;  // KV.STORE entries per tenant (LRU beyond)
   bool kvcache = true;
   std::string loglevel = "info";
   std::string logfile;  // empty: stderr

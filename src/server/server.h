@@ -21,6 +21,7 @@
 #include "server/shm_plane.h"
 #include "server/slowlog.h"
 #include "server/worker_pool.h"
+#include "store/semantic_cache.h"
 
 namespace pion::server {
 
@@ -64,6 +65,9 @@ class Server {
   // --attention-backend as resolved by Init(): non-null when slots live on the GPU (cuda).
   attention::GpuSlots* gpu_slots() { return gpu_slots_.get(); }
   std::string_view attention_backend() const { return gpu_slots_ ? "cuda" : "cpu"; }
+  // KV.STORE / KV.FETCH entries (set by their family at registration).
+  store::SemanticCache* kv_cache() { return kv_cache_.get(); }
+  void set_kv_cache(std::unique_ptr<store::SemanticCache> c) { kv_cache_ = std::move(c); }
   // Charges GPU bytes outside slots (block summaries) against --gpu-memory.
   const store::ByteBudget* gpu_budget() const { return &gpu_budget_; }
   // The same-host data plane (enabled with --unixsocket).
@@ -118,6 +122,7 @@ class Server {
   SlowLog slowlog_;
   std::unique_ptr<attention::GpuSlots> gpu_slots_;  // outlives the shards (their slots' copies)
   store::ByteBudget gpu_budget_;
+  std::unique_ptr<store::SemanticCache> kv_cache_;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<std::function<void(Shard&)>> shard_inits_;
   std::vector<std::function<Status(Server&)>> startup_;
