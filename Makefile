@@ -32,11 +32,13 @@ e2e: build
 fuzz-build: deps
 	CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DPION_FUZZ=ON -DPION_SANITIZE=address -DPION_BUILD_TESTS=OFF -DPION_CUDA=OFF
-	cmake --build build-fuzz -j $(JOBS) --target resp_parser_fuzz
+	cmake --build build-fuzz -j $(JOBS) --target resp_parser_fuzz binary_frame_fuzz
 
-# Short fuzz run under ASan+UBSan (part of `make test`).
+# Short fuzz runs under ASan+UBSan (part of `make test`): the RESP parser and the binary
+# protocol's frame parser.
 fuzz: fuzz-build
 	scripts/run-fuzz.sh build-fuzz/resp_parser_fuzz fuzz/corpus/resp $(FUZZ_SECS)
+	scripts/run-fuzz.sh build-fuzz/binary_frame_fuzz fuzz/corpus/binary $(FUZZ_SECS)
 
 # Long fuzz run: make fuzz-long FUZZ_SECS=3600
 fuzz-long: FUZZ_SECS=3600

@@ -94,7 +94,7 @@ def main() -> int:
         servers = {}
         for dtype, extra in (("fp32", []), ("fp16", ["--attention-fp16"])):
             port = free_port()
-            p = start_server([str(pion), "--port", str(port), "--metrics-port", "0", "--dir",
+            p = start_server([str(pion), "--port", str(port), "--metrics-port", "0", "--binary-port", "0", "--dir",
                        str(tmp / dtype)] + extra, port, "pion-" + dtype, tmp / f"pion-{dtype}.log")
             procs.append(p)
             servers[dtype] = (p, port)

@@ -114,7 +114,8 @@ def e2e(bin_dir: Path, backend: str, seconds: float, extra: list[str]) -> dict:
     work = Path(tempfile.mkdtemp(prefix="pion-gpu-bench-"))
     env = dict(os.environ)
     srv = subprocess.Popen([str(bin_dir / "pion-server"), "--port", str(port), "--dir",
-                            str(work / "data"), "--metrics-port", "0", "--attention-backend",
+                            str(work / "data"), "--metrics-port", "0", "--binary-port", "0",
+                            "--attention-backend",
                             backend, *extra], stdout=open(work / "server.log", "w"),
                            stderr=subprocess.STDOUT, env=env)
     try:

@@ -287,7 +287,7 @@ def main() -> int:
     p1, p2 = free_port(), free_port()
     while p2 == p1:
         p2 = free_port()
-    pion_cmd = [str(pion), "-w", str(a.workers), "--port", str(p1), "--metrics-port", "0"]
+    pion_cmd = [str(pion), "-w", str(a.workers), "--port", str(p1), "--metrics-port", "0", "--binary-port", "0"]
     redis_cmd = [a.redis_server, "--port", str(p2), "--save", "", "--appendonly", "no",
                  "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "2gb",
                  "--bind", "127.0.0.1", "--dir", str(tmp)]

@@ -63,7 +63,7 @@ def main() -> int:
     procs = []
     rows = []
     try:
-        p = start_server([a.pion, "--port", str(pport), "--metrics-port", "0", "--dir",
+        p = start_server([a.pion, "--port", str(pport), "--metrics-port", "0", "--binary-port", "0", "--dir",
                           str(tmp / "d"), "--unixsocket", psock], pport, "pion", tmp / "pion.log")
         procs.append(p)
         rp = start_server([a.redis_server, "--port", str(rport), "--bind", "127.0.0.1",

@@ -18,7 +18,7 @@ sys.path.insert(0, CARRY + "/py"); sys.path.insert(0, "clients/python")
 import numpy as np, torch, pion
 env = dict(os.environ, LD_LIBRARY_PATH=CARRY + "/lib")
 sock = "/tmp/pion-gpu.sock"
-srv = subprocess.Popen([CARRY + "/pion-server", "--port", "19740", "--metrics-port", "0", "--dir", "/tmp/pd",
+srv = subprocess.Popen([CARRY + "/pion-server", "--port", "19740", "--metrics-port", "0", "--binary-port", "0", "--dir", "/tmp/pd",
                         "--unixsocket", sock, "--shm-segment-size", "1gb"], env=env)
 for _ in range(100):
     try: socket.create_connection(("127.0.0.1", 19740)).close(); break

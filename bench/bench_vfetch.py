@@ -195,7 +195,7 @@ def main() -> int:
                  f"git at start {git_info()}")
     (tmp / "pion-data").mkdir()
     (tmp / "redis-data").mkdir()
-    pion_cmd = [str(pion), "-w", str(a.workers), "--port", str(p1), "--metrics-port", "0",
+    pion_cmd = [str(pion), "-w", str(a.workers), "--port", str(p1), "--metrics-port", "0", "--binary-port", "0",
                 "--dir", str(tmp / "pion-data")]
     redis_cmd = [a.redis_server, "--port", str(p2), "--save", "", "--appendonly", "no",
                  "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "2gb",

@@ -288,6 +288,7 @@ class PionServer:
         self.password = password
         self.port = 0
         self.metrics_port = 0
+        self.binary_port = 0  # the 0xCA5E protocol's port (a free one per start)
         self.proc: subprocess.Popen | None = None
         self.log_path = workdir / "server.log"
         self.data_dir = workdir / "data"
@@ -298,7 +299,7 @@ class PionServer:
         if self.config_file is not None:
             cmd += ["--config", str(self.config_file)]
         cmd += ["--bind", HOST, "--port", str(self.port), "--dir", str(self.data_dir),
-                "--metrics-port", str(self.metrics_port)]
+                "--metrics-port", str(self.metrics_port), "--binary-port", str(self.binary_port)]
         return cmd + EXTRA_SERVER_ARGS + self.extra
 
     def start(self) -> "PionServer":
@@ -309,6 +310,9 @@ class PionServer:
             self.metrics_port = free_port() if self.metrics else 0
             while self.metrics and self.metrics_port == self.port:
                 self.metrics_port = free_port()
+            self.binary_port = free_port()
+            while self.binary_port in (self.port, self.metrics_port):
+                self.binary_port = free_port()
             log = open(self.log_path, "ab")
             try:
                 self.proc = subprocess.Popen(self.command_line(), stdin=subprocess.DEVNULL,

@@ -34,7 +34,7 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "shm.attach", "shm.reserve", "shm.release",
                 "shm.info"}
 
-CONFIG_PARAMS = ["bind", "port", "unixsocket", "unixsocketperm", "workers", "dir", "metrics-port", "kvcache", "users",
+CONFIG_PARAMS = ["bind", "port", "binary-port", "unixsocket", "unixsocketperm", "workers", "dir", "metrics-port", "kvcache", "users",
                  "attention-backend", "gpu-memory", "attention-fp16", "attention-memory",
                  "kv-cache-capacity", "compute-threads",
                  "compute-queue-depth",
@@ -43,7 +43,7 @@ CONFIG_PARAMS = ["bind", "port", "unixsocket", "unixsocketperm", "workers", "dir
                  "client-output-buffer-timeout-ms", "maxclients", "shard-queue-depth",
                  "slowlog-log-slower-than", "slowlog-max-len", "loglevel"]
 
-ALL_FLAGS = ["--help", "--version", "--config", "--bind", "--port", "--unixsocket",
+ALL_FLAGS = ["--help", "--version", "--config", "--bind", "--port", "--binary-port", "--unixsocket",
              "--unixsocketperm", "--shm-segment-size", "--shm-lease-ttl-ms", "--shm-max-leases",
              "--workers", "--dir",
              "--maxmemory", "--metrics-port", "--requirepass", "--users", "--proto-max-bulk-len",
@@ -260,6 +260,7 @@ def test_config_get_reflects_flags_and_globs(pion_factory):
         assert allp["bind"] == "127.0.0.1"
         assert allp["port"] == str(srv.port)
         assert allp["metrics-port"] == str(srv.metrics_port)
+        assert allp["binary-port"] == str(srv.binary_port)
         assert allp["workers"] == "2"
         assert allp["dir"] == str(srv.data_dir)
         assert allp["kvcache"] == "on"
@@ -280,16 +281,16 @@ def test_config_get_reflects_flags_and_globs(pion_factory):
             return list(pairs(c.call("CONFIG", "GET", *patterns)))
 
         assert names("max*") == ["maxmemory", "max-multibulk-len", "maxclients"]
-        assert names("*port") == ["port", "metrics-port"]
+        assert names("*port") == ["port", "binary-port", "metrics-port"]
         assert names("?ort") == ["port"]
-        assert names("[bp]*") == ["bind", "port", "proto-max-bulk-len"]
+        assert names("[bp]*") == ["bind", "port", "binary-port", "proto-max-bulk-len"]
         assert names("[^a-m]*") == ["port", "unixsocket", "unixsocketperm", "workers", "users",
                                     "requirepass",
                                     "proto-max-bulk-len", "shard-queue-depth",
                                     "slowlog-log-slower-than", "slowlog-max-len"]
         assert names("CLIENT-*") == ["client-query-buffer-limit", "client-output-buffer-limit",
                                      "client-output-buffer-timeout-ms"]
-        assert names("port", "*ort", "port") == ["port", "metrics-port"]
+        assert names("port", "*ort", "port") == ["port", "binary-port", "metrics-port"]
         assert names("slowlog-log-slower-tha?") == ["slowlog-log-slower-than"]
         assert names("nothing*") == []
         assert names("\\*") == []
@@ -759,7 +760,7 @@ def test_bad_toml_config_refuses_to_start(tmp_path, content, message):
     conf = tmp_path / "bad.toml"
     conf.write_text(content)
     p = subprocess.run([SERVER_BIN, "--config", str(conf), "--port", str(free_port()),
-                        "--metrics-port", "0", "--dir", str(tmp_path)],
+                        "--metrics-port", "0", "--binary-port", "0", "--dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=10)
     assert p.returncode != 0
     assert message in p.stdout + p.stderr
@@ -767,7 +768,7 @@ def test_bad_toml_config_refuses_to_start(tmp_path, content, message):
 
 def test_missing_config_file(tmp_path):
     p = subprocess.run([SERVER_BIN, "--config", str(tmp_path / "none.toml"), "--port",
-                        str(free_port()), "--metrics-port", "0"],
+                        str(free_port()), "--metrics-port", "0", "--binary-port", "0"],
                        capture_output=True, text=True, timeout=10)
     assert p.returncode != 0
     assert "none.toml" in p.stdout + p.stderr
@@ -810,7 +811,7 @@ def test_version_flag():
     (["extra-positional"], "extra-positional"),
 ], ids=lambda a: " ".join(a) if isinstance(a, list) else None)
 def test_bad_flag_exits_nonzero_with_message(args, message):
-    p = subprocess.run([SERVER_BIN, "--metrics-port", "0", "--port", str(free_port())] + args,
+    p = subprocess.run([SERVER_BIN, "--metrics-port", "0", "--binary-port", "0", "--port", str(free_port())] + args,
                        capture_output=True, text=True, timeout=10)
     assert p.returncode != 0
     assert message in p.stdout + p.stderr
@@ -823,16 +824,23 @@ def test_port_in_use(tmp_path):
     port = holder.getsockname()[1]
     try:
         p = subprocess.run([SERVER_BIN, "--bind", "127.0.0.1", "--port", str(port),
-                            "--metrics-port", "0", "--dir", str(tmp_path)],
+                            "--metrics-port", "0", "--binary-port", "0", "--dir", str(tmp_path)],
                            capture_output=True, text=True, timeout=10)
         assert p.returncode == 1
         assert "cannot start" in p.stdout + p.stderr
         assert "127.0.0.1:%d" % port in p.stdout + p.stderr
         p = subprocess.run([SERVER_BIN, "--bind", "127.0.0.1", "--port", str(free_port()),
-                            "--metrics-port", str(port), "--dir", str(tmp_path)],
+                            "--metrics-port", str(port), "--binary-port", "0", "--dir",
+                            str(tmp_path)],
                            capture_output=True, text=True, timeout=10)
         assert p.returncode == 1
         assert "metrics endpoint" in p.stdout + p.stderr
+        p = subprocess.run([SERVER_BIN, "--bind", "127.0.0.1", "--port", str(free_port()),
+                            "--metrics-port", "0", "--binary-port", str(port), "--dir",
+                            str(tmp_path)],
+                           capture_output=True, text=True, timeout=10)
+        assert p.returncode == 1
+        assert "127.0.0.1:%d" % port in p.stdout + p.stderr
     finally:
         holder.close()
 

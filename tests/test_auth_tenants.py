@@ -424,7 +424,7 @@ def test_admin_commands_need_default_tenant(tenants, cmd):
 def test_bad_users_file_refuses_to_start(tmp_path, content, message):
     users = tmp_path / "users.txt"
     users.write_text(content)
-    p = subprocess.run([SERVER_BIN, "--port", str(free_port()), "--metrics-port", "0",
+    p = subprocess.run([SERVER_BIN, "--port", str(free_port()), "--metrics-port", "0", "--binary-port", "0",
                         "--dir", str(tmp_path), "--users", str(users)],
                        capture_output=True, text=True, timeout=10)
     assert p.returncode != 0
@@ -432,7 +432,7 @@ def test_bad_users_file_refuses_to_start(tmp_path, content, message):
 
 
 def test_missing_users_file_refuses_to_start(tmp_path):
-    p = subprocess.run([SERVER_BIN, "--port", str(free_port()), "--metrics-port", "0",
+    p = subprocess.run([SERVER_BIN, "--port", str(free_port()), "--metrics-port", "0", "--binary-port", "0",
                         "--users", str(tmp_path / "nope.txt")],
                        capture_output=True, text=True, timeout=10)
     assert p.returncode != 0

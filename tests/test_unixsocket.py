@@ -57,7 +57,7 @@ def test_refuses_a_path_that_is_not_a_socket(tmp_path):
     path = sock_path(tmp_path)
     with open(path, "w") as f:
         f.write("precious")
-    p = subprocess.run([SERVER_BIN, "--port", str(free_port()), "--metrics-port", "0",
+    p = subprocess.run([SERVER_BIN, "--port", str(free_port()), "--metrics-port", "0", "--binary-port", "0",
                         "--dir", str(tmp_path / "d"), "--unixsocket", path],
                        capture_output=True, text=True, timeout=20)
     assert p.returncode != 0

@@ -114,6 +114,7 @@ const std::vector<Param>& Params() {
   static const std::vector<Param> kParams = {
       {"bind", [](Server& s) { return s.config().bind; }, nullptr},
       {"port", [](Server& s) { return std::to_string(s.config().port); }, nullptr},
+      {"binary-port", [](Server& s) { return std::to_string(s.binary_port()); }, nullptr},
       {"unixsocket", [](Server& s) { return s.config().unixsocket; }, nullptr},
       {"unixsocketperm",
        [](Server& s) {

@@ -45,6 +45,7 @@ void ServerSection(server::Server& srv, std::string& out) {
   Kv(out, "multiplexing_api", "epoll");
   Kv(out, "process_id", static_cast<uint64_t>(getpid()));
   Kv(out, "tcp_port", static_cast<uint64_t>(srv.port()));
+  Kv(out, "binary_port", static_cast<uint64_t>(srv.binary_port()));  // 0: off
   Kv(out, "bind", srv.config().bind);
   Kv(out, "unixsocket", srv.config().unixsocket);
   auto up = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() -

@@ -18,14 +18,17 @@ constexpr size_t kEagerFlushBytes = 256 * 1024;
 constexpr size_t kMaxPassedFds = 250;  // SCM_MAX_FD is 253
 }  // namespace
 
-Connection::Connection(EventLoop* loop, ConnectionHost* host, int fd, uint64_t id)
+Connection::Connection(EventLoop* loop, ConnectionHost* host, int fd, uint64_t id,
+                       Protocol protocol)
     : loop_(loop),
       host_(host),
       fd_(fd),
       id_(id),
       peer_(SocketAddress(fd)),
       local_(SocketAddress(fd, true)),
-      rb_(&output_, 2),
+      protocol_(protocol),
+      resp_version_(protocol == Protocol::kBinary ? proto::kBinaryReplies : 2),
+      rb_(&output_, resp_version_),
       created_(Clock::now()),
       last_active_(created_),
       last_write_progress_(created_) {}
@@ -49,11 +52,15 @@ void Connection::OnEvent(uint32_t events) {
 void Connection::ReadInput() {
   for (int i = 0; i < kMaxReadsPerEvent && !closed_; ++i) {
     if (async_pending_ || close_after_flush_ || paced_) break;
-    auto span = parser_.ReadSpan();
+    auto span = binary() ? frames_.ReadSpan() : parser_.ReadSpan();
     ssize_t n = recv(fd_, span.data(), span.size(), 0);
     loop_->NoteIo();
     if (n > 0) {
-      parser_.CommitRead(static_cast<size_t>(n));
+      if (binary()) {
+        frames_.CommitRead(static_cast<size_t>(n));
+      } else {
+        parser_.CommitRead(static_cast<size_t>(n));
+      }
       host_->OnNetBytes(static_cast<uint64_t>(n), 0);
       last_active_ = loop_->now();
       Pump();
@@ -82,6 +89,10 @@ void Connection::Pump() {
 }
 
 void Connection::ProcessInput() {
+  if (binary()) {
+    ProcessFrames();
+    return;
+  }
   limits_ = host_->LimitsFor(*this);
   paced_ = false;
   while (!async_pending_ && !close_after_flush_ && !closed_) {
@@ -108,10 +119,82 @@ void Connection::ProcessInput() {
   }
 }
 
+void Connection::ProcessFrames() {
+  using proto::binary::FrameParser;
+  limits_ = host_->LimitsFor(*this);
+  paced_ = false;
+  while (!async_pending_ && !close_after_flush_ && !closed_) {
+    if (output_.size() >= limits_.output_limit) {
+      paced_ = true;
+      break;
+    }
+    frames_.set_limits(limits_.parser);
+    auto r = frames_.Next(&args_);
+    if (r == FrameParser::Result::kNeedMore) break;
+    frame_ = frames_.header();
+    if (r == FrameParser::Result::kError) {  // the stream cannot be trusted past this frame
+      WriteErrorFrame(frames_.status(), frames_.error());
+      close_after_flush_ = true;
+      pending_close_reason_ =
+          frames_.query_limit_hit() ? CloseReason::kQueryLimit : CloseReason::kProtocol;
+      break;
+    }
+    if (r == FrameParser::Result::kReject) {
+      WriteErrorFrame(frames_.status(), frames_.error());
+      continue;
+    }
+    proto::ReplyBuffer body;
+    rb_.set_buffer(&body);
+    host_->Dispatch(*this, args_);
+    rb_.set_buffer(&output_);
+    args_.Clear();
+    if (!async_pending_) WriteReplyFrame(std::move(body));
+    if (output_.size() >= kEagerFlushBytes) Flush();
+    limits_ = host_->LimitsFor(*this);  // AUTH may have lifted the pre-auth cap
+  }
+}
+
+void Connection::AppendFrameHeader(uint16_t status, uint64_t payload_len) {
+  proto::binary::FrameHeader h;
+  h.command = static_cast<uint8_t>(frame_.command | proto::binary::kReplyBit);
+  h.status = status;
+  h.request_id = frame_.request_id;
+  h.payload_len = payload_len;
+  uint8_t hdr[proto::binary::kHeaderSize];
+  proto::binary::EncodeHeader(h, hdr);
+  output_.Append(std::string_view(reinterpret_cast<const char*>(hdr), sizeof(hdr)));
+}
+
+void Connection::WriteErrorFrame(uint16_t status, std::string_view text) {
+  AppendFrameHeader(status, text.size());
+  output_.Append(text);
+}
+
+void Connection::WriteReplyFrame(proto::ReplyBuffer&& body) {
+  // An error reply is '-', a uint64 length and the text (ReplyBuilder, binary): the frame
+  // carries the text alone, under the status its prefix names.
+  uint16_t status = 0;
+  char head[9 + 64];
+  const size_t got = body.Peek(head, sizeof(head));
+  if (got >= 9 && head[0] == '-') {
+    uint64_t len;
+    std::memcpy(&len, head + 1, 8);
+    status =
+        proto::binary::StatusOfError(std::string_view(head + 9, std::min<uint64_t>(len, got - 9)));
+    body.Consume(9);
+  }
+  AppendFrameHeader(status, body.size());
+  output_.Splice(std::move(body));
+}
+
 void Connection::CompleteAsync(proto::ReplyBuffer&& reply) {
   if (closed_) return;
   async_pending_ = false;
-  output_.Splice(std::move(reply));
+  if (binary()) {
+    WriteReplyFrame(std::move(reply));
+  } else {
+    output_.Splice(std::move(reply));
+  }
   Pump();
   if (!closed_) UpdateInterest();
 }

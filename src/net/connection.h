@@ -1,5 +1,10 @@
 // Connection: one client socket served by one shard's event loop.
 //
+// It speaks RESP (port 1974, the Unix socket) or the 0xCA5E binary protocol (port 1975): a
+// binary frame is parsed into the same command arguments, the reply is built in the typed
+// binary encoding and sent in a reply frame (header, status, payload) — the pipeline between
+// is shared.
+//
 // Bytes are received into the parser's ReadSpan (large bulk arguments land directly in their
 // final Buffer), each complete command is handed to the ConnectionHost, and replies collect
 // in a ReplyBuffer written with writev. A command the host forwards to another shard makes
@@ -17,6 +22,7 @@
 #include <string>
 
 #include "net/event_loop.h"
+#include "proto/binary_frame.h"
 #include "proto/cmd_args.h"
 #include "proto/reply_buffer.h"
 #include "proto/reply_builder.h"
@@ -36,6 +42,8 @@ enum class CloseReason {
   kIoError,
   kShutdown
 };
+
+enum class Protocol { kResp, kBinary };
 
 struct ConnectionLimits {
   proto::ParserLimits parser;
@@ -59,7 +67,8 @@ class Connection final : public EventHandler {
  public:
   using Clock = std::chrono::steady_clock;
 
-  Connection(EventLoop* loop, ConnectionHost* host, int fd, uint64_t id);
+  Connection(EventLoop* loop, ConnectionHost* host, int fd, uint64_t id,
+             Protocol protocol = Protocol::kResp);
   ~Connection() override;
 
   bool Start();
@@ -92,6 +101,7 @@ class Connection final : public EventHandler {
   uint32_t tenant = 0;
   bool authenticated = false;
   bool unix_socket = false;  // accepted on --unixsocket: a same-host client
+  bool binary() const { return protocol_ == Protocol::kBinary; }
   std::string last_command;
   int resp_version() const { return resp_version_; }
   void set_resp_version(int v) {
@@ -101,8 +111,12 @@ class Connection final : public EventHandler {
   Clock::time_point created() const { return created_; }
   Clock::time_point last_active() const { return last_active_; }
   size_t output_bytes() const { return output_.size(); }
-  uint64_t query_buffer_bytes() const { return parser_.buffered_bytes(); }
-  size_t query_buffer_capacity() const { return parser_.buffer_capacity(); }
+  uint64_t query_buffer_bytes() const {
+    return binary() ? frames_.buffered_bytes() : parser_.buffered_bytes();
+  }
+  size_t query_buffer_capacity() const {
+    return binary() ? frames_.buffer_capacity() : parser_.buffer_capacity();
+  }
 
  private:
   void ReadInput();
@@ -110,6 +124,12 @@ class Connection final : public EventHandler {
   // command; keeps going when a flush drains the output below the limit.
   void Pump();
   void ProcessInput();
+  void ProcessFrames();
+  // Queues the reply frame of the binary request in flight (frame_) around body: status 0 and
+  // the typed reply, or the error's status and its text.
+  void WriteReplyFrame(proto::ReplyBuffer&& body);
+  void WriteErrorFrame(uint16_t status, std::string_view text);
+  void AppendFrameHeader(uint16_t status, uint64_t payload_len);
   void Flush();
   void UpdateInterest();
 
@@ -119,8 +139,11 @@ class Connection final : public EventHandler {
   uint64_t id_;
   std::string peer_;
   std::string local_;
+  Protocol protocol_;
   int resp_version_ = 2;
   proto::RespParser parser_;
+  proto::binary::FrameParser frames_;
+  proto::binary::FrameHeader frame_;  // the binary request being executed
   proto::CmdArgs args_;
   proto::ReplyBuffer output_;
   proto::ReplyBuilder rb_;

@@ -3,7 +3,7 @@
 namespace pion::proto {
 
 StatusOr<BufferRef> CmdArgs::TakeBuffer(size_t i, BufferAllocator* alloc) {
-  if (slots_[i].big) return slots_[i].big;
+  if (IsBuffer(i)) return slots_[i].big;
   return CopyToBuffer((*this)[i], alloc);
 }
 
@@ -14,13 +14,19 @@ void CmdArgs::Clear() {
 }
 
 void CmdArgs::AppendSmall(std::string_view s) {
-  slots_.push_back(Slot{static_cast<uint32_t>(small_.size()), static_cast<uint32_t>(s.size()), {}});
+  slots_.push_back(Slot{small_.size(), s.size(), {}});
   small_.append(s);
 }
 
 void CmdArgs::AppendBuffer(BufferRef buf) {
   big_bytes_ += buf->size();
-  slots_.push_back(Slot{0, 0, std::move(buf)});
+  const size_t n = buf->size();
+  slots_.push_back(Slot{0, n, std::move(buf)});
+}
+
+void CmdArgs::AppendSlice(BufferRef buf, size_t offset, size_t length) {
+  big_bytes_ += length;  // the payload Buffer is counted by its slices
+  slots_.push_back(Slot{offset, length, std::move(buf)});
 }
 
 }  // namespace pion::proto

@@ -1,5 +1,8 @@
 #include "proto/reply_buffer.h"
 
+#include <algorithm>
+#include <cstring>
+
 namespace pion::proto {
 namespace {
 // An owned chunk grows up to this size before a new one is started, so the front chunk's
@@ -78,6 +81,20 @@ int ReplyBuffer::FillIovec(struct iovec* iov, int max, std::vector<int>* fds) co
     ++n;
   }
   return n;
+}
+
+size_t ReplyBuffer::Peek(char* out, size_t n) const {
+  size_t got = 0;
+  size_t skip = head_offset_;
+  for (const auto& c : chunks_) {
+    if (got == n) break;
+    const uint8_t* base = c.ref ? c.ptr : reinterpret_cast<const uint8_t*>(c.owned.data());
+    const size_t take = std::min(n - got, c.length() - skip);
+    std::memcpy(out + got, base + skip, take);
+    got += take;
+    skip = 0;
+  }
+  return got;
 }
 
 void ReplyBuffer::Consume(size_t n) {

@@ -38,6 +38,8 @@ class ReplyBuffer {
   // front bytes carry file descriptors they are added to *fds (if fds is non-null), and the
   // iovecs stop before the next bytes that carry their own.
   int FillIovec(struct iovec* iov, int max, std::vector<int>* fds = nullptr) const;
+  // Copies up to n of the pending bytes from the front into out; returns how many.
+  size_t Peek(char* out, size_t n) const;
   // Drops n bytes from the front (after a successful write).
   void Consume(size_t n);
   void Clear();

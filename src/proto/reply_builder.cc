@@ -1,16 +1,32 @@
 #include "proto/reply_builder.h"
 
+#include <bit>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 namespace pion::proto {
 namespace {
 // Below this a bulk is copied: a reference chunk costs more than copying a few KiB.
 constexpr size_t kRefThreshold = 16 * 1024;
+
+// Binary encoding: a type byte and an 8-byte little-endian value (x86-64 and AArch64 are
+// little-endian; the static_assert keeps it honest).
+static_assert(std::endian::native == std::endian::little, "binary replies assume little-endian");
+void AppendTyped(ReplyBuffer* out, char type, const void* v8) {
+  char buf[9];
+  buf[0] = type;
+  std::memcpy(buf + 1, v8, 8);
+  out->Append(std::string_view(buf, 9));
+}
 }  // namespace
 
 void ReplyBuilder::Header(char type, uint64_t n) {
+  if (binary_) {
+    AppendTyped(out_, type, &n);
+    return;
+  }
   char buf[32];
   buf[0] = type;
   auto r = std::to_chars(buf + 1, buf + sizeof(buf) - 2, n);
@@ -20,15 +36,24 @@ void ReplyBuilder::Header(char type, uint64_t n) {
 }
 
 void ReplyBuilder::SimpleString(std::string_view s) {
-  out_->Append('+');
+  if (binary_) {
+    Header('+', s.size());
+  } else {
+    out_->Append('+');
+  }
   out_->Append(s);
-  out_->Append("\r\n");
+  End();
 }
 
 void ReplyBuilder::Error(const Status& status) { ErrorLine(status.ToString()); }
 
 void ReplyBuilder::ErrorLine(std::string_view line) {
   ++errors_;
+  if (binary_) {  // length-prefixed: any byte may travel
+    Header('-', line.size());
+    out_->Append(line);
+    return;
+  }
   out_->Append('-');
   if (line.find_first_of("\r\n") == std::string_view::npos) {
     out_->Append(line);
@@ -43,6 +68,10 @@ void ReplyBuilder::ErrorLine(std::string_view line) {
 }
 
 void ReplyBuilder::Integer(int64_t v) {
+  if (binary_) {
+    AppendTyped(out_, ':', &v);
+    return;
+  }
   char buf[32];
   buf[0] = ':';
   auto r = std::to_chars(buf + 1, buf + sizeof(buf) - 2, v);
@@ -52,6 +81,10 @@ void ReplyBuilder::Integer(int64_t v) {
 }
 
 void ReplyBuilder::Double(double v) {
+  if (binary_) {
+    AppendTyped(out_, ',', &v);
+    return;
+  }
   char buf[64];
   int n;
   if (std::isinf(v)) {
@@ -69,7 +102,9 @@ void ReplyBuilder::Double(double v) {
 }
 
 void ReplyBuilder::Bool(bool v) {
-  if (resp3_) {
+  if (binary_) {
+    out_->Append(v ? std::string_view("#\x01", 2) : std::string_view("#\x00", 2));
+  } else if (resp3_) {
     out_->Append(v ? "#t\r\n" : "#f\r\n");
   } else {
     out_->Append(v ? ":1\r\n" : ":0\r\n");
@@ -79,7 +114,7 @@ void ReplyBuilder::Bool(bool v) {
 void ReplyBuilder::Bulk(std::string_view s) {
   Header('$', s.size());
   out_->Append(s);
-  out_->Append("\r\n");
+  End();
 }
 
 void ReplyBuilder::BulkRef(const BufferRef& buf, const uint8_t* p, size_t len) {
@@ -89,7 +124,7 @@ void ReplyBuilder::BulkRef(const BufferRef& buf, const uint8_t* p, size_t len) {
   }
   Header('$', len);
   out_->AppendRef(buf, p, len);
-  out_->Append("\r\n");
+  End();
 }
 
 void ReplyBuilder::BulkPiece(const BufferRef& buf, const uint8_t* p, size_t len) {
@@ -100,20 +135,32 @@ void ReplyBuilder::BulkPiece(const BufferRef& buf, const uint8_t* p, size_t len)
   }
 }
 
-void ReplyBuilder::Null() { out_->Append(resp3_ ? "_\r\n" : "$-1\r\n"); }
-void ReplyBuilder::NullArray() { out_->Append(resp3_ ? "_\r\n" : "*-1\r\n"); }
+void ReplyBuilder::Null() {
+  if (binary_) {
+    out_->Append('_');
+  } else {
+    out_->Append(resp3_ ? "_\r\n" : "$-1\r\n");
+  }
+}
+void ReplyBuilder::NullArray() {
+  if (binary_) {
+    out_->Append('_');
+  } else {
+    out_->Append(resp3_ ? "_\r\n" : "*-1\r\n");
+  }
+}
 void ReplyBuilder::Array(size_t n) { Header('*', n); }
 void ReplyBuilder::Map(size_t n) {
-  if (resp3_) {
+  if (resp3_ || binary_) {
     Header('%', n);
   } else {
     Header('*', 2 * n);
   }
 }
-void ReplyBuilder::Set(size_t n) { Header(resp3_ ? '~' : '*', n); }
+void ReplyBuilder::Set(size_t n) { Header(resp3_ || binary_ ? '~' : '*', n); }
 
 void ReplyBuilder::Verbatim(std::string_view txt) {
-  if (!resp3_) {
+  if (!resp3_) {  // RESP2 and binary: a bulk
     Bulk(txt);
     return;
   }

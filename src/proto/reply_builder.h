@@ -1,8 +1,10 @@
 // ReplyBuilder: writes RESP2 or RESP3 replies into a ReplyBuffer.
 //
 // Families describe replies in protocol-neutral terms (map, array, bulk, null, double) and
-// the builder encodes them for the connection's negotiated protocol (HELLO 2|3). Large bulk
-// replies are referenced from the stored Buffer rather than copied.
+// the builder encodes them for the connection's protocol: RESP2 or RESP3 (HELLO 2|3), or the
+// typed binary encoding of the 0xCA5E protocol (version kBinaryReplies; docs/PROTOCOL.md,
+// "Binary protocol"). Large bulk replies are referenced from the stored Buffer rather than
+// copied.
 #pragma once
 
 #include <cstdint>
@@ -15,16 +17,32 @@
 
 namespace pion::proto {
 
+// The reply "version" of a binary-protocol connection (RESP versions are 2 and 3).
+inline constexpr int kBinaryReplies = 0;
+
 class ReplyBuilder {
  public:
-  ReplyBuilder(ReplyBuffer* out, int resp_version) : out_(out), resp3_(resp_version >= 3) {}
+  ReplyBuilder(ReplyBuffer* out, int version)
+      : out_(out), resp3_(version >= 3), binary_(version == kBinaryReplies) {}
 
   bool resp3() const { return resp3_; }
-  void set_resp_version(int v) { resp3_ = v >= 3; }
+  bool binary() const { return binary_; }
+  // 2, 3 or kBinaryReplies: what a builder for a deferred reply must be constructed with.
+  int version() const { return binary_ ? kBinaryReplies : (resp3_ ? 3 : 2); }
+  void set_resp_version(int v) {
+    resp3_ = v >= 3;
+    binary_ = v == kBinaryReplies;
+  }
   ReplyBuffer* buffer() { return out_; }
   void set_buffer(ReplyBuffer* out) { out_ = out; }
 
-  void Ok() { out_->Append("+OK\r\n"); }
+  void Ok() {
+    if (binary_) {
+      SimpleString("OK");
+    } else {
+      out_->Append("+OK\r\n");
+    }
+  }
   void SimpleString(std::string_view s);
   // "-<PREFIX> <message>\r\n" from a non-ok Status.
   void Error(const Status& status);
@@ -41,7 +59,9 @@ class ReplyBuilder {
   // then BulkEnd(). Large pieces are referenced, small ones copied.
   void BulkStart(size_t total) { Header('$', total); }
   void BulkPiece(const BufferRef& buf, const uint8_t* p, size_t len);
-  void BulkEnd() { out_->Append("\r\n"); }
+  void BulkEnd() {
+    if (!binary_) out_->Append("\r\n");
+  }
   // File descriptors passed (SCM_RIGHTS) with the next reply bytes; see ReplyBuffer::AttachFds.
   void AttachFds(std::vector<int> fds) { out_->AttachFds(std::move(fds)); }
   void Null();       // RESP2 "$-1", RESP3 "_"
@@ -57,9 +77,15 @@ class ReplyBuilder {
   void ResetErrorCount() { errors_ = 0; }
 
  private:
+  // RESP: "<type><n>\r\n"; binary: the type byte and n as a little-endian uint64.
   void Header(char type, uint64_t n);
+  // The end of a string or bulk: CRLF in RESP, nothing in binary.
+  void End() {
+    if (!binary_) out_->Append("\r\n");
+  }
   ReplyBuffer* out_;
   bool resp3_;
+  bool binary_;
   int errors_ = 0;
 };
 

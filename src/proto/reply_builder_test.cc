@@ -85,3 +85,54 @@ TEST(ReplyBuffer, PartialConsumeAndSplice) {
 
 }  // namespace
 }  // namespace pion::proto
+
+namespace pion::proto {
+namespace {
+
+std::string U64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
+
+TEST(ReplyBuilder, BinaryEncodingIsTypedAndLengthPrefixed) {
+  ReplyBuffer b;
+  ReplyBuilder rb(&b, kBinaryReplies);
+  EXPECT_TRUE(rb.binary());
+  EXPECT_EQ(rb.version(), kBinaryReplies);
+  rb.Ok();
+  rb.Integer(-2);
+  rb.Bulk(std::string("a\r\nb", 4));  // binary-safe: no CRLF framing
+  rb.Null();
+  rb.Map(1);
+  rb.Bool(true);
+  rb.Double(1.5);
+  rb.ErrorLine("MISS gone\r\n");  // kept verbatim: the length frames it
+  const double d = 1.5;
+  EXPECT_EQ(Drain(b), "+" + U64(2) + "OK" + ":" + U64(static_cast<uint64_t>(-2)) + "$" + U64(4) +
+                          std::string("a\r\nb", 4) + "_" + "%" + U64(1) + std::string("#\x01", 2) +
+                          "," + std::string(reinterpret_cast<const char*>(&d), 8) + "-" + U64(11) +
+                          "MISS gone\r\n");
+  EXPECT_EQ(rb.errors(), 1);
+}
+
+TEST(ReplyBuilder, BinaryLargeBulkIsReferencedWithoutTrailer) {
+  auto buf = CopyToBuffer(std::string(1 << 20, 'q')).value();
+  ReplyBuffer b;
+  ReplyBuilder rb(&b, kBinaryReplies);
+  rb.BulkRef(buf);
+  iovec iov[8];
+  ASSERT_EQ(b.FillIovec(iov, 8), 2);  // type+length, then the stored bytes
+  EXPECT_EQ(iov[1].iov_base, buf->data());
+  EXPECT_EQ(b.size(), 9u + buf->size());
+}
+
+TEST(ReplyBuffer, PeekCopiesAcrossChunksAfterConsume) {
+  auto buf = CopyToBuffer(std::string(20000, 'r')).value();
+  ReplyBuffer a;
+  a.Append("hey");
+  a.AppendRef(buf, buf->data(), buf->size());
+  a.Consume(1);
+  char out[6];
+  ASSERT_EQ(a.Peek(out, sizeof(out)), 6u);
+  EXPECT_EQ(std::string(out, 6), "eyrrrr");
+}
+
+}  // namespace
+}  // namespace pion::proto

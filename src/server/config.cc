@@ -69,6 +69,10 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
   app.add_option("--config", c.config_file, "TOML file with the same keys as these flags");
   app.add_option("--bind", c.bind, "Address to listen on")->capture_default_str();
   app.add_option("--port", c.port, "RESP port")->capture_default_str()->check(CLI::Range(1, 65535));
+  app.add_option("--binary-port", c.binary_port,
+                 "Port of the 0xCA5E binary protocol on --bind; 0 disables")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
   app.add_option("--unixsocket", c.unixsocket,
                  "Also listen on this Unix-domain socket path (same-host clients); empty = off");
   app.add_option_function<std::string>(

@@ -18,6 +18,7 @@ namespace pion::server {
 struct Config {
   std::string bind = "127.0.0.1";
   int port = 1974;
+  int binary_port = 1975;  // the 0xCA5E binary protocol; 0: disabled
   std::string unixsocket;  // empty: no Unix-domain listener
   unsigned unixsocketperm = 0700;
   // Same-host data plane (on with --unixsocket).

@@ -133,7 +133,7 @@ bool Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* con
   rb.ResetErrorCount();
   CommandContext ctx{this, &shard, &rb, tenant, client_id, conn};
   ctx.origin_shard = origin_shard;
-  ctx.resp = rb.resp3() ? 3 : 2;
+  ctx.resp = rb.version();
   ctx.unix_socket = unix_socket;
   spec.handler(ctx, args);
   const Clock::time_point t1 = Clock::now();

@@ -66,7 +66,7 @@ TEST(Routing, SingleShardOwnsEverything) {
 }
 
 TEST(ShardInbox, FullInboxRefusesDataTasksButNotControl) {
-  Shard shard(nullptr, 0, -1, -1, 1, /*queue_depth=*/2);
+  Shard shard(nullptr, 0, -1, -1, -1, 1, /*queue_depth=*/2);
   int ran = 0;
   EXPECT_TRUE(shard.Post([&](Shard&) { ++ran; }));
   EXPECT_TRUE(shard.Post([&](Shard&) { ++ran; }));

@@ -20,6 +20,7 @@ Server::Server(Config config) : config_(std::move(config)), settings_(config_) {
 
 Server::~Server() {
   if (listen_fd_ >= 0) close(listen_fd_);
+  if (binary_fd_ >= 0) close(binary_fd_);
   if (unix_fd_ >= 0) {
     close(unix_fd_);
     unlink(config_.unixsocket.c_str());
@@ -38,6 +39,13 @@ Status Server::Init() {
   listen_fd_ = fd.value();
   std::string local = net::SocketAddress(listen_fd_, /*local=*/true);
   bound_port_ = std::stoi(local.substr(local.rfind(':') + 1));
+  if (config_.binary_port != 0) {
+    auto bfd = net::ListenTcp(config_.bind, config_.binary_port);
+    if (!bfd.ok()) return bfd.status();
+    binary_fd_ = bfd.value();
+    std::string blocal = net::SocketAddress(binary_fd_, /*local=*/true);
+    bound_binary_port_ = std::stoi(blocal.substr(blocal.rfind(':') + 1));
+  }
   if (!config_.unixsocket.empty()) {
     auto ufd = net::ListenUnix(config_.unixsocket, config_.unixsocketperm);
     if (!ufd.ok()) return ufd.status();
@@ -68,7 +76,8 @@ Status Server::Init() {
       std::make_unique<ShmPlane>(unix_fd_ >= 0, config_.shm_segment_size, config_.shm_lease_ttl_ms,
                                  static_cast<size_t>(config_.shm_max_leases));
   for (int i = 0; i < config_.workers; ++i) {
-    shards_.push_back(std::make_unique<Shard>(this, i, listen_fd_, unix_fd_, registry_.size(),
+    shards_.push_back(std::make_unique<Shard>(this, i, listen_fd_, unix_fd_, binary_fd_,
+                                              registry_.size(),
                                               static_cast<size_t>(config_.shard_queue_depth)));
     for (auto& hook : shard_inits_) hook(*shards_.back());
     shards_.back()->store().vstore.set_allocator(
@@ -100,8 +109,10 @@ int Server::Run() {
   start_time_ = std::chrono::steady_clock::now();
   for (auto& s : shards_) s->Start();
   if (metrics_) metrics_->Start();
-  spdlog::info("Pion ready: RESP on {}:{}{} with {} shard(s){}, kvcache {}", config_.bind,
-               bound_port_, unix_fd_ >= 0 ? " and " + config_.unixsocket : "", shards_.size(),
+  spdlog::info("Pion ready: RESP on {}:{}{}{} with {} shard(s){}, kvcache {}", config_.bind,
+               bound_port_, unix_fd_ >= 0 ? " and " + config_.unixsocket : "",
+               binary_fd_ >= 0 ? ", binary protocol on :" + std::to_string(bound_binary_port_) : "",
+               shards_.size(),
                metrics_ ? ", metrics on :" + std::to_string(config_.metrics_port) : "",
                config_.kvcache ? "on" : "off");
 

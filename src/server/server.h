@@ -50,6 +50,7 @@ class Server {
   int shard_count() const { return static_cast<int>(shards_.size()); }
   Shard& shard(int i) { return *shards_[i]; }
   int port() const { return bound_port_; }
+  int binary_port() const { return bound_binary_port_; }
   size_t shard_queue_depth() const { return shards_.empty() ? 0 : shards_[0]->queue_depth(); }
   std::chrono::steady_clock::time_point start_time() const { return start_time_; }
 
@@ -134,7 +135,9 @@ class Server {
   std::unique_ptr<MetricsHttp> metrics_;
   int listen_fd_ = -1;
   int unix_fd_ = -1;
+  int binary_fd_ = -1;
   int bound_port_ = 0;
+  int bound_binary_port_ = 0;
   std::atomic<bool> shutdown_{false};
   std::atomic<uint64_t> next_client_id_{1};
   std::chrono::steady_clock::time_point start_time_;

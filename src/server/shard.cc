@@ -17,15 +17,19 @@ thread_local Shard* tls_shard = nullptr;
 constexpr int kTickMs = 100;
 }  // namespace
 
-Shard::Shard(Server* server, int id, int listen_fd, int unix_fd, size_t n_commands,
+Shard::Shard(Server* server, int id, int listen_fd, int unix_fd, int binary_fd, size_t n_commands,
              size_t queue_depth)
     : server_(server),
       id_(id),
       listen_fd_(listen_fd),
       unix_fd_(unix_fd),
+      binary_fd_(binary_fd),
       stats_(n_commands),
       queue_depth_(queue_depth) {
   unix_listener_.shard = this;
+  unix_listener_.kind = Listener::kUnix;
+  binary_listener_.shard = this;
+  binary_listener_.kind = Listener::kBinary;
 }
 
 Shard::~Shard() = default;
@@ -84,6 +88,7 @@ void Shard::Run() {
     loop_.Add(listen_fd_, EPOLLIN | EPOLLEXCLUSIVE, this);
   }
   if (unix_fd_ >= 0) loop_.Add(unix_fd_, EPOLLIN | EPOLLEXCLUSIVE, &unix_listener_);
+  if (binary_fd_ >= 0) loop_.Add(binary_fd_, EPOLLIN | EPOLLEXCLUSIVE, &binary_listener_);
   last_tick_ = std::chrono::steady_clock::now();
   while (!stop_.load(std::memory_order_acquire)) {
     loop_.RunOnce(kTickMs, [this] { DrainInbox(); });
@@ -97,6 +102,7 @@ void Shard::Run() {
   DrainInbox();
   if (listen_fd_ >= 0) loop_.Remove(listen_fd_);
   if (unix_fd_ >= 0) loop_.Remove(unix_fd_);
+  if (binary_fd_ >= 0) loop_.Remove(binary_fd_);
   for (auto& [id, c] : connections_) c->Close(net::CloseReason::kShutdown);
   ReapClosed();
   tls_shard = nullptr;
@@ -130,9 +136,10 @@ void Shard::ReapClosed() {
   closed_ids_.clear();
 }
 
-void Shard::OnEvent(uint32_t) { Accept(listen_fd_, /*unix_socket=*/false); }
+void Shard::OnEvent(uint32_t) { Accept(listen_fd_, Listener::kTcp); }
 
-void Shard::Accept(int listen_fd, bool unix_socket) {
+void Shard::Accept(int listen_fd, Listener kind) {
+  const bool unix_socket = kind == Listener::kUnix;
   for (int i = 0; i < 64; ++i) {
     int fd = accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
@@ -145,8 +152,20 @@ void Shard::Accept(int listen_fd, bool unix_socket) {
     Bump(stats_.connections_received);
     if (server_->connected_clients() >=
         static_cast<uint64_t>(server_->settings().maxclients.load())) {
-      static constexpr char kMsg[] = "-ERR max number of clients reached\r\n";
-      ssize_t w = send(fd, kMsg, sizeof(kMsg) - 1, MSG_NOSIGNAL);
+      static constexpr char kMsg[] = "ERR max number of clients reached";
+      std::string out;
+      if (kind == Listener::kBinary) {  // an error frame for request id 0
+        proto::binary::FrameHeader h;
+        h.command = proto::binary::kReplyBit;
+        h.status = static_cast<uint16_t>(ErrorKind::kErr);
+        h.payload_len = sizeof(kMsg) - 1;
+        out.resize(proto::binary::kHeaderSize);
+        proto::binary::EncodeHeader(h, reinterpret_cast<uint8_t*>(out.data()));
+        out += kMsg;
+      } else {
+        out = std::string("-") + kMsg + "\r\n";
+      }
+      ssize_t w = send(fd, out.data(), out.size(), MSG_NOSIGNAL);
       (void)w;
       close(fd);
       stats_.Reject(RejectReason::kMaxClients);
@@ -156,7 +175,9 @@ void Shard::Accept(int listen_fd, bool unix_socket) {
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     }
-    auto conn = std::make_unique<net::Connection>(&loop_, this, fd, server_->NextClientId());
+    auto conn = std::make_unique<net::Connection>(
+        &loop_, this, fd, server_->NextClientId(),
+        kind == Listener::kBinary ? net::Protocol::kBinary : net::Protocol::kResp);
     conn->unix_socket = unix_socket;
     conn->authenticated = !server_->settings().auth_required.load(std::memory_order_relaxed);
     if (!conn->Start()) continue;

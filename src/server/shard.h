@@ -45,9 +45,10 @@ class Shard final : public net::ConnectionHost, public net::EventHandler {
  public:
   using Task = std::function<void(Shard&)>;
 
-  // listen_fd: the TCP listener; unix_fd: the Unix-domain listener or -1. Both are shared by
-  // every shard.
-  Shard(Server* server, int id, int listen_fd, int unix_fd, size_t n_commands, size_t queue_depth);
+  // listen_fd: the TCP listener; unix_fd: the Unix-domain listener or -1; binary_fd: the
+  // binary protocol's TCP listener or -1. All are shared by every shard.
+  Shard(Server* server, int id, int listen_fd, int unix_fd, int binary_fd, size_t n_commands,
+        size_t queue_depth);
   ~Shard() override;
 
   int id() const { return id_; }
@@ -96,13 +97,17 @@ class Shard final : public net::ConnectionHost, public net::EventHandler {
   std::atomic<uint64_t> client_biggest_output{0};
 
  private:
-  // The Unix-domain listener's readiness.
-  struct UnixListener final : net::EventHandler {
+  enum class Listener { kTcp, kUnix, kBinary };
+  // The Unix-domain and binary listeners' readiness.
+  struct ExtraListener final : net::EventHandler {
     Shard* shard = nullptr;
-    void OnEvent(uint32_t) override { shard->Accept(shard->unix_fd_, /*unix_socket=*/true); }
+    Listener kind = Listener::kUnix;
+    void OnEvent(uint32_t) override {
+      shard->Accept(kind == Listener::kUnix ? shard->unix_fd_ : shard->binary_fd_, kind);
+    }
   };
 
-  void Accept(int listen_fd, bool unix_socket);
+  void Accept(int listen_fd, Listener kind);
   void Run();
   void DrainInbox();
   void Tick();
@@ -112,7 +117,9 @@ class Shard final : public net::ConnectionHost, public net::EventHandler {
   int id_;
   int listen_fd_;
   int unix_fd_;
-  UnixListener unix_listener_;
+  int binary_fd_;
+  ExtraListener unix_listener_;
+  ExtraListener binary_listener_;
   net::EventLoop loop_;
   ShardStats stats_;
   ShardStore store_;

@@ -7,9 +7,11 @@
     c.v.fetch("s", 0, n)                     # float32 [n, 128]
 
 Families: c.state (STATE.*), c.v (V.*), c.kv (KV.PREFIX.*), c.attend (ATTEND.PREFIX.*),
-c.ssm (SSM.PREFIX.*). Errors raise pion.PionError subclasses carrying the server's text.
+c.ssm (SSM.PREFIX.*). pion.BinaryClient speaks the 0xCA5E binary protocol (port 1975).
+Errors raise pion.PionError subclasses carrying the server's text.
 """
 from .attend import AttendResult, merge_lse, parse_receipt
+from .binary import BinaryClient, FrameError
 from .client import Client
 from .errors import (AuthError, BusyError, CommandError, CorruptError, DeviceError, IoError,
                      MismatchError, MissError, NoAuthError, NoPermError, OomError,
@@ -19,7 +21,7 @@ from .ssm import deserialize_arrays, serialize_arrays
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "AttendResult", "merge_lse", "parse_receipt", "serialize_arrays",
+    "Client", "BinaryClient", "FrameError", "AttendResult", "merge_lse", "parse_receipt", "serialize_arrays",
     "deserialize_arrays", "PionError", "CommandError", "OomError", "BusyError",
     "MismatchError", "MissError", "CorruptError", "IoError", "DeviceError", "AuthError",
     "NoAuthError",
