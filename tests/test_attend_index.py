@@ -152,6 +152,7 @@ def test_staged_rows_invisible_until_the_next_finalize(shared_pion):
     assert got["generation"] == 1 and np.all(got["ids"] < 200)
     info = qmap(r.execute_command("ATTEND.INFO", "vis"))
     assert int(info["rows"]) == 250 and int(info["indexed_rows"]) == 200
+    assert int(info["queries"]) == 1 and float(info["query_us"]) > 0  # worker time per query
     assert finalize(r, "vis")["generation"] == 2
     got = query(r, "vis", 10, q, "ATTEND")
     assert got["generation"] == 2 and np.all(got["ids"] >= 200)

@@ -2,6 +2,7 @@
 // session, STORE token K/V rows (staged, with positions), FINALIZE (build the graph on the compute
 // pool, then publish it), QUERY (top-k keys for queries, optionally attention over the rows found
 // with its LSE), INFO, DROP. The data structure is store/attn_index.
+#include <chrono>
 #include <cstring>
 #include <optional>
 
@@ -196,9 +197,11 @@ void Query(CommandContext& ctx, CmdArgs& args) {
   std::memcpy(q->data(), args[3].data(), args[3].size());
   std::shared_ptr<const store::BuiltIndex> index = sess->index;
   auto queries = sess->queries;
+  auto query_ns = sess->query_ns;
   server::Server* srv = ctx.server;
   auto reply = ctx.Defer();
-  bool queued = srv->compute()->Submit([index, q, m, k, ef, attend, queries, reply]() {
+  bool queued = srv->compute()->Submit([index, q, m, k, ef, attend, queries, query_ns, reply]() {
+    const auto t0 = std::chrono::steady_clock::now();
     const store::IndexRows& rows = index->rows();
     const uint32_t kk = static_cast<uint32_t>(std::min<uint64_t>(k, rows.size()));
     const uint32_t dk = index->params().key_dim, dv = index->params().value_dim;
@@ -224,6 +227,10 @@ void Query(CommandContext& ctx, CmdArgs& args) {
       }
     }
     queries->fetch_add(m, std::memory_order_relaxed);
+    query_ns->fetch_add(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                  std::chrono::steady_clock::now() - t0)
+                                                  .count()),
+                        std::memory_order_relaxed);
     reply([=, gen = index->generation()](proto::ReplyBuilder& rb) {
       rb.Map(attend ? 7 : 5);
       rb.Bulk("generation");
@@ -277,7 +284,7 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   }
   store::IndexSession* s = ctx.shard->store().index.Find(ctx.Key(args[1]));
   if (s == nullptr) return ctx.Error(NoSession(args[1]));
-  rb.Map(13);
+  rb.Map(14);
   rb.Bulk("key_dim");
   rb.Integer(s->params.key_dim);
   rb.Bulk("value_dim");
@@ -297,7 +304,11 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   rb.Bulk("building");
   rb.Bool(s->building);
   rb.Bulk("queries");
-  rb.Integer(static_cast<int64_t>(s->queries->load(std::memory_order_relaxed)));
+  const uint64_t nq = s->queries->load(std::memory_order_relaxed);
+  rb.Integer(static_cast<int64_t>(nq));
+  rb.Bulk("query_us");  // mean worker time per query
+  rb.Double(nq ? s->query_ns->load(std::memory_order_relaxed) / 1e3 / static_cast<double>(nq)
+               : 0.0);
   rb.Bulk("bytes");
   rb.Integer(static_cast<int64_t>(s->charged_rows + s->charged_index));
   rb.Bulk("recall_estimate");

@@ -3,6 +3,7 @@
 #include <hnswlib/hnswlib.h>
 
 #include <algorithm>
+#include <cassert>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -32,22 +33,33 @@ uint64_t IndexRows::ChunksFor(uint64_t more) const {
 
 uint64_t IndexRows::bytes() const { return chunks_.size() * chunk_bytes(); }
 
+Status IndexRows::Reserve(uint64_t n) {
+  const uint64_t more = ChunksFor(n);
+  std::vector<std::shared_ptr<Chunk>> fresh;
+  for (uint64_t i = 0; i < more; ++i) {
+    auto mem = BufferAllocator::Default()->Allocate(chunk_bytes());
+    if (!mem.ok()) return mem.status();
+    auto c = std::make_shared<Chunk>();
+    c->mem = std::move(mem).value();
+    uint8_t* p = c->mem->data();  // 64-byte aligned; each part stays 8-byte aligned
+    c->positions = reinterpret_cast<int64_t*>(p);
+    c->keys = reinterpret_cast<float*>(p + size_t{kChunkRows} * sizeof(int64_t));
+    c->values = c->keys + size_t{kChunkRows} * key_dim_;
+    fresh.push_back(std::move(c));
+  }
+  for (auto& c : fresh) chunks_.push_back(std::move(c));
+  return Status::Ok();
+}
+
 void IndexRows::Append(const float* keys, const float* values, uint64_t n, int64_t start_pos) {
+  assert(ChunksFor(n) == 0);
   uint64_t done = 0;
   while (done < n) {
-    if (n_ % kChunkRows == 0 && n_ / kChunkRows == chunks_.size()) {
-      auto c = std::make_shared<Chunk>();
-      c->keys.resize(size_t{kChunkRows} * key_dim_);
-      c->values.resize(size_t{kChunkRows} * value_dim_);
-      c->positions.resize(kChunkRows);
-      chunks_.push_back(std::move(c));
-    }
     Chunk& c = *chunks_[n_ / kChunkRows];
     const uint64_t at = n_ % kChunkRows;
     const uint64_t take = std::min<uint64_t>(n - done, kChunkRows - at);
-    std::memcpy(c.keys.data() + at * key_dim_, keys + done * key_dim_,
-                take * key_dim_ * sizeof(float));
-    std::memcpy(c.values.data() + at * value_dim_, values + done * value_dim_,
+    std::memcpy(c.keys + at * key_dim_, keys + done * key_dim_, take * key_dim_ * sizeof(float));
+    std::memcpy(c.values + at * value_dim_, values + done * value_dim_,
                 take * value_dim_ * sizeof(float));
     for (uint64_t i = 0; i < take; ++i) {
       c.positions[at + i] = start_pos + static_cast<int64_t>(done + i);
@@ -302,6 +314,10 @@ Status IndexStore::Append(IndexSession& s, const float* keys, const float* value
   if (more > 0 && budget_.reserve) {
     Status st = budget_.reserve(more);
     if (!st.ok()) return st;
+  }
+  if (Status st = s.rows.Reserve(n); !st.ok()) {
+    if (more > 0 && budget_.release) budget_.release(more);
+    return st;
   }
   s.charged_rows += more;
   s.rows.Append(keys, values, n, start_pos);

@@ -22,6 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/buffer.h"
 #include "common/status.h"
 #include "store/byte_budget.h"
 #include "store/tenant_key.h"
@@ -46,25 +47,30 @@ struct IndexParams {
 class IndexRows {
  public:
   static constexpr uint32_t kChunkRows = 4096;
+  // One Buffer (BufferAllocator: large regions are reused, not faulted in afresh, and never
+  // zero-filled) holding positions, keys and values.
   struct Chunk {
-    std::vector<float> keys;         // [kChunkRows][key_dim]
-    std::vector<float> values;       // [kChunkRows][value_dim]
-    std::vector<int64_t> positions;  // [kChunkRows]
+    BufferRef mem;
+    int64_t* positions = nullptr;  // [kChunkRows]
+    float* keys = nullptr;         // [kChunkRows][key_dim]
+    float* values = nullptr;       // [kChunkRows][value_dim]
   };
 
   IndexRows() = default;
   IndexRows(uint32_t key_dim, uint32_t value_dim) : key_dim_(key_dim), value_dim_(value_dim) {}
 
-  // Appends n rows; row i gets position start_pos + i.
+  // Allocates the chunks n more rows need (kOom when the memory cannot be had; nothing changes).
+  Status Reserve(uint64_t n);
+  // Appends n rows (Reserve(n) first); row i gets position start_pos + i.
   void Append(const float* keys, const float* values, uint64_t n, int64_t start_pos);
   uint64_t size() const { return n_; }
   uint32_t key_dim() const { return key_dim_; }
   uint32_t value_dim() const { return value_dim_; }
   const float* Key(uint64_t i) const {
-    return chunks_[i / kChunkRows]->keys.data() + (i % kChunkRows) * key_dim_;
+    return chunks_[i / kChunkRows]->keys + (i % kChunkRows) * key_dim_;
   }
   const float* Value(uint64_t i) const {
-    return chunks_[i / kChunkRows]->values.data() + (i % kChunkRows) * value_dim_;
+    return chunks_[i / kChunkRows]->values + (i % kChunkRows) * value_dim_;
   }
   int64_t Position(uint64_t i) const { return chunks_[i / kChunkRows]->positions[i % kChunkRows]; }
   // Bytes held by the chunks (allocated capacity).
@@ -137,6 +143,8 @@ struct IndexSession {
   uint64_t next_generation = 1;
   bool building = false;
   std::shared_ptr<std::atomic<uint64_t>> queries = std::make_shared<std::atomic<uint64_t>>(0);
+  // Worker time spent on queries (search, and attention with ATTEND), in nanoseconds.
+  std::shared_ptr<std::atomic<uint64_t>> query_ns = std::make_shared<std::atomic<uint64_t>>(0);
   uint64_t charged_rows = 0, charged_index = 0;  // bytes reserved against the budget
 };
 

@@ -28,6 +28,7 @@ IndexRows RandomRows(uint32_t n, uint32_t d, uint32_t dv, bool clustered, std::m
   }
   for (auto& x : v) x = g(rng);
   IndexRows rows(d, dv);
+  EXPECT_TRUE(rows.Reserve(n).ok());
   rows.Append(k.data(), v.data(), n, 1000);
   return rows;
 }
@@ -50,8 +51,10 @@ TEST(IndexRows, AppendsAcrossChunksWithPositions) {
   std::vector<float> k(5000 * 4), v(5000 * 2);
   for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>(i);
   for (size_t i = 0; i < v.size(); ++i) v[i] = -static_cast<float>(i);
+  ASSERT_TRUE(rows.Reserve(3000).ok());
   rows.Append(k.data(), v.data(), 3000, 10);
   IndexRows snap = rows;  // a published index's view
+  ASSERT_TRUE(rows.Reserve(2000).ok());
   rows.Append(k.data() + 3000 * 4, v.data() + 3000 * 2, 2000, 5000);
   EXPECT_EQ(rows.size(), 5000u);
   EXPECT_EQ(snap.size(), 3000u);
