@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "feed.h"
 #include "proto/resp_parser.h"
 
 using pion::proto::CmdArgs;
@@ -30,7 +31,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   RespParser parser;
   parser.set_limits(limits);
   CmdArgs args;
-  size_t off = 0, step = 0;
+  pion::fuzz::Feeder feed{data, size, chunk_base, limits.query_buffer_limit};
   bool failed = false;
   while (!failed) {
     auto r = parser.Next(&args);
@@ -53,16 +54,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (parser.Next(&args) != RespParser::Result::kError) __builtin_trap();
       break;
     }
-    if (off >= size) break;
-    auto span = parser.ReadSpan();
-    if (span.empty()) __builtin_trap();  // a zero-length recv would look like EOF
-    size_t n = chunk_base + (step++ % 7) * 13;
-    if (n > span.size()) n = span.size();
-    if (n > size - off) n = size - off;
-    std::memcpy(span.data(), data + off, n);
-    parser.CommitRead(n);
-    off += n;
-    if (parser.buffered_bytes() > limits.query_buffer_limit + 2 * 65536) __builtin_trap();
+    if (!feed.Next(parser)) break;
   }
   return 0;
 }

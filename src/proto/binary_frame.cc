@@ -12,9 +12,6 @@ namespace {
 
 static_assert(std::endian::native == std::endian::little, "frames are little-endian");
 
-constexpr size_t kInitialBuffer = 16 * 1024;
-constexpr size_t kMinReadSpan = 4 * 1024;
-
 template <typename T>
 void Put(uint8_t* p, T v) {
   std::memcpy(p, &v, sizeof(T));
@@ -65,32 +62,13 @@ uint16_t StatusOfError(std::string_view line) {
   return static_cast<uint16_t>(ErrorKind::kErr);
 }
 
-FrameParser::FrameParser(BufferAllocator* alloc) : alloc_(alloc), buf_(kInitialBuffer) {}
+FrameParser::FrameParser(BufferAllocator* alloc) : alloc_(alloc) {}
 
 std::span<uint8_t> FrameParser::ReadSpan() {
-  if (state_ == State::kBig && avail() == 0 && big_filled_ < big_->size()) {
-    reading_big_ = true;
-    return {big_->data() + big_filled_, big_->size() - big_filled_};
-  }
-  reading_big_ = false;
-  if (buf_.size() - wpos_ < kMinReadSpan) {
-    if (rpos_ > 0) {  // compact: move the unparsed tail to the front
-      std::memmove(buf_.data(), buf_.data() + rpos_, avail());
-      wpos_ -= rpos_;
-      rpos_ = 0;
-    }
-    if (buf_.size() - wpos_ < kMinReadSpan) buf_.resize(buf_.size() * 2);
-  }
-  return {buf_.data() + wpos_, buf_.size() - wpos_};
+  return in_.ReadSpan(state_ == State::kBig ? big_.get() : nullptr, &big_filled_);
 }
 
-void FrameParser::CommitRead(size_t n) {
-  if (reading_big_) {
-    big_filled_ += n;
-  } else {
-    wpos_ += n;
-  }
-}
+void FrameParser::CommitRead(size_t n) { in_.CommitRead(n); }
 
 FrameParser::Result FrameParser::Fail(FrameStatus status, std::string message) {
   status_ = static_cast<uint16_t>(status);
@@ -109,8 +87,8 @@ FrameParser::Result FrameParser::Next(CmdArgs* out) {
   while (true) {
     switch (state_) {
       case State::kHeader: {
-        if (avail() < kHeaderSize) return Result::kNeedMore;
-        const uint8_t* p = buf_.data() + rpos_;
+        if (in_.avail() < kHeaderSize) return Result::kNeedMore;
+        const uint8_t* p = in_.data();
         if (!DecodeHeader(p, &header_)) {
           header_ = FrameHeader{};
           return Fail(FrameStatus::kBadFrame, "bad magic " + Hex(Get<uint16_t>(p), 4) +
@@ -131,7 +109,7 @@ FrameParser::Result FrameParser::Next(CmdArgs* out) {
                                ? "the client query buffer limit of " + std::to_string(limit)
                                : "the limit of " + std::to_string(limit) + " before AUTH"));
         }
-        rpos_ += kHeaderSize;
+        in_.Consume(kHeaderSize);
         // A frame that cannot run is skipped without storing its payload.
         skip_status_ = 0;
         if (CommandName(header_.command).empty()) {
@@ -160,24 +138,24 @@ FrameParser::Result FrameParser::Next(CmdArgs* out) {
                                                   " bytes for a frame payload");
         }
         big_ = std::move(b).value();
-        big_filled_ = std::min<uint64_t>(avail(), header_.payload_len);
-        std::memcpy(big_->data(), buf_.data() + rpos_, big_filled_);
-        rpos_ += big_filled_;
+        big_filled_ = std::min<uint64_t>(in_.avail(), header_.payload_len);
+        std::memcpy(big_->data(), in_.data(), big_filled_);
+        in_.Consume(big_filled_);
         state_ = State::kBig;
         continue;
       }
       case State::kSkip: {
-        const uint64_t n = std::min<uint64_t>(avail(), skip_left_);
-        rpos_ += n;
+        const uint64_t n = std::min<uint64_t>(in_.avail(), skip_left_);
+        in_.Consume(n);
         skip_left_ -= n;
         if (skip_left_ > 0) return Result::kNeedMore;
         state_ = State::kHeader;
         return Reject(skip_status_, std::move(skip_error_));
       }
       case State::kSmall: {
-        if (avail() < header_.payload_len) return Result::kNeedMore;
-        const uint8_t* p = buf_.data() + rpos_;
-        rpos_ += header_.payload_len;
+        if (in_.avail() < header_.payload_len) return Result::kNeedMore;
+        const uint8_t* p = in_.data();
+        in_.Consume(header_.payload_len);
         state_ = State::kHeader;
         return Decode(nullptr, p, out);
       }

@@ -30,6 +30,7 @@
 
 #include "common/buffer.h"
 #include "proto/cmd_args.h"
+#include "proto/input_buffer.h"
 #include "proto/resp_parser.h"
 
 namespace pion::proto::binary {
@@ -89,8 +90,8 @@ class FrameParser {
   const std::string& error() const { return error_; }
   bool query_limit_hit() const { return status_ == static_cast<uint16_t>(FrameStatus::kTooLarge); }
 
-  uint64_t buffered_bytes() const { return avail() + (big_ ? big_->size() : 0); }
-  size_t buffer_capacity() const { return buf_.size(); }
+  uint64_t buffered_bytes() const { return in_.avail() + (big_ ? big_->size() : 0); }
+  size_t buffer_capacity() const { return in_.capacity(); }
 
  private:
   enum class State { kHeader, kSmall, kBig, kSkip };
@@ -98,14 +99,10 @@ class FrameParser {
   Result Fail(FrameStatus status, std::string message);
   Result Reject(uint16_t status, std::string message);
   Result Decode(const BufferRef& big, const uint8_t* payload, CmdArgs* out);
-  size_t avail() const { return wpos_ - rpos_; }
 
   BufferAllocator* alloc_;
   ParserLimits limits_;
-  std::vector<uint8_t> buf_;
-  size_t rpos_ = 0;
-  size_t wpos_ = 0;
-  bool reading_big_ = false;
+  InputBuffer in_;
 
   State state_ = State::kHeader;
   FrameHeader header_;

@@ -7,9 +7,6 @@
 namespace pion::proto {
 namespace {
 
-constexpr size_t kInitialBuffer = 16 * 1024;
-constexpr size_t kMinReadSpan = 4 * 1024;
-
 bool IsHex(char c) { return std::isxdigit(static_cast<unsigned char>(c)) != 0; }
 int HexVal(char c) {
   if (c >= '0' && c <= '9') return c - '0';
@@ -22,35 +19,16 @@ bool IsSpace(char c) {
 
 }  // namespace
 
-RespParser::RespParser(BufferAllocator* alloc) : alloc_(alloc), buf_(kInitialBuffer) {}
+RespParser::RespParser(BufferAllocator* alloc) : alloc_(alloc) {}
 
 std::span<uint8_t> RespParser::ReadSpan() {
-  if (state_ == State::kBigBulk && avail() == 0 && big_filled_ < big_->size()) {
-    reading_big_ = true;
-    return {big_->data() + big_filled_, big_->size() - big_filled_};
-  }
-  reading_big_ = false;
-  if (buf_.size() - wpos_ < kMinReadSpan) {
-    if (rpos_ > 0) {  // compact: move the unparsed tail to the front
-      std::memmove(buf_.data(), buf_.data() + rpos_, avail());
-      wpos_ -= rpos_;
-      rpos_ = 0;
-    }
-    if (buf_.size() - wpos_ < kMinReadSpan) buf_.resize(buf_.size() * 2);
-  }
-  return {buf_.data() + wpos_, buf_.size() - wpos_};
+  return in_.ReadSpan(state_ == State::kBigBulk ? big_.get() : nullptr, &big_filled_);
 }
 
-void RespParser::CommitRead(size_t n) {
-  if (reading_big_) {
-    big_filled_ += n;
-  } else {
-    wpos_ += n;
-  }
-}
+void RespParser::CommitRead(size_t n) { in_.CommitRead(n); }
 
 uint64_t RespParser::buffered_bytes() const {
-  uint64_t n = avail() + pending_.bytes();
+  uint64_t n = in_.avail() + pending_.bytes();
   if (big_) n += big_->size();
   return n;
 }
@@ -62,10 +40,10 @@ RespParser::Result RespParser::Fail(ErrorReason reason, std::string message) {
 }
 
 int64_t RespParser::FindLine() const {
-  const void* cr = std::memchr(rptr(), '\r', avail());
+  const void* cr = std::memchr(in_.chars(), '\r', in_.avail());
   if (cr == nullptr) return -1;
-  size_t len = static_cast<const char*>(cr) - rptr();
-  if (len + 1 >= avail()) return -1;  // '\n' not yet received
+  size_t len = static_cast<const char*>(cr) - in_.chars();
+  if (len + 1 >= in_.avail()) return -1;  // '\n' not yet received
   return static_cast<int64_t>(len);
 }
 
@@ -154,27 +132,27 @@ RespParser::Result RespParser::Next(CmdArgs* out) {
   while (true) {
     switch (state_) {
       case State::kIdle: {
-        if (avail() == 0) {
-          rpos_ = wpos_ = 0;
+        if (in_.avail() == 0) {
+          in_.Reset();
           return Result::kNeedMore;
         }
-        if (*rptr() == '*') {
+        if (*in_.chars() == '*') {
           int64_t len = FindLine();
           if (len < 0) {
-            if (avail() > limits_.max_inline_len) {
+            if (in_.avail() > limits_.max_inline_len) {
               return Fail(ErrorReason::kProtocol, "too big mbulk count string");
             }
             return Result::kNeedMore;
           }
           int64_t count = 0;
-          if (!ParseInt64(std::string_view(rptr() + 1, len - 1), &count) ||
+          if (!ParseInt64(std::string_view(in_.chars() + 1, len - 1), &count) ||
               count > limits_.max_multibulk_len) {
             return Fail(ErrorReason::kProtocol, "invalid multibulk length");
           }
           if (!limits_.authenticated && count > limits_.unauth_max_multibulk_len) {
             return Fail(ErrorReason::kProtocol, "unauthenticated multibulk length");
           }
-          rpos_ += len + 2;
+          in_.Consume(len + 2);
           if (count <= 0) continue;  // "*0" and "*-1" are empty requests, skipped
           pending_.Clear();
           pending_.Reserve(static_cast<size_t>(count < 64 ? count : 64));
@@ -183,24 +161,24 @@ RespParser::Result RespParser::Next(CmdArgs* out) {
           continue;
         }
         // Inline command: one line terminated by '\n'.
-        const void* nl = std::memchr(rptr(), '\n', avail());
+        const void* nl = std::memchr(in_.chars(), '\n', in_.avail());
         if (nl == nullptr) {
-          if (avail() > limits_.max_inline_len) {
+          if (in_.avail() > limits_.max_inline_len) {
             return Fail(ErrorReason::kProtocol, "too big inline request");
           }
           return Result::kNeedMore;
         }
-        size_t len = static_cast<const char*>(nl) - rptr();
+        size_t len = static_cast<const char*>(nl) - in_.chars();
         if (len > limits_.max_inline_len) {
           return Fail(ErrorReason::kProtocol, "too big inline request");
         }
-        std::string_view line(rptr(), len);
+        std::string_view line(in_.chars(), len);
         if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
         out->Clear();
         if (!SplitInline(line, out)) {
           return Fail(ErrorReason::kProtocol, "unbalanced quotes in request");
         }
-        rpos_ += len + 1;
+        in_.Consume(len + 1);
         if (!limits_.authenticated &&
             static_cast<int64_t>(out->size()) > limits_.unauth_max_multibulk_len) {
           return Fail(ErrorReason::kProtocol, "unauthenticated multibulk length");
@@ -209,27 +187,27 @@ RespParser::Result RespParser::Next(CmdArgs* out) {
         return Result::kCommand;
       }
       case State::kArgHeader: {
-        if (avail() == 0) return Result::kNeedMore;
-        if (*rptr() != '$') {
-          char c = *rptr();
+        if (in_.avail() == 0) return Result::kNeedMore;
+        if (*in_.chars() != '$') {
+          char c = *in_.chars();
           return Fail(ErrorReason::kProtocol, std::string("expected '$', got '") + c + "'");
         }
         int64_t len = FindLine();
         if (len < 0) {
-          if (avail() > limits_.max_inline_len) {
+          if (in_.avail() > limits_.max_inline_len) {
             return Fail(ErrorReason::kProtocol, "too big bulk count string");
           }
           return Result::kNeedMore;
         }
         int64_t blen = 0;
-        if (!ParseInt64(std::string_view(rptr() + 1, len - 1), &blen) || blen < 0 ||
+        if (!ParseInt64(std::string_view(in_.chars() + 1, len - 1), &blen) || blen < 0 ||
             static_cast<uint64_t>(blen) > limits_.max_bulk_len) {
           return Fail(ErrorReason::kProtocol, "invalid bulk length");
         }
         if (!limits_.authenticated && static_cast<uint64_t>(blen) > limits_.unauth_max_bulk_len) {
           return Fail(ErrorReason::kProtocol, "unauthenticated bulk length");
         }
-        rpos_ += len + 2;
+        in_.Consume(len + 2);
         bulk_len_ = static_cast<uint64_t>(blen);
         // The command's arguments so far plus this one (bytes already buffered for this bulk
         // are part of bulk_len_; bytes after it belong to later commands).
@@ -251,32 +229,32 @@ RespParser::Result RespParser::Next(CmdArgs* out) {
         continue;
       }
       case State::kSmallBulk: {
-        if (avail() < bulk_len_ + 2) return Result::kNeedMore;
-        if (rptr()[bulk_len_] != '\r' || rptr()[bulk_len_ + 1] != '\n') {
+        if (in_.avail() < bulk_len_ + 2) return Result::kNeedMore;
+        if (in_.chars()[bulk_len_] != '\r' || in_.chars()[bulk_len_ + 1] != '\n') {
           return Fail(ErrorReason::kProtocol, "expected CRLF after bulk data");
         }
-        pending_.AppendSmall(std::string_view(rptr(), bulk_len_));
-        rpos_ += bulk_len_ + 2;
+        pending_.AppendSmall(std::string_view(in_.chars(), bulk_len_));
+        in_.Consume(bulk_len_ + 2);
         break;  // argument complete
       }
       case State::kBigBulk: {
         uint64_t want = big_->size() - big_filled_;
-        uint64_t take = want < avail() ? want : avail();
+        uint64_t take = want < in_.avail() ? want : in_.avail();
         if (take > 0) {
-          std::memcpy(big_->data() + big_filled_, rptr(), take);
+          std::memcpy(big_->data() + big_filled_, in_.chars(), take);
           big_filled_ += take;
-          rpos_ += take;
+          in_.Consume(take);
         }
         if (big_filled_ < big_->size()) return Result::kNeedMore;
         state_ = State::kBigBulkCrlf;
         continue;
       }
       case State::kBigBulkCrlf: {
-        if (avail() < 2) return Result::kNeedMore;
-        if (rptr()[0] != '\r' || rptr()[1] != '\n') {
+        if (in_.avail() < 2) return Result::kNeedMore;
+        if (in_.chars()[0] != '\r' || in_.chars()[1] != '\n') {
           return Fail(ErrorReason::kProtocol, "expected CRLF after bulk data");
         }
-        rpos_ += 2;
+        in_.Consume(2);
         pending_.AppendBuffer(std::move(big_));
         big_.reset();
         break;  // argument complete

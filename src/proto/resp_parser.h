@@ -19,6 +19,7 @@
 
 #include "common/buffer.h"
 #include "proto/cmd_args.h"
+#include "proto/input_buffer.h"
 
 namespace pion::proto {
 
@@ -59,7 +60,7 @@ class RespParser {
   // Bytes held for this client: unparsed input plus the partially assembled command.
   uint64_t buffered_bytes() const;
   // Capacity of the small input buffer (for INFO clients / memory accounting).
-  size_t buffer_capacity() const { return buf_.size(); }
+  size_t buffer_capacity() const { return in_.capacity(); }
 
   // Splits an inline command line like Redis' sdssplitargs (quotes, \xHH escapes).
   // Returns false on unbalanced quotes.
@@ -69,17 +70,13 @@ class RespParser {
   enum class State { kIdle, kArgHeader, kSmallBulk, kBigBulk, kBigBulkCrlf };
 
   Result Fail(ErrorReason reason, std::string message);
-  size_t avail() const { return wpos_ - rpos_; }
-  const char* rptr() const { return reinterpret_cast<const char*>(buf_.data()) + rpos_; }
-  // Finds "\r\n"-terminated line at rpos_; returns length of the text before '\r', or -1.
+  // Finds the "\r\n"-terminated line at the front of the input; returns the length of the text
+  // before '\r', or -1.
   int64_t FindLine() const;
 
   BufferAllocator* alloc_;
   ParserLimits limits_;
-  std::vector<uint8_t> buf_;
-  size_t rpos_ = 0;
-  size_t wpos_ = 0;
-  bool reading_big_ = false;
+  InputBuffer in_;
 
   State state_ = State::kIdle;
   int64_t args_left_ = 0;
