@@ -311,3 +311,30 @@ def test_shm_commit_with_crc32(shm_server):
         assert isinstance(err, RuntimeError) and "expected CRC32 <value>" in str(err)
     finally:
         c.close()
+
+
+def test_fetch_reports_the_arena_punch_epoch(shm_server):
+    """Freed arena pages beyond the 256 MiB kept for reuse are given back (hole punch); a client
+    that pinned a segment (cudaHostRegister) would then DMA from the old pages, so every SHM
+    fetch names the arena's punch epoch and the epoch moves when pages are given back."""
+    tcp = shm_server.client()
+    tcp.execute_command("V.CREATE", "keep", 256, "fp32")
+    tcp.execute_command("V.STOREBATCH", "keep", 0, np.ones((4, 256), np.float32).tobytes())
+    c = ShmConn(shm_server.sock_path)
+    try:
+        maps, _ = attach(c)
+        lease, _, r = shm_fetch(c, maps, "keep", 0, 4)
+        before = r["epoch"]
+        assert isinstance(before, int) and before >= 0
+        c.call("SHM.RELEASE", lease)
+        block = np.zeros((16384, 1024), np.float32)  # 64 MiB per batch, 320 MiB in all
+        tcp.execute_command("V.CREATE", "big", 1024, "fp32")
+        for i in range(5):
+            tcp.execute_command("V.STOREBATCH", "big", i * 16384, block.tobytes())
+        tcp.execute_command("V.DROP", "big")
+        lease, data, r = shm_fetch(c, maps, "keep", 0, 4)
+        assert r["epoch"] > before
+        assert data == np.ones((4, 256), np.float32).tobytes()
+        c.call("SHM.RELEASE", lease)
+    finally:
+        c.close()

@@ -132,7 +132,10 @@ void ShmArena::FreeRegion(uint8_t* data, size_t length) {
   if (free_ > retain_bytes_) {
     // Give the whole pages of this free range back; the range stays allocatable.
     const size_t a = RoundUp(off, kPage), b = (off + len) / kPage * kPage;
-    if (b > a) fallocate(s.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, a, b - a);
+    if (b > a) {
+      fallocate(s.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, a, b - a);
+      punch_epoch_.fetch_add(1, std::memory_order_acq_rel);
+    }
   }
 }
 

@@ -15,6 +15,7 @@
 // bytes.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -47,6 +48,10 @@ class ShmArena final : public BufferAllocator {
   uint64_t segment_bytes() const;
   uint64_t free_bytes() const;
   uint64_t cached_bytes() const override { return free_bytes(); }
+  // Counts hole punches (free pages given back). A client that pinned a segment's pages
+  // (cudaHostRegister) holds the old pages of a punched range, not the ones written later:
+  // when this changes it must register the segment again.
+  uint64_t punch_epoch() const { return punch_epoch_.load(std::memory_order_acquire); }
 
  protected:
   bool AllocateRegion(size_t size, Region* out) override;
@@ -71,6 +76,7 @@ class ShmArena final : public BufferAllocator {
   std::map<const uint8_t*, Segment*> by_base_;
   uint64_t used_ = 0;
   uint64_t free_ = 0;
+  std::atomic<uint64_t> punch_epoch_{0};
   uint64_t mapped_ = 0;
 };
 

@@ -221,7 +221,7 @@ void ReplyShm(CommandContext& ctx, const store::VSession& session, int64_t start
   auto lease = plane.Grant(ctx.client_id, std::move(held), total);
   if (!lease.ok()) return ctx.Error(lease.status());
   auto& rb = *ctx.rb;
-  rb.Map(4);
+  rb.Map(5);
   rb.Bulk("lease");
   rb.Integer(static_cast<int64_t>(lease.value()));
   rb.Bulk("bytes");
@@ -236,6 +236,8 @@ void ReplyShm(CommandContext& ctx, const store::VSession& session, int64_t start
     rb.Integer(static_cast<int64_t>(p.offset));
     rb.Integer(static_cast<int64_t>(p.length));
   }
+  rb.Bulk("epoch");  // the arena's punch epoch: pinned (CUDA-registered) pages older than it
+  rb.Integer(static_cast<int64_t>(plane.ArenaFor(ctx.tenant)->punch_epoch()));  // are stale
 }
 
 void Fetch(CommandContext& ctx, CmdArgs& args) {

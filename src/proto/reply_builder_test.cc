@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
 
 namespace pion::proto {
@@ -89,7 +90,12 @@ TEST(ReplyBuffer, PartialConsumeAndSplice) {
 namespace pion::proto {
 namespace {
 
-std::string U64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
+// A type byte and a little-endian uint64, as the binary encoding writes them.
+std::string Typed(char type, uint64_t v) {
+  std::string out(1, type);
+  out.append(reinterpret_cast<const char*>(&v), 8);
+  return out;
+}
 
 TEST(ReplyBuilder, BinaryEncodingIsTypedAndLengthPrefixed) {
   ReplyBuffer b;
@@ -105,10 +111,19 @@ TEST(ReplyBuilder, BinaryEncodingIsTypedAndLengthPrefixed) {
   rb.Double(1.5);
   rb.ErrorLine("MISS gone\r\n");  // kept verbatim: the length frames it
   const double d = 1.5;
-  EXPECT_EQ(Drain(b), "+" + U64(2) + "OK" + ":" + U64(static_cast<uint64_t>(-2)) + "$" + U64(4) +
-                          std::string("a\r\nb", 4) + "_" + "%" + U64(1) + std::string("#\x01", 2) +
-                          "," + std::string(reinterpret_cast<const char*>(&d), 8) + "-" + U64(11) +
-                          "MISS gone\r\n");
+  uint64_t dbits;
+  std::memcpy(&dbits, &d, 8);
+  std::string want = Typed('+', 2) + "OK";
+  want += Typed(':', static_cast<uint64_t>(-2));
+  want += Typed('$', 4);
+  want.append("a\r\nb", 4);
+  want += '_';
+  want += Typed('%', 1);
+  want.append("#\x01", 2);
+  want += Typed(',', dbits);
+  want += Typed('-', 11);
+  want += "MISS gone\r\n";
+  EXPECT_EQ(Drain(b), want);
   EXPECT_EQ(rb.errors(), 1);
 }
 
@@ -121,6 +136,7 @@ TEST(ReplyBuilder, BinaryLargeBulkIsReferencedWithoutTrailer) {
   ASSERT_EQ(b.FillIovec(iov, 8), 2);  // type+length, then the stored bytes
   EXPECT_EQ(iov[1].iov_base, buf->data());
   EXPECT_EQ(b.size(), 9u + buf->size());
+  EXPECT_EQ(std::string(static_cast<const char*>(iov[0].iov_base), 9), Typed('$', buf->size()));
 }
 
 TEST(ReplyBuffer, PeekCopiesAcrossChunksAfterConsume) {

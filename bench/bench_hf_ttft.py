@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Time to first token of a Llama-3.1-8B-shaped model (random bf16 weights) on the GPU machine:
+vanilla prefill of prefix + suffix against Pion warm paths, in one run, like seed 002's table.
+
+  - vanilla: the model prefills prefix + suffix (cold: nothing cached).
+  - Pion TCP: the prefix K/V fetched over TCP (V.FETCH RAW of bf16 rows, to the GPU), then the
+    suffix forward.
+  - Pion shm: the same over the Unix socket: the rows are read from the server's shared-memory
+    mapping, registered with CUDA, straight to the GPU.
+  - Pion Stage 2: the prefix K/V stay in the server (ATTEND.PREFIX slots bound FROM the
+    namespace; --attention-backend cuda); the suffix forward sends each layer's queries to
+    ATTEND.PREFIX.QUERY_FUSED. "stage2-bind" is the first request (the server uploads the
+    namespace into GPU slots: its "K/V moving" column), "stage2" a later one (slots resident).
+TTFT is the time until the logits of the last suffix position exist (torch synchronized);
+"moving K/V" is the fetch's share of it; token agreement compares the argmax of every suffix
+position with vanilla's.
+
+Run on the GPU machine with the binaries of `make gpu-bundle` (carry build/devcarry):
+  LD_LIBRARY_PATH=$PWD/build/devcarry/lib PYTHONPATH=$PWD/build/devcarry/py \\
+    python3 bench/bench_hf_ttft.py --bin build/devcarry/bin [--prefixes 2048,8192,32768]
+Prints a markdown table (copy it to bench/results/hf-ttft-<date>.md).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "clients" / "python"))
+import pion  # noqa: E402
+import pion.hf  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(bin_dir: Path, work: Path, backend: str) -> tuple[subprocess.Popen, int, str]:
+    port, sock = free_port(), str(work / "pion.sock")
+    p = subprocess.Popen([str(bin_dir / "pion-server"), "--port", str(port), "--metrics-port", "0",
+                          "--binary-port", "0", "--dir", str(work / "data"), "--unixsocket", sock,
+                          "--attention-backend", backend, "--gpu-memory", "24gb",
+                          "--proto-max-bulk-len", "4gb", "--shm-segment-size", "1gb"],
+                         stdout=open(work / "server.log", "w"), stderr=subprocess.STDOUT)
+    for _ in range(300):
+        try:
+            if pion.Client(port=port).ping():
+                return p, port, sock
+        except Exception:  # noqa: BLE001 (not up yet)
+            time.sleep(0.05)
+    raise RuntimeError("pion-server did not start: " + (work / "server.log").read_text()[-2000:])
+
+
+def sync() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin", default=str(REPO / "build" / "devcarry" / "bin"))
+    ap.add_argument("--prefixes", default="2048,8192,32768")
+    ap.add_argument("--suffix", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--backend", default="cuda")
+    a = ap.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=a.layers, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=131072, rope_theta=500000.0)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    model.generation_config.pad_token_id = 0
+    work = Path(tempfile.mkdtemp(prefix="pion-ttft-"))
+    srv, port, sock = start_server(Path(a.bin), work, a.backend)
+    rows = []
+    try:
+        tcp = pion.Client(port=port, socket_timeout=600)
+        shm = pion.Client(unix_socket_path=sock, socket_timeout=600)
+        pc_tcp = pion.hf.PionPromptCache(model, tcp)
+        pc_shm = pion.hf.PionPromptCache(model, shm, model_id=pc_tcp.model_id)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # warm-up: kernels, allocator
+            model(input_ids=torch.randint(5, 1000, (1, 512), generator=g).cuda())
+        for p in [int(x) for x in a.prefixes.split(",")]:
+            ids = torch.randint(5, 120000, (p + a.suffix,), generator=g)
+            prefix, full = ids[:p], ids[None].cuda()
+            with torch.no_grad():  # twice: the first run at a shape pays kernel selection
+                for _ in range(2):
+                    t0 = sync()
+                    ref = model(input_ids=full).logits[0, p:]
+                    vanilla = (sync() - t0) * 1e3
+            ref_top = ref.argmax(-1)
+            del ref
+            pc_tcp.get_or_prefill(prefix)  # the miss: prefill + store (not timed here)
+            store_ms = pc_tcp.last.get("store_ms", 0.0)
+            result = {"prefix": p, "vanilla": vanilla, "store_ms": store_ms}
+            for name, pc in (("tcp", pc_tcp), ("shm", pc_shm)):
+                torch.cuda.empty_cache()
+                t0 = sync()
+                cache = pc.fetch(prefix)
+                t1 = sync()
+                with torch.no_grad():
+                    logits = model(input_ids=full[:, p:], past_key_values=cache).logits[0]
+                t2 = sync()
+                result[name] = ((t2 - t0) * 1e3, (t1 - t0) * 1e3, pc.last["path"],
+                                int((logits.argmax(-1) == ref_top).sum()))
+                del cache, logits
+            torch.cuda.empty_cache()
+            off = pion.hf.PionAttentionOffload(pc_shm)
+            try:  # first request binds the slots (server-side upload); the second finds them
+                for name in ("stage2-bind", "stage2"):
+                    t0 = sync()
+                    cache = off.prepare(prefix)
+                    t1 = sync()
+                    with off.session(cache), torch.no_grad():
+                        logits = model(input_ids=full[:, p:], past_key_values=cache).logits[0]
+                    t2 = sync()
+                    result[name] = ((t2 - t0) * 1e3, (t1 - t0) * 1e3, "slots",
+                                    int((logits.argmax(-1) == ref_top).sum()))
+                off.release(cache)
+            finally:
+                model.set_attn_implementation("sdpa")
+            pc_tcp.drop(prefix)
+            rows.append(result)
+            print(result, flush=True)
+    finally:
+        srv.terminate()
+        srv.wait(timeout=30)
+    gpu = torch.cuda.get_device_name()
+    lines = [
+        "# Transformers TTFT: vanilla prefill vs Pion warm paths (%s, %s)" % (gpu, dt.date.today()),
+        "",
+        "Command: `python3 bench/bench_hf_ttft.py --bin build/devcarry/bin --prefixes %s` "
+        "(Llama-3.1-8B shape, %d layers, random bf16 weights, transformers %s, torch %s, "
+        "suffix %d tokens, Pion --attention-backend %s). Speedup = vanilla TTFT / warm TTFT; "
+        "K/V share = time fetching the prefix K/V / warm TTFT; agreement = suffix positions "
+        "whose argmax equals vanilla's." % (a.prefixes, a.layers, __import__("transformers")
+                                            .__version__, torch.__version__, a.suffix,
+                                            a.backend),
+        "",
+        "| prefix | vanilla TTFT ms | path | warm TTFT ms | speedup | K/V moving ms | K/V share "
+        "| agreement |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for name in ("tcp", "shm", "stage2-bind", "stage2"):
+            ttft, mv, path, agree = r[name]
+            lines.append("| %d | %.1f | %s (%s) | %.1f | %.1f× | %.1f | %.1f %% | %d/%d |" % (
+                r["prefix"], r["vanilla"], name, path, ttft, r["vanilla"] / ttft, mv,
+                100 * mv / ttft, agree, a.suffix))
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "hf-ttft.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

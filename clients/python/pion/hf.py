@@ -1,0 +1,535 @@
+"""Hugging Face transformers integration: a prompt cache backed by Pion (Stage 1) and prefix
+attention computed by Pion (Stage 2). transformers and torch are imported here only.
+
+Stage 1 — the K/V of a prefix prefilled once, fetched by any process:
+
+    import pion, pion.hf
+    client = pion.Client(port=1974)                      # or unix_socket_path=... (shared memory)
+    pc = pion.hf.PionPromptCache(model, client)
+    cache = pc.get_or_prefill(prefix_ids)               # a DynamicCache holding the prefix
+    out = model.generate(full_ids, past_key_values=cache, max_new_tokens=32)
+
+On a miss the model prefills the prefix and its cache is stored (KV.PREFIX namespaces for the
+attention layers, SSM.PREFIX for recurrent layers); on a hit the cache is filled from Pion in
+the model's dtype, layout and device. A prefix is identified by the model (config, weights
+fingerprint, dtype: `model_identity`) and its token ids: another model's or another prefix's
+K/V never fill the cache, and a half-written prefix is never a hit (KV.PREFIX.LOOKUP).
+
+Stage 2 — the prefix K/V stay in Pion after the first push; full-attention layers send their
+queries (and the few local K/V rows) to ATTEND.PREFIX.QUERY_FUSED, exact:
+
+    off = pion.hf.PionAttentionOffload(pc)              # registers the "pion" attention
+    cache = off.prepare(prefix_ids)                      # binds the slots FROM the namespace
+    with off.session(cache):
+        out = model.generate(full_ids, past_key_values=cache, max_new_tokens=32)
+
+Sliding-window and recurrent layers stay local (filled from Pion as in Stage 1); batch size 1.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import json
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _wire
+from .ssm import serialize_arrays
+
+_CODEC_BY_DTYPE = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
+
+
+def _torch():
+    return _wire.torch_module()
+
+
+def model_identity(model) -> str:
+    """The MODEL id of a transformers model: its architecture, a digest of its full config
+    (name/revision included), its dtype and a fingerprint of its weights (a strided sample of
+    the first and last parameter tensors) — two models that would produce different K/V for
+    the same tokens get different ids."""
+    torch = _torch()
+    cfg = model.config
+    h = hashlib.sha256()
+    h.update(cfg.to_json_string(use_diff=False).encode())
+    for attr in ("_name_or_path", "_commit_hash"):
+        h.update(str(getattr(cfg, attr, "")).encode())
+    params = list(model.parameters())
+    h.update(str(params[0].dtype).encode())
+    with torch.no_grad():
+        for p in (params[0], params[-1]):
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // 4096)
+            h.update(flat[::step][:4096].float().cpu().numpy().tobytes())
+    return "%s-%s" % (cfg.model_type, h.hexdigest()[:24])
+
+
+def prefix_digest(prefix_ids) -> str:
+    ids = np.ascontiguousarray(_wire.to_numpy(prefix_ids).reshape(-1), dtype="<i8")
+    return hashlib.sha256(ids.tobytes()).hexdigest()[:24]
+
+
+def position_digest(config, prefix_ids) -> str:
+    """The POSITION digest: the rotary/position settings of the config and the prefix's token
+    ids, so that a namespace is only a hit for the same tokens at the same positions."""
+    c = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    pos = {k: getattr(c, k, None) for k in ("rope_parameters", "rope_scaling", "rope_theta",
+                                              "max_position_embeddings", "sliding_window")}
+    h = hashlib.sha256(json.dumps(pos, sort_keys=True, default=str).encode())
+    h.update(prefix_digest(prefix_ids).encode())
+    return h.hexdigest()[:24]
+
+
+@dataclass
+class _Plan:
+    """Which cache layer goes where: attention layers in KV.PREFIX groups (one namespace per
+    kind: "full" or "swa<W>"), recurrent layers in SSM.PREFIX."""
+    groups: dict[str, list[int]] = field(default_factory=dict)  # group -> model layer indexes
+    windows: dict[str, int] = field(default_factory=dict)       # swa group -> window
+    linear: list[int] = field(default_factory=list)
+    n_layers: int = 0
+
+
+def _plan(model) -> _Plan:
+    from transformers.cache_utils import CacheLayerMixin, DynamicCache
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin as _Linear
+    except ImportError:  # older transformers: no recurrent cache layers
+        _Linear = ()
+    probe = DynamicCache(config=model.config)
+    layers = probe.layers
+    if not layers:
+        n = model.config.get_text_config(decoder=True).num_hidden_layers
+        layers = [None] * n
+    plan = _Plan(n_layers=len(layers))
+    for i, layer in enumerate(layers):
+        if layer is None or isinstance(layer, CacheLayerMixin):
+            if getattr(layer, "is_sliding", False):
+                w = int(layer.sliding_window)
+                g = "swa%d" % w
+                plan.windows[g] = w
+            else:
+                g = "full"
+            plan.groups.setdefault(g, []).append(i)
+        if _Linear and isinstance(layer, _Linear):
+            plan.linear.append(i)
+    return plan
+
+
+def _sync(device) -> None:
+    torch = _torch()
+    if torch.cuda.is_available() and str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+class PionPromptCache:
+    """Stage 1: `get_or_prefill(prefix_ids)` returns a transformers DynamicCache holding the
+    prefix — fetched from Pion on a hit, prefilled by the model and stored on a miss.
+
+    Args:
+      model: a transformers causal LM (batch size 1).
+      client: a pion.Client; over its Unix socket the shared-memory path is used.
+      codec: the V-store codec of stored K/V; default the model's dtype (fp32, fp16 or bf16:
+        lossless). int8 / turbo4 / turbo3 / turbo2 are lossy.
+      persist: KV.PREFIX.SAVE every stored namespace (it survives a server restart).
+      model_id: the MODEL identity (default `model_identity(model)`).
+      transport: how a hit moves the K/V. "auto": the socket's bytes (TCP), or the shared-
+        memory mapping on a Unix-socket client (straight to the GPU when the model is there).
+        "ipc": device to device — the server binds the namespace into GPU-resident attention
+        slots (once; --attention-backend cuda, same GPU) and the cache copies them through CUDA
+        IPC (ATTEND.PREFIX.EXPORT); needs a Unix-socket client.
+
+    After each call `last` tells what happened: hit, prefill_ms, fetch_ms, store_ms, bytes,
+    path ("tcp", "shm", "shm-cuda", "ipc")."""
+
+    def __init__(self, model, client, codec: str | None = None, persist: bool = False,
+                 model_id: str | None = None, transport: str = "auto"):
+        self.model = model
+        self.client = client
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.codec = codec or _CODEC_BY_DTYPE.get(str(self.dtype), "fp32")
+        self.persist = persist
+        if transport not in ("auto", "ipc"):
+            raise ValueError("transport must be 'auto' or 'ipc', got %r" % (transport,))
+        self.transport = transport
+        self.model_id = model_id or model_identity(model)
+        self.plan = _plan(model)
+        self.last: dict[str, Any] = {}
+
+    # --- names ---------------------------------------------------------------------------
+    def namespace_for(self, prefix_ids) -> str:
+        return "pc:%s:%s" % (self.model_id[-12:], prefix_digest(prefix_ids))
+
+    def _ns(self, base: str, group: str) -> str:
+        return "%s/%s" % (base, group)
+
+    def _ssm_sid(self, base: str) -> str:
+        return "%s/ssm:%s" % (base, self.model_id)
+
+    def _slot_sid(self, base: str, group: str) -> str:
+        return "hf:%s/%s" % (base, group)
+
+    def bind(self, base: str, group: str, pos: str) -> float:
+        """Makes the group's layers resident as ATTEND.PREFIX slots (session _slot_sid),
+        bound from its namespace inside the server; slots already resident are kept. Returns
+        the milliseconds it took."""
+        t0 = time.perf_counter()
+        sid, n = self._slot_sid(base, group), len(self.plan.groups[group])
+        resident = self.client.execute_many([("ATTEND.PREFIX.LOOKUP", sid, j)
+                                             for j in range(n)])
+        for j, hit in enumerate(resident):
+            if _wire.status(hit) != "HIT":
+                self.client.attend.store_from(sid, j, self._ns(base, group),
+                                              model=self.model_id, position=pos)
+        return (time.perf_counter() - t0) * 1e3
+
+    # --- API -----------------------------------------------------------------------------
+    def get_or_prefill(self, prefix_ids, namespace: str | None = None):
+        """The cache of `prefix_ids` (1-d or [1, T] token ids): from Pion when stored for this
+        model, else prefilled by the model (and stored)."""
+        ids = self._ids(prefix_ids)
+        base = namespace or self.namespace_for(ids)
+        cache = self.fetch(ids, base)
+        if cache is not None:
+            return cache
+        return self.prefill_and_store(ids, base)
+
+    def lookup(self, prefix_ids, namespace: str | None = None) -> bool:
+        ids = self._ids(prefix_ids)
+        return self._complete(namespace or self.namespace_for(ids), position_digest(
+            self.model.config, ids))
+
+    def prefill_and_store(self, prefix_ids, namespace: str | None = None):
+        """Prefills with the model and stores the cache; returns the cache."""
+        from transformers.cache_utils import DynamicCache
+        torch = _torch()
+        ids = self._ids(prefix_ids)
+        base = namespace or self.namespace_for(ids)
+        cache = DynamicCache(config=self.model.config)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.model(input_ids=ids[None].to(self.device), past_key_values=cache, use_cache=True)
+        _sync(self.device)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        nbytes = self.store(cache, ids, base, prefill_ms)
+        self.last = dict(hit=False, prefill_ms=prefill_ms, store_ms=(time.perf_counter() - t1)
+                         * 1e3, bytes=nbytes, namespace=base)
+        return cache
+
+    def store(self, cache, prefix_ids, namespace: str, prefill_ms: float = 0.0) -> int:
+        """Stores a prefilled cache of `prefix_ids` under `namespace`: recurrent layers first,
+        then one KV.PREFIX namespace per attention group (a namespace is a hit only once every
+        row of every layer is written). Returns the bytes sent."""
+        pos = position_digest(self.model.config, self._ids(prefix_ids))
+        sent = 0
+        for i in self.plan.linear:
+            layer = cache.layers[i]
+            arrays = []
+            for s in range(layer.number_of_states):
+                for st in (layer.conv_states[s], layer.recurrent_states[s]):
+                    arrays.append(np.zeros(0, np.float32) if st is None else st[0])
+            blob = serialize_arrays(arrays)
+            self.client.ssm.store_blob(self._ssm_sid(namespace), i, blob)
+            sent += len(blob)
+        for g, idxs in self.plan.groups.items():
+            ks = [cache.layers[i].keys for i in idxs]
+            b, h, n, d = ks[0].shape
+            if b != 1:
+                raise ValueError("PionPromptCache handles batch size 1, got %d" % b)
+            if any(k.shape != ks[0].shape for k in ks):
+                raise NotImplementedError("attention layers of group %s differ in shape" % g)
+            ns = self._ns(namespace, g)
+            self.client.kv.register(ns, len(idxs), n, h, d, self.codec, model=self.model_id,
+                                    position=pos, prefill_ms=prefill_ms)
+            for j, i in enumerate(idxs):
+                layer = cache.layers[i]
+                self.client.kv.store_layer(ns, j, layer.keys[0], layer.values[0], layout="hnd",
+                                           n_tokens=n)
+                sent += 2 * h * n * d * 4
+            if self.persist:
+                self.client.execute("KV.PREFIX.SAVE", ns)
+        return sent
+
+    def fetch(self, prefix_ids, namespace: str | None = None):
+        """The stored cache of `prefix_ids`, or None when it is not (completely) stored for this
+        model and these tokens."""
+        from transformers.cache_utils import DynamicCache
+        ids = self._ids(prefix_ids)
+        base = namespace or self.namespace_for(ids)
+        t0 = time.perf_counter()
+        pos = position_digest(self.model.config, ids)
+        if not self._complete(base, pos):
+            return None
+        states = self._fetch_states(base)
+        if states is None:
+            return None
+        cache = DynamicCache(config=self.model.config)
+        nbytes = self._fill_attention(cache, base, int(ids.numel()), list(self.plan.groups),
+                                      pos)
+        self._fill_states(cache, states)
+        _sync(self.device)
+        self.last = dict(hit=True, fetch_ms=(time.perf_counter() - t0) * 1e3, bytes=nbytes,
+                         path="ipc" if self.transport == "ipc" else self.client.last_fetch_path,
+                         namespace=base)
+        return cache
+
+    def drop(self, prefix_ids, namespace: str | None = None) -> None:
+        ids = self._ids(prefix_ids)
+        base = namespace or self.namespace_for(ids)
+        for g in self.plan.groups:
+            self.client.execute("KV.PREFIX.DROP", self._ns(base, g))
+        if self.plan.linear:
+            self.client.ssm.drop(self._ssm_sid(base))
+
+    # --- internals -----------------------------------------------------------------------
+    def _ids(self, prefix_ids):
+        torch = _torch()
+        ids = prefix_ids if isinstance(prefix_ids, torch.Tensor) else torch.as_tensor(
+            np.asarray(prefix_ids))
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise ValueError("PionPromptCache handles batch size 1, got %d" % ids.shape[0])
+            ids = ids[0]
+        return ids.long().cpu()
+
+    def _complete(self, base: str, pos: str) -> bool:
+        cmds = [("KV.PREFIX.LOOKUP", self._ns(base, g), "MODEL", self.model_id, "POSITION", pos)
+                for g in self.plan.groups]
+        replies = self.client.execute_many(cmds) if cmds else []
+        return all(_wire.status(r) == "HIT" for r in replies)
+
+    def _fetch_states(self, base: str) -> dict | None:
+        """The recurrent layers' state arrays, or None when one is missing."""
+        states = {}
+        for i in self.plan.linear:
+            arrays = self.client.ssm.fetch(self._ssm_sid(base), i, as_torch=True)
+            if arrays is None:
+                return None
+            states[i] = arrays
+        return states
+
+    def _fill_attention(self, cache, base: str, t: int, groups: list[str],
+                        pos: str | None = None) -> int:
+        """Fills the attention layers of `groups` from their namespaces; returns the bytes."""
+        nbytes = 0
+        for g in groups:
+            ns = self._ns(base, g)
+            if self.transport == "ipc":
+                self.bind(base, g, pos)
+            for j, i in enumerate(self.plan.groups[g]):
+                if self.transport == "ipc":
+                    k, v = self._fetch_layer_ipc(self._slot_sid(base, g), j)
+                else:
+                    k, v = self._fetch_layer(ns, j)
+                nbytes += 2 * k.numel() * k.element_size()
+                if not cache.layers:  # a cache without per-layer types: grows by update
+                    cache.update(k, v, i)
+                    continue
+                layer = cache.layers[i]
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+                if getattr(layer, "is_sliding", False):
+                    layer.cumulative_length = t  # tokens seen, not tokens kept
+        return nbytes
+
+    def _fill_states(self, cache, states: dict) -> None:
+        """Puts the recurrent layers' conv and recurrent states in place (as after a prefill)."""
+        for i, arrays in states.items():
+            layer = cache.layers[i]
+            for s in range(layer.number_of_states):
+                conv, rec = arrays[2 * s], arrays[2 * s + 1]
+                if conv.numel():
+                    conv = conv.to(self.device, self.dtype)[None]
+                    layer.lazy_initialization(conv_states=conv, state_idx=s,
+                                              conv_kernel_size=conv.shape[-1])
+                    layer.conv_states[s].copy_(conv)
+                    layer.has_previous_state[s] = True
+                if rec.numel():
+                    rec = rec.to(self.device, self.dtype)[None]
+                    layer.lazy_initialization(recurrent_states=rec, state_idx=s)
+                    layer.recurrent_states[s].copy_(rec)
+                    layer.has_previous_state[s] = True
+
+    def _fetch_layer(self, ns: str, j: int):
+        """Layer j of namespace ns as ([1, H, T, D], [1, H, T, D]) tensors in the model's dtype
+        on its device."""
+        dev = self.device
+        if self.client._shm_channel() is None and self.codec in ("fp32", "fp16", "bf16"):
+            return self._fetch_layer_raw(ns, j)
+        if dev.type == "cuda":
+            k, v = self.client.kv.fetch_layer(ns, j, layout="hnd", model=self.model_id,
+                                              device=dev)
+        else:
+            k, v = self.client.kv.fetch_layer(ns, j, layout="hnd", model=self.model_id,
+                                              raw=True, as_torch=True)
+        return (k.to(dev, self.dtype)[None].contiguous(), v.to(dev, self.dtype)[None].contiguous())
+
+
+    def _fetch_layer_ipc(self, sid: str, j: int):
+        """Slot j of session sid copied device to device (CUDA IPC) into the model's dtype."""
+        with self.client.attend.gpu_view(sid, j) as view:
+            return tuple(x.to(self.device, self.dtype, copy=True).unsqueeze(0)
+                         for x in (view.k, view.v))
+
+    def _fetch_layer_raw(self, ns: str, j: int):
+        """TCP with a lossless codec: the stored rows (V.FETCH RAW) viewed as a tensor of the
+        codec's dtype, moved to the device and laid out there — no host-side decode."""
+        torch = _torch()
+        dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        if not hasattr(self, "_shape"):
+            self._shape = {}
+        if ns not in self._shape:
+            m = _wire.parse_map(self.client.execute("KV.PREFIX.INFO", ns))
+            self._shape[ns] = (m["n_tokens"], m["kv_heads"], m["head_dim"])
+        t, h, d = self._shape[ns]
+        kd, vd = self.client.execute_many([
+            ("V.FETCH", ns + sfx, "RANGE", j * t, (j + 1) * t, "RAW", "MODEL", self.model_id)
+            for sfx in ("_pk", "_pv")])
+        self.client.last_fetch_path = "tcp"
+        out = []
+        for data in (kd, vd):
+            with warnings.catch_warnings():  # read-only reply bytes: copied to the device next
+                warnings.simplefilter("ignore")
+                x = torch.frombuffer(data, dtype=dtypes[self.codec])
+            x = x.to(self.device).view(t, h, d).transpose(0, 1)
+            out.append(x.to(self.dtype)[None].contiguous())
+        return out[0], out[1]
+
+
+# ---- Stage 2 --------------------------------------------------------------------------------
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("pion_offload", default=None)
+
+
+def _offset_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class PrefixOffsetLayer(DynamicLayer):
+        """A full-attention cache layer whose first `offset` tokens live in Pion: it keeps
+        only the tokens after them and reports positions past the prefix."""
+
+        def __init__(self, offset: int):
+            super().__init__()
+            self.offset = offset
+
+        def get_seq_length(self) -> int:
+            return self.offset + super().get_seq_length()
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.get_seq_length() + query_length, 0
+
+    return PrefixOffsetLayer
+
+
+@dataclass
+class _Session:
+    sid: str
+    layers: dict[int, int]  # model layer index -> slot layer
+    window: int = 0
+
+
+def _pion_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    **kwargs):
+    """The "pion" attention: an offloaded layer's queries go to QUERY_FUSED with the local
+    (post-prefix) K/V; every other layer runs torch SDPA."""
+    sess = _ACTIVE.get()
+    slot = None if sess is None else sess[0].layers.get(getattr(module, "layer_idx", -1))
+    if slot is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    s, client = sess
+    torch = _torch()
+    if query.shape[0] != 1:
+        raise ValueError("Pion attention offload handles batch size 1")
+    d = query.shape[-1]
+    if scaling is not None and abs(scaling - d ** -0.5) > 1e-6 * d ** -0.5:
+        raise NotImplementedError("Pion attention uses the 1/sqrt(head_dim) scale; this layer "
+                                  "scales by %r" % scaling)
+    q = query[0].float()  # [Hq, M, D]: the last M of the local (post-prefix) positions
+    res = client.attend.query_fused(s.sid, slot, q, key[0].float(), value[0].float(),
+                                    window=s.window)
+    out = np.ascontiguousarray(_wire.to_numpy(res.out).reshape(q.shape))
+    out = torch.from_numpy(out).to(query.device, query.dtype)
+    return out.transpose(0, 1)[None].contiguous(), None  # [1, M, Hq, D]
+
+
+class PionAttentionOffload:
+    """Stage 2 on top of a PionPromptCache: the prefix K/V of the full-attention layers stay
+    in Pion (ATTEND.PREFIX slots bound FROM the prefix's namespace: no bytes move) and those
+    layers' attention runs there, exact, through QUERY_FUSED. Registers the "pion" attention
+    implementation and sets it on the model."""
+
+    def __init__(self, prompt_cache: PionPromptCache):
+        from transformers import AttentionInterface
+        self.pc = prompt_cache
+        AttentionInterface.register("pion", _pion_attention)
+        try:  # the layers that stay local get SDPA's masks
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+            AttentionMaskInterface.register("pion", sdpa_mask)
+        except ImportError:
+            pass
+        model = prompt_cache.model
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation("pion")
+        else:
+            model.config._attn_implementation = "pion"
+        self.sessions: dict[int, _Session] = {}
+
+    def prepare(self, prefix_ids, namespace: str | None = None):
+        """Makes sure the prefix is stored (prefilling on a miss), binds its full-attention
+        layers as slots, and returns a cache whose full-attention layers hold no prefix K/V
+        (the other layers are filled as in Stage 1). Use it inside `session(cache)`."""
+        from transformers.cache_utils import DynamicCache
+        pc = self.pc
+        ids = pc._ids(prefix_ids)
+        base = namespace or pc.namespace_for(ids)
+        pos = position_digest(pc.model.config, ids)
+        if not pc._complete(base, pos):
+            pc.prefill_and_store(ids, base)
+        full = pc.plan.groups.get("full", [])
+        sid = pc._slot_sid(base, "full")
+        # Slots already resident (an earlier request of this prefix) are reused; the others
+        # are bound from the namespace inside the server.
+        bind_ms = pc.bind(base, "full", pos) if full else 0.0
+        # The other layers (sliding-window, recurrent) are filled locally, as in Stage 1.
+        cache = DynamicCache(config=pc.model.config)
+        pc._fill_attention(cache, base, int(ids.numel()), [g for g in pc.plan.groups
+                                                           if g != "full"], pos)
+        states = pc._fetch_states(base)
+        if states is None:
+            raise RuntimeError("the recurrent states of prefix %r are gone from Pion" % base)
+        pc._fill_states(cache, states)
+        offset_cls = _offset_layer_class()
+        for i in full:
+            cache.layers[i] = offset_cls(int(ids.numel()))
+        self.sessions[id(cache)] = _Session(sid, {i: j for j, i in enumerate(full)})
+        pc.last = dict(pc.last, bind_ms=bind_ms, stage=2)
+        return cache
+
+    @contextlib.contextmanager
+    def session(self, cache):
+        """Routes the offloaded layers' attention to Pion while the block runs."""
+        s = self.sessions[id(cache)]
+        token = _ACTIVE.set((s, self.pc.client))
+        try:
+            yield cache
+        finally:
+            _ACTIVE.reset(token)
+
+    def release(self, cache) -> None:
+        s = self.sessions.pop(id(cache), None)
+        if s is not None:
+            self.pc.client.attend.drop(s.sid)
+
+
+__all__ = ["PionPromptCache", "PionAttentionOffload", "model_identity", "position_digest",
+           "prefix_digest"]
