@@ -161,6 +161,7 @@ class PionPromptCache:
         self.model_id = model_id or model_identity(model)
         self.plan = _plan(model)
         self.last: dict[str, Any] = {}
+        self._shape: dict[str, tuple[int, int, int]] = {}  # namespace -> (tokens, heads, dim)
 
     # --- names ---------------------------------------------------------------------------
     def namespace_for(self, prefix_ids) -> str:
@@ -384,8 +385,6 @@ class PionPromptCache:
         codec's dtype, moved to the device and laid out there — no host-side decode."""
         torch = _torch()
         dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-        if not hasattr(self, "_shape"):
-            self._shape = {}
         if ns not in self._shape:
             m = _wire.parse_map(self.client.execute("KV.PREFIX.INFO", ns))
             self._shape[ns] = (m["n_tokens"], m["kv_heads"], m["head_dim"])
