@@ -3,7 +3,8 @@
 #   1. gpu_attention_test: every CUDA kernel and form against the scalar reference, plus GPU
 #      slot residency;
 #   2. the same test's Smoke cases under compute-sanitizer memcheck and racecheck;
-#   3. the Stage 2 end-to-end suites against a real pion-server with --attention-backend cuda.
+#   3. the Stage 2 end-to-end suites against a real pion-server with --attention-backend cuda;
+#   4. the transformers integration (tests/test_hf.py: Stage 1 over TCP, shm and CUDA IPC; Stage 2).
 # PION_GPU_BIN names the directory with pion-server and gpu_attention_test (default: build).
 set -euo pipefail
 BIN=$(cd "${PION_GPU_BIN:-build}" && pwd)
@@ -21,4 +22,7 @@ else
 fi
 PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda" \
   "$PY" -m pytest -q -p no:cacheprovider tests/test_attend_prefix.py tests/test_attend_gpu.py
+# The transformers integration (skipped with the reason where transformers is not installed).
+PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda --gpu-memory 8gb" \
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_hf.py
 echo "test-gpu: all GPU suites passed"

@@ -89,16 +89,17 @@ def server(pion_factory, tmp_path):
     return srv
 
 
-def check_exact(model, client, prefix_len=96, suffix_len=8, codec=None, label=""):
+def check_exact(model, client, prefix_len=96, suffix_len=8, codec=None, label="",
+                transport="auto"):
     """Miss, then hit from a fresh object: both generate exactly what vanilla does."""
     prefix, suffix = prompt(1, prefix_len), prompt(2, suffix_len)
     full = torch.cat([prefix, suffix])
     want = generate(model, full)
-    pc = pion.hf.PionPromptCache(model, client, codec=codec)
+    pc = pion.hf.PionPromptCache(model, client, codec=codec, transport=transport)
     assert not pc.lookup(prefix)
     got_miss = generate(model, full, pc.get_or_prefill(prefix))
     assert pc.last["hit"] is False and pc.last["bytes"] > 0
-    pc2 = pion.hf.PionPromptCache(model, client, codec=codec)
+    pc2 = pion.hf.PionPromptCache(model, client, codec=codec, transport=transport)
     assert pc2.lookup(prefix)
     got_hit = generate(model, full, pc2.get_or_prefill(prefix))
     assert pc2.last["hit"] is True
@@ -115,6 +116,23 @@ def check_exact(model, client, prefix_len=96, suffix_len=8, codec=None, label=""
 def test_llama_gqa_stage1_exact(server, shm):
     model = llama(0)
     want, miss, hit, diff = check_exact(model, client_for(server, shm), label="llama gqa fp32")
+    assert miss == want and hit == want
+    assert diff < 1e-3
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA IPC needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_llama_gqa_stage1_ipc_exact(server, dtype):
+    """transport="ipc": the server binds the namespace into its GPU slots and the cache copies
+    them device to device (ATTEND.PREFIX.EXPORT + CUDA IPC)."""
+    client = client_for(server, shm=True)
+    backend = client.execute("INFO", "attention").decode()
+    if "attention_backend:cuda" not in backend:
+        pytest.skip("the server keeps attention slots in host memory (run it with "
+                    "--attention-backend cuda: scripts/test-gpu.sh does)")
+    model = llama(0, dtype)
+    want, miss, hit, diff = check_exact(model, client, label="llama %s ipc" % dtype,
+                                        transport="ipc")
     assert miss == want and hit == want
     assert diff < 1e-3
 

@@ -209,13 +209,17 @@ void ReplyShm(CommandContext& ctx, const store::VSession& session, int64_t start
       off = 0;
     }
     total += len;
-    if (!pieces.empty() && held.back() == src &&
-        pieces.back().offset + pieces.back().length == src->segment_offset() + off) {
-      pieces.back().length += len;  // contiguous in one buffer
+    const int segment = src->segment_fd();
+    const uint64_t at = src->segment_offset() + off;
+    if (held.empty() || held.back() != src) held.push_back(src);  // the lease keeps it unchanged
+    if (!pieces.empty() && pieces.back().segment == segment &&
+        pieces.back().offset + pieces.back().length == at) {
+      // Adjacent in the segment (one buffer, or chunks allocated one after another): one piece,
+      // so the client makes one copy of it.
+      pieces.back().length += len;
       return;
     }
-    pieces.push_back({src->segment_fd(), src->segment_offset() + off, len});
-    held.push_back(std::move(src));
+    pieces.push_back({segment, at, len});
   });
   if (!failed.ok()) return ctx.Error(failed);
   auto lease = plane.Grant(ctx.client_id, std::move(held), total);

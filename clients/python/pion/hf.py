@@ -42,6 +42,18 @@ from . import _wire
 from .ssm import serialize_arrays
 
 _CODEC_BY_DTYPE = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
+_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # lossless codec -> torch
+
+
+def _coalesce(pieces):
+    """(segment, offset, length) pieces with runs adjacent in one segment merged."""
+    out: list[list[int]] = []
+    for s, o, n in pieces:
+        if out and out[-1][0] == s and out[-1][1] + out[-1][2] == o:
+            out[-1][2] += n
+        else:
+            out.append([s, o, n])
+    return out
 
 
 def _torch():
@@ -322,14 +334,15 @@ class PionPromptCache:
         """Fills the attention layers of `groups` from their namespaces; returns the bytes."""
         nbytes = 0
         for g in groups:
-            ns = self._ns(base, g)
+            ns, idxs = self._ns(base, g), self.plan.groups[g]
             if self.transport == "ipc":
                 self.bind(base, g, pos)
-            for j, i in enumerate(self.plan.groups[g]):
-                if self.transport == "ipc":
-                    k, v = self._fetch_layer_ipc(self._slot_sid(base, g), j)
-                else:
-                    k, v = self._fetch_layer(ns, j)
+                kvs = self._fetch_group_ipc(self._slot_sid(base, g), len(idxs))
+            else:
+                kvs = self._fetch_group_shm(ns, len(idxs))
+                if kvs is None:
+                    kvs = [self._fetch_layer(ns, j) for j in range(len(idxs))]
+            for (k, v), i in zip(kvs, idxs):
                 nbytes += 2 * k.numel() * k.element_size()
                 if not cache.layers:  # a cache without per-layer types: grows by update
                     cache.update(k, v, i)
@@ -340,6 +353,86 @@ class PionPromptCache:
                 if getattr(layer, "is_sliding", False):
                     layer.cumulative_length = t  # tokens seen, not tokens kept
         return nbytes
+
+    def _layer_shape(self, ns: str) -> tuple[int, int, int]:
+        """(tokens, kv heads, head dim) of namespace ns (KV.PREFIX.INFO once per namespace)."""
+        if ns not in self._shape:
+            m = _wire.parse_map(self.client.execute("KV.PREFIX.INFO", ns))
+            self._shape[ns] = (m["n_tokens"], m["kv_heads"], m["head_dim"])
+        return self._shape[ns]
+
+    def _fetch_group_shm(self, ns: str, n: int):
+        """Layers 0..n-1 of namespace ns over shared memory straight to the GPU, or None when
+        this path does not apply (TCP client, model not on a GPU, lossy codec, a mapping CUDA
+        will not register). Each layer's K and V rows are DMA'd from the CUDA-registered
+        mapping (one copy per run of adjacent chunks) into a device staging buffer and laid
+        out as [1, H, T, D] in the model's dtype there; everything is queued on one stream, the
+        leases are held until it has finished, then released."""
+        torch = _torch()
+        ch = self.client._shm_channel()
+        if ch is None or self.device.type != "cuda" or self.codec not in _DTYPES:
+            return None
+        src_dtype = getattr(torch, _DTYPES[self.codec])
+        t, h, d = self._layer_shape(ns)
+        want = t * h * d * torch.empty(0, dtype=src_dtype).element_size()
+        staging = torch.empty((2, want), dtype=torch.uint8, device=self.device)
+        leases, out = [], []
+        try:
+            for j in range(n):
+                pair = []
+                for x, sfx in enumerate(("_pk", "_pv")):
+                    lease, pieces, _rb, nbytes = ch.fetch_range(ns + sfx, j * t, (j + 1) * t,
+                                                                model=self.model_id)
+                    leases.append(lease)
+                    if nbytes != want:
+                        raise RuntimeError("%s%s layer %d holds %d bytes, expected %d" % (
+                            ns, sfx, j, nbytes, want))
+                    if not all(ch.cuda_register(s) for s in {p[0] for p in pieces}):
+                        return None
+                    pos = 0
+                    with warnings.catch_warnings():  # torch warns on read-only sources
+                        warnings.simplefilter("ignore")
+                        for s, o, ln in _coalesce(pieces):
+                            src = torch.from_numpy(np.frombuffer(ch.maps[s], np.uint8, ln, o))
+                            staging[x, pos:pos + ln].copy_(src, non_blocking=True)
+                            pos += ln
+                    dst = torch.empty((1, h, t, d), dtype=self.dtype, device=self.device)
+                    dst[0].copy_(staging[x].view(src_dtype).view(t, h, d).transpose(0, 1))
+                    pair.append(dst)
+                out.append(tuple(pair))
+        finally:
+            if leases:  # the copies are done with the leased bytes before they are released
+                torch.cuda.current_stream(self.device).synchronize()
+            for lease in leases:
+                ch.release(lease)
+        self.client.last_fetch_path = "shm-cuda"
+        return out
+
+    def _fetch_group_ipc(self, sid: str, n: int):
+        """Slots 0..n-1 of session sid copied device to device (CUDA IPC) into [1, H, T, D]
+        tensors of the model's dtype; the exports' leases are held until the copies finished."""
+        from .cuda_ipc import GpuView
+        torch = _torch()
+        views, leases, out = [], [], []
+        try:
+            for j in range(n):
+                ex = self.client.attend.export(sid, j)
+                leases.append(ex["lease"])
+                view = GpuView(ex)
+                views.append(view)
+                pair = []
+                for x in (view.k, view.v):
+                    dst = torch.empty((1, *x.shape), dtype=self.dtype, device=self.device)
+                    dst[0].copy_(x)
+                    pair.append(dst)
+                out.append(tuple(pair))
+            _sync(self.device)
+        finally:
+            for view in views:
+                view.close()
+            for lease in leases:
+                self.client.attend.release_export(lease)
+        return out
 
     def _fill_states(self, cache, states: dict) -> None:
         """Puts the recurrent layers' conv and recurrent states in place (as after a prefill)."""
@@ -374,21 +467,12 @@ class PionPromptCache:
         return (k.to(dev, self.dtype)[None].contiguous(), v.to(dev, self.dtype)[None].contiguous())
 
 
-    def _fetch_layer_ipc(self, sid: str, j: int):
-        """Slot j of session sid copied device to device (CUDA IPC) into the model's dtype."""
-        with self.client.attend.gpu_view(sid, j) as view:
-            return tuple(x.to(self.device, self.dtype, copy=True).unsqueeze(0)
-                         for x in (view.k, view.v))
-
     def _fetch_layer_raw(self, ns: str, j: int):
         """TCP with a lossless codec: the stored rows (V.FETCH RAW) viewed as a tensor of the
         codec's dtype, moved to the device and laid out there — no host-side decode."""
         torch = _torch()
-        dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-        if ns not in self._shape:
-            m = _wire.parse_map(self.client.execute("KV.PREFIX.INFO", ns))
-            self._shape[ns] = (m["n_tokens"], m["kv_heads"], m["head_dim"])
-        t, h, d = self._shape[ns]
+        dtypes = {c: getattr(torch, name) for c, name in _DTYPES.items()}
+        t, h, d = self._layer_shape(ns)
         kd, vd = self.client.execute_many([
             ("V.FETCH", ns + sfx, "RANGE", j * t, (j + 1) * t, "RAW", "MODEL", self.model_id)
             for sfx in ("_pk", "_pv")])
