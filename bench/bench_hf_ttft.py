@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import datetime as dt
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -152,10 +151,10 @@ def main() -> int:
                     sessions.append(off.prepare(prefix))
                     return sessions[-1]
                 measure("stage2", prep, ctx=off.session)
-                stat = re.search(r"cmdstat_attend\.prefix\.query_fused:calls=(\d+),usec=(\d+)",
-                                 shm.execute("INFO", "commandstats").decode())
-                if stat:
-                    calls, usec = int(stat.group(1)), int(stat.group(2))
+                stat = shm.execute("INFO", "commandstats").get(
+                    "cmdstat_attend.prefix.query_fused")
+                if stat:  # redis-py parses INFO into dicts
+                    calls, usec = int(stat["calls"]), int(stat["usec"])
                     result["fused"] = (calls, usec / max(calls, 1))
                 for c in sessions:
                     off.release(c)

@@ -126,8 +126,7 @@ def test_llama_gqa_stage1_ipc_exact(server, dtype):
     """transport="ipc": the server binds the namespace into its GPU slots and the cache copies
     them device to device (ATTEND.PREFIX.EXPORT + CUDA IPC)."""
     client = client_for(server, shm=True)
-    backend = client.execute("INFO", "attention").decode()
-    if "attention_backend:cuda" not in backend:
+    if client.execute("INFO", "attention").get("attention_backend") != "cuda":
         pytest.skip("the server keeps attention slots in host memory (run it with "
                     "--attention-backend cuda: scripts/test-gpu.sh does)")
     model = llama(0, dtype)

@@ -109,6 +109,16 @@ def _tail(window=0, qpos=None, select=None, receipt=False) -> list:
     return args
 
 
+def _parse_export(reply) -> dict:
+    """An ATTEND.PREFIX.EXPORT reply as a dict; `handle` stays raw bytes (not text)."""
+    pairs = list(reply.items()) if isinstance(reply, dict) else \
+        [(reply[i], reply[i + 1]) for i in range(0, len(reply), 2)]
+    handle = next(bytes(v) for k, v in pairs if _wire.text(k) == "handle")
+    out = _wire.parse_map([x for k, v in pairs if _wire.text(k) != "handle" for x in (k, v)])
+    out["handle"] = handle
+    return out
+
+
 class Attend:
     """`client.attend`: ATTEND.PREFIX.STORE / LOOKUP / DROP / INFO and the QUERY forms."""
 
@@ -155,29 +165,44 @@ class Attend:
         with --attention-backend cuda). Keys: handle (64 bytes), device (PCI bus id), k_offset,
         v_offset, bytes, heads, rows, head_dim, dtype, generation, lease, ttl_ms. Release it with
         release_export(lease) — or use gpu_view()."""
-        ch = self._c._shm_channel()
-        if ch is None:
-            raise errors.PionError("ATTEND.PREFIX.EXPORT needs a Unix-socket client "
-                                   "(pion.Client(unix_socket_path=...))")
-        reply = ch.call("ATTEND.PREFIX.EXPORT", sid, int(layer))
-        pairs = list(reply.items()) if isinstance(reply, dict) else \
-            [(reply[i], reply[i + 1]) for i in range(0, len(reply), 2)]
-        handle = next(bytes(v) for k, v in pairs if _wire.text(k) == "handle")
-        out = _wire.parse_map([x for k, v in pairs if _wire.text(k) != "handle" for x in (k, v)])
-        out["handle"] = handle  # raw bytes, not text
+        return self.export_many(sid, [layer])[0]
+
+    def export_many(self, sid: str, layers) -> list[dict]:
+        """ATTEND.PREFIX.EXPORT of several layers of sid, pipelined (one round trip). All or
+        nothing: when one fails, the leases the others got are released and its error raised."""
+        replies = self._shm("ATTEND.PREFIX.EXPORT").call_many(
+            ("ATTEND.PREFIX.EXPORT", sid, int(j)) for j in layers)
+        failed = next((r for r in replies if isinstance(r, errors.PionError)), None)
+        out = [_parse_export(r) for r in replies if not isinstance(r, errors.PionError)]
+        if failed is not None:
+            self.release_exports([x["lease"] for x in out])
+            raise failed
         return out
 
     def release_export(self, lease: int) -> bool:
         """SHM.RELEASE of an export's lease (the slot's GPU copy may be evicted again)."""
+        return self.release_exports([lease]) == 1
+
+    def release_exports(self, leases) -> int:
+        """SHM.RELEASE of several exports' leases, pipelined; returns how many were held."""
         ch = self._c._shm_channel()
-        return ch is not None and int(ch.call("SHM.RELEASE", int(lease))) == 1
+        return 0 if ch is None else ch.release_many(leases)
+
+    def _shm(self, what: str):
+        ch = self._c._shm_channel()
+        if ch is None:
+            raise errors.PionError("%s needs a Unix-socket client "
+                                   "(pion.Client(unix_socket_path=...))" % what)
+        return ch
 
     @contextlib.contextmanager
     def gpu_view(self, sid: str, layer: int):
         """Context manager: the GPU-resident slot's K and V as torch CUDA tensors [H, N, D]
         (float32 or float16) that alias the server's device memory through CUDA IPC — no copy,
-        device to device. Yields a GpuView (.k, .v, .export); on exit the mapping is closed and
-        the lease released. The memory is the server's: read it, do not write it."""
+        device to device. Yields a GpuView (.k, .v, .export); on exit the view's work is
+        synchronized and the lease released (the IPC mapping itself stays open for the next
+        export of the same allocation: pion.cuda_ipc.close_all() unmaps). The memory is the
+        server's: read it, do not write it."""
         from .cuda_ipc import GpuView
         ex = self.export(sid, layer)
         try:

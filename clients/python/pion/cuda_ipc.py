@@ -1,14 +1,22 @@
 """CUDA IPC for GPU-resident attention slots (ATTEND.PREFIX.EXPORT), through the CUDA driver
 library (libcuda.so.1, present wherever a GPU driver is) and torch.
 
-`open_view(export)` maps the exported allocation into this process (cuIpcOpenMemHandle on the
-server's GPU, found by PCI bus id) and returns torch tensors K and V [H, N, D] that alias the
-server's device memory — no copy. `close_view` unmaps it. The memory belongs to the server:
-treat the tensors as read-only, and stop using them once the view is closed.
+`GpuView(export)` maps the exported allocation into this process (cuIpcOpenMemHandle on the
+server's GPU, found by PCI bus id) and gives torch tensors K and V [H, N, D] that alias the
+server's device memory — no copy. The memory belongs to the server: treat the tensors as
+read-only, and stop using them once the view is closed and the export's lease released.
+
+Opening a handle costs far more than a copy of a small slot, so mappings are kept open, one per
+exported allocation (a handle names one allocation: cudaIpcGetMemHandle gives a new handle to
+new memory even at a reused address), and reused by later exports of it; at most MAX_OPEN
+stay open (least recently used closed first), and close_all() unmaps them all. Reading is
+only valid under an export's lease: the lease, not the mapping, keeps the slot's bytes.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
+import threading
 
 from . import _wire, errors
 
@@ -52,6 +60,57 @@ def _check(rc: int, what: str) -> None:
         raise errors.PionError("CUDA driver error %d in %s" % (rc, what))
 
 
+MAX_OPEN = 256
+
+_open: "collections.OrderedDict[bytes, int]" = collections.OrderedDict()  # handle -> base ptr
+_devices: dict[str, int] = {}  # PCI bus id -> device ordinal
+_mu = threading.Lock()
+
+
+def _device_of(bus_id: str) -> int:
+    if bus_id not in _devices:
+        dev = ctypes.c_int(-1)
+        _check(_driver().cuDeviceGetByPCIBusId(ctypes.byref(dev), bus_id.encode()),
+               "cuDeviceGetByPCIBusId(%s)" % bus_id)
+        _devices[bus_id] = dev.value
+    return _devices[bus_id]
+
+
+def _map(torch, device, raw: bytes) -> int:
+    """The base address of the allocation `raw` names, opened once and cached."""
+    with _mu:
+        ptr = _open.get(raw)
+        if ptr is not None:
+            _open.move_to_end(raw)
+            return ptr
+        handle = _Handle()
+        ctypes.memmove(ctypes.byref(handle), raw, 64)
+        out = ctypes.c_uint64(0)
+        with torch.cuda.device(device):
+            _check(_driver().pion_open(ctypes.byref(out), handle, _LAZY_ENABLE_PEER_ACCESS),
+                   "cuIpcOpenMemHandle")
+        _open[raw] = out.value
+        while len(_open) > MAX_OPEN:
+            _unmap(torch, *_open.popitem(last=False))
+        return out.value
+
+
+def _unmap(torch, raw: bytes, ptr: int) -> None:
+    torch.cuda.synchronize()  # work reading the mapping is done
+    # An error here (the exporting server has exited, say) leaves nothing to undo.
+    _driver().cuIpcCloseMemHandle(ptr)
+
+
+def close_all() -> None:
+    """Unmaps every cached IPC mapping (views of them must not be used afterwards)."""
+    if not _open:
+        return
+    torch = _wire.torch_module()
+    with _mu:
+        while _open:
+            _unmap(torch, *_open.popitem())
+
+
 class GpuView:
     """K and V of one exported slot as torch CUDA tensors, plus the export's fields."""
 
@@ -59,32 +118,20 @@ class GpuView:
         torch = _wire.torch_module()
         if not torch.cuda.is_available():
             raise errors.PionError("CUDA IPC needs torch with CUDA")
-        lib = _driver()
-        dev = ctypes.c_int(-1)
-        _check(lib.cuDeviceGetByPCIBusId(ctypes.byref(dev), export["device"].encode()),
-               "cuDeviceGetByPCIBusId(%s)" % export["device"])
-        self.device = torch.device("cuda", dev.value)
+        self.device = torch.device("cuda", _device_of(export["device"]))
         torch.zeros(1, device=self.device)  # the device's primary context is current from here
         self.export = export
-        handle = _Handle()
-        ctypes.memmove(ctypes.byref(handle), export["handle"], 64)
-        self._ptr = ctypes.c_uint64(0)
-        with torch.cuda.device(self.device):
-            _check(lib.pion_open(ctypes.byref(self._ptr), handle, _LAZY_ENABLE_PEER_ACCESS),
-                   "cuIpcOpenMemHandle")
+        base = _map(torch, self.device, bytes(export["handle"]))
         shape = (export["heads"], export["rows"], export["head_dim"])
         typestr = _TYPESTR[export["dtype"]]
-        base = self._ptr.value
         self.k = torch.as_tensor(_CudaArray(base + export["k_offset"], shape, typestr),
                                  device=self.device)
         self.v = torch.as_tensor(_CudaArray(base + export["v_offset"], shape, typestr),
                                  device=self.device)
 
     def close(self) -> None:
-        if self._ptr.value:
-            torch = _wire.torch_module()
-            torch.cuda.synchronize(self.device)  # work reading the mapping is done
+        """Waits for the work queued on the view's device (it may read the mapping), then drops
+        the tensors; the mapping stays cached for the allocation's next export."""
+        if self.k is not None:
+            _wire.torch_module().cuda.synchronize(self.device)
             self.k = self.v = None
-            with torch.cuda.device(self.device):
-                _check(_driver().cuIpcCloseMemHandle(self._ptr.value), "cuIpcCloseMemHandle")
-            self._ptr = ctypes.c_uint64(0)

@@ -376,19 +376,19 @@ class PionPromptCache:
         t, h, d = self._layer_shape(ns)
         want = t * h * d * torch.empty(0, dtype=src_dtype).element_size()
         staging = torch.empty((2, want), dtype=torch.uint8, device=self.device)
-        leases, out = [], []
+        fetched = ch.fetch_ranges([(ns + sfx, j * t, (j + 1) * t) for j in range(n)
+                                   for sfx in ("_pk", "_pv")], model=self.model_id)
+        out = []
         try:
+            if not all(ch.cuda_register(s) for s in {p[0] for f in fetched for p in f[1]}):
+                return None
             for j in range(n):
                 pair = []
-                for x, sfx in enumerate(("_pk", "_pv")):
-                    lease, pieces, _rb, nbytes = ch.fetch_range(ns + sfx, j * t, (j + 1) * t,
-                                                                model=self.model_id)
-                    leases.append(lease)
+                for x in range(2):
+                    _lease, pieces, _rb, nbytes = fetched[2 * j + x]
                     if nbytes != want:
-                        raise RuntimeError("%s%s layer %d holds %d bytes, expected %d" % (
-                            ns, sfx, j, nbytes, want))
-                    if not all(ch.cuda_register(s) for s in {p[0] for p in pieces}):
-                        return None
+                        raise RuntimeError("%s layer %d holds %d bytes, expected %d" % (
+                            ns, j, nbytes, want))
                     pos = 0
                     with warnings.catch_warnings():  # torch warns on read-only sources
                         warnings.simplefilter("ignore")
@@ -401,10 +401,9 @@ class PionPromptCache:
                     pair.append(dst)
                 out.append(tuple(pair))
         finally:
-            if leases:  # the copies are done with the leased bytes before they are released
-                torch.cuda.current_stream(self.device).synchronize()
-            for lease in leases:
-                ch.release(lease)
+            # The copies are done with the leased bytes before the leases go.
+            torch.cuda.current_stream(self.device).synchronize()
+            ch.release_many([f[0] for f in fetched])
         self.client.last_fetch_path = "shm-cuda"
         return out
 
@@ -413,11 +412,10 @@ class PionPromptCache:
         tensors of the model's dtype; the exports' leases are held until the copies finished."""
         from .cuda_ipc import GpuView
         torch = _torch()
-        views, leases, out = [], [], []
+        exports = self.client.attend.export_many(sid, range(n))  # one round trip
+        views, out = [], []
         try:
-            for j in range(n):
-                ex = self.client.attend.export(sid, j)
-                leases.append(ex["lease"])
+            for ex in exports:
                 view = GpuView(ex)
                 views.append(view)
                 pair = []
@@ -430,27 +428,8 @@ class PionPromptCache:
         finally:
             for view in views:
                 view.close()
-            for lease in leases:
-                self.client.attend.release_export(lease)
+            self.client.attend.release_exports([ex["lease"] for ex in exports])
         return out
-
-    def _fill_states(self, cache, states: dict) -> None:
-        """Puts the recurrent layers' conv and recurrent states in place (as after a prefill)."""
-        for i, arrays in states.items():
-            layer = cache.layers[i]
-            for s in range(layer.number_of_states):
-                conv, rec = arrays[2 * s], arrays[2 * s + 1]
-                if conv.numel():
-                    conv = conv.to(self.device, self.dtype)[None]
-                    layer.lazy_initialization(conv_states=conv, state_idx=s,
-                                              conv_kernel_size=conv.shape[-1])
-                    layer.conv_states[s].copy_(conv)
-                    layer.has_previous_state[s] = True
-                if rec.numel():
-                    rec = rec.to(self.device, self.dtype)[None]
-                    layer.lazy_initialization(recurrent_states=rec, state_idx=s)
-                    layer.recurrent_states[s].copy_(rec)
-                    layer.has_previous_state[s] = True
 
     def _fetch_layer(self, ns: str, j: int):
         """Layer j of namespace ns as ([1, H, T, D], [1, H, T, D]) tensors in the model's dtype

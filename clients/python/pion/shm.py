@@ -101,24 +101,32 @@ class ShmChannel:
             return None if n < 0 else [self._reply() for _ in range(n)]
         raise errors.PionConnectionError("SHM channel: unexpected reply %r" % (line[:64],))
 
-    def call(self, *args):
-        """Sends one command and returns its reply; an error reply raises its PionError."""
+    @staticmethod
+    def _encode(args) -> bytes:
         out = [b"*%d\r\n" % len(args)]
         for a in args:
             a = a if isinstance(a, bytes) else str(a).encode()
             out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+        return b"".join(out)
+
+    def _exchange(self, payload: bytes, n: int) -> list:
+        """Sends the encoded commands, reads their n replies (lock held by the caller)."""
+        if self._closed:
+            raise errors.PionConnectionError("SHM channel is closed")
+        try:
+            self.sock.sendall(payload)
+            return [self._reply() for _ in range(n)]
+        except OSError as e:  # socket.timeout included
+            self.close()  # the stream is out of step now; the Client opens a new one
+            raise errors.PionConnectionError("SHM channel: %s" % e) from e
+        except errors.PionConnectionError:
+            self.close()
+            raise
+
+    def call(self, *args):
+        """Sends one command and returns its reply; an error reply raises its PionError."""
         with self._lock:
-            if self._closed:
-                raise errors.PionConnectionError("SHM channel is closed")
-            try:
-                self.sock.sendall(b"".join(out))
-                reply = self._reply()
-            except OSError as e:  # socket.timeout included
-                self.close()  # the stream is out of step now; the Client opens a new one
-                raise errors.PionConnectionError("SHM channel: %s" % e) from e
-            except errors.PionConnectionError:
-                self.close()
-                raise
+            reply = self._exchange(self._encode(args), 1)[0]
             stray, self._fds = self._fds, []
             if args[0] in ("SHM.ATTACH", "SHM.RESERVE"):
                 return reply, stray
@@ -127,6 +135,20 @@ class ShmChannel:
         if isinstance(reply, errors.PionError):
             raise reply
         return reply
+
+    def call_many(self, commands) -> list:
+        """Pipelines commands (tuples of arguments; not SHM.ATTACH / SHM.RESERVE): one write,
+        then every reply, in order. An error reply is returned in its place as a PionError
+        (not raised), so that the caller sees — and can release — what the others granted."""
+        commands = list(commands)
+        if any(c[0] in ("SHM.ATTACH", "SHM.RESERVE") for c in commands):
+            raise ValueError("call_many does not take SHM.ATTACH / SHM.RESERVE")
+        with self._lock:
+            replies = self._exchange(b"".join(self._encode(c) for c in commands), len(commands))
+            stray, self._fds = self._fds, []
+            for fd in stray:
+                os.close(fd)
+        return replies
 
     # --- segments ---------------------------------------------------------------------------
     def attach(self) -> None:
@@ -153,22 +175,34 @@ class ShmChannel:
         """V.FETCH <sid> RANGE <start> <end> SHM → (lease, pieces, row_bytes, nbytes), pieces a
         list of (segment, offset, length) whose concatenation is the RAW reply. The lease must
         be released (`release`) once the bytes have been read."""
-        args = ["V.FETCH", sid, "RANGE", int(start), int(end), "SHM"]
-        if model is not None:
-            args += ["MODEL", model]
-        if generation is not None:
-            args += ["GENERATION", int(generation)]
+        return self.fetch_ranges([(sid, start, end)], model, generation)[0]
+
+    def fetch_ranges(self, ranges, model: str | None = None, generation: int | None = None):
+        """fetch_range of several (sid, start, end), pipelined (one round trip); a list of
+        (lease, pieces, row_bytes, nbytes) in order. All or nothing: when one fails, the
+        leases the others got are released and its error raised."""
+        tail = (["MODEL", model] if model is not None else []) + \
+            (["GENERATION", int(generation)] if generation is not None else [])
+        cmds = [("V.FETCH", sid, "RANGE", int(a), int(b), "SHM", *tail) for sid, a, b in ranges]
         with self._lock:
-            reply = self.call(*args)
-            r = {k.decode() if isinstance(k, bytes) else k: v
-                 for k, v in zip(reply[::2], reply[1::2])}
-            lease = int(r["lease"])
-            self.leases.add(lease)
-            pieces = [(int(s), int(o), int(n)) for s, o, n in r["pieces"]]
-            self.epoch = int(r.get("epoch", 0))
-            if any(s not in self.maps for s, _, _ in pieces):
+            out, failed = [], None
+            for reply in self.call_many(cmds):
+                if isinstance(reply, errors.PionError):
+                    failed = failed or reply
+                    continue
+                r = {k.decode() if isinstance(k, bytes) else k: v
+                     for k, v in zip(reply[::2], reply[1::2])}
+                lease = int(r["lease"])
+                self.leases.add(lease)
+                pieces = [(int(s), int(o), int(n)) for s, o, n in r["pieces"]]
+                self.epoch = int(r.get("epoch", 0))
+                out.append((lease, pieces, int(r["row_bytes"]), int(r["bytes"])))
+            if failed is not None:
+                self.release_many([x[0] for x in out])
+                raise failed
+            if any(s not in self.maps for x in out for s, _, _ in x[1]):
                 self.attach()  # a segment added since the last attach
-        return lease, pieces, int(r["row_bytes"]), int(r["bytes"])
+        return out
 
     def views(self, pieces) -> list[np.ndarray]:
         """Read-only numpy uint8 views of the pieces, straight into the mappings (valid only
@@ -246,6 +280,16 @@ class ShmChannel:
             if self._closed:
                 return False  # closing the connection already released it
             return bool(self.call("SHM.RELEASE", int(lease)))
+
+    def release_many(self, leases) -> int:
+        """SHM.RELEASE of several leases, pipelined; returns how many this connection held."""
+        leases = [int(x) for x in leases]
+        with self._lock:
+            self.leases.difference_update(leases)
+            if self._closed or not leases:
+                return 0
+            replies = self.call_many(("SHM.RELEASE", x) for x in leases)
+        return sum(1 for r in replies if r == 1)
 
     def close(self) -> None:
         """Closes the connection (the server releases its leases) and the mappings. A mapping
