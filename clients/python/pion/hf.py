@@ -431,6 +431,24 @@ class PionPromptCache:
             self.client.attend.release_exports([ex["lease"] for ex in exports])
         return out
 
+    def _fill_states(self, cache, states: dict) -> None:
+        """Puts the recurrent layers' conv and recurrent states in place (as after a prefill)."""
+        for i, arrays in states.items():
+            layer = cache.layers[i]
+            for s in range(layer.number_of_states):
+                conv, rec = arrays[2 * s], arrays[2 * s + 1]
+                if conv.numel():
+                    conv = conv.to(self.device, self.dtype)[None]
+                    layer.lazy_initialization(conv_states=conv, state_idx=s,
+                                              conv_kernel_size=conv.shape[-1])
+                    layer.conv_states[s].copy_(conv)
+                    layer.has_previous_state[s] = True
+                if rec.numel():
+                    rec = rec.to(self.device, self.dtype)[None]
+                    layer.lazy_initialization(recurrent_states=rec, state_idx=s)
+                    layer.recurrent_states[s].copy_(rec)
+                    layer.has_previous_state[s] = True
+
     def _fetch_layer(self, ns: str, j: int):
         """Layer j of namespace ns as ([1, H, T, D], [1, H, T, D]) tensors in the model's dtype
         on its device."""
@@ -444,7 +462,6 @@ class PionPromptCache:
             k, v = self.client.kv.fetch_layer(ns, j, layout="hnd", model=self.model_id,
                                               raw=True, as_torch=True)
         return (k.to(dev, self.dtype)[None].contiguous(), v.to(dev, self.dtype)[None].contiguous())
-
 
     def _fetch_layer_raw(self, ns: str, j: int):
         """TCP with a lossless codec: the stored rows (V.FETCH RAW) viewed as a tensor of the
