@@ -18,8 +18,9 @@ sys.path.insert(0, CARRY + "/py"); sys.path.insert(0, "clients/python")
 import numpy as np, torch, pion
 env = dict(os.environ, LD_LIBRARY_PATH=CARRY + "/lib")
 sock = "/tmp/pion-gpu.sock"
-srv = subprocess.Popen([CARRY + "/pion-server", "--port", "19740", "--metrics-port", "0", "--binary-port", "0", "--dir", "/tmp/pd",
-                        "--unixsocket", sock, "--shm-segment-size", "1gb"], env=env)
+BIN = CARRY + "/bin/pion-server" if os.path.exists(CARRY + "/bin/pion-server") else CARRY + "/pion-server"
+srv = subprocess.Popen([BIN, "--port", "19740", "--metrics-port", "0", "--binary-port", "0", "--dir", "/tmp/pd",
+                        "--unixsocket", sock, "--shm-segment-size", "1gb", "--proto-max-bulk-len", "4gb"], env=env)
 for _ in range(100):
     try: socket.create_connection(("127.0.0.1", 19740)).close(); break
     except OSError: time.sleep(0.1)
@@ -70,5 +71,26 @@ c.kv.store_layer("big", 0, rows.reshape(T, H, D), rows.reshape(T, H, D))
 dt = med(lambda: c.kv.fetch_layer("big", 0, device="cuda"), 9)
 print(f"fetch_layer fp16 32K tokens (K+V {2 * nbytes / 2**20:.0f} MiB) device=cuda: {dt*1e3:.2f} ms "
       f"{2 * nbytes / dt / 1e9:.2f} GB/s path={c.last_fetch_path}", flush=True)
+# A whole prefix: 32 layers x 32K tokens x 8 heads x 128, bf16, K+V = 4 GiB, into CUDA tensors of
+# the stored dtype in the model's [H, T, D] layout (kv.fetch_layers: pipelined SHM fetch, DMA from
+# the registered mapping), against torch's pinned host->GPU copy of the same bytes.
+L = 32
+c.kv.register("prefix", L, T, H, D, "bf16")
+for j in range(L):
+    for sfx in ("_pk", "_pv"):
+        c.v.store_batch("prefix" + sfx, j * T, rows)
+total = 2 * L * T * H * D * 2
+dt = med(lambda: c.kv.fetch_layers("prefix", device="cuda"), 3)
+print(f"fetch_layers bf16 {L} layers x {T} tokens (K+V {total / 2**30:.1f} GiB) device=cuda: "
+      f"{dt*1e3:.1f} ms {total / dt / 1e9:.1f} GB/s path={c.last_fetch_path}", flush=True)
+kv = c.kv.fetch_layers("prefix", [0, L - 1], device="cuda")
+want = torch.from_numpy(rows).to(torch.bfloat16).view(T, H, D).transpose(0, 1)
+print("fetch_layers equals the stored rows:", all(torch.equal(x.cpu(), want) for p in kv for x in p),
+      flush=True)
+del kv
+pin = torch.empty(total, dtype=torch.uint8, pin_memory=True); gpu4 = torch.empty(total, dtype=torch.uint8, device="cuda")
+dp = med(lambda: gpu4.copy_(pin, non_blocking=True), 3)
+print(f"torch pinned host->GPU copy of {total / 2**30:.1f} GiB: {dp*1e3:.1f} ms {total / dp / 1e9:.1f} GB/s; "
+      f"shm path / pinned = {dp / dt * 100:.0f} %", flush=True)
 c.close()
 srv.terminate(); srv.wait()

@@ -45,17 +45,6 @@ _CODEC_BY_DTYPE = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bflo
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # lossless codec -> torch
 
 
-def _coalesce(pieces):
-    """(segment, offset, length) pieces with runs adjacent in one segment merged."""
-    out: list[list[int]] = []
-    for s, o, n in pieces:
-        if out and out[-1][0] == s and out[-1][1] + out[-1][2] == o:
-            out[-1][2] += n
-        else:
-            out.append([s, o, n])
-    return out
-
-
 def _torch():
     return _wire.torch_module()
 
@@ -362,50 +351,16 @@ class PionPromptCache:
         return self._shape[ns]
 
     def _fetch_group_shm(self, ns: str, n: int):
-        """Layers 0..n-1 of namespace ns over shared memory straight to the GPU, or None when
-        this path does not apply (TCP client, model not on a GPU, lossy codec, a mapping CUDA
-        will not register). Each layer's K and V rows are DMA'd from the CUDA-registered
-        mapping (one copy per run of adjacent chunks) into a device staging buffer and laid
-        out as [1, H, T, D] in the model's dtype there; everything is queued on one stream, the
-        leases are held until it has finished, then released."""
-        torch = _torch()
-        ch = self.client._shm_channel()
-        if ch is None or self.device.type != "cuda" or self.codec not in _DTYPES:
+        """Layers 0..n-1 of namespace ns over shared memory straight to the GPU
+        (client.kv.fetch_layers: one pipelined fetch, DMA from the CUDA-registered mapping,
+        laid out in the model's dtype on the device), or None when this path does not apply
+        (TCP client, model not on a GPU, lossy codec)."""
+        if self.client._shm_channel() is None or self.device.type != "cuda" or \
+                self.codec not in _DTYPES:
             return None
-        src_dtype = getattr(torch, _DTYPES[self.codec])
-        t, h, d = self._layer_shape(ns)
-        want = t * h * d * torch.empty(0, dtype=src_dtype).element_size()
-        staging = torch.empty((2, want), dtype=torch.uint8, device=self.device)
-        fetched = ch.fetch_ranges([(ns + sfx, j * t, (j + 1) * t) for j in range(n)
-                                   for sfx in ("_pk", "_pv")], model=self.model_id)
-        out = []
-        try:
-            if not all(ch.cuda_register(s) for s in {p[0] for f in fetched for p in f[1]}):
-                return None
-            for j in range(n):
-                pair = []
-                for x in range(2):
-                    _lease, pieces, _rb, nbytes = fetched[2 * j + x]
-                    if nbytes != want:
-                        raise RuntimeError("%s layer %d holds %d bytes, expected %d" % (
-                            ns, j, nbytes, want))
-                    pos = 0
-                    with warnings.catch_warnings():  # torch warns on read-only sources
-                        warnings.simplefilter("ignore")
-                        for s, o, ln in _coalesce(pieces):
-                            src = torch.from_numpy(np.frombuffer(ch.maps[s], np.uint8, ln, o))
-                            staging[x, pos:pos + ln].copy_(src, non_blocking=True)
-                            pos += ln
-                    dst = torch.empty((1, h, t, d), dtype=self.dtype, device=self.device)
-                    dst[0].copy_(staging[x].view(src_dtype).view(t, h, d).transpose(0, 1))
-                    pair.append(dst)
-                out.append(tuple(pair))
-        finally:
-            # The copies are done with the leased bytes before the leases go.
-            torch.cuda.current_stream(self.device).synchronize()
-            ch.release_many([f[0] for f in fetched])
-        self.client.last_fetch_path = "shm-cuda"
-        return out
+        kvs = self.client.kv.fetch_layers(ns, range(n), device=self.device, dtype=self.dtype,
+                                          model=self.model_id)
+        return [(k[None], v[None]) for k, v in kvs]
 
     def _fetch_group_ipc(self, sid: str, n: int):
         """Slots 0..n-1 of session sid copied device to device (CUDA IPC) into [1, H, T, D]
