@@ -30,6 +30,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
 from bench_protocol import free_port, git_info, machine_info, start_server, stop  # noqa: E402
 from test_shm import ShmConn, attach  # noqa: E402  (the raw SCM_RIGHTS client of the tests)
 
@@ -47,6 +48,61 @@ def timed(fn, reps):
     return statistics.median(out)
 
 
+def bench_prefix(a, pport: int, psock: str, layer: np.ndarray) -> dict:
+    """A whole prefix: --prefix-layers layers of --prefix-tokens tokens, K and V (fp16), fetched
+    into one preallocated array of the client: per-layer RAW replies over TCP and over the Unix
+    socket, the shared-memory path of the Python client (one leased range per session, copied
+    out of the mapping), and a memcpy of the same bytes. Returns {"bytes", "rows": [(name, s)]}."""
+    import pion
+    L, T = a.prefix_layers, a.prefix_tokens
+    dim = a.kv_heads * a.head_dim
+    c = pion.Client(unix_socket_path=psock, socket_timeout=600)
+    c.kv.register("prefix", L, T, a.kv_heads, a.head_dim, "fp16")
+    rows = np.resize(layer, (T, dim))  # one layer's rows, repeated to T tokens
+    for j in range(L):
+        for sfx in ("_pk", "_pv"):
+            c.v.store_batch("prefix" + sfx, j * T, rows)
+    row_bytes = dim * 2
+    per = T * row_bytes
+    total = 2 * L * per
+    dst = np.empty(total, np.uint8)
+    dst[:] = 0  # fault the pages in once: every path writes into the same resident array
+    tcp = redis.Redis(port=pport)
+    unix = redis.Redis(unix_socket_path=psock)
+
+    def sockets(client):
+        def run():
+            pipe_pos = 0
+            for j in range(L):
+                for sfx in ("_pk", "_pv"):
+                    b = client.execute_command("V.FETCH", "prefix" + sfx, "RANGE", j * T,
+                                               (j + 1) * T, "RAW")
+                    dst[pipe_pos:pipe_pos + per] = np.frombuffer(b, np.uint8)
+                    pipe_pos += per
+        return run
+
+    def shm():
+        half = L * per
+        c.v.fetch_raw("prefix_pk", 0, L * T, decode=False, into=dst[:half])
+        c.v.fetch_raw("prefix_pv", 0, L * T, decode=False, into=dst[half:])
+
+    shm()
+    want = tcp.execute_command("V.FETCH", "prefix_pv", "RANGE", (L - 1) * T, L * T, "RAW")
+    assert c.last_fetch_path == "shm" and dst[-per:].tobytes() == want  # byte for byte
+    src = np.empty(total, np.uint8)
+    src[:] = 1
+
+    def memcpy():
+        dst[:] = src
+
+    out = []
+    for name, fn in (("pion_tcp_raw", sockets(tcp)), ("pion_unix_raw", sockets(unix)),
+                     ("pion_shm", shm), ("memcpy", memcpy)):
+        out.append((name, timed(fn, a.prefix_reps)))
+    c.close()
+    return {"bytes": total, "rows": out}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pion", default="build/pion-server")
@@ -55,6 +111,11 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--prefix-layers", type=int, default=32,
+                    help="whole-prefix case: layers (0 skips it)")
+    ap.add_argument("--prefix-tokens", type=int, default=8192,
+                    help="whole-prefix case: tokens per layer (32768 = a 4 GiB 8B-model prefix)")
+    ap.add_argument("--prefix-reps", type=int, default=3)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="pion-bench-shm-"))
@@ -62,6 +123,7 @@ def main() -> int:
     pport, rport = free_port(), free_port()
     procs = []
     rows = []
+    prefix = None
     try:
         p = start_server([a.pion, "--port", str(pport), "--metrics-port", "0", "--binary-port", "0", "--dir",
                           str(tmp / "d"), "--unixsocket", psock], pport, "pion", tmp / "pion.log")
@@ -107,11 +169,19 @@ def main() -> int:
         def rget():
             np.frombuffer(rr.get("layer"), np.uint8).copy()
 
+        src = np.frombuffer(raw, np.uint8)
+
+        def memcpy():  # the machine's copy of the same bytes into a fresh array (the ceiling)
+            out = np.empty(nbytes, np.uint8)
+            out[:] = src
+
         for name, fn in (("pion_tcp_raw", fetch(tcp)), ("pion_unix_raw", fetch(unix)),
-                         ("pion_shm", shm), ("redis_unix_get", rget)):
+                         ("pion_shm", shm), ("redis_unix_get", rget), ("memcpy", memcpy)):
             t = timed(fn, a.reps)
             rows.append((name, t))
         c.close()
+        if a.prefix_layers:
+            prefix = bench_prefix(a, pport, psock, layer)
     finally:
         for p in procs:
             stop(p)
@@ -119,14 +189,29 @@ def main() -> int:
     today = dt.date.today().isoformat()
     m = machine_info()
     lines = [f"# Same-host layer fetch — {today}", "",
-             f"Command: `/usr/bin/python3 bench/bench_shm.py`  ", f"Commit: {git_info()}  ",
+             f"Command: `/usr/bin/python3 bench/bench_shm.py --prefix-tokens {a.prefix_tokens}`  ",
+             f"Commit: {git_info()}  ",
              f"Machine: {m.get('cpu')}, {m.get('nproc')} cores, {m.get('memory')}, {m.get('os')}  ",
              f"One layer: {a.tokens} tokens x {a.kv_heads} heads x {a.head_dim} fp16 = "
              f"{nbytes / 2**20:.1f} MiB; median of {a.reps} fetches into a fresh numpy array "
              "(redis-py client, one connection).", "",
              "| path | ms | GB/s | vs redis GET over its Unix socket |", "|---|---:|---:|---:|"]
+    mc = dict(rows)["memcpy"]
+    lines[-2] = "| path | ms | GB/s | vs redis GET over its Unix socket | of memcpy |"
+    lines[-1] = "|---|---:|---:|---:|---:|"
     for name, t in rows:
-        lines.append(f"| {name} | {t * 1e3:.2f} | {nbytes / t / 1e9:.2f} | {peer / t:.2f}× |")
+        lines.append(f"| {name} | {t * 1e3:.2f} | {nbytes / t / 1e9:.2f} | {peer / t:.2f}× "
+                     f"| {mc / t * 100:.0f} % |")
+    if prefix:
+        pb, pm = prefix["bytes"], dict(prefix["rows"])["memcpy"]
+        lines += ["", f"Whole prefix: {a.prefix_layers} layers x {a.prefix_tokens} tokens x "
+                  f"{a.kv_heads} heads x {a.head_dim} fp16, K and V = {pb / 2**30:.2f} GiB, into "
+                  f"one resident array; median of {a.prefix_reps} (per-layer RAW replies over "
+                  "the sockets; the shared-memory path of the Python client, one leased range "
+                  "per session).", "",
+                  "| path | ms | GB/s | of memcpy |", "|---|---:|---:|---:|"]
+        for name, t in prefix["rows"]:
+            lines.append(f"| {name} | {t * 1e3:.1f} | {pb / t / 1e9:.2f} | {pm / t * 100:.0f} % |")
     text = "\n".join(lines) + "\n"
     out = Path(a.out) if a.out else REPO / "bench" / "results" / f"shm-{today}.md"
     out.write_text(text)

@@ -64,6 +64,7 @@ MAX_OPEN = 256
 
 _open: "collections.OrderedDict[bytes, int]" = collections.OrderedDict()  # handle -> base ptr
 _devices: dict[str, int] = {}  # PCI bus id -> device ordinal
+_ready: set[int] = set()  # devices whose primary context torch has made current
 _mu = threading.Lock()
 
 
@@ -119,7 +120,9 @@ class GpuView:
         if not torch.cuda.is_available():
             raise errors.PionError("CUDA IPC needs torch with CUDA")
         self.device = torch.device("cuda", _device_of(export["device"]))
-        torch.zeros(1, device=self.device)  # the device's primary context is current from here
+        if self.device.index not in _ready:  # the device's primary context is current from here
+            torch.zeros(1, device=self.device)
+            _ready.add(self.device.index)
         self.export = export
         base = _map(torch, self.device, bytes(export["handle"]))
         shape = (export["heads"], export["rows"], export["head_dim"])

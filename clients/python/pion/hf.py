@@ -325,8 +325,7 @@ class PionPromptCache:
         for g in groups:
             ns, idxs = self._ns(base, g), self.plan.groups[g]
             if self.transport == "ipc":
-                self.bind(base, g, pos)
-                kvs = self._fetch_group_ipc(self._slot_sid(base, g), len(idxs))
+                kvs = self._fetch_group_ipc(base, g, pos)
             else:
                 kvs = self._fetch_group_shm(ns, len(idxs))
                 if kvs is None:
@@ -362,12 +361,19 @@ class PionPromptCache:
                                           model=self.model_id)
         return [(k[None], v[None]) for k, v in kvs]
 
-    def _fetch_group_ipc(self, sid: str, n: int):
-        """Slots 0..n-1 of session sid copied device to device (CUDA IPC) into [1, H, T, D]
-        tensors of the model's dtype; the exports' leases are held until the copies finished."""
+    def _fetch_group_ipc(self, base: str, group: str, pos: str | None):
+        """The group's slots copied device to device (CUDA IPC) into [1, H, T, D] tensors of
+        the model's dtype; the exports' leases are held until the copies finished. Slots not
+        resident in the server's GPU memory are bound from the namespace first."""
         from .cuda_ipc import GpuView
+        from .errors import MissError
         torch = _torch()
-        exports = self.client.attend.export_many(sid, range(n))  # one round trip
+        sid, n = self._slot_sid(base, group), len(self.plan.groups[group])
+        try:
+            exports = self.client.attend.export_many(sid, range(n))  # one round trip
+        except MissError:  # first request of this prefix, or evicted: bind, then export
+            self.bind(base, group, pos)
+            exports = self.client.attend.export_many(sid, range(n))
         views, out = [], []
         try:
             for ex in exports:
