@@ -8,8 +8,9 @@ the same RAW bytes as a redis key, then times (median of --reps, after a warm-up
 with the bytes in a fresh numpy array of the client:
   pion_tcp_raw     redis-py V.FETCH RANGE … RAW over TCP loopback
   pion_unix_raw    the same over the Unix socket
-  pion_shm         V.FETCH … SHM over the Unix socket + copy from the read-only mapping
-                   (+ SHM.RELEASE, pipelined with the next fetch's round trip excluded)
+  pion_shm         the Python client's shared-memory path (pion.Client on the Unix socket,
+                   v.fetch_raw): V.FETCH … SHM, copy from the read-only mapping, SHM.RELEASE
+  memcpy           numpy's copy of the same bytes into a fresh array (the ceiling)
   redis_unix_get   redis-py GET of the same bytes over redis's Unix socket (the peer)
 Prints GB/s per path and ratios to the peer; writes bench/results/shm-<date>.md.
 
@@ -32,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
 from bench_protocol import free_port, git_info, machine_info, start_server, stop  # noqa: E402
-from test_shm import ShmConn, attach  # noqa: E402  (the raw SCM_RIGHTS client of the tests)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -150,33 +150,35 @@ def main() -> int:
                 np.frombuffer(b, np.uint8).copy()
             return run
 
-        c = ShmConn(psock)
-        maps, _ = attach(c)
+        import pion
+        c = pion.Client(unix_socket_path=psock)
 
-        def shm():
-            reply = c.call("V.FETCH", "layer", "RANGE", 0, a.tokens, "SHM")
-            r = dict(zip([k.decode() for k in reply[::2]], reply[1::2]))
-            out = np.empty(r["bytes"], np.uint8)
-            pos = 0
-            for seg, off, ln in r["pieces"]:
-                out[pos:pos + ln] = np.frombuffer(maps[seg], np.uint8, ln, off)
-                pos += ln
-            c.call("SHM.RELEASE", r["lease"])
-            return out
+        def shm():  # the Python client's path: V.FETCH … SHM, copy out, SHM.RELEASE
+            return c.v.fetch_raw("layer", 0, a.tokens, decode=False,
+                                 into=np.empty(nbytes, np.uint8))
 
-        assert shm().tobytes() == raw  # byte for byte, before timing
+        assert shm().tobytes() == raw and c.last_fetch_path == "shm"  # byte for byte
 
         def rget():
             np.frombuffer(rr.get("layer"), np.uint8).copy()
 
         src = np.frombuffer(raw, np.uint8)
+        resident = np.zeros(nbytes, np.uint8)  # e.g. an engine's pinned staging buffer
 
         def memcpy():  # the machine's copy of the same bytes into a fresh array (the ceiling)
             out = np.empty(nbytes, np.uint8)
             out[:] = src
 
+        def shm_resident():
+            c.v.fetch_raw("layer", 0, a.tokens, decode=False, into=resident)
+
+        def memcpy_resident():
+            resident[:] = src
+
         for name, fn in (("pion_tcp_raw", fetch(tcp)), ("pion_unix_raw", fetch(unix)),
-                         ("pion_shm", shm), ("redis_unix_get", rget), ("memcpy", memcpy)):
+                         ("pion_shm", shm), ("redis_unix_get", rget), ("memcpy", memcpy),
+                         ("pion_shm into a resident buffer", shm_resident),
+                         ("memcpy into a resident buffer", memcpy_resident)):
             t = timed(fn, a.reps)
             rows.append((name, t))
         c.close()
@@ -194,14 +196,17 @@ def main() -> int:
              f"Machine: {m.get('cpu')}, {m.get('nproc')} cores, {m.get('memory')}, {m.get('os')}  ",
              f"One layer: {a.tokens} tokens x {a.kv_heads} heads x {a.head_dim} fp16 = "
              f"{nbytes / 2**20:.1f} MiB; median of {a.reps} fetches into a fresh numpy array "
-             "(redis-py client, one connection).", "",
+             "(redis-py client, one connection), and into one resident buffer (`into=`; the "
+             "memcpy rows are the same copies between the process's own arrays).", "",
              "| path | ms | GB/s | vs redis GET over its Unix socket |", "|---|---:|---:|---:|"]
     mc = dict(rows)["memcpy"]
+    mcr = dict(rows)["memcpy into a resident buffer"]
     lines[-2] = "| path | ms | GB/s | vs redis GET over its Unix socket | of memcpy |"
     lines[-1] = "|---|---:|---:|---:|---:|"
     for name, t in rows:
+        base = mcr if "resident" in name else mc
         lines.append(f"| {name} | {t * 1e3:.2f} | {nbytes / t / 1e9:.2f} | {peer / t:.2f}× "
-                     f"| {mc / t * 100:.0f} % |")
+                     f"| {base / t * 100:.0f} % |")
     if prefix:
         pb, pm = prefix["bytes"], dict(prefix["rows"])["memcpy"]
         lines += ["", f"Whole prefix: {a.prefix_layers} layers x {a.prefix_tokens} tokens x "

@@ -771,6 +771,33 @@ def test_shm_fetch_into_caller_buffer(unix_srv):
         assert _wait_leases(tcp, 0) == 0
 
 
+def test_shm_large_multi_piece_fetch_shared_between_threads(unix_srv):
+    """A fetch of several MiB whose rows lie in several non-adjacent pieces (two sessions
+    written in turns) is copied by the calling thread and the copy pool (read_into splits the
+    bytes in shares that cut across pieces): byte for byte the TCP reply, fresh or into=."""
+    from pion import shm
+    rng = np.random.default_rng(11)
+    with pion.Client(port=unix_srv.port) as tcp, \
+            pion.Client(unix_socket_path=unix_srv.sock_path) as u:
+        for sid in ("ta", "tb"):
+            tcp.v.create(sid, 1024, "fp32")  # 4 KiB rows
+        for r in range(6):  # turns of 320 rows: the chunks of ta and tb interleave
+            for sid in ("ta", "tb"):
+                u.v.store_batch(sid, r * 320, rnd(rng, 320, 1024))
+        n = 6 * 320  # 7.5 MiB
+        lease, pieces, _, nbytes = u._shm_channel().fetch_range("ta", 0, n)
+        u._shm_channel().release(lease)
+        assert nbytes >= shm.PARALLEL_BYTES and len(pieces) > 1, pieces
+        want = tcp.v.fetch_raw("ta", 0, n, decode=False)
+        assert u.v.fetch_raw("ta", 0, n, decode=False) == want
+        assert u.last_fetch_path == "shm"
+        buf = np.full(nbytes + 4096, 0xAB, np.uint8)
+        got = u.v.fetch_raw("ta", 7, n - 5, decode=False, into=buf)
+        assert got.tobytes() == tcp.v.fetch_raw("ta", 7, n - 5, decode=False)
+        assert np.all(buf[got.size:] == 0xAB)  # nothing written past the fetched bytes
+        assert _wait_leases(tcp, 0) == 0
+
+
 def test_shm_close_releases_leases_and_opt_out(unix_srv):
     with pion.Client(port=unix_srv.port) as tcp:
         tcp.v.create("cl", 64, "fp16")

@@ -167,7 +167,7 @@ class Client:
                 out = _byte_view(into)[:nbytes]
             ch.read_into(pieces, out)
         finally:
-            ch.release(lease)
+            ch.release_later(lease)  # its reply is read with the channel's next command
         return out
 
 

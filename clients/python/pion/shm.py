@@ -28,6 +28,23 @@ import numpy as np
 from . import errors
 
 _MAX_FDS = 1024
+PARALLEL_BYTES = 4 << 20  # reads this large are shared between threads
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _copy_pool():
+    """The shared copy pool (helpers for the calling thread: up to 3), or None on a
+    single-core machine."""
+    global _pool
+    helpers = min(4, os.cpu_count() or 1) - 1
+    if helpers < 1:
+        return None
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _pool = ThreadPoolExecutor(helpers, thread_name_prefix="pion-shm-copy")
+    return _pool
 
 
 class ShmChannel:
@@ -44,6 +61,7 @@ class ShmChannel:
         self.leases: set[int] = set()
         self._lock = threading.RLock()
         self._buf = b""
+        self._pending = 0  # replies of release_later not read yet
         self._fds: list[int] = []
         self._closed = False
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -115,6 +133,9 @@ class ShmChannel:
             raise errors.PionConnectionError("SHM channel is closed")
         try:
             self.sock.sendall(payload)
+            for _ in range(self._pending):  # replies of release_later, sent before these
+                self._reply()
+            self._pending = 0
             return [self._reply() for _ in range(n)]
         except OSError as e:  # socket.timeout included
             self.close()  # the stream is out of step now; the Client opens a new one
@@ -212,15 +233,44 @@ class ShmChannel:
 
     def read_into(self, pieces, out: np.ndarray) -> int:
         """Copies the pieces, concatenated, into `out` (a contiguous array, viewed as uint8);
-        returns the number of bytes written."""
+        returns the number of bytes written. Large reads (PARALLEL_BYTES or more) are shared
+        between the calling thread and a small pool (numpy releases the GIL while it
+        copies): one core's copy of pieces this size runs without the non-temporal stores
+        glibc keeps for larger sizes, and two cores reach the machine's memcpy rate
+        (bench/results/shm-2026-12-01.md)."""
         dst = out.reshape(-1).view(np.uint8) if out.dtype != np.uint8 or out.ndim != 1 else out
         total = sum(n for _, _, n in pieces)
         if total > dst.size:
             raise ValueError("into= holds %d bytes, the fetch needs %d" % (dst.size, total))
-        pos = 0
+        jobs, pos = [], 0
         for s, o, n in pieces:
-            dst[pos:pos + n] = np.frombuffer(self.maps[s], dtype=np.uint8, count=n, offset=o)
+            jobs.append((np.frombuffer(self.maps[s], dtype=np.uint8, count=n, offset=o), pos))
             pos += n
+        pool = _copy_pool() if total >= PARALLEL_BYTES else None
+        if pool is None:
+            for src, at in jobs:
+                dst[at:at + src.size] = src
+            return pos
+        # One share of the bytes per worker (the calling thread copies the last), each share
+        # a list of (source slice, destination offset).
+        workers = pool._max_workers + 1
+        share = -(-pos // workers)
+        shares: list[list] = [[] for _ in range(workers)]
+        for src, at in jobs:
+            i = 0
+            while i < src.size:
+                w = (at + i) // share
+                n = min(src.size - i, (w + 1) * share - (at + i))
+                shares[w].append((src[i:i + n], at + i))
+                i += n
+
+        def copy(parts):
+            for src, at in parts:
+                dst[at:at + src.size] = src
+        futures = [pool.submit(copy, p) for p in shares[:-1] if p]
+        copy(shares[-1])
+        for f in futures:
+            f.result()
         return pos
 
     def store_rows(self, sid: str, start: int, rows, checksum: bool = False) -> int:
@@ -280,6 +330,21 @@ class ShmChannel:
             if self._closed:
                 return False  # closing the connection already released it
             return bool(self.call("SHM.RELEASE", int(lease)))
+
+    def release_later(self, lease: int) -> None:
+        """SHM.RELEASE without waiting for the reply: the server releases the lease as soon as
+        it reads the command (in order with this connection's others); its reply is read with
+        the next command's. Saves a round trip per fetch."""
+        with self._lock:
+            self.leases.discard(int(lease))
+            if self._closed:
+                return
+            try:
+                self.sock.sendall(self._encode(("SHM.RELEASE", int(lease))))
+            except OSError as e:
+                self.close()
+                raise errors.PionConnectionError("SHM channel: %s" % e) from e
+            self._pending += 1
 
     def release_many(self, leases) -> int:
         """SHM.RELEASE of several leases, pipelined; returns how many this connection held."""
