@@ -191,7 +191,8 @@ def main() -> int:
     today = dt.date.today().isoformat()
     m = machine_info()
     lines = [f"# Same-host layer fetch — {today}", "",
-             f"Command: `/usr/bin/python3 bench/bench_shm.py --prefix-tokens {a.prefix_tokens}`  ",
+             f"Command: `/usr/bin/python3 bench/bench_shm.py --prefix-tokens {a.prefix_tokens} "
+             f"--prefix-reps {a.prefix_reps}`  ",
              f"Commit: {git_info()}  ",
              f"Machine: {m.get('cpu')}, {m.get('nproc')} cores, {m.get('memory')}, {m.get('os')}  ",
              f"One layer: {a.tokens} tokens x {a.kv_heads} heads x {a.head_dim} fp16 = "
