@@ -338,3 +338,43 @@ def test_fetch_reports_the_arena_punch_epoch(shm_server):
         c.call("SHM.RELEASE", lease)
     finally:
         c.close()
+
+
+def test_mappings_are_scoped_to_the_tenant(pion_factory, tmp_path):
+    """Two tenants on one Unix socket: a tenant's SHM.ATTACH hands over only its own arena's
+    segments (none of them holds the other tenant's bytes), it cannot fetch the other's
+    session as a mapping (keys are per tenant), nor release the other's lease."""
+    path = str(tmp_path / "t.sock")
+    if len(path) > 100:
+        pytest.skip("tmp path too long for a Unix socket")
+    users = tmp_path / "users.txt"
+    users.write_text("alice apw tenant-a\nbob bpw tenant-b\n")
+    pion_factory("--unixsocket", path, "--shm-segment-size", "4mb", "--users", str(users))
+    a, b = ShmConn(path), ShmConn(path)
+    try:
+        assert a.call("AUTH", "alice", "apw") == "OK" and b.call("AUTH", "bob", "bpw") == "OK"
+        secret = np.full((64, 64), 1234.5, np.float32)
+        assert a.call("V.CREATE", "kv", 64, "fp32") == "OK"
+        assert a.call("V.STOREBATCH", "kv", 0, secret.tobytes()) == 64
+        amaps, _ = attach(a)
+        lease, data, _ = shm_fetch(a, amaps, "kv", 0, 64)
+        assert data == secret.tobytes()
+        # bob: his own (fresh) arena only, and nothing of alice's in it
+        bmaps, _ = attach(b)
+        assert not set(bmaps) & set(amaps)
+        needle = secret.tobytes()[:256]
+        assert all(m[:].find(needle) < 0 for m in bmaps.values())
+        err = b.call("V.FETCH", "kv", "RANGE", 0, 64, "SHM")
+        assert isinstance(err, RuntimeError) and "no such session" in str(err), err
+        assert b.call("SHM.RELEASE", lease) == 0  # not his lease: nothing released
+        assert a.call("SHM.RELEASE", lease) == 1  # still alice's
+        # bob's own session lands in his arena, which alice never gets
+        assert b.call("V.CREATE", "kv", 64, "fp32") == "OK"
+        assert b.call("V.STOREBATCH", "kv", 0, np.zeros((64, 64), np.float32).tobytes()) == 64
+        _, bdata, r = shm_fetch(b, bmaps, "kv", 0, 64)
+        assert bdata == bytes(64 * 64 * 4)
+        assert all(seg not in amaps for seg, _, _ in r["pieces"])
+        assert not set(attach(a)[0]) & set(bmaps)
+    finally:
+        a.close()
+        b.close()
