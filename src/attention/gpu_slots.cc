@@ -2,6 +2,16 @@
 
 namespace pion::attention {
 
+StatusOr<std::string> GpuCopy::IpcHandle() const {
+  std::lock_guard<std::mutex> lock(ipc_mu_);
+  if (ipc_handle_.empty()) {
+    auto h = gpu::IpcHandle(base());
+    if (!h.ok()) return h.status();
+    ipc_handle_ = std::move(h).value();
+  }
+  return ipc_handle_;
+}
+
 GpuCopy::~GpuCopy() {
   if (owner_ != nullptr) owner_->Unlink(this);
 }

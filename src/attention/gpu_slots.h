@@ -17,6 +17,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "common/status.h"
 #include "kernels/attention.h"
@@ -34,6 +35,9 @@ class GpuCopy {
   const gpu::Event& ready() const { return ready_; }
   uint64_t bytes() const { return bytes_; }
   bool evicted() const { return evicted_.load(std::memory_order_acquire); }
+  // The CUDA IPC handle of this copy's allocation (ATTEND.PREFIX.EXPORT): asked of the driver
+  // once, then reused — the allocation, and so its handle, stays the same for the copy's life.
+  StatusOr<std::string> IpcHandle() const;
 
  private:
   friend class GpuSlots;
@@ -44,6 +48,8 @@ class GpuCopy {
   uint64_t bytes_ = 0;  // charged
   gpu::Event ready_;
   std::atomic<bool> evicted_{false};
+  mutable std::mutex ipc_mu_;
+  mutable std::string ipc_handle_;     // guarded by ipc_mu_; empty until first asked
   int readers_ = 0;                    // guarded by owner_->mu_
   std::list<GpuCopy*>::iterator lru_;  // guarded by owner_->mu_; valid while linked
   bool linked_ = false;

@@ -501,7 +501,7 @@ void Export(CommandContext& ctx, CmdArgs& args) {
                             "the slot's GPU copy was evicted for room meanwhile (--gpu-memory); "
                             "ATTEND.PREFIX.STORE it again"));
   }
-  auto handle = gpu::IpcHandle(slot->gpu->k());
+  auto handle = slot->gpu->IpcHandle();
   if (!handle.ok()) return ctx.Error(handle.status());
   const uint64_t v_offset = static_cast<uint64_t>(static_cast<const uint8_t*>(slot->gpu->v()) -
                                                   static_cast<const uint8_t*>(slot->gpu->k()));

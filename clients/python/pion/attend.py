@@ -183,10 +183,17 @@ class Attend:
         """SHM.RELEASE of an export's lease (the slot's GPU copy may be evicted again)."""
         return self.release_exports([lease]) == 1
 
-    def release_exports(self, leases) -> int:
-        """SHM.RELEASE of several exports' leases, pipelined; returns how many were held."""
+    def release_exports(self, leases, wait: bool = True) -> int | None:
+        """SHM.RELEASE of several exports' leases, pipelined; returns how many were held. With
+        wait=False the releases are sent and their replies read with the channel's next
+        command (returns None)."""
         ch = self._c._shm_channel()
-        return 0 if ch is None else ch.release_many(leases)
+        if ch is None:
+            return 0
+        if not wait:
+            ch.release_later(*leases)
+            return None
+        return ch.release_many(leases)
 
     def _shm(self, what: str):
         ch = self._c._shm_channel()

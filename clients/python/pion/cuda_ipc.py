@@ -21,7 +21,7 @@ import threading
 from . import _wire, errors
 
 _LAZY_ENABLE_PEER_ACCESS = 1
-_TYPESTR = {"fp32": "<f4", "fp16": "<f2"}
+_DTYPE = {"fp32": lambda torch: torch.float32, "fp16": lambda torch: torch.float16}
 
 
 class _Handle(ctypes.Structure):
@@ -62,7 +62,7 @@ def _check(rc: int, what: str) -> None:
 
 MAX_OPEN = 256
 
-_open: "collections.OrderedDict[bytes, int]" = collections.OrderedDict()  # handle -> base ptr
+_open: "collections.OrderedDict[bytes, _Mapping]" = collections.OrderedDict()  # by handle
 _devices: dict[str, int] = {}  # PCI bus id -> device ordinal
 _ready: set[int] = set()  # devices whose primary context torch has made current
 _mu = threading.Lock()
@@ -77,29 +77,44 @@ def _device_of(bus_id: str) -> int:
     return _devices[bus_id]
 
 
-def _map(torch, device, raw: bytes) -> int:
-    """The base address of the allocation `raw` names, opened once and cached."""
+class _Mapping:
+    """One opened allocation: its base address and a uint8 tensor over the bytes seen so far
+    (views of K and V are slices of it: cheaper than a tensor per view)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+        self.bytes = None
+
+    def span(self, torch, device, n: int):
+        if self.bytes is None or self.bytes.numel() < n:
+            self.bytes = torch.as_tensor(_CudaArray(self.ptr, (n,), "|u1"), device=device)
+        return self.bytes
+
+
+def _map(torch, device, raw: bytes) -> _Mapping:
+    """The mapping of the allocation `raw` names, opened once and cached."""
     with _mu:
-        ptr = _open.get(raw)
-        if ptr is not None:
+        m = _open.get(raw)
+        if m is not None:
             _open.move_to_end(raw)
-            return ptr
+            return m
         handle = _Handle()
         ctypes.memmove(ctypes.byref(handle), raw, 64)
         out = ctypes.c_uint64(0)
         with torch.cuda.device(device):
             _check(_driver().pion_open(ctypes.byref(out), handle, _LAZY_ENABLE_PEER_ACCESS),
                    "cuIpcOpenMemHandle")
-        _open[raw] = out.value
+        m = _open[raw] = _Mapping(out.value)
         while len(_open) > MAX_OPEN:
             _unmap(torch, *_open.popitem(last=False))
-        return out.value
+        return m
 
 
-def _unmap(torch, raw: bytes, ptr: int) -> None:
+def _unmap(torch, raw: bytes, m: _Mapping) -> None:
     torch.cuda.synchronize()  # work reading the mapping is done
     # An error here (the exporting server has exited, say) leaves nothing to undo.
-    _driver().cuIpcCloseMemHandle(ptr)
+    m.bytes = None
+    _driver().cuIpcCloseMemHandle(m.ptr)
 
 
 def close_all() -> None:
@@ -124,13 +139,14 @@ class GpuView:
             torch.zeros(1, device=self.device)
             _ready.add(self.device.index)
         self.export = export
-        base = _map(torch, self.device, bytes(export["handle"]))
+        m = _map(torch, self.device, bytes(export["handle"]))
         shape = (export["heads"], export["rows"], export["head_dim"])
-        typestr = _TYPESTR[export["dtype"]]
-        self.k = torch.as_tensor(_CudaArray(base + export["k_offset"], shape, typestr),
-                                 device=self.device)
-        self.v = torch.as_tensor(_CudaArray(base + export["v_offset"], shape, typestr),
-                                 device=self.device)
+        dtype = _DTYPE[export["dtype"]](torch)
+        n = int(export["bytes"])
+        k0, v0 = int(export["k_offset"]), int(export["v_offset"])
+        span = m.span(torch, self.device, max(k0, v0) + n)
+        self.k = span[k0:k0 + n].view(dtype).view(shape)
+        self.v = span[v0:v0 + n].view(dtype).view(shape)
 
     def close(self) -> None:
         """Waits for the work queued on the view's device (it may read the mapping), then drops

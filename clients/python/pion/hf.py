@@ -389,7 +389,8 @@ class PionPromptCache:
         finally:
             for view in views:
                 view.close()
-            self.client.attend.release_exports([ex["lease"] for ex in exports])
+            # The copies have finished: the leases go without a round trip of their own.
+            self.client.attend.release_exports([ex["lease"] for ex in exports], wait=False)
         return out
 
     def _fill_states(self, cache, states: dict) -> None:

@@ -331,20 +331,21 @@ class ShmChannel:
                 return False  # closing the connection already released it
             return bool(self.call("SHM.RELEASE", int(lease)))
 
-    def release_later(self, lease: int) -> None:
-        """SHM.RELEASE without waiting for the reply: the server releases the lease as soon as
-        it reads the command (in order with this connection's others); its reply is read with
-        the next command's. Saves a round trip per fetch."""
+    def release_later(self, *leases: int) -> None:
+        """SHM.RELEASE of the leases without waiting for the replies: the server releases each
+        as soon as it reads the command (in order with this connection's others); the replies
+        are read with the next command's. Saves a round trip per fetch."""
+        leases = tuple(int(x) for x in leases)
         with self._lock:
-            self.leases.discard(int(lease))
-            if self._closed:
+            self.leases.difference_update(leases)
+            if self._closed or not leases:
                 return
             try:
-                self.sock.sendall(self._encode(("SHM.RELEASE", int(lease))))
+                self.sock.sendall(b"".join(self._encode(("SHM.RELEASE", x)) for x in leases))
             except OSError as e:
                 self.close()
                 raise errors.PionConnectionError("SHM channel: %s" % e) from e
-            self._pending += 1
+            self._pending += len(leases)
 
     def release_many(self, leases) -> int:
         """SHM.RELEASE of several leases, pipelined; returns how many this connection held."""
