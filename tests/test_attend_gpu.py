@@ -195,9 +195,11 @@ def test_export_needs_the_unix_socket_and_the_gpu(pion_factory, tmp_path):
     r = srv.client()
     rng = np.random.default_rng(5)
     store(r, "x", 0, rnd(rng, 2, 64, 64), rnd(rng, 2, 64, 64))
-    e = err(srv, "ATTEND.PREFIX.EXPORT", "x", 0)
-    assert e == ("ERR ATTEND.PREFIX.EXPORT is for same-host clients: connect over the "
-                 "--unixsocket socket"), e
+    for layers in ((0,), (0, 1)):
+        e = err(srv, "ATTEND.PREFIX.EXPORT", "x", *layers)
+        assert e == ("ERR ATTEND.PREFIX.EXPORT is for same-host clients: connect over the "
+                     "--unixsocket socket"), e
+    assert err(srv, "ATTEND.PREFIX.EXPORT", "x", 0, "two").startswith("ERR "), "bad layer"
     c = pion.Client(unix_socket_path=path)
     try:
         if ATTENTION_BACKEND == "cuda":
@@ -288,5 +290,40 @@ def test_export_lease_pins_the_copy_against_eviction(pion_factory, tmp_path):
         assert c.attend.release_export(ex["lease"])
         store(r, "p1", 0, *kv[1])  # now p0 (unheld, least recently used) goes
         assert r.execute_command("ATTEND.PREFIX.LOOKUP", "p0", 0) == b"MISS"
+    finally:
+        c.close()
+
+
+@on_gpu
+def test_export_of_several_layers_is_one_command_all_or_nothing(pion_factory, tmp_path):
+    """ATTEND.PREFIX.EXPORT <sid> <l0> <l1> …: an array of exports, one lease each, every view
+    reading its own layer; a missing layer fails the whole command and leaves no lease."""
+    torch = _torch_cuda()
+    if torch is None:
+        pytest.skip("needs torch with CUDA in the test process")
+    path = str(tmp_path / "pion.sock")
+    srv = pion_factory("-w", "2", "--unixsocket", path)
+    r = srv.client()
+    rng = np.random.default_rng(8)
+    h, n, d = 2, 256, 64
+    kv = [(rnd(rng, h, n, d), rnd(rng, h, n, d)) for _ in range(3)]
+    for j, (k, v) in enumerate(kv):
+        store(r, "m", j, k, v)
+    c = pion.Client(unix_socket_path=path)
+    try:
+        exports = c.attend.export_many("m", [2, 0, 1])
+        assert [e["rows"] for e in exports] == [n] * 3
+        assert len({e["lease"] for e in exports}) == 3
+        assert pion._wire.parse_map(c.execute("SHM.INFO"))["leases"] == 3
+        from pion.cuda_ipc import GpuView
+        for j, e in zip([2, 0, 1], exports):
+            view = GpuView(e)
+            assert np.array_equal(view.k.cpu().numpy(), kv[j][0])
+            assert np.array_equal(view.v.cpu().numpy(), kv[j][1])
+            view.close()
+        assert c.attend.release_exports([e["lease"] for e in exports]) == 3
+        with pytest.raises(pion.MissError):
+            c.attend.export_many("m", [0, 1, 7])  # layer 7 does not exist
+        assert pion._wire.parse_map(c.execute("SHM.INFO"))["leases"] == 0
     finally:
         c.close()

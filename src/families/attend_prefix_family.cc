@@ -474,14 +474,25 @@ void WriteShape(proto::ReplyBuilder& rb, const attention::Slot& slot) {
   rb.Bulk(kernels::DTypeName(slot.dtype));
 }
 
-// ATTEND.PREFIX.EXPORT <sid> <layer>: a CUDA IPC handle to the slot's GPU copy for a process on
-// the same host and GPU (Unix socket only, the caller's tenant only). The copy is pinned under a
-// lease — neither evicted nor freed, even if the slot is replaced or dropped — until SHM.RELEASE,
-// the connection closes, or --shm-lease-ttl-ms passes.
+// One exported layer, pinned and leased (see Export).
+struct Exported {
+  attention::SlotRef slot;
+  std::string handle;
+  uint64_t lease = 0;
+};
+
+// ATTEND.PREFIX.EXPORT <sid> <layer> [<layer> ...]: CUDA IPC handles to the slots' GPU copies
+// for a process on the same host and GPU (Unix socket only, the caller's tenant only). Each copy
+// is pinned under its own lease — neither evicted nor freed, even if the slot is replaced or
+// dropped — until SHM.RELEASE, the connection closes, or --shm-lease-ttl-ms passes. Several
+// layers are one command (one hop to the session's shard); all or nothing: when one cannot be
+// exported, the leases already granted are released and its error is the reply.
 void Export(CommandContext& ctx, CmdArgs& args) {
-  uint32_t layer;
-  Status s = ParseLayer(args[2], &layer);
-  if (!s.ok()) return ctx.Error(s);
+  std::vector<uint32_t> layers(args.size() - 2);
+  for (size_t i = 2; i < args.size(); ++i) {
+    Status s = ParseLayer(args[i], &layers[i - 2]);
+    if (!s.ok()) return ctx.Error(s);
+  }
   if (!ctx.unix_socket) {
     return ctx.Error(Error(
         "ATTEND.PREFIX.EXPORT is for same-host clients: connect over the --unixsocket socket"));
@@ -492,42 +503,55 @@ void Export(CommandContext& ctx, CmdArgs& args) {
         Error("ATTEND.PREFIX.EXPORT needs slots on the GPU (--attention-backend "
               "cuda); this server keeps them in host memory"));
   }
-  auto found = FindSlot(ctx, args[1], layer);
-  if (!found.ok()) return ctx.Error(found.status());
-  const attention::SlotRef slot = std::move(found).value();
-  auto pin = srv.gpu_slots()->Acquire(slot->gpu);
-  if (!pin) {
-    return ctx.Error(Status(ErrorKind::kMiss,
-                            "the slot's GPU copy was evicted for room meanwhile (--gpu-memory); "
-                            "ATTEND.PREFIX.STORE it again"));
+  std::vector<Exported> out;
+  out.reserve(layers.size());
+  auto fail = [&](const Status& s) {
+    for (const Exported& e : out) srv.shm().Release(ctx.client_id, e.lease);
+    ctx.Error(s);
+  };
+  for (uint32_t layer : layers) {
+    auto found = FindSlot(ctx, args[1], layer);
+    if (!found.ok()) return fail(found.status());
+    attention::SlotRef slot = std::move(found).value();
+    auto pin = srv.gpu_slots()->Acquire(slot->gpu);
+    if (!pin) {
+      return fail(Status(ErrorKind::kMiss, "the GPU copy of layer " + std::to_string(layer) +
+                                               " was evicted for room meanwhile (--gpu-memory); "
+                                               "ATTEND.PREFIX.STORE it again"));
+    }
+    auto handle = slot->gpu->IpcHandle();
+    if (!handle.ok()) return fail(handle.status());
+    auto lease = srv.shm().Grant(ctx.client_id, {}, slot->gpu->bytes(),
+                                 std::make_shared<attention::GpuSlots::Pin>(std::move(pin)));
+    if (!lease.ok()) return fail(lease.status());
+    out.push_back({std::move(slot), std::move(handle).value(), lease.value()});
   }
-  auto handle = slot->gpu->IpcHandle();
-  if (!handle.ok()) return ctx.Error(handle.status());
-  const uint64_t v_offset = static_cast<uint64_t>(static_cast<const uint8_t*>(slot->gpu->v()) -
-                                                  static_cast<const uint8_t*>(slot->gpu->k()));
-  auto lease = srv.shm().Grant(ctx.client_id, {}, slot->gpu->bytes(),
-                               std::make_shared<attention::GpuSlots::Pin>(std::move(pin)));
-  if (!lease.ok()) return ctx.Error(lease.status());
   auto& rb = *ctx.rb;
-  rb.Map(12);
-  rb.Bulk("handle");
-  rb.Bulk(handle.value());
-  rb.Bulk("device");
-  rb.Bulk(gpu::Info().pci_bus_id);
-  rb.Bulk("k_offset");
-  rb.Integer(0);
-  rb.Bulk("v_offset");
-  rb.Integer(static_cast<int64_t>(v_offset));
-  rb.Bulk("bytes");
-  rb.Integer(static_cast<int64_t>(uint64_t{slot->heads} * slot->rows * slot->d *
-                                  kernels::DTypeSize(slot->dtype)));
-  WriteShape(rb, *slot);
-  rb.Bulk("generation");
-  rb.Integer(static_cast<int64_t>(slot->generation));
-  rb.Bulk("lease");
-  rb.Integer(static_cast<int64_t>(lease.value()));
-  rb.Bulk("ttl_ms");
-  rb.Integer(static_cast<int64_t>(srv.shm().lease_ttl().count()));
+  if (out.size() > 1) rb.Array(out.size());
+  for (const Exported& e : out) {
+    const attention::Slot& slot = *e.slot;
+    const uint64_t v_offset = static_cast<uint64_t>(static_cast<const uint8_t*>(slot.gpu->v()) -
+                                                    static_cast<const uint8_t*>(slot.gpu->k()));
+    rb.Map(12);
+    rb.Bulk("handle");
+    rb.Bulk(e.handle);
+    rb.Bulk("device");
+    rb.Bulk(gpu::Info().pci_bus_id);
+    rb.Bulk("k_offset");
+    rb.Integer(0);
+    rb.Bulk("v_offset");
+    rb.Integer(static_cast<int64_t>(v_offset));
+    rb.Bulk("bytes");
+    rb.Integer(static_cast<int64_t>(uint64_t{slot.heads} * slot.rows * slot.d *
+                                    kernels::DTypeSize(slot.dtype)));
+    WriteShape(rb, slot);
+    rb.Bulk("generation");
+    rb.Integer(static_cast<int64_t>(slot.generation));
+    rb.Bulk("lease");
+    rb.Integer(static_cast<int64_t>(e.lease));
+    rb.Bulk("ttl_ms");
+    rb.Integer(static_cast<int64_t>(srv.shm().lease_ttl().count()));
+  }
 }
 
 void Info(CommandContext& ctx, CmdArgs& args) {
@@ -568,10 +592,10 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
   r.Register({"ATTEND.PREFIX.DROP", -2, kKv | kCmdWrite, 1, 1, 1, Drop, "attend_prefix",
               "Drops one layer's slot, or every layer of the session; replies how many.",
               "<sid> [<layer>]"});
-  r.Register({"ATTEND.PREFIX.EXPORT", 3, kKv | kCmdReadOnly, 1, 1, 1, Export, "attend_prefix",
-              "A CUDA IPC handle to the slot's GPU copy for a same-host process (Unix socket, "
-              "cuda backend), pinned under a lease until SHM.RELEASE.",
-              "<sid> <layer>"});
+  r.Register({"ATTEND.PREFIX.EXPORT", -3, kKv | kCmdReadOnly, 1, 1, 1, Export, "attend_prefix",
+              "CUDA IPC handles to slots' GPU copies for a same-host process (Unix socket, cuda "
+              "backend), each pinned under a lease until SHM.RELEASE; several layers: an array.",
+              "<sid> <layer> [<layer> ...]"});
   r.Register({"ATTEND.PREFIX.INFO", 2, kKv | kCmdReadOnly, 1, 1, 1, Info, "attend_prefix",
               "The session's resident layers: shape, storage type, bytes, generation, source.",
               "<sid>"});

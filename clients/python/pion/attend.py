@@ -168,16 +168,15 @@ class Attend:
         return self.export_many(sid, [layer])[0]
 
     def export_many(self, sid: str, layers) -> list[dict]:
-        """ATTEND.PREFIX.EXPORT of several layers of sid, pipelined (one round trip). All or
-        nothing: when one fails, the leases the others got are released and its error raised."""
-        replies = self._shm("ATTEND.PREFIX.EXPORT").call_many(
-            ("ATTEND.PREFIX.EXPORT", sid, int(j)) for j in layers)
-        failed = next((r for r in replies if isinstance(r, errors.PionError)), None)
-        out = [_parse_export(r) for r in replies if not isinstance(r, errors.PionError)]
-        if failed is not None:
-            self.release_exports([x["lease"] for x in out])
-            raise failed
-        return out
+        """ATTEND.PREFIX.EXPORT of several layers of sid in one command (one round trip, one
+        hop to the session's shard): a list of export dicts, one lease each. All or nothing:
+        when one layer cannot be exported the server keeps no lease and its error is raised."""
+        layers = [int(j) for j in layers]
+        if not layers:
+            return []
+        reply = self._shm("ATTEND.PREFIX.EXPORT").call("ATTEND.PREFIX.EXPORT", sid, *layers)
+        return [_parse_export(reply)] if len(layers) == 1 else \
+            [_parse_export(r) for r in reply]
 
     def release_export(self, lease: int) -> bool:
         """SHM.RELEASE of an export's lease (the slot's GPU copy may be evicted again)."""
