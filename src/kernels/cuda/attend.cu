@@ -62,6 +62,41 @@ __device__ inline float4 Load4(const __half* p) {
   return make_float4(a.x, a.y, b.x, b.y);
 }
 
+// Eight products of q[d..d+8) and x[0..8) into two accumulators (even and odd d): the FMA order
+// of every score, tiled or not, so that both give the same bits.
+__device__ inline void Fma8(float& e, float& o, const float* q, const float (&x)[8]) {
+  const float4 q0 = *reinterpret_cast<const float4*>(q);
+  const float4 q1 = *reinterpret_cast<const float4*>(q + 4);
+  e = fmaf(q0.x, x[0], e);
+  o = fmaf(q0.y, x[1], o);
+  e = fmaf(q0.z, x[2], e);
+  o = fmaf(q0.w, x[3], o);
+  e = fmaf(q1.x, x[4], e);
+  o = fmaf(q1.y, x[5], o);
+  e = fmaf(q1.z, x[6], e);
+  o = fmaf(q1.w, x[7], o);
+}
+
+// The dot products of query rows qa, qb with key rows ka, kb: out = {qa·ka, qa·kb, qb·ka, qb·kb},
+// each K and q vector read from shared memory once for two products.
+template <typename T, int D>
+__device__ inline void Dots2x2(const float* qa, const float* qb, const T* ka, const T* kb,
+                               float (&out)[4]) {
+  float e[4] = {0.f, 0.f, 0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int d = 0; d < D; d += 8) {
+    float x[8], y[8];
+    Load8(ka + d, x);
+    Load8(kb + d, y);
+    Fma8(e[0], o[0], qa + d, x);
+    Fma8(e[1], o[1], qa + d, y);
+    Fma8(e[2], o[2], qb + d, x);
+    Fma8(e[3], o[3], qb + d, y);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = e[i] + o[i];
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
   using C = Simt<T, D>;
@@ -160,36 +195,51 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
     const int tk = Min<int>(C::kTk, k1 - (k0 + t * C::kTk));
     const T* kt = ks + static_cast<size_t>(buf) * C::kTk * C::kStride;
     const T* vt = vs + static_cast<size_t>(buf) * C::kTk * C::kStride;
-    // Scores.
-    for (int p = tid; p < nr * C::kTk; p += C::kThreads) {
-      const int r = p / C::kTk, j = p % C::kTk;
-      float s = -INFINITY;
-      if (j < tk) {
-        const int64_t kpos = a.k_pos0 + kidx[buf * C::kTk + j];
-        const int64_t qp = qpos[r];
-        if (kpos <= qp && (a.window <= 0 || kpos > qp - a.window)) {
+    // Scores: s = q·k·scale where the key is visible to the row (causal, window), else −inf.
+    auto visible = [&](int r, int j) {
+      if (j >= tk) return false;
+      const int64_t kpos = a.k_pos0 + kidx[buf * C::kTk + j];
+      const int64_t qp = qpos[r];
+      return kpos <= qp && (a.window <= 0 || kpos > qp - a.window);
+    };
+    auto put = [&](int r, int j, float dot) {
+      ss[r * C::kTk + j] = visible(r, j) ? dot * a.scale : -INFINITY;
+    };
+    if (nr * C::kTk >= 2 * C::kThreads) {
+      // Many rows (batched queries, GQA groups): a thread scores rows ra, ra+R against keys ja,
+      // ja+J — half the shared-memory reads of one score per thread; consecutive threads take
+      // consecutive keys (no bank conflicts).
+      constexpr int J = (C::kTk + 1) / 2;
+      const int R = (nr + 1) / 2;
+      for (int p = tid; p < R * J; p += C::kThreads) {
+        const int ra = p / J, ja = p % J, rb = ra + R, jb = ja + J;
+        const bool rb_ok = rb < nr, jb_ok = jb < C::kTk;
+        float dot[4];
+        Dots2x2<T, D>(qs + ra * D, qs + (rb_ok ? rb : ra) * D, kt + ja * C::kStride,
+                      kt + (jb_ok ? jb : ja) * C::kStride, dot);
+        put(ra, ja, dot[0]);
+        if (jb_ok) put(ra, jb, dot[1]);
+        if (rb_ok) put(rb, ja, dot[2]);
+        if (rb_ok && jb_ok) put(rb, jb, dot[3]);
+      }
+    } else {
+      for (int p = tid; p < nr * C::kTk; p += C::kThreads) {
+        const int r = p / C::kTk, j = p % C::kTk;
+        float dot = 0.f;
+        if (visible(r, j)) {  // masked keys cost no products
           const float* qr = qs + r * D;
           const T* kr = kt + j * C::kStride;
-          float acc0 = 0.f, acc1 = 0.f;
+          float e = 0.f, o = 0.f;
 #pragma unroll
           for (int d = 0; d < D; d += 8) {
             float kx[8];
             Load8(kr + d, kx);
-            const float4 q0 = *reinterpret_cast<const float4*>(qr + d);
-            const float4 q1 = *reinterpret_cast<const float4*>(qr + d + 4);
-            acc0 = fmaf(q0.x, kx[0], acc0);
-            acc1 = fmaf(q0.y, kx[1], acc1);
-            acc0 = fmaf(q0.z, kx[2], acc0);
-            acc1 = fmaf(q0.w, kx[3], acc1);
-            acc0 = fmaf(q1.x, kx[4], acc0);
-            acc1 = fmaf(q1.y, kx[5], acc1);
-            acc0 = fmaf(q1.z, kx[6], acc0);
-            acc1 = fmaf(q1.w, kx[7], acc1);
+            Fma8(e, o, qr + d, kx);
           }
-          s = (acc0 + acc1) * a.scale;
+          dot = e + o;
         }
+        put(r, j, dot);
       }
-      ss[r * C::kTk + j] = s;
     }
     __syncthreads();
     // Online softmax, a warp per row.
