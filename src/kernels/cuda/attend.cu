@@ -30,6 +30,10 @@ struct Simt {
   static constexpr int kStride = D + 16 / int(sizeof(T));  // smem row, padded by 16 bytes
   static constexpr int kVecs = D * int(sizeof(T)) / 16;    // 16-byte vectors per row
   static constexpr int kMaxO = (kItemRows * D / 4 + kThreads - 1) / kThreads;
+  // Each thread's float4 outputs pair up (o[2i], o[2i+1]: one column of rows r and
+  // r + kItemRows/2, so one V load feeds both) when they split evenly: D a multiple of 64.
+  static constexpr bool kPaired =
+      kMaxO % 2 == 0 && (kItemRows / 2) * (D / 4) == (kMaxO / 2) * kThreads;
 
   // Shared memory layout (bytes).
   static constexpr size_t kQ = size_t{kItemRows} * D * 4;
@@ -60,6 +64,21 @@ __device__ inline float4 Load4(const __half* p) {
   const __half2* h = reinterpret_cast<const __half2*>(&u);
   const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
   return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// The output o[s] of thread tid holds: row *r (valid when < the item's rows) and float4 column
+// *c. Paired layout (C::kPaired): o[2i] and o[2i+1] are one column of rows r and r + kItemRows/2.
+template <typename C, int D>
+__device__ inline void OutputOf(int tid, int s, int* r, int* c) {
+  if constexpr (C::kPaired) {
+    const int t = tid + (s / 2) * C::kThreads;
+    *r = t / (D / 4) + (s % 2) * (kItemRows / 2);
+    *c = t % (D / 4);
+  } else {
+    const int e = tid + s * C::kThreads;
+    *r = e / (D / 4);
+    *c = e % (D / 4);
+  }
 }
 
 // Eight products of q[d..d+8) and x[0..8) into two accumulators (even and odd d): the FMA order
@@ -268,23 +287,49 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
     }
     __syncthreads();
     // o = alpha·o + p·V.
-#pragma unroll
-    for (int s = 0; s < C::kMaxO; ++s) {
-      const int e = tid + s * C::kThreads;
-      if (e < nr * D / 4) {
-        const int r = e / (D / 4), c = (e % (D / 4)) * 4;
-        const float al = ralpha[r];
-        float4 acc = make_float4(o[s].x * al, o[s].y * al, o[s].z * al, o[s].w * al);
-        const float* pr = ss + r * C::kTk;
-        for (int j = 0; j < tk; ++j) {
-          const float pj = pr[j];
-          const float4 v = Load4(vt + j * C::kStride + c);
-          acc.x = fmaf(pj, v.x, acc.x);
-          acc.y = fmaf(pj, v.y, acc.y);
-          acc.z = fmaf(pj, v.z, acc.z);
-          acc.w = fmaf(pj, v.w, acc.w);
+    auto accumulate = [&](float4& o_acc, float al, const float* pr, float4& other, float al2,
+                          const float* pr2, int c, bool two) {
+      float4 acc = make_float4(o_acc.x * al, o_acc.y * al, o_acc.z * al, o_acc.w * al);
+      float4 acc2 = make_float4(other.x * al2, other.y * al2, other.z * al2, other.w * al2);
+      for (int j = 0; j < tk; ++j) {
+        const float4 v = Load4(vt + j * C::kStride + c * 4);
+        const float pj = pr[j];
+        acc.x = fmaf(pj, v.x, acc.x);
+        acc.y = fmaf(pj, v.y, acc.y);
+        acc.z = fmaf(pj, v.z, acc.z);
+        acc.w = fmaf(pj, v.w, acc.w);
+        if (two) {  // the same V vector for a second row
+          const float qj = pr2[j];
+          acc2.x = fmaf(qj, v.x, acc2.x);
+          acc2.y = fmaf(qj, v.y, acc2.y);
+          acc2.z = fmaf(qj, v.z, acc2.z);
+          acc2.w = fmaf(qj, v.w, acc2.w);
         }
-        o[s] = acc;
+      }
+      o_acc = acc;
+      if (two) other = acc2;
+    };
+    if constexpr (C::kPaired) {
+#pragma unroll
+      for (int i = 0; i < C::kMaxO / 2; ++i) {
+        int ra, c;
+        OutputOf<C, D>(tid, 2 * i, &ra, &c);
+        const int rb = ra + kItemRows / 2;
+        if (ra < nr) {
+          const bool two = rb < nr;
+          accumulate(o[2 * i], ralpha[ra], ss + ra * C::kTk, o[2 * i + 1], two ? ralpha[rb] : 0.f,
+                     ss + (two ? rb : ra) * C::kTk, c, two);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < C::kMaxO; ++s) {
+        int r, c;
+        OutputOf<C, D>(tid, s, &r, &c);
+        if (r < nr) {
+          float4 unused = o[s];
+          accumulate(o[s], ralpha[r], ss + r * C::kTk, unused, 0.f, nullptr, c, false);
+        }
       }
     }
     __syncthreads();
@@ -297,11 +342,9 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
   }
 #pragma unroll
   for (int s = 0; s < C::kMaxO; ++s) {
-    const int e = tid + s * C::kThreads;
-    if (e < nr * D / 4) {
-      const int r = e / (D / 4), c = e % (D / 4);
-      reinterpret_cast<float4*>(a.part_o + (part * a.nrows + rowid[r]) * D)[c] = o[s];
-    }
+    int r, c;
+    OutputOf<C, D>(tid, s, &r, &c);
+    if (r < nr) reinterpret_cast<float4*>(a.part_o + (part * a.nrows + rowid[r]) * D)[c] = o[s];
   }
   FinishSplits(a, rowid, nr);
 }
