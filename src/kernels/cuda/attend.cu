@@ -4,9 +4,11 @@
 // and one split of its keys. Keys stream through shared memory in tiles, three buffers with
 // cp.async so the next tile's loads are in flight while this one is computed:
 //   scores   thread per (row, key): the whole dot over D from shared memory (K rows padded by
-//            16 bytes so a warp's rows hit distinct banks; q broadcast)
+//            16 bytes so a warp's rows hit distinct banks; q broadcast) — or, with many rows,
+//            per 2 rows × 2 keys, each q and K vector read once for two products
 //   softmax  warp per row: tile max, rescale factor, p = exp(s − m), running l
-//   p·V      thread per 4 consecutive outputs of a row, o kept in registers across tiles
+//   p·V      thread per 4 consecutive outputs of a row (of two rows, one V load for both, when
+//            D is a multiple of 64), o kept in registers across tiles
 // and the block writes its rows' (m, l, o) partials; LaunchCombine merges the splits.
 #include <cuda_fp16.h>
 #include <cuda_pipeline.h>
