@@ -14,10 +14,11 @@ struct Counters {
   std::atomic<uint64_t> exact{0};        // queries whose output is exact attention
   std::atomic<uint64_t> approximate{0};  // queries restricted to a subset of the visible keys
   std::atomic<uint64_t> rows_attended{0};
-  std::atomic<uint64_t> compute_us{0};  // kernel + selection time
-  std::atomic<uint64_t> stores{0};      // ATTEND.PREFIX.STORE with blobs
-  std::atomic<uint64_t> promotions{0};  // ATTEND.PREFIX.STORE ... FROM <ns>
-  std::atomic<uint64_t> misses{0};      // queries on a slot that is not resident
+  std::atomic<uint64_t> compute_us{0};      // kernel + selection time
+  std::atomic<uint64_t> inline_queries{0};  // small host-memory queries run on the shard thread
+  std::atomic<uint64_t> stores{0};          // ATTEND.PREFIX.STORE with blobs
+  std::atomic<uint64_t> promotions{0};      // ATTEND.PREFIX.STORE ... FROM <ns>
+  std::atomic<uint64_t> misses{0};          // queries on a slot that is not resident
 };
 
 }  // namespace pion::attention

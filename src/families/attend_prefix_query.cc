@@ -228,55 +228,89 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
   rb.Double(r.micros);
 }
 
-// Hands the job to the compute pool; the reply is written when it finishes.
+// What a query produced: status, output (+ LSE) and receipt.
+struct QueryResult {
+  Status status;
+  BufferRef out;
+  std::shared_ptr<attention::Receipt> receipt;
+};
+
+// Runs the job on this thread (splits through `par`) and counts it.
+QueryResult Execute(server::Server* srv, const QueryJob& job, const attention::Parallel& par) {
+  const kernels::AttentionKernels& kern = Kernels(*srv);
+  const attention::Slot& slot = *job.slot;
+  if (job.summaries && !slot.gpu) {
+    std::call_once(job.summaries->filled,
+                   [&] { kern.Summarize(slot.K(), job.summaries->View(slot.heads, slot.d)); });
+  }
+  QueryResult res;
+  const size_t d = job.plan.q.d;
+  const size_t bytes = (job.out_rows * d + (job.with_lse ? job.out_rows : 0)) * sizeof(float);
+  auto out = BufferAllocator::Default()->Allocate(bytes);
+  if (!out.ok()) {
+    res.status = out.status();
+    return res;
+  }
+  res.out = std::move(out).value();
+  float* o = reinterpret_cast<float*>(res.out->data());
+  float* lse = job.with_lse ? o + job.out_rows * d : nullptr;
+  res.receipt = std::make_shared<attention::Receipt>();
+  attention::Receipt* r = res.receipt.get();
+  if (slot.gpu) {
+    // The copy cannot be evicted while pinned; one evicted since the lookup is a miss.
+    auto pin = srv->gpu_slots()->Acquire(slot.gpu);
+    res.status = pin ? attention::RunGpu(job.plan, slot, *slot.gpu, job.summaries.get(), o, lse, r)
+                     : Status(ErrorKind::kMiss,
+                              "the slot's GPU copy was evicted for room meanwhile (--gpu-memory); "
+                              "ATTEND.PREFIX.STORE it again");
+  } else {
+    res.status = attention::Run(kern, par, job.plan, slot.K(), slot.V(), o, lse, r);
+  }
+  auto& c = srv->attention_counters();
+  c.queries[static_cast<int>(job.plan.form)].fetch_add(1, std::memory_order_relaxed);
+  (r->exact ? c.exact : c.approximate).fetch_add(1, std::memory_order_relaxed);
+  c.rows_attended.fetch_add(r->rows_attended, std::memory_order_relaxed);
+  c.compute_us.fetch_add(static_cast<uint64_t>(r->micros), std::memory_order_relaxed);
+  return res;
+}
+
+void WriteResult(proto::ReplyBuilder& rb, const QueryJob& job, const QueryResult& res,
+                 std::string_view backend) {
+  if (!res.status.ok()) return rb.Error(res.status);
+  if (job.receipt) rb.Array(2);
+  rb.BulkRef(res.out);
+  if (job.receipt) WriteReceipt(rb, job, *res.receipt, backend);
+}
+
+// Host-memory queries this small (query rows × keys × D multiply-adds, ~tens of µs on one
+// core) run on the shard's own thread: handing them to the compute pool and the reply back
+// costs more than computing them.
+constexpr uint64_t kInlineMacs = uint64_t{1} << 20;
+
+uint64_t EstimatedMacs(const QueryJob& job) {
+  const uint64_t keys = uint64_t{job.slot->rows} + job.plan.k_suffix.rows;
+  return uint64_t{job.plan.q.hq} * job.plan.q.m * keys * job.plan.q.d;
+}
+
+// Runs the job: small host-memory ones right here, the rest on the compute pool (the reply is
+// written when it finishes).
 void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
   server::Server* srv = ctx.server;
   server::Shard* shard = ctx.shard;
+  if (!job->slot->gpu && EstimatedMacs(*job) <= kInlineMacs) {
+    const QueryResult res = Execute(srv, *job, attention::Parallel{});
+    srv->attention_counters().inline_queries.fetch_add(1, std::memory_order_relaxed);
+    return WriteResult(*ctx.rb, *job, res, BackendName(*srv));
+  }
   auto reply = ctx.Defer();
   bool queued = srv->compute()->Submit([srv, job, reply]() {
-    const kernels::AttentionKernels& kern = Kernels(*srv);
-    const attention::Slot& slot = *job->slot;
-    if (job->summaries && !slot.gpu) {
-      std::call_once(job->summaries->filled,
-                     [&] { kern.Summarize(slot.K(), job->summaries->View(slot.heads, slot.d)); });
-    }
-    const size_t d = job->plan.q.d;
-    const size_t bytes = (job->out_rows * d + (job->with_lse ? job->out_rows : 0)) * sizeof(float);
-    auto out = BufferAllocator::Default()->Allocate(bytes);
-    if (!out.ok()) {
-      return reply([s = out.status()](proto::ReplyBuilder& rb) { rb.Error(s); });
-    }
-    BufferRef buf = std::move(out).value();
-    float* o = reinterpret_cast<float*>(buf->data());
-    float* lse = job->with_lse ? o + job->out_rows * d : nullptr;
     server::WorkerPool* pool = srv->compute();
     attention::Parallel par{
         pool->threads(),
         [pool](size_t n, const std::function<void(size_t)>& fn) { pool->ParallelFor(n, fn); }};
-    auto r = std::make_shared<attention::Receipt>();
-    Status s;
-    if (slot.gpu) {
-      // The copy cannot be evicted while pinned; one evicted since the lookup is a miss.
-      auto pin = srv->gpu_slots()->Acquire(slot.gpu);
-      s = pin ? attention::RunGpu(job->plan, slot, *slot.gpu, job->summaries.get(), o, lse, r.get())
-              : Status(ErrorKind::kMiss,
-                       "the slot's GPU copy was evicted for room meanwhile (--gpu-memory); "
-                       "ATTEND.PREFIX.STORE it again");
-    } else {
-      s = attention::Run(kern, par, job->plan, slot.K(), slot.V(), o, lse, r.get());
-    }
-    auto& c = srv->attention_counters();
-    c.queries[static_cast<int>(job->plan.form)].fetch_add(1, std::memory_order_relaxed);
-    (r->exact ? c.exact : c.approximate).fetch_add(1, std::memory_order_relaxed);
-    c.rows_attended.fetch_add(r->rows_attended, std::memory_order_relaxed);
-    c.compute_us.fetch_add(static_cast<uint64_t>(r->micros), std::memory_order_relaxed);
+    auto res = std::make_shared<QueryResult>(Execute(srv, *job, par));
     const std::string_view backend = BackendName(*srv);
-    reply([s, buf, r, job, backend](proto::ReplyBuilder& rb) {
-      if (!s.ok()) return rb.Error(s);
-      if (job->receipt) rb.Array(2);
-      rb.BulkRef(buf);
-      if (job->receipt) WriteReceipt(rb, *job, *r, backend);
-    });
+    reply([res, job, backend](proto::ReplyBuilder& rb) { WriteResult(rb, *job, *res, backend); });
   });
   if (!queued) {
     shard->stats().Reject(server::RejectReason::kBusy);

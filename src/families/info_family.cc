@@ -236,6 +236,7 @@ void AttentionSection(server::Server& srv, std::string& out) {
   Kv(out, "attention_approximate", c.approximate.load());
   Kv(out, "attention_rows_attended", c.rows_attended.load());
   Kv(out, "attention_compute_us", c.compute_us.load());
+  Kv(out, "attention_queries_inline", c.inline_queries.load());
   const attention::GpuSlots::Stats g =
       srv.gpu_slots() ? srv.gpu_slots()->stats() : attention::GpuSlots::Stats{};
   Kv(out, "attention_gpu_device", srv.gpu_slots() ? gpu::Info().name : std::string());

@@ -161,6 +161,9 @@ std::string MetricsHttp::Render(Server& server) {
   line("pion_attention_rows_attended_total", ac.rows_attended.load());
   metric("pion_attention_compute_microseconds_total", "counter", "Time spent computing attention.");
   line("pion_attention_compute_microseconds_total", ac.compute_us.load());
+  metric("pion_attention_inline_queries_total", "counter",
+         "Small host-memory queries computed on the shard thread (not the compute pool).");
+  line("pion_attention_inline_queries_total", ac.inline_queries.load());
   uint64_t slots = 0, evictions = 0;
   for (int i = 0; i < server.shard_count(); ++i) {
     auto t = server.shard(i).store().attention.Total();
