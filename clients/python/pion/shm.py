@@ -30,13 +30,14 @@ from . import errors
 _MAX_FDS = 1024
 PARALLEL_BYTES = 4 << 20  # reads this large are shared between threads
 _pool = None
+_helpers = 0
 _pool_lock = threading.Lock()
 
 
 def _copy_pool():
     """The shared copy pool (helpers for the calling thread: up to 3), or None on a
     single-core machine."""
-    global _pool
+    global _pool, _helpers
     helpers = min(4, os.cpu_count() or 1) - 1
     if helpers < 1:
         return None
@@ -44,6 +45,7 @@ def _copy_pool():
         if _pool is None:
             from concurrent.futures import ThreadPoolExecutor
             _pool = ThreadPoolExecutor(helpers, thread_name_prefix="pion-shm-copy")
+            _helpers = helpers
     return _pool
 
 
@@ -253,7 +255,7 @@ class ShmChannel:
             return pos
         # One share of the bytes per worker (the calling thread copies the last), each share
         # a list of (source slice, destination offset).
-        workers = pool._max_workers + 1
+        workers = _helpers + 1
         share = -(-pos // workers)
         shares: list[list] = [[] for _ in range(workers)]
         for src, at in jobs:
