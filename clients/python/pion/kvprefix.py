@@ -283,7 +283,7 @@ class KVPrefix:
         finally:
             # The copies are done with the leased bytes before the leases go.
             torch.cuda.current_stream(staging.device).synchronize()
-            ch.release_many([f[0] for f in fetched])
+            ch.release_later(*(f[0] for f in fetched))  # replies read with the next command
         return out
 
     def lookup(self, ns: str, model: str | None = None, position: str | None = None,
