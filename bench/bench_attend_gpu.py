@@ -36,6 +36,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from benchutil import free_port  # noqa: E402,F401  (shared by the bench scripts)
 
 
 def pion_kernel(bin_dir: Path, *args) -> dict:
@@ -85,12 +87,6 @@ def resp(*args) -> bytes:
         b = a if isinstance(a, bytes) else str(a).encode()
         out.append(b"$%d\r\n%s\r\n" % (len(b), b))
     return b"".join(out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(port: int, payload: bytes) -> bytes:

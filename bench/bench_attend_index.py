@@ -28,14 +28,10 @@ import numpy as np
 import redis
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from benchutil import free_port  # noqa: E402,F401  (shared by the bench scripts)
 sys.path.insert(0, str(REPO / "clients" / "python"))
 import pion  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def index_info(r) -> dict:

@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import datetime as dt
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,15 +37,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from benchutil import free_port  # noqa: E402,F401  (shared by the bench scripts)
 sys.path.insert(0, str(REPO / "clients" / "python"))
 import pion  # noqa: E402
 import pion.hf  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(bin_dir: Path, work: Path, backend: str) -> tuple[subprocess.Popen, int, str]:

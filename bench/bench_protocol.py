@@ -35,16 +35,12 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from benchutil import free_port  # noqa: E402,F401  (shared by the bench scripts)
 GOALS = {"ping": 1.0, "echo": 1.5}  # pion/redis ratios asked for by the issue
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def wait_ready(proc: subprocess.Popen, port: int, name: str, log: Path, timeout: float = 15.0):
     """Waits until the server answers PING with +PONG."""
