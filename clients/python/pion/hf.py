@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 
 from . import _wire
+from .kvprefix import LOSSLESS, torch_dtype
 from .ssm import serialize_arrays
 
 _CODEC_BY_DTYPE = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
-_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # lossless codec -> torch
 
 
 def _torch():
@@ -350,12 +350,11 @@ class PionPromptCache:
         return self._shape[ns]
 
     def _fetch_group_shm(self, ns: str, n: int):
-        """Layers 0..n-1 of namespace ns over shared memory straight to the GPU
-        (client.kv.fetch_layers: one pipelined fetch, DMA from the CUDA-registered mapping,
-        laid out in the model's dtype on the device), or None when this path does not apply
-        (TCP client, model not on a GPU, lossy codec)."""
-        if self.client._shm_channel() is None or self.device.type != "cuda" or \
-                self.codec not in _DTYPES:
+        """Layers 0..n-1 of namespace ns over shared memory to the GPU (client.kv.fetch_layers:
+        lossless codecs in one pipelined fetch, DMA from the CUDA-registered mapping, laid out
+        in the model's dtype on the device; others decoded per layer), or None when this path
+        does not apply (TCP client, model not on a GPU)."""
+        if self.client._shm_channel() is None or self.device.type != "cuda":
             return None
         kvs = self.client.kv.fetch_layers(ns, range(n), device=self.device, dtype=self.dtype,
                                           model=self.model_id)
@@ -415,7 +414,7 @@ class PionPromptCache:
         """Layer j of namespace ns as ([1, H, T, D], [1, H, T, D]) tensors in the model's dtype
         on its device."""
         dev = self.device
-        if self.client._shm_channel() is None and self.codec in ("fp32", "fp16", "bf16"):
+        if self.client._shm_channel() is None and self.codec in LOSSLESS:
             return self._fetch_layer_raw(ns, j)
         if dev.type == "cuda":
             k, v = self.client.kv.fetch_layer(ns, j, layout="hnd", model=self.model_id,
@@ -429,7 +428,6 @@ class PionPromptCache:
         """TCP with a lossless codec: the stored rows (V.FETCH RAW) viewed as a tensor of the
         codec's dtype, moved to the device and laid out there — no host-side decode."""
         torch = _torch()
-        dtypes = {c: getattr(torch, name) for c, name in _DTYPES.items()}
         t, h, d = self._layer_shape(ns)
         kd, vd = self.client.execute_many([
             ("V.FETCH", ns + sfx, "RANGE", j * t, (j + 1) * t, "RAW", "MODEL", self.model_id)
@@ -439,7 +437,7 @@ class PionPromptCache:
         for data in (kd, vd):
             with warnings.catch_warnings():  # read-only reply bytes: copied to the device next
                 warnings.simplefilter("ignore")
-                x = torch.frombuffer(data, dtype=dtypes[self.codec])
+                x = torch.frombuffer(data, dtype=torch_dtype(torch, self.codec))
             x = x.to(self.device).view(t, h, d).transpose(0, 1)
             out.append(x.to(self.dtype)[None].contiguous())
         return out[0], out[1]

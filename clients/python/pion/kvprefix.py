@@ -23,6 +23,16 @@ if TYPE_CHECKING:
 LAYOUTS = ("nhd", "hnd")
 
 
+LOSSLESS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # codec -> torch dtype
+
+
+def torch_dtype(torch, codec: str):
+    """The torch dtype whose bytes are the codec's rows (fp32/fp16/bf16), or None (int8,
+    turbo*: those are decoded, not viewed)."""
+    name = LOSSLESS.get(codec)
+    return None if name is None else getattr(torch, name)
+
+
 def coalesce(pieces) -> list[list[int]]:
     """(segment, offset, length) pieces with runs adjacent in one segment merged: one copy each."""
     out: list[list[int]] = []
@@ -150,46 +160,19 @@ class KVPrefix:
                     codecs.decode(vi["format"], vi["dim"], vi["block"], vd, t))
         return _wire.from_f32(kd, (t, h * d)), _wire.from_f32(vd, (t, h * d))
 
-    def _fetch_layer_direct(self, torch, ch, sid, vi, lo, hi, t, h, d, layout, model,
-                            generation, device):
-        """fp32/fp16/bf16 storage over SHM: DMA from the CUDA-registered mapping into a device
-        buffer (no host copy), then view, widen and lay out on the device. None when the
-        mapping cannot be registered (the caller falls back to the pinned path)."""
-        import warnings
-        dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-        lease, pieces, _rb, nbytes = ch.fetch_range(sid, lo, hi, model, generation)
-        try:
-            if not all(ch.cuda_register(s) for s in {s for s, _, _ in pieces}):
-                return None
-            merged = coalesce(pieces)  # contiguous pieces of one segment become one copy
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            pos = 0
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch warns on read-only sources
-                for s, o, n in merged:
-                    src = torch.from_numpy(np.frombuffer(ch.maps[s], np.uint8, n, o))
-                    dst[pos:pos + n].copy_(src, non_blocking=True)
-                    pos += n
-            torch.cuda.current_stream(dst.device).synchronize()  # done with the lease's bytes
-        finally:
-            ch.release(lease)
-        out = dst.view(dtypes[vi["format"]]).reshape(t, h, d).float()
-        return out.permute(1, 0, 2).contiguous() if layout == "hnd" else out
-
     def _fetch_layer_device(self, ns, ch, vi, lo, hi, t, h, d, layout, raw, model,
                             generation, device):
         """fetch_layer(device=...): fp32/fp16/bf16 storage over SHM goes mapping -> device
         directly (cudaHostRegister); otherwise mapping (or socket) -> pinned host tensor ->
         device (non-blocking)."""
         torch = _wire.torch_module()
-        if ch is not None and vi["format"] in ("fp32", "fp16", "bf16"):
-            k = self._fetch_layer_direct(torch, ch, ns + "_pk", vi, lo, hi, t, h, d, layout,
-                                         model, generation, device)
-            v = None if k is None else self._fetch_layer_direct(
-                torch, ch, ns + "_pv", vi, lo, hi, t, h, d, layout, model, generation, device)
-            if k is not None and v is not None:
+        src = torch_dtype(torch, vi["format"])
+        if ch is not None and src is not None:
+            kv = self._fetch_layers_shm(torch, ch, ns, [lo // t], t, h, d, src, torch.float32,
+                                        layout, device, model, generation)
+            if kv is not None:
                 self._c.last_fetch_path = "shm-cuda"
-                return k, v
+                return kv[0]
         outs = []
         for sid in (ns + "_pk", ns + "_pv"):
             shape = (t, h, d) if layout == "nhd" else (h, t, d)
@@ -231,8 +214,7 @@ class KVPrefix:
             [("KV.PREFIX.INFO", ns), ("V.INFO", ns + "_pk")]))
         t, h, d = m["n_tokens"], m["kv_heads"], m["head_dim"]
         layers = list(range(m["n_layers"])) if layers is None else [int(x) for x in layers]
-        stored = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-        src = stored.get(vi["format"])
+        src = torch_dtype(torch, vi["format"])
         dtype = dtype or src or torch.float32
         ch = self._c._shm_channel()
         if ch is not None and src is not None and torch.device(device).type == "cuda":

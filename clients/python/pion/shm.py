@@ -326,12 +326,9 @@ class ShmChannel:
         return True
 
     def release(self, lease: int) -> bool:
-        """SHM.RELEASE: True when this connection held the lease."""
-        with self._lock:
-            self.leases.discard(int(lease))
-            if self._closed:
-                return False  # closing the connection already released it
-            return bool(self.call("SHM.RELEASE", int(lease)))
+        """SHM.RELEASE: True when this connection held the lease (False once the channel is
+        closed: closing it released every lease)."""
+        return self.release_many([lease]) == 1
 
     def release_later(self, *leases: int) -> None:
         """SHM.RELEASE of the leases without waiting for the replies: the server releases each
