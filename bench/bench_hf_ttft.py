@@ -7,8 +7,9 @@ vanilla prefill of prefix + suffix against Pion warm paths, in one run, like see
     suffix forward.
   - Pion shm: the same over the Unix socket: the rows are read from the server's shared-memory
     mapping, registered with CUDA, straight to the GPU.
-  - Pion IPC: the server binds the namespace into GPU-resident attention slots (once) and the
-    cache copies them device to device through CUDA IPC (ATTEND.PREFIX.EXPORT).
+  - Pion IPC (same-host GPU shared memory): the server binds the namespace into GPU-resident
+    attention slots (once; bf16 stays bf16) and the cache's tensors alias them through CUDA IPC
+    (ATTEND.PREFIX.EXPORT), no copy before the forward.
   - Pion Stage 2: the prefix K/V stay in the server (ATTEND.PREFIX slots bound FROM the
     namespace; --attention-backend cuda); the suffix forward sends each full-attention layer's
     queries to ATTEND.PREFIX.QUERY_FUSED.
@@ -163,7 +164,8 @@ def main() -> int:
                 after = shm.execute("INFO", "attention")
                 calls = after["attention_queries_fused"] - before["attention_queries_fused"]
                 us = after["attention_compute_us"] - before["attention_compute_us"]
-                result["fused"] = (calls, us / max(calls, 1), after["attention_dtype"],
+                slots = shm.attend.info(off.sessions[id(sessions[-1])].sid)
+                result["fused"] = (calls, us / max(calls, 1), slots[0]["dtype"],
                                    1e6 * sum(spent[-len(off.sessions[id(sessions[-1])].layers):])
                                    / len(off.sessions[id(sessions[-1])].layers))
                 shm.attend.query_fused = inner

@@ -195,7 +195,7 @@ def test_export_needs_the_unix_socket_and_the_gpu(pion_factory, tmp_path):
     r = srv.client()
     rng = np.random.default_rng(5)
     store(r, "x", 0, rnd(rng, 2, 64, 64), rnd(rng, 2, 64, 64))
-    for layers in ((0,), (0, 1)):
+    for layers in ((0,), (0, 1), (0, 1, "PACKED")):
         e = err(srv, "ATTEND.PREFIX.EXPORT", "x", *layers)
         assert e == ("ERR ATTEND.PREFIX.EXPORT is for same-host clients: connect over the "
                      "--unixsocket socket"), e
@@ -322,8 +322,15 @@ def test_export_of_several_layers_is_one_command_all_or_nothing(pion_factory, tm
             assert np.array_equal(view.v.cpu().numpy(), kv[j][1])
             view.close()
         assert c.attend.release_exports([e["lease"] for e in exports]) == 3
-        with pytest.raises(pion.MissError):
-            c.attend.export_many("m", [0, 1, 7])  # layer 7 does not exist
+        # The map form (export_many uses PACKED) describes the same copies.
+        maps = c.attend.export_many("m", [2, 0, 1], packed=False)
+        for a, b in zip(exports, maps):
+            assert {k: v for k, v in a.items() if k != "lease"} == \
+                {k: v for k, v in b.items() if k != "lease"}
+        assert c.attend.release_exports([e["lease"] for e in maps]) == 3
+        for packed in (True, False):
+            with pytest.raises(pion.MissError):
+                c.attend.export_many("m", [0, 1, 7], packed=packed)  # layer 7 does not exist
         assert pion._wire.parse_map(c.execute("SHM.INFO"))["leases"] == 0
     finally:
         c.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ transformers = pytest.importorskip("transformers", reason="the transformers inte
                                    "transformers (run on the GPU machine: scripts/test-gpu.sh)")
 
 import pion  # noqa: E402
+import pion.cuda_ipc  # noqa: E402
 import pion.hf  # noqa: E402
 from pionlib import HOST  # noqa: E402
 
@@ -123,17 +125,77 @@ def test_llama_gqa_stage1_exact(server, shm):
 @pytest.mark.skipif(DEV != "cuda", reason="CUDA IPC needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_llama_gqa_stage1_ipc_exact(server, dtype):
-    """transport="ipc": the server binds the namespace into its GPU slots and the cache copies
+    """transport="ipc": the server binds the namespace into its GPU slots and the cache reads
     them device to device (ATTEND.PREFIX.EXPORT + CUDA IPC)."""
-    client = client_for(server, shm=True)
-    if client.execute("INFO", "attention").get("attention_backend") != "cuda":
-        pytest.skip("the server keeps attention slots in host memory (run it with "
-                    "--attention-backend cuda: scripts/test-gpu.sh does)")
+    client = ipc_client(server)
     model = llama(0, dtype)
     want, miss, hit, diff = check_exact(model, client, label="llama %s ipc" % dtype,
                                         transport="ipc")
     assert miss == want and hit == want
     assert diff < 1e-3
+
+
+def ipc_client(srv):
+    client = client_for(srv, shm=True)
+    if client.execute("INFO", "attention").get("attention_backend") != "cuda":
+        pytest.skip("the server keeps attention slots in host memory (run it with "
+                    "--attention-backend cuda: scripts/test-gpu.sh does)")
+    return client
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA IPC needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ipc_aliases_slots_of_the_model_dtype(server, dtype):
+    """A namespace of the model's dtype binds slots of that dtype (bf16 stays bf16), and the
+    fetched cache aliases them: no copy; each export's lease is held until its layer's first
+    update and released with the next request."""
+    client = ipc_client(server)
+    model = llama(5, dtype)
+    prefix, suffix = prompt(7, 64), prompt(8, 8)
+    full = torch.cat([prefix, suffix])
+    pc = pion.hf.PionPromptCache(model, client, transport="ipc")
+    pc.get_or_prefill(prefix)  # miss: prefill and store
+    cache = pc.fetch(prefix)   # bind, export
+    base = pc.namespace_for(prefix)
+    slots = client.attend.info(pc._slot_sid(base, "full"))
+    want_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    assert len(slots) == 4 and all(m["dtype"] == want_dtype for m in slots)
+    def held():  # leases the server holds (this test's server has no other client)
+        return pion._wire.parse_map(client.execute("SHM.INFO"))["leases"]
+
+    assert held() == 4
+    spans = [(m.ptr, m.ptr + m.bytes.numel()) for m in pion.cuda_ipc._open.values()]
+    for layer in cache.layers:
+        assert "update" in vars(layer)  # holds its lease until the first update
+        assert any(a <= layer.keys.data_ptr() < b for a, b in spans)  # the server's memory
+        assert layer.keys.dtype == dtype
+    want = generate(model, full)
+    assert generate(model, full, cache) == want
+    assert all("update" not in vars(layer) for layer in cache.layers)
+    assert len(pc._retired) == 4 and held() == 4  # retired, released with the next request
+    again = pc.fetch(prefix)
+    assert pc._retired == [] and held() == 4  # the old four released, four new ones
+    assert generate(model, full, again) == want
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA IPC needs a GPU")
+def test_ipc_alias_refuses_after_its_lease_expired(pion_factory, tmp_path):
+    """A cache used after its exports' leases expired would read memory the server may have
+    reused: its first update raises instead."""
+    srv = pion_factory("--workers", "2", "--unixsocket", str(tmp_path / "pion.sock"),
+                       "--shm-lease-ttl-ms", "300")
+    srv.unix_path = str(tmp_path / "pion.sock")
+    client = ipc_client(srv)
+    model = llama(5, torch.bfloat16)
+    prefix, suffix = prompt(7, 64), prompt(8, 8)
+    pc = pion.hf.PionPromptCache(model, client, transport="ipc")
+    pc.get_or_prefill(prefix)
+    cache = pc.fetch(prefix)
+    time.sleep(0.5)
+    with pytest.raises(pion.PionError, match="expired"):
+        generate(model, torch.cat([prefix, suffix]), cache)
+    assert generate(model, torch.cat([prefix, suffix]), pc.fetch(prefix)) == \
+        generate(model, torch.cat([prefix, suffix]))
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="half-precision models run on the GPU")

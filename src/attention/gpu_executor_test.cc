@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -65,6 +66,10 @@ std::unique_ptr<TestSlot> MakeSlot(uint32_t heads, uint32_t rows, uint32_t d, DT
     dst->resize(elems * kernels::DTypeSize(dtype));
     if (dtype == DType::kF32) {
       std::memcpy(dst->data(), src.data(), elems * 4);
+    } else if (dtype == DType::kBF16) {  // truncated: any bf16 pattern will do
+      auto* h = reinterpret_cast<uint16_t*>(dst->data());
+      for (size_t i = 0; i < elems; ++i)
+        h[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(src[i]) >> 16);
     } else {
       auto* h = reinterpret_cast<uint16_t*>(dst->data());
       for (size_t i = 0; i < elems; ++i) h[i] = codec::internal::F32ToF16Bits(src[i]);
@@ -195,7 +200,7 @@ void Check(const Case& c, uint32_t seed = 1) {
 // One small case of every kernel variant: the compute-sanitizer (memcheck, racecheck) target.
 TEST(GpuExecutor, Smoke) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (uint32_t m : {1u, 40u}) {
       for (Form f : {Form::kDense, Form::kTopK, Form::kFused}) {
         Case c;
@@ -226,7 +231,7 @@ TEST(GpuExecutor, Smoke) {
 
 TEST(GpuExecutor, DenseEveryHeadDimAndDtype) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (uint32_t d : {32u, 64u, 96u, 128u, 160u, 192u, 256u, 512u}) {
       Case c;
       c.d = d;
@@ -243,7 +248,7 @@ TEST(GpuExecutor, DenseEveryHeadDimAndDtype) {
 
 TEST(GpuExecutor, GqaWindowsAndPositions) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (auto [hq, heads] : {std::pair{4u, 4u}, {8u, 2u}, {32u, 4u}, {16u, 2u}}) {
       for (int64_t window : {0, 1, 100}) {
         for (uint32_t m : {1u, 7u, 33u}) {
@@ -268,7 +273,7 @@ TEST(GpuExecutor, GqaWindowsAndPositions) {
 
 TEST(GpuExecutor, LongPrefixSplits) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     Case c;
     c.hq = 32;
     c.heads = 8;
@@ -284,7 +289,7 @@ TEST(GpuExecutor, LongPrefixSplits) {
 
 TEST(GpuExecutor, TopK) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (uint32_t k : {1u, 17u, 300u, 5000u}) {
       Case c;
       c.form = Form::kTopK;
@@ -301,7 +306,7 @@ TEST(GpuExecutor, TopK) {
 
 TEST(GpuExecutor, FusedSuffix) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (uint32_t m : {1u, 4u, 64u}) {
       Case c;
       c.form = Form::kFused;
@@ -318,7 +323,7 @@ TEST(GpuExecutor, FusedSuffix) {
 
 TEST(GpuExecutor, CallerSparse) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (uint32_t d : {64u, 128u, 512u}) {
       Case c;
       c.form = Form::kSparse;
@@ -334,7 +339,7 @@ TEST(GpuExecutor, CallerSparse) {
 
 TEST(GpuExecutor, SparseAuto) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (auto sel : {kernels::BlockSelector::kMean, kernels::BlockSelector::kQuest}) {
       for (uint32_t k_top : {0u, 3u, 20u, 1000u}) {
         Case c;

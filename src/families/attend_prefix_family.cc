@@ -85,8 +85,17 @@ using namespace attend;
 using proto::CmdArgs;
 using server::CommandContext;
 
+// The storage type of a slot built from fp32 values (blob STORE): fp16 under --attention-fp16.
 kernels::DType StorageType(server::Server& srv) {
   return srv.config().attention_fp16 ? kernels::DType::kF16 : kernels::DType::kF32;
+}
+
+// The storage type of a slot bound from a namespace stored in `source`: a bf16 namespace keeps
+// bf16 (exact, half of fp32's bytes; a bf16 model's cache can alias it) unless --attention-fp16
+// asks for fp16.
+kernels::DType StorageType(server::Server& srv, codec::Format source) {
+  if (source == codec::Format::kBf16 && !srv.config().attention_fp16) return kernels::DType::kBF16;
+  return StorageType(srv);
 }
 
 // fp32 [rows][d] → the storage type, into dst.
@@ -96,7 +105,9 @@ void ConvertRows(const float* src, size_t n_rows, uint32_t d, kernels::DType t, 
     return;
   }
   static const codec::RowCodec fp16 = codec::RowCodec::Create(codec::Format::kFp16, 1).value();
-  fp16.Encode(src, n_rows * d, dst);  // a dim-1 codec: n_rows * d independent halves
+  static const codec::RowCodec bf16 = codec::RowCodec::Create(codec::Format::kBf16, 1).value();
+  // A dim-1 codec: n_rows * d independent elements.
+  (t == kernels::DType::kBF16 ? bf16 : fp16).Encode(src, n_rows * d, dst);
 }
 
 // --attention-backend cuda, on a compute thread: moves a built slot's K and V to the GPU
@@ -111,7 +122,7 @@ Status PlaceOnGpu(server::Server& srv, attention::Slot& slot, const BufferRef& k
     return [src_f32, dtype, src](uint8_t* dst, uint64_t off, uint64_t n) {
       if (!src_f32 || dtype == kernels::DType::kF32) {
         std::memcpy(dst, src->data() + off, n);
-      } else {  // fp32 → fp16: offsets and sizes are in fp16 bytes
+      } else {  // fp32 → fp16 or bf16: offsets and sizes are in 16-bit element bytes
         ConvertRows(reinterpret_cast<const float*>(src->data()) + off / 2, n / 2, 1, dtype, dst);
       }
     };
@@ -371,15 +382,15 @@ void StoreFrom(CommandContext& ctx, CmdArgs& args) {
   const store::TenantKey sid = ctx.Key(args[1]);
   const store::TenantKey ns = ctx.Key(args[4]);
   const int sid_shard = ctx.shard->id();
-  const kernels::DType dtype = StorageType(*srv);
   auto reply = ctx.Defer();
   auto fail = [reply](Status st) { reply([st](proto::ReplyBuilder& rb) { rb.Error(st); }); };
 
   // Step 2, on the session's shard: reserve and allocate, then decode on a compute thread, then
   // publish back on this shard.
-  auto build = [srv, sid, ns, layer, sid_shard, dtype, reply, fail](std::shared_ptr<Source> src) {
+  auto build = [srv, sid, ns, layer, sid_shard, reply, fail](std::shared_ptr<Source> src) {
     server::Shard& shard = srv->shard(sid_shard);
     const store::PrefixManifest& m = src->manifest;
+    const kernels::DType dtype = StorageType(*srv, src->codec.format());
     const uint64_t elems = uint64_t{m.kv_heads} * m.n_tokens * m.head_dim;
     auto charge = shard.store().attention.Reserve(2 * elems * kernels::DTypeSize(dtype));
     if (!charge.ok()) return fail(charge.status());
@@ -481,16 +492,45 @@ struct Exported {
   uint64_t lease = 0;
 };
 
-// ATTEND.PREFIX.EXPORT <sid> <layer> [<layer> ...]: CUDA IPC handles to the slots' GPU copies
-// for a process on the same host and GPU (Unix socket only, the caller's tenant only). Each copy
-// is pinned under its own lease — neither evicted nor freed, even if the slot is replaced or
-// dropped — until SHM.RELEASE, the connection closes, or --shm-lease-ttl-ms passes. Several
-// layers are one command (one hop to the session's shard); all or nothing: when one cannot be
-// exported, the leases already granted are released and its error is the reply.
+// The PACKED form's record of one exported layer: kPackedExportBytes little-endian bytes.
+//   0 handle[64]   64 device (PCI bus id, NUL-padded)[16]   80 k_offset u64   88 v_offset u64
+//   96 bytes u64   104 heads u32   108 rows u32   112 head_dim u32   116 dtype u32 (0 fp32,
+//   1 fp16, 2 bf16)   120 generation u64   128 lease u64   136 ttl_ms u64   144 zero[16]
+constexpr size_t kPackedExportBytes = 160;
+
+void PackExport(const Exported& e, uint64_t v_offset, uint64_t ttl_ms, uint8_t* out) {
+  const attention::Slot& slot = *e.slot;
+  std::memset(out, 0, kPackedExportBytes);
+  std::memcpy(out, e.handle.data(), std::min<size_t>(e.handle.size(), 64));
+  const std::string& bus = gpu::Info().pci_bus_id;
+  std::memcpy(out + 64, bus.data(), std::min<size_t>(bus.size(), 15));
+  auto u64 = [out](size_t at, uint64_t x) { std::memcpy(out + at, &x, 8); };
+  auto u32 = [out](size_t at, uint32_t x) { std::memcpy(out + at, &x, 4); };
+  u64(80, 0);
+  u64(88, v_offset);
+  u64(96, uint64_t{slot.heads} * slot.rows * slot.d * kernels::DTypeSize(slot.dtype));
+  u32(104, slot.heads);
+  u32(108, slot.rows);
+  u32(112, slot.d);
+  u32(116, static_cast<uint32_t>(slot.dtype));
+  u64(120, slot.generation);
+  u64(128, e.lease);
+  u64(136, ttl_ms);
+}
+
+// ATTEND.PREFIX.EXPORT <sid> <layer> [<layer> ...] [PACKED]: CUDA IPC handles to the slots' GPU
+// copies for a process on the same host and GPU (Unix socket only, the caller's tenant only).
+// Each copy is pinned under its own lease — neither evicted nor freed, even if the slot is
+// replaced or dropped — until SHM.RELEASE, the connection closes, or --shm-lease-ttl-ms passes.
+// Several layers are one command (one hop to the session's shard); all or nothing: when one
+// cannot be exported, the leases already granted are released and its error is the reply.
+// PACKED: one bulk of fixed records (PackExport) instead of maps — cheap to parse for a client
+// that exports every layer of a model per request.
 void Export(CommandContext& ctx, CmdArgs& args) {
-  std::vector<uint32_t> layers(args.size() - 2);
-  for (size_t i = 2; i < args.size(); ++i) {
-    Status s = ParseLayer(args[i], &layers[i - 2]);
+  const bool packed = args.size() > 3 && EqualsIgnoreCase(args[args.size() - 1], "PACKED");
+  std::vector<uint32_t> layers(args.size() - 2 - (packed ? 1 : 0));
+  for (size_t i = 0; i < layers.size(); ++i) {
+    Status s = ParseLayer(args[i + 2], &layers[i]);
     if (!s.ok()) return ctx.Error(s);
   }
   if (!ctx.unix_socket) {
@@ -527,11 +567,23 @@ void Export(CommandContext& ctx, CmdArgs& args) {
     out.push_back({std::move(slot), std::move(handle).value(), lease.value()});
   }
   auto& rb = *ctx.rb;
+  auto v_offset_of = [](const attention::Slot& slot) {
+    return static_cast<uint64_t>(static_cast<const uint8_t*>(slot.gpu->v()) -
+                                 static_cast<const uint8_t*>(slot.gpu->k()));
+  };
+  const uint64_t ttl_ms = static_cast<uint64_t>(srv.shm().lease_ttl().count());
+  if (packed) {
+    std::string records(out.size() * kPackedExportBytes, '\0');
+    for (size_t i = 0; i < out.size(); ++i) {
+      PackExport(out[i], v_offset_of(*out[i].slot), ttl_ms,
+                 reinterpret_cast<uint8_t*>(records.data()) + i * kPackedExportBytes);
+    }
+    return rb.Bulk(records);
+  }
   if (out.size() > 1) rb.Array(out.size());
   for (const Exported& e : out) {
     const attention::Slot& slot = *e.slot;
-    const uint64_t v_offset = static_cast<uint64_t>(static_cast<const uint8_t*>(slot.gpu->v()) -
-                                                    static_cast<const uint8_t*>(slot.gpu->k()));
+    const uint64_t v_offset = v_offset_of(slot);
     rb.Map(12);
     rb.Bulk("handle");
     rb.Bulk(e.handle);
@@ -550,7 +602,7 @@ void Export(CommandContext& ctx, CmdArgs& args) {
     rb.Bulk("lease");
     rb.Integer(static_cast<int64_t>(e.lease));
     rb.Bulk("ttl_ms");
-    rb.Integer(static_cast<int64_t>(srv.shm().lease_ttl().count()));
+    rb.Integer(static_cast<int64_t>(ttl_ms));
   }
 }
 

@@ -10,7 +10,7 @@
 // Shapes and conventions (all little-endian, row-major):
 //   d             the head dim: a multiple of 16 (the CPU backend's vector loops have no scalar
 //                 tail; 32..512 are tested); key rows below 2^24 per head
-//   K, V          [heads][rows][d], fp32 or fp16 elements (Tensor3)
+//   K, V          [heads][rows][d], fp32, fp16 or bf16 elements (Tensor3)
 //   Q             [hq][m][d] fp32; query head h reads K/V head head_map[h]
 //   scores        s = scale · (q · k), scale usually 1/√d
 //   positions     query row i is at absolute position q.pos0 + i, key row t at keys.pos0 + t;
@@ -26,11 +26,12 @@
 
 namespace pion::kernels {
 
-enum class DType : uint8_t { kF32 = 0, kF16 = 1 };
-inline size_t DTypeSize(DType t) { return t == DType::kF16 ? 2 : 4; }
+enum class DType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 std::string_view DTypeName(DType t);
 
-// One stored K or V tensor: [heads][rows][d] elements of `dtype` (fp16 = IEEE binary16).
+// One stored K or V tensor: [heads][rows][d] elements of `dtype` (fp16 = IEEE binary16, bf16 =
+// the top half of a binary32).
 struct Tensor3 {
   const void* data = nullptr;
   DType dtype = DType::kF32;

@@ -10,7 +10,8 @@
 //   - many rows (prefill, M >= lanes): query rows in lanes, here. Q is transposed once per row
 //     tile, so a tile of scores is a rank-1 update per head-dim element and the softmax needs no
 //     horizontal reductions; O is kept transposed and rescaled per lane.
-// fp16 K/V are converted to fp32 one block at a time here (F16C on AVX2/AVX-512, scalar before).
+// fp16 and bf16 K/V are converted to fp32 one block at a time here (F16C on AVX2/AVX-512 for
+// fp16, integer widening for bf16).
 // All scratch is thread_local: concurrent calls on different threads share nothing.
 
 #undef HWY_TARGET_INCLUDE
@@ -149,8 +150,8 @@ void AttendTile(const Queries& q, const Keys& keys, float scale, int64_t window,
   float* m = aux + 2 * rt;
   float* l = aux + 3 * rt;
   float* alpha = aux + 4 * rt;
-  float* kbuf = keys.k.dtype == DType::kF16 ? Grow(scratch.k, block * d) : nullptr;
-  float* vbuf = keys.v.dtype == DType::kF16 ? Grow(scratch.v, block * d) : nullptr;
+  float* kbuf = keys.k.dtype != DType::kF32 ? Grow(scratch.k, block * d) : nullptr;
+  float* vbuf = keys.v.dtype != DType::kF32 ? Grow(scratch.v, block * d) : nullptr;
 
   int64_t lo = keys.end, hi = keys.begin;          // union of the visible ranges
   int64_t all_lo = keys.begin, all_hi = keys.end;  // intersection
@@ -268,7 +269,7 @@ void Scores(const Queries& q, const Keys& keys, float scale, int64_t window, flo
   const size_t n = keys.end - keys.begin;
   if (n == 0) return;
   const size_t block = DecodeBlockRows(d);
-  float* kbuf = keys.k.dtype == DType::kF16 ? Grow(scratch.k, block * d) : nullptr;
+  float* kbuf = keys.k.dtype != DType::kF32 ? Grow(scratch.k, block * d) : nullptr;
   for (uint32_t h = 0; h < q.hq; ++h) {
     const uint32_t g = static_cast<uint32_t>(q.head_map[h]);
     for (size_t t0 = keys.begin; t0 < keys.end; t0 += block) {
@@ -294,7 +295,7 @@ void Summarize(const Tensor3& k, const BlockSummaries& out) {
   Scratch& scratch = ThreadScratch();
   const uint32_t d = out.d;
   float* kbuf =
-      k.dtype == DType::kF16 ? Grow(scratch.k, static_cast<size_t>(out.block) * d) : nullptr;
+      k.dtype != DType::kF32 ? Grow(scratch.k, static_cast<size_t>(out.block) * d) : nullptr;
   for (uint32_t h = 0; h < out.heads; ++h) {
     for (uint32_t b = 0; b < out.nblocks; ++b) {
       const size_t first = static_cast<size_t>(b) * out.block;

@@ -347,8 +347,11 @@ void AttendDecodeGroup(const Queries& q, const Keys& keys, float scale, int64_t 
   }
   const size_t block = DecodeBlockRows(d);
   float* s = Grow(scratch.s, rows.n * kPStride);
-  float* kbuf = !kHaveF16C && keys.k.dtype == DType::kF16 ? Grow(scratch.k, block * d) : nullptr;
-  float* vbuf = !kHaveF16C && keys.v.dtype == DType::kF16 ? Grow(scratch.v, block * d) : nullptr;
+  // fp32 and fp16 rows are read in place where F16C converts fp16 in registers; everything
+  // else (bf16, or fp16 without F16C) is widened into fp32 blocks first.
+  const bool in_place = kHaveF16C && keys.k.dtype != DType::kBF16 && keys.v.dtype != DType::kBF16;
+  float* kbuf = !in_place && keys.k.dtype != DType::kF32 ? Grow(scratch.k, block * d) : nullptr;
+  float* vbuf = !in_place && keys.v.dtype != DType::kF32 ? Grow(scratch.v, block * d) : nullptr;
   for (int64_t t0 = lo; t0 < hi; t0 += block) {
     const size_t nb = static_cast<size_t>(std::min<int64_t>(block, hi - t0));
     Prefetcher prefetch;
@@ -360,7 +363,7 @@ void AttendDecodeGroup(const Queries& q, const Keys& keys, float scale, int64_t 
       prefetch.rows = static_cast<size_t>(std::min<int64_t>(block, hi - t0 - block));
     }
     // With F16C, fp16 rows are converted in registers where they are used, once per block.
-    if constexpr (kHaveF16C) {
+    if (in_place) {
       DecodeBlockInPlace(keys, g, t0, nb, scale, rows, s, prefetch);
       continue;
     }

@@ -49,11 +49,37 @@ inline void HalfToFloat(const uint8_t* HWY_RESTRICT src, size_t n, float* HWY_RE
   for (; i < n; ++i) dst[i] = internal::LoadF16(src + 2 * i);
 }
 
-// Rows [row, row + count) of one head as fp32: in place for fp32, converted into buf for fp16.
+// bf16 → fp32: each element's 16 bits become the high half of a binary32 (exact).
+inline void BF16ToFloat(const uint8_t* HWY_RESTRICT src, size_t n, float* HWY_RESTRICT dst) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint16_t, DF> d16;
+  const size_t lanes = hn::Lanes(df);
+  const auto* src16 = reinterpret_cast<const uint16_t*>(src);
+  size_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto wide = hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, src16 + i)));
+    hn::StoreU(hn::BitCast(df, wide), df, dst + i);
+  }
+  for (; i < n; ++i) dst[i] = internal::LoadBF16(src + 2 * i);
+}
+
+// 16-bit elements of `t` (fp16 or bf16) → fp32.
+inline void Widen(const Tensor3& t, const uint8_t* HWY_RESTRICT src, size_t n,
+                  float* HWY_RESTRICT dst) {
+  if (t.dtype == DType::kBF16) {
+    BF16ToFloat(src, n, dst);
+  } else {
+    HalfToFloat(src, n, dst);
+  }
+}
+
+// Rows [row, row + count) of one head as fp32: in place for fp32, converted into buf for fp16
+// and bf16.
 inline const float* RowsF32(const Tensor3& t, uint32_t head, size_t row, size_t count, float* buf) {
   const uint8_t* p = t.Row(head, static_cast<uint32_t>(row));
   if (t.dtype == DType::kF32) return reinterpret_cast<const float*>(p);
-  HalfToFloat(p, count * t.d, buf);
+  Widen(t, p, count * t.d, buf);
   return buf;
 }
 
@@ -63,7 +89,7 @@ inline void CopyRowF32(const Tensor3& t, uint32_t head, uint32_t row, float* dst
   if (t.dtype == DType::kF32) {
     std::memcpy(dst, p, t.d * sizeof(float));
   } else {
-    HalfToFloat(p, t.d, dst);
+    Widen(t, p, t.d, dst);
   }
 }
 

@@ -1,5 +1,5 @@
-// Scalar IEEE binary16 -> binary32 decoding, shared by the reference and by the CPU backend's
-// targets without F16C. Exact for every input: subnormals, ±inf and NaN (payload kept).
+// Scalar IEEE binary16 (and bfloat16) -> binary32 decoding, shared by the reference and by the CPU
+// backend's targets without F16C. Exact for every input: subnormals, ±inf and NaN (payload kept).
 #pragma once
 
 #include <bit>
@@ -23,6 +23,13 @@ inline float LoadF16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
   return F16BitsToF32(h);
+}
+
+// bfloat16 is the high half of a binary32: widening is exact for every input.
+inline float LoadBF16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
 }
 
 }  // namespace pion::kernels::internal

@@ -10,6 +10,7 @@
 #include <hwy/targets.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -45,6 +46,13 @@ struct Tensor {
       std::uniform_real_distribution<float> u(-1.0f, 1.0f);
       f32.resize(count);
       for (float& x : f32) x = u(rng);
+    } else if (t == DType::kBF16) {  // the top halves of uniform fp32 values, and some zeros
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      f16.resize(count);
+      for (uint16_t& x : f16) {
+        x = static_cast<uint16_t>(std::bit_cast<uint32_t>(u(rng)) >> 16);
+        if (x % 97 == 0) x = 0;
+      }
     } else {
       std::uniform_int_distribution<uint32_t> bits(0, 0xFFFF);
       f16.resize(count);
@@ -68,6 +76,7 @@ struct Tensor {
   }
   double At(uint32_t h, uint32_t r, uint32_t j) const {
     const size_t i = (static_cast<size_t>(h) * rows + r) * d + j;
+    if (dtype == DType::kBF16) return std::bit_cast<float>(static_cast<uint32_t>(f16[i]) << 16);
     return dtype == DType::kF32 ? f32[i] : internal::F16BitsToF32(f16[i]);
   }
 };
@@ -217,6 +226,10 @@ TEST(Fp16, DecodesSpecialValuesExactly) {
   EXPECT_TRUE(std::isnan(internal::F16BitsToF32(0x7E00)));
   EXPECT_TRUE(std::isnan(internal::F16BitsToF32(0x7C01)));
   EXPECT_EQ(DTypeName(DType::kF16), "fp16");
+  EXPECT_EQ(DTypeName(DType::kBF16), "bf16");
+  const uint8_t bf16_one[2] = {0x80, 0x3F}, bf16_neg[2] = {0x20, 0xC0};  // 1.0, -2.5
+  EXPECT_EQ(internal::LoadBF16(bf16_one), 1.0f);
+  EXPECT_EQ(internal::LoadBF16(bf16_neg), -2.5f);
   EXPECT_EQ(DTypeName(DType::kF32), "fp32");
 }
 
@@ -228,7 +241,7 @@ TEST(Attend, DenseMatchesReference) {
   const uint32_t kRatios[] = {1, 2, 4, 8};
   const uint32_t kM[] = {1, 3, 17, 64};
   const uint32_t kN[] = {1, 7, 64, 1000, 4099};
-  const DType kTypes[] = {DType::kF32, DType::kF16};
+  const DType kTypes[] = {DType::kF32, DType::kF16, DType::kBF16};
   double worst = 0.0;
   int cases = 0;
   for (uint32_t d : kDims) {
@@ -240,7 +253,7 @@ TEST(Attend, DenseMatchesReference) {
       const uint32_t hq = heads * ratio;
       // Keep the double-precision reference cheap: shrink N for the biggest products.
       while (n > 64 && static_cast<uint64_t>(hq) * m * n * d > 12'000'000) n = n / 4 + 3;
-      const DType kt = kTypes[trial % 2], vt = kTypes[(trial / 2 + d / 64) % 2];
+      const DType kt = kTypes[trial % 3], vt = kTypes[(trial / 2 + d / 64) % 3];
       Problem p(d, hq, heads, m, n, kt, vt, trial % 3 == 2, rng);
       const int64_t windows[] = {0, 1, 5, static_cast<int64_t>(n) + 10};
       const int64_t window = windows[trial % 4];
@@ -276,7 +289,7 @@ TEST(Attend, DenseMatchesReference) {
 TEST(Attend, DecodeLongContext) {
   std::mt19937 rng(7);
   for (uint32_t ratio : {1u, 4u, 8u}) {
-    for (DType t : {DType::kF32, DType::kF16}) {
+    for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
       Problem p(128, 2 * ratio, 2, 1, 8200, t, t, false, rng);
       p.queries.pos0 = 8200;
       const float scale = 1.0f / std::sqrt(128.0f);
@@ -309,7 +322,7 @@ TEST(Attend, SparseMatchesReference) {
       const uint32_t n = trial == 0 ? 7 : 3000;
       const uint32_t m = trial % 2 == 0 ? 1 : 5;
       const DType kt = trial % 2 == 0 ? DType::kF16 : DType::kF32;
-      const DType vt = trial < 2 ? DType::kF32 : DType::kF16;
+      const DType vt = trial < 2 ? DType::kF32 : (trial == 2 ? DType::kBF16 : DType::kF16);
       Problem p(d, 4, 2, m, n, kt, vt, trial == 3, rng);
       p.MakeSparse(rng, trial == 3 ? 700 : 300);
       p.queries.pos0 = trial == 2 ? n / 2 : n;  // inside the keys: the mask drops some indices
@@ -401,7 +414,7 @@ TEST(Partial, MergeWithEmptyIsIdentity) {
 
 TEST(Scores, MatchReference) {
   std::mt19937 rng(13);
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (uint32_t d : {64u, 160u}) {
       Problem p(d, 4, 2, 5, 333, t, t, true, rng);
       p.keys.pos0 = 7;
@@ -441,7 +454,7 @@ struct Summaries {
 
 TEST(Summaries, MatchBruteForceAndReference) {
   std::mt19937 rng(17);
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     const uint32_t heads = 3, rows = 1000, block = 64, d = 96;  // last block has 40 rows
     Tensor k(t, heads, rows, d, rng);
     Summaries cpu(heads, rows, block, d), ref(heads, rows, block, d);
@@ -475,7 +488,7 @@ TEST(Summaries, MatchBruteForceAndReference) {
 // Quest is an upper bound on q·k for every key of every block; the mean selector is q·mean.
 TEST(ScoreBlocks, QuestBoundsEveryKeyAndMatchesReference) {
   std::mt19937 rng(19);
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     const uint32_t heads = 2, rows = 777, block = 32, d = 128, hq = 6;
     Problem p(d, hq, heads, 1, rows, t, t, true, rng);
     Summaries sums(heads, rows, block, d);

@@ -8,7 +8,16 @@
 
 namespace pion::kernels {
 
-std::string_view DTypeName(DType t) { return t == DType::kF16 ? "fp16" : "fp32"; }
+std::string_view DTypeName(DType t) {
+  switch (t) {
+    case DType::kF16:
+      return "fp16";
+    case DType::kBF16:
+      return "bf16";
+    default:
+      return "fp32";
+  }
+}
 
 void ClearPartial(const Partial& p) {
   for (size_t r = 0; r < p.n; ++r) {

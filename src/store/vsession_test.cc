@@ -47,6 +47,22 @@ TEST(VSession, MissingIdsAreNamed) {
   EXPECT_FALSE(s.StoreRange(-1, rows.data(), 1).ok());
 }
 
+// CheckRange answers a range holding exactly the written ids without visiting its chunks; ranges
+// with as many ids as are written, but not the same ones, still name the first missing id.
+TEST(VSession, CompleteRangeCheckMatchesTheScan) {
+  auto s = Make(codec::Format::kBf16, 16);
+  auto rows = RandomRows(300, 16, 3);
+  ASSERT_TRUE(s.StoreRange(0, rows.data(), 100).ok());
+  ASSERT_TRUE(s.StoreRange(101, rows.data(), 100).ok());  // ids 0..99, 101..200: 200 rows
+  EXPECT_EQ(s.CheckRange(0, 200).message(), "id 100 was never stored");
+  EXPECT_EQ(s.CheckRange(1, 201).message(), "id 100 was never stored");
+  ASSERT_TRUE(s.StoreRange(100, rows.data(), 1).ok());
+  EXPECT_TRUE(s.CheckRange(0, 201).ok());
+  EXPECT_TRUE(s.CheckRange(64, 130).ok());
+  EXPECT_EQ(s.CheckRange(0, 202).message(), "id 201 was never stored");
+  EXPECT_EQ(s.CheckRange(5, 206).message(), "id 201 was never stored");
+}
+
 TEST(VSession, ScatteredIdsLastWriteWins) {
   auto s = Make(codec::Format::kFp32, 32);
   auto rows = RandomRows(3, 32, 3);

@@ -21,7 +21,8 @@ import threading
 from . import _wire, errors
 
 _LAZY_ENABLE_PEER_ACCESS = 1
-_DTYPE = {"fp32": lambda torch: torch.float32, "fp16": lambda torch: torch.float16}
+_DTYPE = {"fp32": lambda torch: torch.float32, "fp16": lambda torch: torch.float16,
+          "bf16": lambda torch: torch.bfloat16}
 
 
 class _Handle(ctypes.Structure):
@@ -78,12 +79,14 @@ def _device_of(bus_id: str) -> int:
 
 
 class _Mapping:
-    """One opened allocation: its base address and a uint8 tensor over the bytes seen so far
-    (views of K and V are slices of it: cheaper than a tensor per view)."""
+    """One opened allocation: its base address, a uint8 tensor over the bytes seen so far and
+    the K/V views made of it, by layout (a later export of the same allocation reuses them:
+    building tensors costs more than looking them up)."""
 
     def __init__(self, ptr: int):
         self.ptr = ptr
         self.bytes = None
+        self.views: dict[tuple, tuple] = {}
 
     def span(self, torch, device, n: int):
         if self.bytes is None or self.bytes.numel() < n:
@@ -114,6 +117,7 @@ def _unmap(torch, raw: bytes, m: _Mapping) -> None:
     torch.cuda.synchronize()  # work reading the mapping is done
     # An error here (the exporting server has exited, say) leaves nothing to undo.
     m.bytes = None
+    m.views.clear()
     _driver().cuIpcCloseMemHandle(m.ptr)
 
 
@@ -141,16 +145,25 @@ class GpuView:
         self.export = export
         m = _map(torch, self.device, bytes(export["handle"]))
         shape = (export["heads"], export["rows"], export["head_dim"])
-        dtype = _DTYPE[export["dtype"]](torch)
         n = int(export["bytes"])
         k0, v0 = int(export["k_offset"]), int(export["v_offset"])
-        span = m.span(torch, self.device, max(k0, v0) + n)
-        self.k = span[k0:k0 + n].view(dtype).view(shape)
-        self.v = span[v0:v0 + n].view(dtype).view(shape)
+        key = (k0, v0, n, export["dtype"], shape)
+        views = m.views.get(key)
+        if views is None:
+            dtype = _DTYPE[export["dtype"]](torch)
+            span = m.span(torch, self.device, max(k0, v0) + n)
+            k = span[k0:k0 + n].view(dtype).view(shape)
+            v = span[v0:v0 + n].view(dtype).view(shape)
+            views = m.views[key] = (k, v, k[None], v[None])
+        self.k, self.v, self._k1, self._v1 = views
+
+    def batched(self):
+        """K and V as [1, H, N, D] views (a transformers cache layer's layout)."""
+        return self._k1, self._v1
 
     def close(self) -> None:
         """Waits for the work queued on the view's device (it may read the mapping), then drops
         the tensors; the mapping stays cached for the allocation's next export."""
         if self.k is not None:
             _wire.torch_module().cuda.synchronize(self.device)
-            self.k = self.v = None
+            self.k = self.v = self._k1 = self._v1 = None

@@ -75,14 +75,15 @@ def prefix_digest(prefix_ids) -> str:
     return hashlib.sha256(ids.tobytes()).hexdigest()[:24]
 
 
-def position_digest(config, prefix_ids) -> str:
+def position_digest(config, prefix_ids, digest: str | None = None) -> str:
     """The POSITION digest: the rotary/position settings of the config and the prefix's token
-    ids, so that a namespace is only a hit for the same tokens at the same positions."""
+    ids, so that a namespace is only a hit for the same tokens at the same positions. `digest`:
+    prefix_digest(prefix_ids) when the caller has it already."""
     c = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     pos = {k: getattr(c, k, None) for k in ("rope_parameters", "rope_scaling", "rope_theta",
                                               "max_position_embeddings", "sliding_window")}
     h = hashlib.sha256(json.dumps(pos, sort_keys=True, default=str).encode())
-    h.update(prefix_digest(prefix_ids).encode())
+    h.update((digest or prefix_digest(prefix_ids)).encode())
     return h.hexdigest()[:24]
 
 
@@ -142,8 +143,14 @@ class PionPromptCache:
       transport: how a hit moves the K/V. "auto": the socket's bytes (TCP), or the shared-
         memory mapping on a Unix-socket client (straight to the GPU when the model is there).
         "ipc": device to device — the server binds the namespace into GPU-resident attention
-        slots (once; --attention-backend cuda, same GPU) and the cache copies them through CUDA
-        IPC (ATTEND.PREFIX.EXPORT); needs a Unix-socket client.
+        slots (once; --attention-backend cuda, same GPU) and the cache reads them through CUDA
+        IPC (ATTEND.PREFIX.EXPORT); needs a Unix-socket client. When the slots hold the model's
+        dtype (a bf16 model's bf16 namespace binds bf16 slots; fp32 likewise) the cache's
+        prefix tensors alias the server's memory — nothing is copied before the forward,
+        whose first cache update concatenates them into the model's own tensors anyway. Their
+        exports' leases are held until that update and released with a later request; use the
+        cache within --shm-lease-ttl-ms (default 30 s) of the fetch, else its first update
+        raises (fetch again). Otherwise the slots are copied into tensors of the model's dtype.
 
     After each call `last` tells what happened: hit, prefill_ms, fetch_ms, store_ms, bytes,
     path ("tcp", "shm", "shm-cuda", "ipc")."""
@@ -163,10 +170,11 @@ class PionPromptCache:
         self.plan = _plan(model)
         self.last: dict[str, Any] = {}
         self._shape: dict[str, tuple[int, int, int]] = {}  # namespace -> (tokens, heads, dim)
+        self._retired: list[int] = []  # leases of zero-copy layers updated since (ipc)
 
     # --- names ---------------------------------------------------------------------------
-    def namespace_for(self, prefix_ids) -> str:
-        return "pc:%s:%s" % (self.model_id[-12:], prefix_digest(prefix_ids))
+    def namespace_for(self, prefix_ids, digest: str | None = None) -> str:
+        return "pc:%s:%s" % (self.model_id[-12:], digest or prefix_digest(prefix_ids))
 
     def _ns(self, base: str, group: str) -> str:
         return "%s/%s" % (base, group)
@@ -213,6 +221,7 @@ class PionPromptCache:
         torch = _torch()
         ids = self._ids(prefix_ids)
         base = namespace or self.namespace_for(ids)
+        self._release_retired()
         cache = DynamicCache(config=self.model.config)
         _sync(self.device)
         t0 = time.perf_counter()
@@ -265,17 +274,25 @@ class PionPromptCache:
         model and these tokens."""
         from transformers.cache_utils import DynamicCache
         ids = self._ids(prefix_ids)
-        base = namespace or self.namespace_for(ids)
         t0 = time.perf_counter()
-        pos = position_digest(self.model.config, ids)
-        if not self._complete(base, pos):
+        digest = prefix_digest(ids)
+        base = namespace or self.namespace_for(ids, digest)
+        self._release_retired()
+        pos = position_digest(self.model.config, ids, digest)
+        exports = None
+        if self.transport == "ipc":  # identity check and exports in one round trip
+            exports = self._complete_and_export(base, pos)
+            if exports is None:
+                return None
+        elif not self._complete(base, pos):
             return None
         states = self._fetch_states(base)
         if states is None:
+            self._release_exports(exports)
             return None
         cache = DynamicCache(config=self.model.config)
         nbytes = self._fill_attention(cache, base, int(ids.numel()), list(self.plan.groups),
-                                      pos)
+                                      pos, exports)
         self._fill_states(cache, states)
         _sync(self.device)
         self.last = dict(hit=True, fetch_ms=(time.perf_counter() - t0) * 1e3, bytes=nbytes,
@@ -308,6 +325,47 @@ class PionPromptCache:
         replies = self.client.execute_many(cmds) if cmds else []
         return all(_wire.status(r) == "HIT" for r in replies)
 
+    def _complete_and_export(self, base: str, pos: str) -> dict | None:
+        """transport="ipc": KV.PREFIX.LOOKUP of every group and ATTEND.PREFIX.EXPORT of its
+        slots, pipelined on the shared-memory channel (one round trip). None when a group is
+        not stored for this model and tokens (exports granted are released); else, per group,
+        its exports or None where the slots are not resident (bound on the way)."""
+        ch = self.client.attend._shm("transport='ipc'")
+        groups = list(self.plan.groups)
+        cmds = [("KV.PREFIX.LOOKUP", self._ns(base, g), "MODEL", self.model_id, "POSITION", pos)
+                for g in groups]
+        cmds += [("ATTEND.PREFIX.EXPORT", self._slot_sid(base, g),
+                  *range(len(self.plan.groups[g])), "PACKED") for g in groups]
+        granted = time.monotonic()  # the leases' TTL runs from (before) their grant
+        replies = ch.call_many(cmds)
+        lookups, exported = replies[:len(groups)], replies[len(groups):]
+        from .attend import _unpack_exports
+        from .errors import MissError, PionError
+        out = {}
+        for g, r in zip(groups, exported):
+            if isinstance(r, MissError):
+                out[g] = None
+            elif isinstance(r, PionError):
+                self._release_exports(out)
+                raise r
+            else:
+                out[g] = _unpack_exports(r)
+                for e in out[g]:
+                    e["granted"] = granted
+        for r in lookups:
+            if isinstance(r, PionError) and not isinstance(r, MissError):
+                self._release_exports(out)
+                raise r
+        if not all(not isinstance(r, PionError) and _wire.status(r) == "HIT" for r in lookups):
+            self._release_exports(out)
+            return None
+        return out
+
+    def _release_exports(self, exports: dict | None) -> None:
+        leases = [e["lease"] for ex in (exports or {}).values() for e in ex or ()]
+        if leases:
+            self.client.attend.release_exports(leases, wait=False)
+
     def _fetch_states(self, base: str) -> dict | None:
         """The recurrent layers' state arrays, or None when one is missing."""
         states = {}
@@ -319,27 +377,33 @@ class PionPromptCache:
         return states
 
     def _fill_attention(self, cache, base: str, t: int, groups: list[str],
-                        pos: str | None = None) -> int:
-        """Fills the attention layers of `groups` from their namespaces; returns the bytes."""
+                        pos: str | None = None, exports: dict | None = None) -> int:
+        """Fills the attention layers of `groups` from their namespaces; returns the bytes.
+        exports: per group, ATTEND.PREFIX.EXPORTs already made (transport="ipc")."""
         nbytes = 0
         for g in groups:
             ns, idxs = self._ns(base, g), self.plan.groups[g]
+            leases = [None] * len(idxs)
             if self.transport == "ipc":
-                kvs = self._fetch_group_ipc(base, g, pos)
+                kvs, leases = self._fetch_group_ipc(base, g, pos, (exports or {}).get(g))
             else:
                 kvs = self._fetch_group_shm(ns, len(idxs))
                 if kvs is None:
                     kvs = [self._fetch_layer(ns, j) for j in range(len(idxs))]
-            for (k, v), i in zip(kvs, idxs):
+            for (k, v), i, lease in zip(kvs, idxs, leases):
                 nbytes += 2 * k.numel() * k.element_size()
                 if not cache.layers:  # a cache without per-layer types: grows by update
-                    cache.update(k, v, i)
+                    cache.update(k, v, i)  # copies (concatenates onto nothing)
+                    if lease is not None:
+                        self._retired.append(lease[0])
                     continue
                 layer = cache.layers[i]
                 layer.lazy_initialization(k, v)
                 layer.keys, layer.values = k, v
                 if getattr(layer, "is_sliding", False):
                     layer.cumulative_length = t  # tokens seen, not tokens kept
+                if lease is not None:
+                    self._hold_until_update(layer, *lease)
         return nbytes
 
     def _layer_shape(self, ns: str) -> tuple[int, int, int]:
@@ -360,37 +424,81 @@ class PionPromptCache:
                                           model=self.model_id)
         return [(k[None], v[None]) for k, v in kvs]
 
-    def _fetch_group_ipc(self, base: str, group: str, pos: str | None):
-        """The group's slots copied device to device (CUDA IPC) into [1, H, T, D] tensors of
-        the model's dtype; the exports' leases are held until the copies finished. Slots not
-        resident in the server's GPU memory are bound from the namespace first."""
+    def _fetch_group_ipc(self, base: str, group: str, pos: str | None,
+                         exports: list | None = None):
+        """The group's slots through CUDA IPC as [1, H, T, D] tensors of the model's dtype, and
+        per layer the (lease, deadline) its tensors are read under (None when copied). Slots of
+        the model's dtype on its device are aliased, not copied (their leases are held until
+        the layer's first update); others are copied device to device, and their leases
+        released once the copies finished. Slots not resident in the server's GPU memory are
+        bound from the namespace first. `exports`: made already (by _complete_and_export)."""
         from .cuda_ipc import GpuView
         from .errors import MissError
         torch = _torch()
         sid, n = self._slot_sid(base, group), len(self.plan.groups[group])
-        try:
-            exports = self.client.attend.export_many(sid, range(n))  # one round trip
-        except MissError:  # first request of this prefix, or evicted: bind, then export
-            self.bind(base, group, pos)
-            exports = self.client.attend.export_many(sid, range(n))
-        views, out = [], []
+        t0 = time.monotonic()
+        if exports is None:
+            try:
+                exports = self.client.attend.export_many(sid, range(n))  # one round trip
+            except MissError:  # first request of this prefix, or evicted: bind, then export
+                self.bind(base, group, pos)
+                t0 = time.monotonic()
+                exports = self.client.attend.export_many(sid, range(n))
+        out, leases, copied = [], [], []
         try:
             for ex in exports:
                 view = GpuView(ex)
-                views.append(view)
+                if view.k.dtype == self.dtype and view.device == self.device:
+                    out.append(view.batched())
+                    leases.append((ex["lease"], ex.get("granted", t0) + int(ex["ttl_ms"]) / 1e3))
+                    continue
                 pair = []
                 for x in (view.k, view.v):
                     dst = torch.empty((1, *x.shape), dtype=self.dtype, device=self.device)
                     dst[0].copy_(x)
                     pair.append(dst)
                 out.append(tuple(pair))
+                leases.append(None)
+                copied.append(ex["lease"])
+            if copied:
+                _sync(self.device)
+        except BaseException:
             _sync(self.device)
-        finally:
-            for view in views:
-                view.close()
-            # The copies have finished: the leases go without a round trip of their own.
             self.client.attend.release_exports([ex["lease"] for ex in exports], wait=False)
-        return out
+            raise
+        # The copies have finished: their leases go without a round trip of their own.
+        self.client.attend.release_exports(copied, wait=False)
+        return out, leases
+
+    def _hold_until_update(self, layer, lease: int, deadline: float) -> None:
+        """Layer's keys/values alias an export held under `lease`: its first update (the
+        forward concatenating the suffix onto the prefix, into new tensors) retires the lease;
+        after `deadline` (the lease's TTL) the server may have reused the memory, so the
+        update refuses instead of reading it."""
+        orig = layer.update
+
+        def update(*args, **kwargs):
+            if time.monotonic() > deadline:
+                from .errors import PionError
+                raise PionError("this Pion cache aliased the server's GPU slots under leases "
+                                "that expired (--shm-lease-ttl-ms) before its first use; "
+                                "fetch it again")
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                del layer.update  # the class's own update from now on
+                self._retired.append(lease)
+
+        layer.update = update
+
+    def _release_retired(self) -> None:
+        """Releases the leases of zero-copy layers updated since the last request, once the
+        device has finished the work that read them (riding with the next command)."""
+        if not self._retired:
+            return
+        _sync(self.device)
+        leases, self._retired = self._retired, []
+        self.client.attend.release_exports(leases, wait=False)
 
     def _fill_states(self, cache, states: dict) -> None:
         """Puts the recurrent layers' conv and recurrent states in place (as after a prefill)."""
@@ -531,6 +639,7 @@ class PionAttentionOffload:
         pc = self.pc
         ids = pc._ids(prefix_ids)
         base = namespace or pc.namespace_for(ids)
+        pc._release_retired()
         pos = position_digest(pc.model.config, ids)
         if not pc._complete(base, pos):
             pc.prefill_and_store(ids, base)

@@ -10,6 +10,7 @@
 //   p·V      thread per 4 consecutive outputs of a row (of two rows, one V load for both, when
 //            D is a multiple of 64), o kept in registers across tiles
 // and the block writes its rows' (m, l, o) partials; LaunchCombine merges the splits.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
@@ -60,12 +61,26 @@ __device__ inline void Load8(const __half* p, float (&x)[8]) {
     x[2 * i] = f.x, x[2 * i + 1] = f.y;
   }
 }
+// bf16: widened with a shift, exact (the element is the high half of its fp32).
+__device__ inline float Widen(uint32_t pair, int hi) {
+  return __uint_as_float(hi ? (pair & 0xffff0000u) : (pair << 16));
+}
+__device__ inline void Load8(const __nv_bfloat16* p, float (&x)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[2 * i] = Widen(w[i], 0), x[2 * i + 1] = Widen(w[i], 1);
+}
 __device__ inline float4 Load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ inline float4 Load4(const __half* p) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
   const __half2* h = reinterpret_cast<const __half2*>(&u);
   const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
   return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ inline float4 Load4(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(Widen(u.x, 0), Widen(u.x, 1), Widen(u.y, 0), Widen(u.y, 1));
 }
 
 // The output o[s] of thread tid holds: row *r (valid when < the item's rows) and float4 column
@@ -480,9 +495,9 @@ uint32_t GridBlocks(const AttendArgs& a) {
 
 uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
   const bool tc = UsesTensorCores(a);
-  const size_t smem =
-      tc ? FlashBytes(a)
-         : (a.dtype == DType::kF16 ? SimtBytes<__half>(a.d) : SimtBytes<float>(a.d));
+  const size_t smem = tc                       ? FlashBytes(a)
+                      : a.dtype == DType::kF32 ? SimtBytes<float>(a.d)
+                                               : SimtBytes<__half>(a.d);  // 2-byte types alike
   // Resident 128-thread blocks per SM: shared memory (227 KiB usable) and 16 warps' worth.
   const uint64_t per_sm = std::clamp<uint64_t>((227u << 10) / std::max<size_t>(smem, 1), 1, 4);
   const uint64_t slots = per_sm * std::max(gpu::Info().sms, 1);
@@ -496,7 +511,14 @@ Status LaunchAttend(const AttendArgs& a, void* stream) {
   if (a.n_items == 0) return Status::Ok();
   auto s = static_cast<cudaStream_t>(stream);
   if (UsesTensorCores(a)) return LaunchFlash(a, s);
-  return a.dtype == DType::kF16 ? LaunchSimtD<__half>(a, s) : LaunchSimtD<float>(a, s);
+  switch (a.dtype) {
+    case DType::kF16:
+      return LaunchSimtD<__half>(a, s);
+    case DType::kBF16:
+      return LaunchSimtD<__nv_bfloat16>(a, s);
+    default:
+      return LaunchSimtD<float>(a, s);
+  }
 }
 
 Status LaunchCombine(uint32_t parts, uint32_t nrows, uint32_t d, const float* part_m,

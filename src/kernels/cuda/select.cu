@@ -3,6 +3,7 @@
 // order-preserving keys (four 8-bit passes of a block-wide histogram), then one ordered
 // compaction pass that emits the chosen indices ascending — ties at the threshold go to the
 // lower index, as the CPU executor breaks them — and sums the softmax mass left out.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -119,6 +120,10 @@ __device__ inline float ToF(T x) {
 template <>
 __device__ inline float ToF<__half>(__half x) {
   return __half2float(x);
+}
+template <>
+__device__ inline float ToF<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
 }
 
 // Visible keys [lo, hi) of query row r over a prefix at positions 0..rows-1.
@@ -351,6 +356,8 @@ Status LaunchScores(const AttendArgs& a, const int32_t* head_map, uint32_t row0,
   auto s = static_cast<cudaStream_t>(stream);
   if (a.dtype == DType::kF16) {
     Scores<__half><<<grid, 256, 0, s>>>(a, head_map, row0, scores);
+  } else if (a.dtype == DType::kBF16) {
+    Scores<__nv_bfloat16><<<grid, 256, 0, s>>>(a, head_map, row0, scores);
   } else {
     Scores<float><<<grid, 256, 0, s>>>(a, head_map, row0, scores);
   }
@@ -376,6 +383,9 @@ Status LaunchSummarize(const void* k, DType dtype, uint32_t heads, uint32_t rows
   if (dtype == DType::kF16) {
     Summarize<<<grid, threads, 0, s>>>(static_cast<const __half*>(k), rows, d, block, nblocks, mean,
                                        min, max);
+  } else if (dtype == DType::kBF16) {
+    Summarize<<<grid, threads, 0, s>>>(static_cast<const __nv_bfloat16*>(k), rows, d, block,
+                                       nblocks, mean, min, max);
   } else {
     Summarize<<<grid, threads, 0, s>>>(static_cast<const float*>(k), rows, d, block, nblocks, mean,
                                        min, max);
