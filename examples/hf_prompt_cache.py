@@ -11,8 +11,9 @@ Needs torch and transformers (pip) and a running pion-server:
     python3 examples/hf_prompt_cache.py --unix /tmp/pion.sock    # same host: shared memory
     python3 examples/hf_prompt_cache.py --model /path/to/llama   # a local checkpoint
 Without --model a small random-weight Llama is built from a config (nothing is downloaded).
-On a GPU with the server's --attention-backend cuda, --transport ipc copies the prefix device
-to device (CUDA IPC) instead of through host memory.
+On a GPU with the server's --attention-backend cuda, --transport ipc reads the prefix from the
+server's GPU slots (CUDA IPC: aliased when they hold the model's dtype, else copied device to
+device) instead of through host memory.
 """
 from __future__ import annotations
 

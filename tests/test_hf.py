@@ -148,7 +148,7 @@ def ipc_client(srv):
 def test_ipc_aliases_slots_of_the_model_dtype(server, dtype):
     """A namespace of the model's dtype binds slots of that dtype (bf16 stays bf16), and the
     fetched cache aliases them: no copy; each export's lease is held until its layer's first
-    update and released with the next request."""
+    update and released with the next request; a deep copy of the cache is independent."""
     client = ipc_client(server)
     model = llama(5, dtype)
     prefix, suffix = prompt(7, 64), prompt(8, 8)
@@ -166,12 +166,18 @@ def test_ipc_aliases_slots_of_the_model_dtype(server, dtype):
     assert held() == 4
     spans = [(m.ptr, m.ptr + m.bytes.numel()) for m in pion.cuda_ipc._open.values()]
     for layer in cache.layers:
-        assert "update" in vars(layer)  # holds its lease until the first update
+        assert "_pion_hold" in vars(layer)  # holds its lease until the first update
         assert any(a <= layer.keys.data_ptr() < b for a, b in spans)  # the server's memory
         assert layer.keys.dtype == dtype
     want = generate(model, full)
+    # A deep copy (how transformers' docs reuse a prompt cache) owns cloned tensors: using it
+    # retires nothing, and the original still reads the server's slots under its leases.
+    import copy
+    dup = copy.deepcopy(cache)
+    assert generate(model, full, dup) == want
+    assert pc._retired == [] and held() == 4
     assert generate(model, full, cache) == want
-    assert all("update" not in vars(layer) for layer in cache.layers)
+    assert all("_pion_hold" not in vars(layer) for layer in cache.layers)
     assert len(pc._retired) == 4 and held() == 4  # retired, released with the next request
     again = pc.fetch(prefix)
     assert pc._retired == [] and held() == 4  # the old four released, four new ones

@@ -33,6 +33,7 @@ import hashlib
 import json
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +128,44 @@ def _sync(device) -> None:
     torch = _torch()
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
+
+
+class _Hold:
+    """The export lease a cache layer's aliased prefix tensors are read under."""
+    __slots__ = ("lease", "deadline", "ptr", "owner")
+
+    def __init__(self, lease: int, deadline: float, ptr: int, owner):
+        self.lease, self.deadline, self.ptr, self.owner = lease, deadline, ptr, owner
+
+
+_HELD: dict[type, type] = {}  # cache layer class -> its lease-holding subclass
+
+
+def _held_class(base: type) -> type:
+    """`base` whose first update retires the layer's export lease (PionPromptCache, ipc)."""
+    cls = _HELD.get(base)
+    if cls is not None:
+        return cls
+
+    def update(self, *args, **kwargs):
+        hold = self.__dict__.get("_pion_hold")
+        aliased = hold is not None and self.keys is not None and self.keys.data_ptr() == hold.ptr
+        if aliased and time.monotonic() > hold.deadline:
+            from .errors import PionError
+            raise PionError("this Pion cache aliased the server's GPU slots under leases that "
+                            "expired (--shm-lease-ttl-ms) before its first use; fetch it again")
+        self.__dict__.pop("_pion_hold", None)
+        self.__class__ = base  # the class's own update from now on
+        try:
+            return base.update(self, *args, **kwargs)
+        finally:
+            owner = hold.owner() if aliased else None
+            if owner is not None:
+                owner._retired.append(hold.lease)
+
+    cls = _HELD[base] = type(base.__name__, (base,), {"update": update,
+                                                      "__module__": base.__module__})
+    return cls
 
 
 class PionPromptCache:
@@ -474,22 +513,12 @@ class PionPromptCache:
         """Layer's keys/values alias an export held under `lease`: its first update (the
         forward concatenating the suffix onto the prefix, into new tensors) retires the lease;
         after `deadline` (the lease's TTL) the server may have reused the memory, so the
-        update refuses instead of reading it."""
-        orig = layer.update
-
-        def update(*args, **kwargs):
-            if time.monotonic() > deadline:
-                from .errors import PionError
-                raise PionError("this Pion cache aliased the server's GPU slots under leases "
-                                "that expired (--shm-lease-ttl-ms) before its first use; "
-                                "fetch it again")
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                del layer.update  # the class's own update from now on
-                self._retired.append(lease)
-
-        layer.update = update
+        update refuses instead of reading it. The layer's class becomes a subclass doing that
+        (copy.deepcopy of the cache copies the class and the hold; the copy's cloned tensors
+        are its own, so its update retires nothing)."""
+        layer.__dict__["_pion_hold"] = _Hold(lease, deadline, layer.keys.data_ptr(),
+                                             weakref.ref(self))
+        layer.__class__ = _held_class(type(layer))
 
     def _release_retired(self) -> None:
         """Releases the leases of zero-copy layers updated since the last request, once the
