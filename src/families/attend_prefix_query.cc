@@ -282,22 +282,25 @@ void WriteResult(proto::ReplyBuilder& rb, const QueryJob& job, const QueryResult
   if (job.receipt) WriteReceipt(rb, job, *res.receipt, backend);
 }
 
-// Host-memory queries this small (query rows × keys × D multiply-adds, ~tens of µs on one
-// core) run on the shard's own thread: handing them to the compute pool and the reply back
-// costs more than computing them.
+// Queries this small (query rows × keys × D multiply-adds) run on the shard's own thread:
+// handing them to the compute pool and the reply back costs more than computing them. Host
+// memory: ~tens of µs on one core. GPU slots: the kernels take a few µs and the fixed costs of
+// a launch (staging, one upload, one download, a stream sync: ~tens of µs) dominate, so the
+// GPU bound is higher; the shard thread waits on its own stream, no other shard's.
 constexpr uint64_t kInlineMacs = uint64_t{1} << 20;
+constexpr uint64_t kInlineGpuMacs = uint64_t{1} << 24;
 
 uint64_t EstimatedMacs(const QueryJob& job) {
   const uint64_t keys = uint64_t{job.slot->rows} + job.plan.k_suffix.rows;
   return uint64_t{job.plan.q.hq} * job.plan.q.m * keys * job.plan.q.d;
 }
 
-// Runs the job: small host-memory ones right here, the rest on the compute pool (the reply is
-// written when it finishes).
+// Runs the job: small ones right here, the rest on the compute pool (the reply is written when
+// it finishes).
 void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
   server::Server* srv = ctx.server;
   server::Shard* shard = ctx.shard;
-  if (!job->slot->gpu && EstimatedMacs(*job) <= kInlineMacs) {
+  if (EstimatedMacs(*job) <= (job->slot->gpu ? kInlineGpuMacs : kInlineMacs)) {
     const QueryResult res = Execute(srv, *job, attention::Parallel{});
     srv->attention_counters().inline_queries.fetch_add(1, std::memory_order_relaxed);
     return WriteResult(*ctx.rb, *job, res, BackendName(*srv));
