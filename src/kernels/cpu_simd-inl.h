@@ -13,6 +13,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "common/bf16_simd-inl.h"
 #include "kernels/attention.h"
 #include "kernels/cpu_common.h"
 #include "kernels/fp16.h"
@@ -49,26 +50,11 @@ inline void HalfToFloat(const uint8_t* HWY_RESTRICT src, size_t n, float* HWY_RE
   for (; i < n; ++i) dst[i] = internal::LoadF16(src + 2 * i);
 }
 
-// bf16 → fp32: each element's 16 bits become the high half of a binary32 (exact).
-inline void BF16ToFloat(const uint8_t* HWY_RESTRICT src, size_t n, float* HWY_RESTRICT dst) {
-  const DF df;
-  const hn::RebindToUnsigned<DF> du;
-  const hn::Rebind<uint16_t, DF> d16;
-  const size_t lanes = hn::Lanes(df);
-  const auto* src16 = reinterpret_cast<const uint16_t*>(src);
-  size_t i = 0;
-  for (; i + lanes <= n; i += lanes) {
-    const auto wide = hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, src16 + i)));
-    hn::StoreU(hn::BitCast(df, wide), df, dst + i);
-  }
-  for (; i < n; ++i) dst[i] = internal::LoadBF16(src + 2 * i);
-}
-
 // 16-bit elements of `t` (fp16 or bf16) → fp32.
 inline void Widen(const Tensor3& t, const uint8_t* HWY_RESTRICT src, size_t n,
                   float* HWY_RESTRICT dst) {
   if (t.dtype == DType::kBF16) {
-    BF16ToFloat(src, n, dst);
+    simd::HWY_NAMESPACE::WidenBf16(src, n, dst);
   } else {
     HalfToFloat(src, n, dst);
   }

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "common/bf16_simd-inl.h"
 #include "store/codec/codec_internal.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -101,19 +102,7 @@ void EncodeBf16(const float* HWY_RESTRICT in, size_t n, uint8_t* HWY_RESTRICT ou
 }
 
 void DecodeBf16(const uint8_t* HWY_RESTRICT in, size_t n, float* HWY_RESTRICT out) {
-  const DF df;
-  const hn::RebindToUnsigned<DF> du;
-  const hn::Rebind<uint16_t, DF> du16;
-  const size_t lanes = hn::Lanes(df);
-  const auto* in16 = reinterpret_cast<const uint16_t*>(in);
-  size_t i = 0;
-  for (; i + lanes <= n; i += lanes) {
-    const auto wide = hn::PromoteTo(du, hn::LoadU(du16, in16 + i));
-    hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(wide)), df, out + i);
-  }
-  for (; i < n; ++i) {
-    out[i] = std::bit_cast<float>(static_cast<uint32_t>(LoadLe16(in + 2 * i)) << 16);
-  }
+  simd::HWY_NAMESPACE::WidenBf16(in, n, out);
 }
 
 // ---- int8 ------------------------------------------------------------------------------------
