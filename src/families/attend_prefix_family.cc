@@ -485,11 +485,13 @@ void WriteShape(proto::ReplyBuilder& rb, const attention::Slot& slot) {
   rb.Bulk(kernels::DTypeName(slot.dtype));
 }
 
-// One exported layer, pinned and leased (see Export).
+// One exported layer, pinned and leased (see Export), with what both reply forms tell of it.
 struct Exported {
   attention::SlotRef slot;
   std::string handle;
   uint64_t lease = 0;
+  uint64_t v_offset = 0;  // V's bytes after K's in the allocation
+  uint64_t bytes = 0;     // of K (= of V)
 };
 
 // The PACKED form's record of one exported layer: kPackedExportBytes little-endian bytes.
@@ -498,7 +500,7 @@ struct Exported {
 //   1 fp16, 2 bf16)   120 generation u64   128 lease u64   136 ttl_ms u64   144 zero[16]
 constexpr size_t kPackedExportBytes = 160;
 
-void PackExport(const Exported& e, uint64_t v_offset, uint64_t ttl_ms, uint8_t* out) {
+void PackExport(const Exported& e, uint64_t ttl_ms, uint8_t* out) {
   const attention::Slot& slot = *e.slot;
   std::memset(out, 0, kPackedExportBytes);
   std::memcpy(out, e.handle.data(), std::min<size_t>(e.handle.size(), 64));
@@ -507,8 +509,8 @@ void PackExport(const Exported& e, uint64_t v_offset, uint64_t ttl_ms, uint8_t* 
   auto u64 = [out](size_t at, uint64_t x) { std::memcpy(out + at, &x, 8); };
   auto u32 = [out](size_t at, uint32_t x) { std::memcpy(out + at, &x, 4); };
   u64(80, 0);
-  u64(88, v_offset);
-  u64(96, uint64_t{slot.heads} * slot.rows * slot.d * kernels::DTypeSize(slot.dtype));
+  u64(88, e.v_offset);
+  u64(96, e.bytes);
   u32(104, slot.heads);
   u32(108, slot.rows);
   u32(112, slot.d);
@@ -564,26 +566,24 @@ void Export(CommandContext& ctx, CmdArgs& args) {
     auto lease = srv.shm().Grant(ctx.client_id, {}, slot->gpu->bytes(),
                                  std::make_shared<attention::GpuSlots::Pin>(std::move(pin)));
     if (!lease.ok()) return fail(lease.status());
-    out.push_back({std::move(slot), std::move(handle).value(), lease.value()});
+    const uint64_t v_offset = static_cast<uint64_t>(static_cast<const uint8_t*>(slot->gpu->v()) -
+                                                    static_cast<const uint8_t*>(slot->gpu->k()));
+    const uint64_t bytes =
+        uint64_t{slot->heads} * slot->rows * slot->d * kernels::DTypeSize(slot->dtype);
+    out.push_back({std::move(slot), std::move(handle).value(), lease.value(), v_offset, bytes});
   }
   auto& rb = *ctx.rb;
-  auto v_offset_of = [](const attention::Slot& slot) {
-    return static_cast<uint64_t>(static_cast<const uint8_t*>(slot.gpu->v()) -
-                                 static_cast<const uint8_t*>(slot.gpu->k()));
-  };
   const uint64_t ttl_ms = static_cast<uint64_t>(srv.shm().lease_ttl().count());
   if (packed) {
     std::string records(out.size() * kPackedExportBytes, '\0');
     for (size_t i = 0; i < out.size(); ++i) {
-      PackExport(out[i], v_offset_of(*out[i].slot), ttl_ms,
+      PackExport(out[i], ttl_ms,
                  reinterpret_cast<uint8_t*>(records.data()) + i * kPackedExportBytes);
     }
     return rb.Bulk(records);
   }
   if (out.size() > 1) rb.Array(out.size());
   for (const Exported& e : out) {
-    const attention::Slot& slot = *e.slot;
-    const uint64_t v_offset = v_offset_of(slot);
     rb.Map(12);
     rb.Bulk("handle");
     rb.Bulk(e.handle);
@@ -592,13 +592,12 @@ void Export(CommandContext& ctx, CmdArgs& args) {
     rb.Bulk("k_offset");
     rb.Integer(0);
     rb.Bulk("v_offset");
-    rb.Integer(static_cast<int64_t>(v_offset));
+    rb.Integer(static_cast<int64_t>(e.v_offset));
     rb.Bulk("bytes");
-    rb.Integer(static_cast<int64_t>(uint64_t{slot.heads} * slot.rows * slot.d *
-                                    kernels::DTypeSize(slot.dtype)));
-    WriteShape(rb, slot);
+    rb.Integer(static_cast<int64_t>(e.bytes));
+    WriteShape(rb, *e.slot);
     rb.Bulk("generation");
-    rb.Integer(static_cast<int64_t>(slot.generation));
+    rb.Integer(static_cast<int64_t>(e.slot->generation));
     rb.Bulk("lease");
     rb.Integer(static_cast<int64_t>(e.lease));
     rb.Bulk("ttl_ms");
@@ -646,8 +645,9 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
               "<sid> [<layer>]"});
   r.Register({"ATTEND.PREFIX.EXPORT", -3, kKv | kCmdReadOnly, 1, 1, 1, Export, "attend_prefix",
               "CUDA IPC handles to slots' GPU copies for a same-host process (Unix socket, cuda "
-              "backend), each pinned under a lease until SHM.RELEASE; several layers: an array.",
-              "<sid> <layer> [<layer> ...]"});
+              "backend), each pinned under a lease until SHM.RELEASE; several layers: an array; "
+              "PACKED: fixed binary records.",
+              "<sid> <layer> [<layer> ...] [PACKED]"});
   r.Register({"ATTEND.PREFIX.INFO", 2, kKv | kCmdReadOnly, 1, 1, 1, Info, "attend_prefix",
               "The session's resident layers: shape, storage type, bytes, generation, source.",
               "<sid>"});

@@ -130,6 +130,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+_UNBOUND = "unbound"  # _complete_and_export: the group's slots are not resident
+
+
 class _Hold:
     """The export lease a cache layer's aliased prefix tensors are read under."""
     __slots__ = ("lease", "deadline", "ptr", "owner")
@@ -215,6 +218,12 @@ class PionPromptCache:
     def namespace_for(self, prefix_ids, digest: str | None = None) -> str:
         return "pc:%s:%s" % (self.model_id[-12:], digest or prefix_digest(prefix_ids))
 
+    def _identity(self, ids, namespace: str | None) -> tuple[str, str]:
+        """(namespace base, POSITION digest) of token ids, hashing them once."""
+        digest = prefix_digest(ids)
+        return (namespace or self.namespace_for(ids, digest),
+                position_digest(self.model.config, ids, digest))
+
     def _ns(self, base: str, group: str) -> str:
         return "%s/%s" % (base, group)
 
@@ -243,16 +252,14 @@ class PionPromptCache:
         """The cache of `prefix_ids` (1-d or [1, T] token ids): from Pion when stored for this
         model, else prefilled by the model (and stored)."""
         ids = self._ids(prefix_ids)
-        base = namespace or self.namespace_for(ids)
-        cache = self.fetch(ids, base)
+        cache = self.fetch(ids, namespace)
         if cache is not None:
             return cache
-        return self.prefill_and_store(ids, base)
+        return self.prefill_and_store(ids, namespace)
 
     def lookup(self, prefix_ids, namespace: str | None = None) -> bool:
         ids = self._ids(prefix_ids)
-        return self._complete(namespace or self.namespace_for(ids), position_digest(
-            self.model.config, ids))
+        return self._complete(*self._identity(ids, namespace))
 
     def prefill_and_store(self, prefix_ids, namespace: str | None = None):
         """Prefills with the model and stores the cache; returns the cache."""
@@ -314,10 +321,8 @@ class PionPromptCache:
         from transformers.cache_utils import DynamicCache
         ids = self._ids(prefix_ids)
         t0 = time.perf_counter()
-        digest = prefix_digest(ids)
-        base = namespace or self.namespace_for(ids, digest)
+        base, pos = self._identity(ids, namespace)
         self._release_retired()
-        pos = position_digest(self.model.config, ids, digest)
         exports = None
         if self.transport == "ipc":  # identity check and exports in one round trip
             exports = self._complete_and_export(base, pos)
@@ -358,9 +363,13 @@ class PionPromptCache:
             ids = ids[0]
         return ids.long().cpu()
 
-    def _complete(self, base: str, pos: str) -> bool:
-        cmds = [("KV.PREFIX.LOOKUP", self._ns(base, g), "MODEL", self.model_id, "POSITION", pos)
+    def _lookups(self, base: str, pos: str) -> list[tuple]:
+        """KV.PREFIX.LOOKUP of every attention group's namespace, with this model's identity."""
+        return [("KV.PREFIX.LOOKUP", self._ns(base, g), "MODEL", self.model_id, "POSITION", pos)
                 for g in self.plan.groups]
+
+    def _complete(self, base: str, pos: str) -> bool:
+        cmds = self._lookups(base, pos)
         replies = self.client.execute_many(cmds) if cmds else []
         return all(_wire.status(r) == "HIT" for r in replies)
 
@@ -368,12 +377,10 @@ class PionPromptCache:
         """transport="ipc": KV.PREFIX.LOOKUP of every group and ATTEND.PREFIX.EXPORT of its
         slots, pipelined on the shared-memory channel (one round trip). None when a group is
         not stored for this model and tokens (exports granted are released); else, per group,
-        its exports or None where the slots are not resident (bound on the way)."""
+        its exports or _UNBOUND where the slots are not resident (bound on the way)."""
         ch = self.client.attend._shm("transport='ipc'")
         groups = list(self.plan.groups)
-        cmds = [("KV.PREFIX.LOOKUP", self._ns(base, g), "MODEL", self.model_id, "POSITION", pos)
-                for g in groups]
-        cmds += [("ATTEND.PREFIX.EXPORT", self._slot_sid(base, g),
+        cmds = self._lookups(base, pos) + [("ATTEND.PREFIX.EXPORT", self._slot_sid(base, g),
                   *range(len(self.plan.groups[g])), "PACKED") for g in groups]
         granted = time.monotonic()  # the leases' TTL runs from (before) their grant
         replies = ch.call_many(cmds)
@@ -383,7 +390,7 @@ class PionPromptCache:
         out = {}
         for g, r in zip(groups, exported):
             if isinstance(r, MissError):
-                out[g] = None
+                out[g] = _UNBOUND
             elif isinstance(r, PionError):
                 self._release_exports(out)
                 raise r
@@ -401,7 +408,8 @@ class PionPromptCache:
         return out
 
     def _release_exports(self, exports: dict | None) -> None:
-        leases = [e["lease"] for ex in (exports or {}).values() for e in ex or ()]
+        leases = [e["lease"] for ex in (exports or {}).values() if ex is not _UNBOUND
+                  for e in ex]
         if leases:
             self.client.attend.release_exports(leases, wait=False)
 
@@ -470,7 +478,8 @@ class PionPromptCache:
         the model's dtype on its device are aliased, not copied (their leases are held until
         the layer's first update); others are copied device to device, and their leases
         released once the copies finished. Slots not resident in the server's GPU memory are
-        bound from the namespace first. `exports`: made already (by _complete_and_export)."""
+        bound from the namespace first. `exports`: made already (by _complete_and_export), or
+        _UNBOUND when that found the slots missing."""
         from .cuda_ipc import GpuView
         from .errors import MissError
         torch = _torch()
@@ -479,10 +488,12 @@ class PionPromptCache:
         if exports is None:
             try:
                 exports = self.client.attend.export_many(sid, range(n))  # one round trip
-            except MissError:  # first request of this prefix, or evicted: bind, then export
-                self.bind(base, group, pos)
-                t0 = time.monotonic()
-                exports = self.client.attend.export_many(sid, range(n))
+            except MissError:
+                exports = _UNBOUND
+        if exports is _UNBOUND:  # first request of this prefix, or evicted: bind, then export
+            self.bind(base, group, pos)
+            t0 = time.monotonic()
+            exports = self.client.attend.export_many(sid, range(n))
         out, leases, copied = [], [], []
         try:
             for ex in exports:
@@ -667,9 +678,8 @@ class PionAttentionOffload:
         from transformers.cache_utils import DynamicCache
         pc = self.pc
         ids = pc._ids(prefix_ids)
-        base = namespace or pc.namespace_for(ids)
+        base, pos = pc._identity(ids, namespace)
         pc._release_retired()
-        pos = position_digest(pc.model.config, ids)
         if not pc._complete(base, pos):
             pc.prefill_and_store(ids, base)
         full = pc.plan.groups.get("full", [])
