@@ -194,13 +194,16 @@ def main() -> int:
     # Sparse-auto at N = 64K with a 4K-token budget (block 64, 62 + first + last blocks) against
     # dense over the same prefix.
     sparse = []
-    for shq, shkv in ((hq, hkv), (hkv, hkv)):
-        sa = pion_kernel(bin_dir, "sparse_auto", "f16", shq, shkv, 65536, d, 64, 62)
+    for shq, shkv, shared in ((hq, hkv, False), (hq, hkv, True), (hkv, hkv, False)):
+        sa = pion_kernel(bin_dir, "sparse_auto", "f16", shq, shkv, 65536, d, 64, 62,
+                         *(["shared"] if shared else []))
         dn = pion_kernel(bin_dir, "dense", "f16", shq, shkv, 1, 65536, d)
-        sparse.append({"hq": shq, "hkv": shkv, "sparse_us": sa["us"], "dense_us": dn["us"],
-                       "budget": sa["budget"], "speedup": dn["us"] / sa["us"],
-                       # dense reads H_kv·N rows, sparse H_q·budget: the best possible ratio
-                       "bound": shkv * 65536 / (shq * sa["budget"])})
+        # Dense reads H_kv·N rows; sparse H_q·budget, or H_kv·budget when each K/V head's
+        # query heads share their blocks: the best possible ratio.
+        sparse.append({"hq": shq, "hkv": shkv, "shared": shared, "sparse_us": sa["us"],
+                       "dense_us": dn["us"], "budget": sa["budget"],
+                       "speedup": dn["us"] / sa["us"], "path": sa.get("path", ""),
+                       "bound": shkv * 65536 / ((shkv if shared else shq) * sa["budget"])})
         print(sparse[-1], flush=True)
     e2e_rows = []
     for backend in ("cuda", "cpu"):
@@ -238,17 +241,19 @@ def main() -> int:
         "## Sparse-auto: N=64K, fp16, D=128, budget %d keys per query head (block 64, K_top 62)"
         % sparse[0]["budget"],
         "",
-        "Each query head picks its own blocks, so sparse reads H_q × budget rows where dense "
-        "reads H_kv × N: with H_q/H_kv = 4 the read volume — and the best possible ratio — is "
-        "4×; with one query head per K/V head it is 16×.",
+        "Per query head (the default), each head picks its own blocks, so sparse reads H_q × "
+        "budget rows where dense reads H_kv × N: with H_q/H_kv = 4 the read volume — and the "
+        "best possible ratio — is 4×. With `SHARED` the query heads of a K/V head choose one "
+        "set together (H_kv × budget rows: 16×), as with one query head per K/V head.",
         "",
-        "| H_q | H_kv | sparse-auto µs (scores + select + attend + combine) | dense µs "
-        "| dense / sparse | read-volume bound |",
-        "|---|---|---|---|---|---|",
+        "| H_q | H_kv | selection | sparse-auto µs (scores + select + attend + combine) "
+        "| dense µs | dense / sparse | read-volume bound | attend path |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in sparse:
-        lines.append("| %d | %d | %.1f | %.1f | %.2f× | %.0f× |" % (
-            r["hq"], r["hkv"], r["sparse_us"], r["dense_us"], r["speedup"], r["bound"]))
+        lines.append("| %d | %d | %s | %.1f | %.1f | %.2f× | %.0f× | %s |" % (
+            r["hq"], r["hkv"], "SHARED" if r["shared"] else "per head", r["sparse_us"],
+            r["dense_us"], r["speedup"], r["bound"], r["path"]))
     lines += [
         "",
         "## End to end: ATTEND.PREFIX.QUERY M=1, H=8, N=2048, D=128 (fp32 slot), loopback",

@@ -6,7 +6,8 @@
 // + combine (sparse-auto).
 //
 //   pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>
-//   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top>
+//   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top> [shared]
+//                       (shared: SHARED selection — one block set per K/V head)
 //   pion-gpu-attn-bench stream <bytes>
 //
 // Prints one JSON object per line (us per call, bytes of K/V read, GB/s). Run by
@@ -195,7 +196,7 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
 }
 
 int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint32_t block,
-               uint32_t k_top) {
+               uint32_t k_top, bool shared) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   AttendArgs a = Base(t, hq, hkv, 1, n, d);
@@ -216,12 +217,15 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   int32_t* list = DevAlloc<int32_t>(size_t{hq} * stride);
   int32_t* counts = DevAlloc<int32_t>(hq);
   float* omitted = DevAlloc<float>(hq);
-  auto items = kernels::cuda::RowItems(hq, 1, map.data());
+  float* group_sel = shared ? DevAlloc<float>(size_t{hq} * nb) : nullptr;
+  // As the executor: per-row lists on row items, or (shared) one list per K/V head's row group.
+  auto items = shared ? kernels::cuda::DenseItems(hq, 1, map.data())
+                      : kernels::cuda::RowItems(hq, 1, map.data());
   auto* di = DevAlloc<kernels::cuda::Item>(items.size());
   CK(cudaMemcpy(di, items.data(), items.size() * sizeof(items[0]), cudaMemcpyHostToDevice));
   a.items = di;
-  a.n_items = hq;
-  a.dense_items = false;
+  a.n_items = static_cast<uint32_t>(items.size());
+  a.dense_items = shared;
   a.list = list;
   a.counts = counts;
   a.stride = stride;
@@ -231,14 +235,17 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   a.part_o = DevAlloc<float>(size_t{a.splits} * hq * d);
   a.out = DevAlloc<float>(size_t{hq} * d);
   a.lse = DevAlloc<float>(hq);
-  const double bytes = 2.0 * hq * stride * d * kernels::DTypeSize(t);  // worst case: no sharing
+  // K/V rows read: per query head, or per K/V head when shared (the worst case: no overlap).
+  const double bytes = 2.0 * (shared ? hkv : hq) * stride * d * kernels::DTypeSize(t);
   const double us = TimeUs(
       s,
       [&] {
         Ok(kernels::cuda::LaunchScoreBlocks(a.q, hq, d, dmap, mean, mn, mx, nb,
                                             kernels::BlockSelector::kMean, sel, ms, s));
-        Ok(kernels::cuda::LaunchSelectBlocks(sel, ms, hq, nb, block, 0, n, k_top, a.scale, blocks,
-                                             nchosen, list, counts, stride, omitted, s));
+        if (shared) Ok(kernels::cuda::LaunchGroupMaxScores(sel, hq, nb, dmap, group_sel, s));
+        Ok(kernels::cuda::LaunchSelectBlocks(shared ? group_sel : sel, ms, hq, nb, block, 0, n,
+                                             k_top, a.scale, blocks, nchosen, list, counts, stride,
+                                             omitted, s));
         Ok(kernels::cuda::LaunchAttend(a, s));
         Ok(kernels::cuda::LaunchCombine(a.splits, hq, d, a.part_m, a.part_l, a.part_o, a.out, a.lse,
                                         s));
@@ -247,8 +254,9 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   std::printf(
       "{\"kind\": \"sparse_auto\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": 1, \"n\": "
       "%u, \"d\": %u, \"block\": %u, \"k_top\": %u, \"budget\": %u, \"us\": %.2f, \"bytes\": "
-      "%.0f, \"splits\": %u}\n",
-      t == DType::kF16 ? "f16" : "f32", hq, hkv, n, d, block, k_top, stride, us, bytes, a.splits);
+      "%.0f, \"splits\": %u, \"shared\": %s, \"path\": \"%s\"}\n",
+      t == DType::kF16 ? "f16" : "f32", hq, hkv, n, d, block, k_top, stride, us, bytes, a.splits,
+      shared ? "true" : "false", kernels::cuda::UsesTensorCores(a) ? "tensor-core" : "simt");
   return 0;
 }
 
@@ -280,15 +288,15 @@ int main(int argc, char** argv) {
   if (kind == "dense" && argc == 8) {
     return Dense(ParseType(argv[2]), U(argv[3]), U(argv[4]), U(argv[5]), U(argv[6]), U(argv[7]));
   }
-  if (kind == "sparse_auto" && argc == 9) {
+  if (kind == "sparse_auto" && (argc == 9 || (argc == 10 && std::string(argv[9]) == "shared"))) {
     return SparseAuto(ParseType(argv[2]), U(argv[3]), U(argv[4]), U(argv[5]), U(argv[6]),
-                      U(argv[7]), U(argv[8]));
+                      U(argv[7]), U(argv[8]), argc == 10);
   }
   if (kind == "stream" && argc == 3) return Stream(std::strtoull(argv[2], nullptr, 10));
   std::fprintf(stderr,
                "usage: pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>\n"
                "       pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> "
-               "<K_top>\n"
+               "<K_top> [shared]\n"
                "       pion-gpu-attn-bench stream <bytes>\n");
   return 2;
 }

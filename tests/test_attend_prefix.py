@@ -176,10 +176,12 @@ def topk_allow(q, k, head_map, pos_q, window, top_k):
     return allow, omitted
 
 
-def sparse_auto_ref(q, k, head_map, b, k_top, p, window, select):
+def sparse_auto_ref(q, k, head_map, b, k_top, p, window, select, shared=False):
     """M=1 block choice over the prefix k [Hkv][N][D] for queries q [Hq][D] at position p.
-    Returns (chosen blocks per head, number of visible blocks, allow [Hq][1][N], per-head omitted
-    mass estimates under both readings of 'rows' (block rows, visible rows))."""
+    shared (SHARED): each block's score is the highest of the query heads mapped to the same
+    K/V head, so they choose together. Returns (chosen blocks per head, number of visible
+    blocks, allow [Hq][1][N], per-head omitted mass estimates under both readings of 'rows'
+    (block rows, visible rows))."""
     q = np.asarray(q, np.float64)
     k = np.asarray(k, np.float64)
     hq, d = q.shape
@@ -195,12 +197,18 @@ def sparse_auto_ref(q, k, head_map, b, k_top, p, window, select):
         return [[] for _ in range(hq)], 0, allow, []
     fb, lb = lo // b, hi // b
     chosen_all, omitted = [], []
-    for h in range(hq):
+
+    def head_score(h):
         g = head_map[h]
         if select == "quest":
-            score = np.maximum(q[h] * mn[g], q[h] * mx[g]).sum(1)
-        else:
-            score = mean[g] @ q[h]
+            return np.maximum(q[h] * mn[g], q[h] * mx[g]).sum(1)
+        return mean[g] @ q[h]
+
+    for h in range(hq):
+        g = head_map[h]
+        score = head_score(h)
+        if shared:
+            score = np.max([head_score(h2) for h2 in range(hq) if head_map[h2] == g], axis=0)
         cands = list(range(fb + 1, lb))
         cands.sort(key=lambda i: -score[i])
         chosen = sorted({fb, lb} | set(cands[:k_top]))
@@ -518,6 +526,51 @@ def test_query_sparse_auto_matches_reference(shared_pion, case, select):
     assert_close(parse_out(out, hq, 1, d, False)[0], ref_d)
     assert rc["exact"] == 1 and rc["omitted_mass_estimate"] == 0
     assert rc["rows_attended"] == rc["visible_rows"] == int(vis.sum())
+
+
+@pytest.mark.parametrize("select", ["mean", "quest"])
+@pytest.mark.parametrize("case", [1, 2, 3, 4])
+def test_query_sparse_auto_shared_matches_reference(shared_pion, case, select):
+    """SHARED: the query heads of one K/V head choose one set of blocks, each block ranked by
+    the highest of their scores; each head then attends exactly those rows."""
+    hq, hkv, n, d, b, k_top, w, qpos, hm = AUTO_CASES[case]
+    r = shared_pion.client()
+    rng = np.random.default_rng(900 + case)
+    k, v, q = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d), rnd(rng, hq, 1, d, scale=2.0)
+    hm = np.asarray(contiguous_map(hq, hkv) if hm is None else hm)
+    sid = "autoshared%d%s" % (case, select)
+    store(r, sid, 0, k, v)
+    p = n if qpos is None else qpos
+    tail = ([w] if w else []) + (["QPOS", qpos] if qpos is not None else [])
+    tail += ["SELECT", select, "SHARED"]
+    chosen, nvis_blocks, allow, omitted = sparse_auto_ref(q[:, 0], k, hm, b, k_top, p, w, select,
+                                                          shared=True)
+    for h in range(hq):  # one choice per group
+        assert chosen[h] == chosen[list(hm).index(hm[h])]
+    ref, _, att = attend_ref(q, k, v, hm, [p], np.arange(n), w, allow)
+    out, rc = split_reply(r.execute_command(
+        "ATTEND.PREFIX.QUERY_SPARSE_AUTO", sid, 0, hq, d, b, k_top, hkv, f32(q), i32(hm),
+        *tail, "RECEIPT"))
+    assert [sorted(x) for x in rc["blocks"]] == chosen, (rc["blocks"], chosen)
+    assert_close(parse_out(out, hq, 1, d, False)[0], ref)
+    assert rc["blocks_total"] == nvis_blocks
+    assert rc["support"] == [int(x) for x in att.sum(axis=(1, 2))]
+    assert rc["rows_attended"] == int(att.sum()) and rc["exact"] == 0
+    assert min(omitted) - 1e-4 <= rc["omitted_mass_estimate"] <= max(omitted) + 1e-4
+    # With one query head per K/V head, SHARED changes nothing.
+    if hq == hkv:
+        plain = r.execute_command("ATTEND.PREFIX.QUERY_SPARSE_AUTO", sid, 0, hq, d, b, k_top,
+                                  hkv, f32(q), i32(hm), *tail[:-1])
+        assert plain == out
+    # The fused form takes SHARED too: the prefix part chooses alike.
+    s_suf = 3
+    ks, vs = rnd(rng, hkv, s_suf, d), rnd(rng, hkv, s_suf, d)
+    out, rc = split_reply(r.execute_command(
+        "ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", sid, 0, hq, d, b, k_top, hkv, s_suf, f32(q),
+        f32(ks), f32(vs), i32(hm), "SELECT", select, "SHARED", "RECEIPT"))
+    chosen_f, _, _, _ = sparse_auto_ref(q[:, 0], k, hm, b, k_top, n + s_suf - 1, 0, select,
+                                        shared=True)
+    assert [sorted(x) for x in rc["blocks"]] == chosen_f
 
 
 # (H_q, H_kv, N, D, B, K_top, S_suf, window, head_map or None)
@@ -1090,6 +1143,8 @@ BAD = [
      "^ERR unexpected argument '4'"),
     (("ATTEND.PREFIX.QUERY", "e", 0, 2, 32, 0, Q2, "SELECT", "mean"),
      "^ERR unexpected argument 'SELECT'"),
+    (("ATTEND.PREFIX.QUERY", "e", 0, 2, 32, 0, Q2, "SHARED"),
+     "^ERR unexpected argument 'SHARED'"),
     (("ATTEND.PREFIX.QUERY", "nosuch", 3, 2, 32, 0, Q2),
      "=MISS no attention slot for session 'nosuch' layer 3 (never stored, dropped or evicted);"
      " ATTEND.PREFIX.STORE it"),

@@ -428,6 +428,25 @@ def test_attend_query_sparse_auto(c, slot, select):
     ref, _ = attend_ref(q[:, None], k, v, HM, [96], np.arange(96), allow=allow)
     assert_close(res.out, ref[:, 0])
     assert 0 < rc["omitted_mass_estimate"] < 1
+    # shared=True: the heads of each K/V head choose together, by their highest block score.
+    res = c.attend.query_sparse_auto("att", 0, q, b, 1, h_kv=2, select=select, shared=True,
+                                     receipt=True)
+    allow[:] = False
+    for g in range(2):
+        kb = k[g].astype(np.float64).reshape(6, b, 32)
+        heads = [h for h in range(4) if HM[h] == g]
+        scores = []
+        for h in heads:
+            qh = q[h].astype(np.float64)
+            scores.append(kb.mean(1) @ qh if select == "mean" else
+                          np.maximum(qh * kb.min(1), qh * kb.max(1)).sum(1))
+        best = 1 + int(np.argmax(np.max(scores, axis=0)[1:5]))
+        for h in heads:
+            assert res.receipt["blocks"][h] == sorted({0, best, 5}), (h, res.receipt["blocks"])
+            for i in res.receipt["blocks"][h]:
+                allow[h, 0, i * b:(i + 1) * b] = True
+    ref, _ = attend_ref(q[:, None], k, v, HM, [96], np.arange(96), allow=allow)
+    assert_close(res.out, ref[:, 0])
 
 
 def test_attend_query_sparse_auto_fused(c, slot):

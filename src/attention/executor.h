@@ -41,6 +41,9 @@ struct Plan {
   uint32_t block = 0;
   uint32_t k_top = 0;
   kernels::BlockSelector selector = kernels::BlockSelector::kMean;
+  // SHARED: the query heads of one K/V head choose one set of blocks together, each block
+  // ranked by the highest of their scores (so the group reads each chosen K/V row once).
+  bool shared_blocks = false;
   kernels::BlockSummaries summaries;  // filled for the slot's K, block size `block`
 };
 

@@ -171,6 +171,25 @@ Status SparseLaunch(Job& job, AttendArgs a, const int32_t* head_map, const int32
   return LaunchItems(job, a, kernels::cuda::RowItems(a.hq, a.m, head_map), parts, splits, fin);
 }
 
+// A shared-list pass (SHARED sparse-auto): rows grouped by K/V head as in a dense pass, each
+// group attending the list of its first row (the lists of a group's rows are equal).
+Status GroupSparseLaunch(Job& job, AttendArgs a, const int32_t* head_map, const int32_t* list,
+                         const int32_t* counts, uint32_t stride, Parts* parts, uint32_t splits,
+                         Finish* fin) {
+  a.dense_items = true;
+  a.list = list;
+  a.counts = counts;
+  a.stride = stride;
+  return LaunchItems(job, a, kernels::cuda::DenseItems(a.hq, a.m, head_map), parts, splits, fin);
+}
+
+uint32_t GroupSparseSplitsFor(AttendArgs a, const int32_t* head_map, uint32_t stride) {
+  a.dense_items = true;
+  a.list = reinterpret_cast<const int32_t*>(1);  // shape only
+  a.n_items = static_cast<uint32_t>(kernels::cuda::DenseItems(a.hq, a.m, head_map).size());
+  return std::max<uint32_t>(1, kernels::cuda::PlanSplits(a, stride));
+}
+
 uint32_t SparseSplitsFor(AttendArgs a, const int32_t* head_map, uint32_t stride) {
   a.dense_items = false;
   a.list = reinterpret_cast<const int32_t*>(1);  // shape only: any sparse launch
@@ -319,7 +338,11 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       PION_ASSIGN(list, job.Dev<int32_t>(size_t{q.hq} * stride));
       PION_ASSIGN(counts, job.Dev<int32_t>(q.hq));
       PION_ASSIGN(omitted, job.Dev<float>(q.hq));
-      const uint32_t splits = SparseSplitsFor(base, q.head_map, stride);
+      // SHARED: each head's scores become its group's highest (nb floats per head).
+      PION_ASSIGN(group_sel_buf, job.Dev<float>(plan.shared_blocks ? size_t{q.hq} * nb : 1));
+      float* group_sel = plan.shared_blocks ? group_sel_buf : nullptr;
+      const uint32_t splits = plan.shared_blocks ? GroupSparseSplitsFor(base, q.head_map, stride)
+                                                 : SparseSplitsFor(base, q.head_map, stride);
       PION_TRY(AllocParts(job, splits + suf_splits, nrows, q.d, &parts));
       if (vis_lo < vis_hi) {
         b_lo = vis_lo / B;
@@ -327,10 +350,19 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
         PION_TRY(kernels::cuda::LaunchScoreBlocks(dq, q.hq, q.d, dmap, summaries->dev_mean(),
                                                   summaries->dev_min(), summaries->dev_max(), nb,
                                                   plan.selector, sel, ms, job.stream()));
-        PION_TRY(kernels::cuda::LaunchSelectBlocks(sel, ms, q.hq, nb, B, vis_lo, vis_hi, plan.k_top,
-                                                   scale, blocks, nchosen, list, counts, stride,
-                                                   omitted, job.stream()));
-        PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits, fin));
+        if (group_sel != nullptr) {
+          PION_TRY(
+              kernels::cuda::LaunchGroupMaxScores(sel, q.hq, nb, dmap, group_sel, job.stream()));
+        }
+        PION_TRY(kernels::cuda::LaunchSelectBlocks(
+            group_sel != nullptr ? group_sel : sel, ms, q.hq, nb, B, vis_lo, vis_hi, plan.k_top,
+            scale, blocks, nchosen, list, counts, stride, omitted, job.stream()));
+        if (group_sel != nullptr) {
+          PION_TRY(
+              GroupSparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits, fin));
+        } else {
+          PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits, fin));
+        }
         r->splits = splits;
         PION_ASSIGN(hb, job.Down(blocks, size_t{q.hq} * (plan.k_top + 2)));
         PION_ASSIGN(hn, job.Down(nchosen, q.hq));

@@ -93,6 +93,7 @@ struct Case {
   int64_t qpos = -1;  // −1: right after the prefix
   uint32_t top_k = 0, block = 32, k_top = 4, suffix = 0;
   kernels::BlockSelector selector = kernels::BlockSelector::kMean;
+  bool shared = false;  // SHARED sparse-auto
 };
 
 std::string Describe(const Case& c) {
@@ -100,7 +101,8 @@ std::string Describe(const Case& c) {
          " heads=" + std::to_string(c.heads) + " m=" + std::to_string(c.m) +
          " n=" + std::to_string(c.n) + " d=" + std::to_string(c.d) +
          " dtype=" + std::string(kernels::DTypeName(c.dtype)) +
-         " window=" + std::to_string(c.window) + " qpos=" + std::to_string(c.qpos);
+         " window=" + std::to_string(c.window) + " qpos=" + std::to_string(c.qpos) +
+         (c.shared ? " shared" : "");
 }
 
 void Check(const Case& c, uint32_t seed = 1) {
@@ -143,6 +145,7 @@ void Check(const Case& c, uint32_t seed = 1) {
     p.block = c.block;
     p.k_top = c.k_top;
     p.selector = c.selector;
+    p.shared_blocks = c.shared;
     host_sum.block = c.block;
     host_sum.nblocks = (c.n + c.block - 1) / c.block;
     const size_t ns = size_t{c.heads} * host_sum.nblocks * c.d;
@@ -225,6 +228,10 @@ TEST(GpuExecutor, Smoke) {
       c.selector = kernels::BlockSelector::kQuest;
       c.suffix = f == Form::kSparseAutoFused ? 10 : 0;
       Check(c);
+      if (f != Form::kSparse) {  // shared lists: the tensor-core kernel for fp16
+        c.shared = true;
+        Check(c);
+      }
     }
   }
 }
@@ -342,19 +349,22 @@ TEST(GpuExecutor, SparseAuto) {
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (auto sel : {kernels::BlockSelector::kMean, kernels::BlockSelector::kQuest}) {
       for (uint32_t k_top : {0u, 3u, 20u, 1000u}) {
-        Case c;
-        c.form = Form::kSparseAuto;
-        c.dtype = t;
-        c.selector = sel;
-        c.k_top = k_top;
-        c.n = 4000;
-        c.block = 64;
-        Check(c);
-        c.window = 1000;
-        Check(c);
-        c.form = Form::kSparseAutoFused;
-        c.suffix = 30;
-        Check(c);
+        for (bool shared : {false, true}) {
+          Case c;
+          c.form = Form::kSparseAuto;
+          c.dtype = t;
+          c.selector = sel;
+          c.k_top = k_top;
+          c.shared = shared;
+          c.n = 4000;
+          c.block = 64;
+          Check(c);
+          c.window = 1000;
+          Check(c);
+          c.form = Form::kSparseAutoFused;
+          c.suffix = 30;
+          Check(c);
+        }
       }
     }
   }

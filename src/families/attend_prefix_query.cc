@@ -34,11 +34,12 @@ struct QueryJob {
 // Positions stay far from int64 overflow: QPOS + M, and position − window, are always exact.
 constexpr int64_t kMaxPosition = int64_t{1} << 62;
 
-// The optional tail: [<fa_window>] [QPOS <p>] [SELECT mean|quest] [RECEIPT].
+// The optional tail: [<fa_window>] [QPOS <p>] [SELECT mean|quest] [SHARED] [RECEIPT].
 struct Tail {
   int64_t window = 0;
   std::optional<int64_t> qpos;
   kernels::BlockSelector selector = kernels::BlockSelector::kMean;
+  bool shared = false;
   bool receipt = false;
 };
 
@@ -53,7 +54,7 @@ Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_sele
   }
   std::string expected = "RECEIPT";
   if (allow_qpos) expected = "QPOS, " + expected;
-  if (allow_select) expected = "SELECT, " + expected;
+  if (allow_select) expected = "SELECT, SHARED, " + expected;
   for (; i < args.size(); ++i) {
     if (EqualsIgnoreCase(args[i], "RECEIPT")) {
       t->receipt = true;
@@ -77,6 +78,8 @@ Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_sele
                      std::string(args[i + 1].substr(0, 32)) + "'");
       }
       ++i;
+    } else if (allow_select && EqualsIgnoreCase(args[i], "SHARED")) {
+      t->shared = true;
     } else {
       return Error("unexpected argument '" + std::string(args[i].substr(0, 32)) +
                    "'; expected [<fa_window>] then any of " + expected);
@@ -482,7 +485,8 @@ void QuerySparse(CommandContext& ctx, CmdArgs& args) {
 }
 
 // ATTEND.PREFIX.QUERY_SPARSE_AUTO[_FUSED] <sid> <layer> <H_q> <D> <B> <K_top> <H_kv>
-//   [<S_suf>] <Q> [<K_suf> <V_suf>] <head_map> [<fa_window>] [QPOS p] [SELECT mean|quest] [RECEIPT]
+//   [<S_suf>] <Q> [<K_suf> <V_suf>] <head_map> [<fa_window>] [QPOS p] [SELECT mean|quest]
+//   [SHARED] [RECEIPT]
 void QuerySparseAutoImpl(CommandContext& ctx, CmdArgs& args, bool fused) {
   Head h;
   uint32_t block = 0, h_kv = 0, s_suf = 0;
@@ -519,6 +523,7 @@ void QuerySparseAutoImpl(CommandContext& ctx, CmdArgs& args, bool fused) {
   job->plan.block = block;
   job->plan.k_top = static_cast<uint32_t>(k_top);
   job->plan.selector = tail.selector;
+  job->plan.shared_blocks = tail.shared;
   job->plan.summaries = job->summaries->View(h.slot->heads, h.slot->d);
   job->plan.window = tail.window;
   job->plan.q.pos0 = tail.qpos.value_or(h.slot->rows);
@@ -554,12 +559,12 @@ void RegisterQueryCommands(server::Server& srv) {
               "attend_prefix",
               "M=1 attention over the K_top best blocks of B rows (+ first and last); H_q*D fp32.",
               "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <Q> <head_map> [<fa_window>] "
-              "[QPOS <p>] [SELECT mean|quest] [RECEIPT]"});
+              "[QPOS <p>] [SELECT mean|quest] [SHARED] [RECEIPT]"});
   r.Register({"ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", -13, kRead, 1, 1, 1, QuerySparseAutoFused,
               "attend_prefix",
               "Sparse-auto over the prefix plus the dense suffix, merged; H_q*D fp32.",
               "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <S_suf> <Q> <K_suf> <V_suf> <head_map> "
-              "[<fa_window>] [SELECT mean|quest] [RECEIPT]"});
+              "[<fa_window>] [SELECT mean|quest] [SHARED] [RECEIPT]"});
 }
 
 }  // namespace pion::families::attend

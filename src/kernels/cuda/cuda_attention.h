@@ -12,6 +12,7 @@
 //                    exact omitted softmax mass
 //   LaunchSummarize  per-block mean/min/max of K (sparse-auto summaries)
 //   LaunchScoreBlocks block scores of M=1 queries: q·mean, and the Quest bound when asked
+//   LaunchGroupMaxScores per K/V head, the highest score of its query heads (SHARED)
 //   LaunchSelectBlocks per-head top K_top blocks plus the first and last visible ones, their row
 //                    lists, and the block-mean omitted-mass proxy
 //
@@ -52,7 +53,9 @@ struct AttendArgs {
   uint32_t heads = 0, rows = 0;
   int64_t k_pos0 = 0;
   uint32_t begin = 0, end = 0;  // dense key range
-  // Sparse: per query row r, list[r*stride .. + counts[r]) (distinct, in [0, rows)).
+  // Sparse: per query row r, list[r*stride .. + counts[r]) (distinct, in [0, rows)). Every row
+  // of an item attends the list of its first row: with dense items (grouped by K/V head) that
+  // is one list per group, each chosen key read once for the group (SHARED sparse-auto).
   const int32_t* list = nullptr;
   const int32_t* counts = nullptr;
   uint32_t stride = 0;
@@ -78,8 +81,8 @@ struct AttendArgs {
 // Blocks along x of a LaunchAttend of `a` (one counter each when finishing in the launch).
 uint32_t GridBlocks(const AttendArgs& a);
 
-// Whether LaunchAttend runs these args on tensor cores (fp16, dense, d <= 256, sm_80+; the
-// flash kernel also takes sparse lists, but they measure faster on the SIMT kernel), and how
+// Whether LaunchAttend runs these args on tensor cores (fp16, dense items — with or without
+// shared lists — d <= 256, sm_80+; per-row sparse lists measure faster on the SIMT kernel), and how
 // many 16-row groups one such block holds (4 when a K/V head has >= 64 query rows, else 1).
 // Call before building items: DenseItems(..., FlashRowGroups(a)) when UsesTensorCores(a).
 bool UsesTensorCores(const AttendArgs& a);
@@ -110,6 +113,10 @@ Status LaunchSummarize(const void* k, DType dtype, uint32_t heads, uint32_t rows
 Status LaunchScoreBlocks(const float* q, uint32_t hq, uint32_t d, const int32_t* head_map,
                          const float* mean, const float* min, const float* max, uint32_t nblocks,
                          BlockSelector selector, float* sel, float* mean_scores, void* stream);
+// SHARED selection: out[h*nb + b] = max of sel[h2*nb + b] over the heads h2 with
+// head_map[h2] == head_map[h] (head_map on the device).
+Status LaunchGroupMaxScores(const float* sel, uint32_t hq, uint32_t nblocks,
+                            const int32_t* head_map, float* out, void* stream);
 // Visible rows [lo, hi) (hi > lo), blocks b_lo = lo/B .. b_hi = (hi-1)/B. Per head h:
 // blocks[h*(k_top+2) ..] ascending chosen blocks (nchosen[h] of them), list[h*stride ..] their
 // visible rows ascending (counts[h]), omitted[h] the block-mean proxy of the mass left out.

@@ -95,6 +95,21 @@ __device__ inline void FinishSplits(const AttendArgs& a, const int32_t* rows, in
   if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched after this one with the
+// programmatic-serialization attribute (LaunchCombine) may start once every block of this grid
+// has called LaunchDependents; it waits for this grid's results in WaitForPrimary. Both are
+// no-ops where unsupported or when the kernels are launched plainly.
+__device__ inline void LaunchDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ inline void WaitForPrimary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 inline Status KernelStatus(const char* what) {
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : gpu::CudaError(e, what);

@@ -98,15 +98,25 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
     qpos[t] = r >= 0 ? a.q_pos0 + static_cast<int64_t>(r % a.m) : 0;
   }
   __syncthreads();
-  if (tid == 0) {
-    int64_t vlo = INT64_MAX, vhi = INT64_MIN, pmin = INT64_MAX, pmax = INT64_MIN;
-    for (int r = 0; r < C::kRows; ++r) {
+  // The block's key range and position span: a reduction over its rows by warp 0.
+  int64_t vlo = INT64_MAX, vhi = INT64_MIN, pmin = INT64_MAX, pmax = INT64_MIN;
+  if (warp == 0) {
+    for (int r = lane; r < C::kRows; r += 32) {
       if (rowid[r] < 0) continue;
       vlo = Min(vlo, FirstVisible(qpos[r], a.window, a.k_pos0));
       vhi = Max(vhi, qpos[r] - a.k_pos0 + 1);
       pmin = Min(pmin, qpos[r]);
       pmax = Max(pmax, qpos[r]);
     }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      vlo = Min<int64_t>(vlo, __shfl_xor_sync(0xffffffffu, vlo, o));
+      vhi = Max<int64_t>(vhi, __shfl_xor_sync(0xffffffffu, vhi, o));
+      pmin = Min<int64_t>(pmin, __shfl_xor_sync(0xffffffffu, pmin, o));
+      pmax = Max<int64_t>(pmax, __shfl_xor_sync(0xffffffffu, pmax, o));
+    }
+  }
+  if (tid == 0) {
     qspan[0] = pmin;
     qspan[1] = pmax;
     uint32_t lo = 0, hi = 0;
@@ -325,6 +335,7 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       __syncthreads();
     }
   }
+  LaunchDependents();  // a combine launched after this one may start its blocks
   // Row sums over the quad.
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -459,9 +470,9 @@ int FlashRowGroups(const AttendArgs& a) {
 }
 
 bool UsesTensorCores(const AttendArgs& a) {
-  // Sparse lists (one row per item) measured faster on the SIMT kernel: keep them there.
-  return a.dtype == DType::kF16 && a.d <= 256 && a.list == nullptr && a.dense_items &&
-         gpu::Info().cc_major >= 8;
+  // Dense items, with or without one shared list per item (SHARED sparse-auto). Per-row lists
+  // (one row per item) measured faster on the SIMT kernel: they stay there.
+  return a.dtype == DType::kF16 && a.d <= 256 && a.dense_items && gpu::Info().cc_major >= 8;
 }
 
 size_t FlashBytes(const AttendArgs& a) {

@@ -59,6 +59,9 @@ namespace pion::kernels::cuda {
 using gpu::NoCuda;
 
 bool UsesTensorCores(const AttendArgs&) { return false; }
+Status LaunchGroupMaxScores(const float*, uint32_t, uint32_t, const int32_t*, float*, void*) {
+  return NoCuda();
+}
 int FlashRowGroups(const AttendArgs&) { return 1; }
 uint32_t PlanSplits(const AttendArgs&, uint64_t) { return 1; }
 uint32_t GridBlocks(const AttendArgs& a) { return a.n_items; }

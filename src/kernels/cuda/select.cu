@@ -232,6 +232,20 @@ __global__ void Summarize(const T* k, uint32_t rows, uint32_t d, uint32_t block,
 constexpr int kScoreWarps = 8;
 constexpr int kScoreRun = 8;
 
+// SHARED selection: out[h][b] = the highest sel[h2][b] of the query heads h2 mapped to h's K/V
+// head (fmaxf, as std::max on the CPU: a NaN never wins over a number).
+__global__ void GroupMax(const float* sel, uint32_t hq, uint32_t nb, const int32_t* head_map,
+                         float* out) {
+  const uint32_t b = blockIdx.x * blockDim.x + threadIdx.x, h = blockIdx.y;
+  if (b >= nb) return;
+  const int32_t g = head_map[h];
+  float m = -INFINITY;
+  for (uint32_t h2 = 0; h2 < hq; ++h2) {
+    if (head_map[h2] == g) m = fmaxf(m, sel[size_t{h2} * nb + b]);
+  }
+  out[size_t{h} * nb + b] = m;
+}
+
 template <bool kQuest>
 __global__ void __launch_bounds__(256)
     ScoreBlocks(const float* q, uint32_t d, const int32_t* head_map, const float* mean,
@@ -407,6 +421,14 @@ Status LaunchScoreBlocks(const float* q, uint32_t hq, uint32_t d, const int32_t*
                                                           sel, mean_scores);
   }
   return KernelStatus("block score kernel");
+}
+
+Status LaunchGroupMaxScores(const float* sel, uint32_t hq, uint32_t nblocks,
+                            const int32_t* head_map, float* out, void* stream) {
+  if (hq == 0 || nblocks == 0) return Status::Ok();
+  GroupMax<<<dim3((nblocks + 255) / 256, hq), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      sel, hq, nblocks, head_map, out);
+  return KernelStatus("group score kernel");
 }
 
 Status LaunchSelectBlocks(const float* sel, const float* mean_scores, uint32_t hq, uint32_t nblocks,
