@@ -217,7 +217,6 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   int32_t* list = DevAlloc<int32_t>(size_t{hq} * stride);
   int32_t* counts = DevAlloc<int32_t>(hq);
   float* omitted = DevAlloc<float>(hq);
-  float* group_sel = shared ? DevAlloc<float>(size_t{hq} * nb) : nullptr;
   // As the executor: per-row lists on row items, or (shared) one list per K/V head's row group.
   auto items = shared ? kernels::cuda::DenseItems(hq, 1, map.data())
                       : kernels::cuda::RowItems(hq, 1, map.data());
@@ -237,26 +236,44 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   a.lse = DevAlloc<float>(hq);
   // K/V rows read: per query head, or per K/V head when shared (the worst case: no overlap).
   const double bytes = 2.0 * (shared ? hkv : hq) * stride * d * kernels::DTypeSize(t);
+  // The launch sequence, or its first `stages` launches (PION_BENCH_STAGES=1 times each
+  // prefix: scores, select, attend, combine — the differences place the time).
+  auto run = [&](int stages) {
+    if (stages >= 1) {
+      Ok(kernels::cuda::LaunchScoreBlocks(a.q, hq, d, dmap, mean, mn, mx, nb,
+                                          kernels::BlockSelector::kMean, sel, ms, s));
+    }
+    if (stages >= 2) {
+      Ok(kernels::cuda::LaunchSelectBlocks(sel, ms, dmap, hq, shared, nb, block, 0, n, k_top,
+                                           a.scale, blocks, nchosen, list, counts, stride, omitted,
+                                           s));
+    }
+    if (stages >= 3) Ok(kernels::cuda::LaunchAttend(a, s));
+    if (stages >= 4) {
+      Ok(kernels::cuda::LaunchCombine(a.splits, hq, d, a.part_m, a.part_l, a.part_o, a.out, a.lse,
+                                      s));
+    }
+  };
   const double us = TimeUs(
-      s,
-      [&] {
-        Ok(kernels::cuda::LaunchScoreBlocks(a.q, hq, d, dmap, mean, mn, mx, nb,
-                                            kernels::BlockSelector::kMean, sel, ms, s));
-        if (shared) Ok(kernels::cuda::LaunchGroupMaxScores(sel, hq, nb, dmap, group_sel, s));
-        Ok(kernels::cuda::LaunchSelectBlocks(shared ? group_sel : sel, ms, hq, nb, block, 0, n,
-                                             k_top, a.scale, blocks, nchosen, list, counts, stride,
-                                             omitted, s));
-        Ok(kernels::cuda::LaunchAttend(a, s));
-        Ok(kernels::cuda::LaunchCombine(a.splits, hq, d, a.part_m, a.part_l, a.part_o, a.out, a.lse,
-                                        s));
-      },
-      200);
+      s, [&] { run(4); }, 200);
+  std::string stage_us;
+  const char* stages = std::getenv("PION_BENCH_STAGES");
+  if (stages != nullptr && stages[0] == '1') {
+    for (int k = 1; k <= 4; ++k) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%s%.2f", k > 1 ? ", " : "",
+                    TimeUs(
+                        s, [&] { run(k); }, 200));
+      stage_us += buf;
+    }
+  }
   std::printf(
       "{\"kind\": \"sparse_auto\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": 1, \"n\": "
       "%u, \"d\": %u, \"block\": %u, \"k_top\": %u, \"budget\": %u, \"us\": %.2f, \"bytes\": "
-      "%.0f, \"splits\": %u, \"shared\": %s, \"path\": \"%s\"}\n",
+      "%.0f, \"splits\": %u, \"shared\": %s, \"path\": \"%s\", \"stage_us\": [%s]}\n",
       t == DType::kF16 ? "f16" : "f32", hq, hkv, n, d, block, k_top, stride, us, bytes, a.splits,
-      shared ? "true" : "false", kernels::cuda::UsesTensorCores(a) ? "tensor-core" : "simt");
+      shared ? "true" : "false", kernels::cuda::UsesTensorCores(a) ? "tensor-core" : "simt",
+      stage_us.c_str());
   return 0;
 }
 

@@ -40,7 +40,7 @@ CONFIG_PARAMS = ["bind", "port", "binary-port", "unixsocket", "unixsocketperm", 
                  "compute-queue-depth",
                  "maxmemory", "requirepass", "proto-max-bulk-len", "max-multibulk-len",
                  "client-query-buffer-limit", "client-output-buffer-limit",
-                 "client-output-buffer-timeout-ms", "maxclients", "shard-queue-depth",
+                 "client-output-buffer-timeout-ms", "maxclients", "shard-queue-depth", "poll-us",
                  "slowlog-log-slower-than", "slowlog-max-len", "loglevel"]
 
 ALL_FLAGS = ["--help", "--version", "--config", "--bind", "--port", "--binary-port", "--unixsocket",
@@ -48,7 +48,8 @@ ALL_FLAGS = ["--help", "--version", "--config", "--bind", "--port", "--binary-po
              "--workers", "--dir",
              "--maxmemory", "--metrics-port", "--requirepass", "--users", "--proto-max-bulk-len",
              "--max-multibulk-len", "--client-query-buffer-limit", "--client-output-buffer-limit",
-             "--client-output-buffer-timeout-ms", "--maxclients", "--shard-queue-depth",
+             "--client-output-buffer-timeout-ms", "--maxclients", "--poll-us",
+             "--shard-queue-depth",
              "--attention-backend", "--gpu-memory", "--attention-fp16", "--attention-memory",
              "--kv-cache-capacity",
              "--compute-threads", "--compute-queue-depth",
@@ -283,10 +284,10 @@ def test_config_get_reflects_flags_and_globs(pion_factory):
         assert names("max*") == ["maxmemory", "max-multibulk-len", "maxclients"]
         assert names("*port") == ["port", "binary-port", "metrics-port"]
         assert names("?ort") == ["port"]
-        assert names("[bp]*") == ["bind", "port", "binary-port", "proto-max-bulk-len"]
+        assert names("[bp]*") == ["bind", "port", "binary-port", "proto-max-bulk-len", "poll-us"]
         assert names("[^a-m]*") == ["port", "unixsocket", "unixsocketperm", "workers", "users",
                                     "requirepass",
-                                    "proto-max-bulk-len", "shard-queue-depth",
+                                    "proto-max-bulk-len", "shard-queue-depth", "poll-us",
                                     "slowlog-log-slower-than", "slowlog-max-len"]
         assert names("CLIENT-*") == ["client-query-buffer-limit", "client-output-buffer-limit",
                                      "client-output-buffer-timeout-ms"]
@@ -318,6 +319,7 @@ def test_config_set_runtime_values(pion):
             ("client-output-buffer-limit", "64MB", str(64 << 20)),
             ("client-output-buffer-timeout-ms", "777", "777"),
             ("maxclients", "1234", "1234"), ("shard-queue-depth", "50", "50"),
+            ("poll-us", "250", "250"),
             ("slowlog-log-slower-than", "-1", "-1"), ("slowlog-max-len", "9", "9"),
             ("loglevel", "DEBUG", "debug"), ("loglevel", "info", "info"),
             ("MaxClients", "4321", "4321"),
@@ -881,3 +883,33 @@ def test_quit(shared_pion):
     assert r.ping() is True
     p = shared_pion.redis_cli(input="PING\nQUIT\nPING\n")
     assert p.returncode == 0 and p.stdout.startswith("PONG\n")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open("/proc/%d/stat" % pid).read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_polling_shards_forward_and_then_sleep(pion_factory):
+    """--poll-us: after activity a shard polls instead of sleeping (a forwarded command and its
+    reply need no scheduler wake-up); the results are the same, and an idle server stops
+    polling: its CPU time stays flat."""
+    srv = pion_factory("-w", "4", "--poll-us", "200")
+    with srv.raw() as c:
+        assert c.call("CONFIG", "GET", "poll-us") == [b"poll-us", b"200"]
+        for i in range(40):  # keys on every shard: most commands are forwarded
+            assert c.call("STATE.ALLOC", "poll:%d" % i, 8) == "OK"
+            assert c.call("STATE.WRITE", "poll:%d" % i, 0, b"%08d" % i) == "OK"
+        c.send(b"".join(encode("STATE.READ", "poll:%d" % i, 0, 8) for i in range(40)))
+        assert [c.read_reply() for _ in range(40)] == [b"%08d" % i for i in range(40)]
+    assert int(srv.info("stats")["total_forwarded_commands"]) > 0
+    time.sleep(0.3)
+    before = _cpu_seconds(srv.proc.pid)
+    time.sleep(1.0)
+    assert _cpu_seconds(srv.proc.pid) - before < 0.25, "an idle server kept polling"
+    with srv.raw() as c:  # and a sleeping server still answers
+        assert c.call("CONFIG", "SET", "poll-us", "0") == "OK"
+        assert c.call("STATE.READ", "poll:7", 0, 8) == b"00000007"
+        assert c.call("CONFIG", "SET", "poll-us", "-1") == RespError(
+            "ERR CONFIG SET failed (possibly related to argument 'poll-us') - argument must be "
+            "between 0 and 1000000 inclusive")

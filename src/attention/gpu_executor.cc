@@ -44,6 +44,14 @@ class Job {
     return static_cast<T*>(st->device);
   }
   Status Flush() { return c_->FlushStaged(); }
+  // Pinned host scratch the kernels can write directly (unified addressing maps it into the
+  // device's address space); its contents are valid after Sync().
+  template <typename T>
+  StatusOr<T*> Mapped(size_t n) {
+    auto h = c_->Host(std::max<size_t>(n, 1) * sizeof(T));
+    if (!h.ok()) return h.status();
+    return static_cast<T*>(h.value());
+  }
   // Device → pinned scratch (async); the host pointer is valid after Sync().
   template <typename T>
   StatusOr<T*> Down(const T* dev, size_t n) {
@@ -62,6 +70,15 @@ class Job {
   auto var##_or = (expr);                       \
   if (!var##_or.ok()) return var##_or.status(); \
   auto var = var##_or.value()
+#define PION_ASSIGN_TO(var, expr)       \
+  do {                                  \
+    auto or_ = (expr);                  \
+    if (!or_.ok()) return or_.status(); \
+    var = or_.value();                  \
+  } while (0)
+
+// Results up to this size are written by the kernels into mapped pinned host memory.
+constexpr size_t kDirectResultBytes = size_t{64} << 10;
 
 // Partials of every output row: parts × rows × (m, l, o).
 struct Parts {
@@ -249,7 +266,11 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
   // Output then LSE, back to back: one download. Forms with a single attention launch (all but
   // the fused ones) finish in that launch.
   const size_t out_n = size_t{nrows} * q.d;
-  PION_ASSIGN(dout, job.Dev<float>(out_n + nrows));
+  // A small result (a decode step's rows) is written by the last kernel straight into pinned
+  // host memory: no download call and transfer after it. Larger ones go through device memory
+  // and one download (the kernel's scattered writes over PCIe would be slower).
+  const bool direct = (out_n + nrows) * sizeof(float) <= kDirectResultBytes;
+  PION_ASSIGN(dout, direct ? job.Mapped<float>(out_n + nrows) : job.Dev<float>(out_n + nrows));
   Finish finish{dout, dout + out_n};
   Finish* fin = fused ? nullptr : &finish;
   // Device results the receipt reads back.
@@ -338,9 +359,6 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       PION_ASSIGN(list, job.Dev<int32_t>(size_t{q.hq} * stride));
       PION_ASSIGN(counts, job.Dev<int32_t>(q.hq));
       PION_ASSIGN(omitted, job.Dev<float>(q.hq));
-      // SHARED: each head's scores become its group's highest (nb floats per head).
-      PION_ASSIGN(group_sel_buf, job.Dev<float>(plan.shared_blocks ? size_t{q.hq} * nb : 1));
-      float* group_sel = plan.shared_blocks ? group_sel_buf : nullptr;
       const uint32_t splits = plan.shared_blocks ? GroupSparseSplitsFor(base, q.head_map, stride)
                                                  : SparseSplitsFor(base, q.head_map, stride);
       PION_TRY(AllocParts(job, splits + suf_splits, nrows, q.d, &parts));
@@ -350,14 +368,11 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
         PION_TRY(kernels::cuda::LaunchScoreBlocks(dq, q.hq, q.d, dmap, summaries->dev_mean(),
                                                   summaries->dev_min(), summaries->dev_max(), nb,
                                                   plan.selector, sel, ms, job.stream()));
-        if (group_sel != nullptr) {
-          PION_TRY(
-              kernels::cuda::LaunchGroupMaxScores(sel, q.hq, nb, dmap, group_sel, job.stream()));
-        }
+        // SHARED: each head ranks the blocks by its group's highest scores.
         PION_TRY(kernels::cuda::LaunchSelectBlocks(
-            group_sel != nullptr ? group_sel : sel, ms, q.hq, nb, B, vis_lo, vis_hi, plan.k_top,
-            scale, blocks, nchosen, list, counts, stride, omitted, job.stream()));
-        if (group_sel != nullptr) {
+            sel, ms, dmap, q.hq, plan.shared_blocks, nb, B, vis_lo, vis_hi, plan.k_top, scale,
+            blocks, nchosen, list, counts, stride, omitted, job.stream()));
+        if (plan.shared_blocks) {
           PION_TRY(
               GroupSparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits, fin));
         } else {
@@ -384,7 +399,8 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
     PION_TRY(kernels::cuda::LaunchCombine(parts.count, nrows, q.d, parts.m, parts.l, parts.o, dout,
                                           dout + out_n, job.stream()));
   }
-  PION_ASSIGN(hout, job.Down(dout, out_n + nrows));
+  const float* hout = dout;
+  if (!direct) PION_ASSIGN_TO(hout, job.Down(dout, out_n + nrows));
   PION_TRY(job.ctx()->Sync());
   std::memcpy(out, hout, out_n * sizeof(float));
   if (lse != nullptr) std::memcpy(lse, hout + out_n, nrows * sizeof(float));

@@ -215,6 +215,12 @@ const std::vector<Param>& Params() {
            for (int i = 0; i < s.shard_count(); ++i) s.shard(i).set_queue_depth(n);
          });
        }},
+      {"poll-us", [](Server& s) { return std::to_string(s.shard(0).poll_us()); },
+       [](Server& s, std::string_view v, bool apply) {
+         return SetInt(v, 0, 1000000, apply, [&](int64_t n) {
+           for (int i = 0; i < s.shard_count(); ++i) s.shard(i).set_poll_us(n);
+         });
+       }},
       {"slowlog-log-slower-than",
        [](Server& s) { return std::to_string(s.settings().slowlog_log_slower_than_us.load()); },
        [](Server& s, std::string_view v, bool apply) {

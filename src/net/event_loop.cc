@@ -43,6 +43,7 @@ bool EventLoop::RunOnce(int timeout_ms, const std::function<void()>& on_wake) {
   epoll_event events[kMaxEvents];
   int n = epoll_wait(epoll_fd_, events, kMaxEvents, timeout_ms);
   now_ = std::chrono::steady_clock::now();
+  last_events_ = n > 0 ? n : 0;
   ++io_epoch_;
   if (n < 0) return errno == EINTR;
   bool woken = false;

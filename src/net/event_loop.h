@@ -34,6 +34,8 @@ class EventLoop {
   // Waits up to timeout_ms and dispatches ready handlers. on_wake runs when Wake() was
   // called since the last iteration. Returns false if epoll failed.
   bool RunOnce(int timeout_ms, const std::function<void()>& on_wake);
+  // Ready events (sockets and wake-ups) the last RunOnce dispatched.
+  int last_events() const { return last_events_; }
 
   // Thread-safe: interrupts a blocked RunOnce.
   void Wake();
@@ -49,6 +51,7 @@ class EventLoop {
  private:
   std::chrono::steady_clock::time_point now_ = std::chrono::steady_clock::now();
   uint64_t io_epoch_ = 0;
+  int last_events_ = 0;
   int epoll_fd_;
   int wake_fd_;
 };

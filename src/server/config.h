@@ -38,6 +38,12 @@ struct Config {
   int64_t client_output_buffer_timeout_ms = 30000;
   int maxclients = 10000;
   int shard_queue_depth = 1024;
+  // After any activity a shard keeps polling (epoll without sleeping) this long before it
+  // blocks: a request forwarded between shards, or its reply, then finds the other shard
+  // awake instead of waiting for the scheduler to wake it. 0: block at once; −1 (default):
+  // 100 µs on machines with 8 or more cores, else 0 (polling shards would take the cores
+  // clients need).
+  int64_t poll_us = -1;
   int io_threads = 2;
   // Stage 2 attention (ATTEND.PREFIX.*).
   std::string attention_backend = "auto";  // cpu | cuda | auto (cuda when a GPU is present)

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace pion::server {
@@ -43,6 +44,21 @@ TEST(Config, FlagsAndSizes) {
   EXPECT_EQ(c->proto_max_bulk_len, 1ull << 30);
   EXPECT_FALSE(c->kvcache);
   EXPECT_EQ(c->requirepass, "s3cret");
+}
+
+TEST(Config, PollUsDefaultsByCoreCount) {
+  auto c = Parse({});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->poll_us, std::thread::hardware_concurrency() >= 8 ? 100 : 0);
+  c = Parse({"--poll-us", "250"});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->poll_us, 250);
+  c = Parse({"--poll-us", "0"});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->poll_us, 0);
+  int code = 0;
+  EXPECT_FALSE(Parse({"--poll-us", "-2"}, &code).ok());
+  EXPECT_NE(code, 0);
 }
 
 TEST(Config, BadFlagsExitNonZero) {

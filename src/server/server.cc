@@ -79,6 +79,7 @@ Status Server::Init() {
     shards_.push_back(std::make_unique<Shard>(this, i, listen_fd_, unix_fd_, binary_fd_,
                                               registry_.size(),
                                               static_cast<size_t>(config_.shard_queue_depth)));
+    shards_.back()->set_poll_us(config_.poll_us);
     for (auto& hook : shard_inits_) hook(*shards_.back());
     shards_.back()->store().vstore.set_allocator(
         [this](uint32_t tenant) { return shm_->AllocatorFor(tenant); });

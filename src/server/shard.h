@@ -68,6 +68,9 @@ class Shard final : public net::ConnectionHost, public net::EventHandler {
   void PostControl(Task task);
   size_t queued() const { return queued_.load(std::memory_order_relaxed); }
   void set_queue_depth(size_t d) { queue_depth_.store(d, std::memory_order_relaxed); }
+  // How long the loop keeps polling after activity before it sleeps (--poll-us; any thread).
+  void set_poll_us(int64_t us) { poll_us_.store(us, std::memory_order_relaxed); }
+  int64_t poll_us() const { return poll_us_.load(std::memory_order_relaxed); }
   size_t queue_depth() const { return queue_depth_.load(std::memory_order_relaxed); }
 
   // The shard whose thread is calling, or nullptr off-shard.
@@ -131,6 +134,7 @@ class Shard final : public net::ConnectionHost, public net::EventHandler {
   std::vector<Task> control_;
   std::atomic<size_t> queued_{0};
   std::atomic<size_t> queue_depth_;
+  std::atomic<int64_t> poll_us_{0};
 
   std::unordered_map<uint64_t, std::unique_ptr<net::Connection>> connections_;
   std::vector<uint64_t> closed_ids_;

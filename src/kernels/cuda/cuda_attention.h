@@ -12,7 +12,6 @@
 //                    exact omitted softmax mass
 //   LaunchSummarize  per-block mean/min/max of K (sparse-auto summaries)
 //   LaunchScoreBlocks block scores of M=1 queries: q·mean, and the Quest bound when asked
-//   LaunchGroupMaxScores per K/V head, the highest score of its query heads (SHARED)
 //   LaunchSelectBlocks per-head top K_top blocks plus the first and last visible ones, their row
 //                    lists, and the block-mean omitted-mass proxy
 //
@@ -113,16 +112,15 @@ Status LaunchSummarize(const void* k, DType dtype, uint32_t heads, uint32_t rows
 Status LaunchScoreBlocks(const float* q, uint32_t hq, uint32_t d, const int32_t* head_map,
                          const float* mean, const float* min, const float* max, uint32_t nblocks,
                          BlockSelector selector, float* sel, float* mean_scores, void* stream);
-// SHARED selection: out[h*nb + b] = max of sel[h2*nb + b] over the heads h2 with
-// head_map[h2] == head_map[h] (head_map on the device).
-Status LaunchGroupMaxScores(const float* sel, uint32_t hq, uint32_t nblocks,
-                            const int32_t* head_map, float* out, void* stream);
 // Visible rows [lo, hi) (hi > lo), blocks b_lo = lo/B .. b_hi = (hi-1)/B. Per head h:
 // blocks[h*(k_top+2) ..] ascending chosen blocks (nchosen[h] of them), list[h*stride ..] their
 // visible rows ascending (counts[h]), omitted[h] the block-mean proxy of the mass left out.
-Status LaunchSelectBlocks(const float* sel, const float* mean_scores, uint32_t hq, uint32_t nblocks,
-                          uint32_t block, uint32_t lo, uint32_t hi, uint32_t k_top, float scale,
-                          int32_t* blocks, int32_t* nchosen, int32_t* list, int32_t* counts,
-                          uint32_t stride, float* omitted, void* stream);
+// shared (SHARED): head h ranks blocks by the highest sel of the heads mapped to head_map[h]
+// (device memory), so a group's heads choose alike.
+Status LaunchSelectBlocks(const float* sel, const float* mean_scores, const int32_t* head_map,
+                          uint32_t hq, bool shared, uint32_t nblocks, uint32_t block, uint32_t lo,
+                          uint32_t hi, uint32_t k_top, float scale, int32_t* blocks,
+                          int32_t* nchosen, int32_t* list, int32_t* counts, uint32_t stride,
+                          float* omitted, void* stream);
 
 }  // namespace pion::kernels::cuda

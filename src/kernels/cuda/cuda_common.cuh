@@ -95,10 +95,10 @@ __device__ inline void FinishSplits(const AttendArgs& a, const int32_t* rows, in
   if (threadIdx.x == 0) a.counters[blockIdx.x] = 0;
 }
 
-// Programmatic dependent launch (sm_90): a kernel launched after this one with the
-// programmatic-serialization attribute (LaunchCombine) may start once every block of this grid
-// has called LaunchDependents; it waits for this grid's results in WaitForPrimary. Both are
-// no-ops where unsupported or when the kernels are launched plainly.
+// Programmatic dependent launch (sm_90): a kernel launched after this one by LaunchDependent may
+// start once every block of this grid has called LaunchDependents (or exited); it waits for this
+// grid's results in WaitForPrimary. Both are no-ops where unsupported or when the kernels are
+// launched plainly.
 __device__ inline void LaunchDependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -113,6 +113,27 @@ __device__ inline void WaitForPrimary() {
 inline Status KernelStatus(const char* what) {
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : gpu::CudaError(e, what);
+}
+
+// Launches `kernel` on sm_90 as a programmatic dependent launch: its blocks may begin while the
+// kernel before it in the stream drains, so the launch latency between the two is hidden. The
+// kernel must call WaitForPrimary before it reads that kernel's results (or writes what that
+// kernel reads). Elsewhere a plain launch.
+template <typename... Params, typename... Args>
+Status LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                       cudaStream_t stream, const char* what, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = gpu::Info().cc_major >= 9 ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+  return e == cudaSuccess ? KernelStatus(what) : gpu::CudaError(e, what);
 }
 
 // The tensor-core kernel (flash.cu) and its shared-memory bytes per block.

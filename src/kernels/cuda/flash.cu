@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   __shared__ int64_t qspan[2];       // min and max position of the block's rows
   __shared__ int32_t kidx[kS][kBk];  // sparse: the key rows of each buffered tile
 
+  WaitForPrimary();  // the lists of a selection launched just before
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rg = warp % WR;
   const uint32_t first_item = blockIdx.x * WR;
@@ -415,8 +416,8 @@ Status Launch(const AttendArgs& a, cudaStream_t stream) {
                            static_cast<int>(C::kBytes));
   if (attr != cudaSuccess) return gpu::CudaError(attr, "tensor-core kernel shared memory");
   dim3 grid((a.n_items + WR - 1) / WR, a.splits);
-  FlashKernel<D, WR, kSplit><<<grid, 128, C::kBytes, stream>>>(a);
-  return KernelStatus("tensor-core attention kernel");
+  return LaunchDependent(FlashKernel<D, WR, kSplit>, grid, dim3(128), C::kBytes, stream,
+                         "tensor-core attention kernel", a);
 }
 
 template <int WR, bool kSplit>

@@ -59,9 +59,6 @@ namespace pion::kernels::cuda {
 using gpu::NoCuda;
 
 bool UsesTensorCores(const AttendArgs&) { return false; }
-Status LaunchGroupMaxScores(const float*, uint32_t, uint32_t, const int32_t*, float*, void*) {
-  return NoCuda();
-}
 int FlashRowGroups(const AttendArgs&) { return 1; }
 uint32_t PlanSplits(const AttendArgs&, uint64_t) { return 1; }
 uint32_t GridBlocks(const AttendArgs& a) { return a.n_items; }
@@ -86,9 +83,9 @@ Status LaunchScoreBlocks(const float*, uint32_t, uint32_t, const int32_t*, const
                          void*) {
   return NoCuda();
 }
-Status LaunchSelectBlocks(const float*, const float*, uint32_t, uint32_t, uint32_t, uint32_t,
-                          uint32_t, uint32_t, float, int32_t*, int32_t*, int32_t*, int32_t*,
-                          uint32_t, float*, void*) {
+Status LaunchSelectBlocks(const float*, const float*, const int32_t*, uint32_t, bool, uint32_t,
+                          uint32_t, uint32_t, uint32_t, uint32_t, float, int32_t*, int32_t*,
+                          int32_t*, int32_t*, uint32_t, float*, void*) {
   return NoCuda();
 }
 

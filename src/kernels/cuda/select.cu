@@ -17,7 +17,8 @@ namespace pion::kernels::cuda {
 namespace {
 
 constexpr int kSelThreads = 256;
-constexpr int kSmemKeys = 8192;  // candidates whose keys a select keeps in shared memory
+constexpr int kSmemBlocks = 2048;  // block candidates a block select stages in shared memory
+constexpr int kMaxGroup = 256;     // SHARED: query heads of one K/V head listed in shared memory
 
 template <typename Op>
 __device__ float BlockReduce(float x, Op op, float identity) {
@@ -66,9 +67,17 @@ __device__ void RadixSelect(const KeyFn& key, int n, int k, uint32_t* thr, int* 
     __syncthreads();
     const uint32_t prefix = s_prefix, mask = s_mask;
     const int want = s_k;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const uint32_t u = key(i);
-      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
+    // Lanes with the same digit add once (block scores cluster in a few high digits: one
+    // shared-memory atomic per digit and warp instead of one per key on one address).
+    for (int base = 0; base < n; base += kSelThreads) {
+      const int i = base + static_cast<int>(threadIdx.x);
+      const uint32_t u = i < n ? key(i) : 0u;
+      const bool in = i < n && (u & mask) == prefix;
+      const uint32_t bin = in ? (u >> shift) & 255u : 256u;
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (in && __ffs(peers) - 1 == static_cast<int>(threadIdx.x & 31u)) {
+        atomicAdd(&hist[bin], __popc(peers));
+      }
     }
     __syncthreads();
     // Thread t owns bin 255 − t: `above` counts the keys in higher bins.
@@ -232,31 +241,13 @@ __global__ void Summarize(const T* k, uint32_t rows, uint32_t d, uint32_t block,
 constexpr int kScoreWarps = 8;
 constexpr int kScoreRun = 8;
 
-// SHARED selection: out[h][b] = the highest sel[h2][b] of the query heads h2 mapped to h's K/V
-// head (fmaxf, as std::max on the CPU: a NaN never wins over a number).
-__global__ void GroupMax(const float* sel, uint32_t hq, uint32_t nb, const int32_t* head_map,
-                         float* out) {
-  const uint32_t b = blockIdx.x * blockDim.x + threadIdx.x, h = blockIdx.y;
-  if (b >= nb) return;
-  const int32_t g = head_map[h];
-  float m = -INFINITY;
-  for (uint32_t h2 = 0; h2 < hq; ++h2) {
-    if (head_map[h2] == g) m = fmaxf(m, sel[size_t{h2} * nb + b]);
-  }
-  out[size_t{h} * nb + b] = m;
-}
-
+// The scores of query head row qh against blocks b0 .. b0 + kScoreRun − 1 of the K/V head at
+// offset `head` (its index · nb), summed over the warp: dot = q·mean, bound = the Quest bound.
 template <bool kQuest>
-__global__ void __launch_bounds__(256)
-    ScoreBlocks(const float* q, uint32_t d, const int32_t* head_map, const float* mean,
-                const float* mn, const float* mx, uint32_t nb, float* sel, float* mean_scores) {
-  const uint32_t h = blockIdx.y;
-  const uint32_t b0 = (blockIdx.x * kScoreWarps + (threadIdx.x >> 5)) * kScoreRun;
+__device__ inline void ScoreRun(const float* qh, uint32_t d, size_t head, uint32_t b0, uint32_t nb,
+                                const float* mean, const float* mn, const float* mx,
+                                float (&dot)[kScoreRun], float (&bound)[kScoreRun]) {
   const int lane = threadIdx.x & 31;
-  if (b0 >= nb) return;
-  const float* qh = q + size_t{h} * d;
-  const size_t head = size_t{static_cast<uint32_t>(head_map[h])} * nb;
-  float dot[kScoreRun], bound[kScoreRun];
 #pragma unroll
   for (int r = 0; r < kScoreRun; ++r) dot[r] = bound[r] = 0.f;
   for (uint32_t x = lane; x < d; x += 32) {
@@ -275,34 +266,94 @@ __global__ void __launch_bounds__(256)
     dot[r] = WarpSum(dot[r]);
     if (kQuest) bound[r] = WarpSum(bound[r]);
   }
-  if (lane < kScoreRun && b0 + lane < nb) {
-    float dv = 0.f, bv = 0.f;
+}
+
+// Lane r < kScoreRun: element r of v (a register array read with compile-time indexes only).
+__device__ inline float LaneValue(const float (&v)[kScoreRun]) {
+  const int lane = threadIdx.x & 31;
+  float out = 0.f;
 #pragma unroll
-    for (int r = 0; r < kScoreRun; ++r) {
-      if (r == lane) dv = dot[r], bv = bound[r];
-    }
-    mean_scores[size_t{h} * nb + b0 + lane] = dv;
-    sel[size_t{h} * nb + b0 + lane] = kQuest ? bv : dv;
+  for (int r = 0; r < kScoreRun; ++r) {
+    if (r == lane) out = v[r];
+  }
+  return out;
+}
+
+// Per query head h (blockIdx.y): sel = q·mean or the Quest bound, mean_scores = q·mean.
+template <bool kQuest>
+__global__ void __launch_bounds__(256)
+    ScoreBlocks(const float* q, uint32_t d, const int32_t* head_map, const float* mean,
+                const float* mn, const float* mx, uint32_t nb, float* sel, float* mean_scores) {
+  const uint32_t h = blockIdx.y;
+  const uint32_t b0 = (blockIdx.x * kScoreWarps + (threadIdx.x >> 5)) * kScoreRun;
+  const int lane = threadIdx.x & 31;
+  if (b0 >= nb) return;
+  const size_t head = size_t{static_cast<uint32_t>(head_map[h])} * nb;
+  float dot[kScoreRun], bound[kScoreRun];
+  ScoreRun<kQuest>(q + size_t{h} * d, d, head, b0, nb, mean, mn, mx, dot, bound);
+  if (lane < kScoreRun && b0 + lane < nb) {
+    mean_scores[size_t{h} * nb + b0 + lane] = LaneValue(dot);
+    sel[size_t{h} * nb + b0 + lane] = LaneValue(kQuest ? bound : dot);
   }
 }
 
 __global__ void __launch_bounds__(kSelThreads)
-    SelectBlocks(const float* sel, const float* ms, uint32_t nb, uint32_t B, uint32_t lo,
-                 uint32_t hi, uint32_t k_top, float scale, int32_t* blocks, int32_t* nchosen,
-                 int32_t* list, int32_t* counts, uint32_t stride, float* omitted) {
+    SelectBlocks(const float* sel, const float* ms, const int32_t* head_map, uint32_t hq,
+                 bool shared, uint32_t nb, uint32_t B, uint32_t lo, uint32_t hi, uint32_t k_top,
+                 float scale, int32_t* blocks, int32_t* nchosen, int32_t* list, int32_t* counts,
+                 uint32_t stride, float* omitted) {
+  __shared__ uint32_t skeys[kSmemBlocks];
+  __shared__ float sms[kSmemBlocks];  // scale · q·mean of the candidates
+  __shared__ int32_t members[kMaxGroup];
+  __shared__ int n_members;
   const uint32_t h = blockIdx.x;
   const uint32_t b_lo = lo / B, b_hi = (hi - 1) / B;
   const float* hs = sel + size_t{h} * nb;
   const float* hm = ms + size_t{h} * nb;
-  auto weight_of = [&](uint32_t b, float top) {
-    const uint32_t r0 = max(b * B, lo), r1 = min((b + 1) * B, hi);
-    return static_cast<float>(r1 - r0) * expf(hm[b] * scale - top);
+  if (threadIdx.x == 0) n_members = 0;
+  __syncthreads();
+  if (shared) {  // the group's heads (any order: the max does not depend on it)
+    for (uint32_t t = threadIdx.x; t < hq; t += blockDim.x) {
+      if (head_map[t] == head_map[h]) {
+        const int slot = atomicAdd(&n_members, 1);
+        if (slot < kMaxGroup) members[slot] = static_cast<int32_t>(t);
+      }
+    }
+    __syncthreads();
+  }
+  const int group = shared ? n_members : 0;
+  auto score_of = [&](uint32_t b) {
+    if (!shared) return hs[b];
+    float m = -INFINITY;
+    if (group <= kMaxGroup) {
+      for (int j = 0; j < group; ++j) m = fmaxf(m, sel[size_t(members[j]) * nb + b]);
+    } else {
+      for (uint32_t t = 0; t < hq; ++t) {
+        if (head_map[t] == head_map[h]) m = fmaxf(m, sel[size_t{t} * nb + b]);
+      }
+    }
+    return m;
   };
-  float top = -INFINITY;
-  for (uint32_t b = b_lo + threadIdx.x; b <= b_hi; b += blockDim.x) top = fmaxf(top, hm[b] * scale);
-  top = BlockReduce(top, MaxOp{}, -INFINITY);
-
   const int ncand = b_hi > b_lo ? static_cast<int>(b_hi - b_lo - 1) : 0;
+  const bool staged = ncand <= kSmemBlocks;
+  float top = -INFINITY;
+  for (uint32_t b = b_lo + threadIdx.x; b <= b_hi; b += blockDim.x) {
+    const float x = hm[b] * scale;
+    top = fmaxf(top, x);
+    const int i = static_cast<int>(b - b_lo) - 1;
+    if (staged && i >= 0 && i < ncand) {
+      sms[i] = x;
+      skeys[i] = SortKey(score_of(b));
+    }
+  }
+  top = BlockReduce(top, MaxOp{}, -INFINITY);  // its barriers also publish skeys and sms
+  auto weight_of = [&](uint32_t b) {
+    const uint32_t r0 = max(b * B, lo), r1 = min((b + 1) * B, hi);
+    const int i = static_cast<int>(b - b_lo) - 1;
+    const float x = staged && i >= 0 && i < ncand ? sms[i] : hm[b] * scale;
+    return static_cast<float>(r1 - r0) * expf(x - top);
+  };
+
   const int keep = Min<int>(static_cast<int>(k_top), ncand);
   int32_t* hb = blocks + size_t{h} * (k_top + 2);
   int32_t* hl = list + size_t{h} * stride;
@@ -319,7 +370,7 @@ __global__ void __launch_bounds__(kSelThreads)
   float all = 0.f, left = 0.f;
   auto visit = [&](int i, bool taken, int rank) {
     const uint32_t b = b_lo + 1 + static_cast<uint32_t>(i);
-    const float w = weight_of(b, top);
+    const float w = weight_of(b);
     all += w;
     if (!taken) {
       left += w;
@@ -331,18 +382,14 @@ __global__ void __launch_bounds__(kSelThreads)
   };
   if (keep == ncand || keep == 0) {
     for (int i = threadIdx.x; i < ncand; i += blockDim.x) visit(i, keep > 0, i);
-  } else if (ncand <= kSmemKeys) {
-    // The candidates' keys in shared memory: the select's passes read them from there.
-    __shared__ uint32_t skeys[kSmemKeys];
-    for (int i = threadIdx.x; i < ncand; i += blockDim.x) skeys[i] = SortKey(hs[b_lo + 1 + i]);
-    __syncthreads();
+  } else if (staged) {
     auto key = [](int i) { return skeys[i]; };
     uint32_t thr;
     int need;
     RadixSelect(key, ncand, keep, &thr, &need);
     CompactAscending(key, ncand, thr, need, visit);
   } else {
-    auto key = [hs, b_lo](int i) { return SortKey(hs[b_lo + 1 + i]); };
+    auto key = [&](int i) { return SortKey(score_of(b_lo + 1 + static_cast<uint32_t>(i))); };
     uint32_t thr;
     int need;
     RadixSelect(key, ncand, keep, &thr, &need);
@@ -351,7 +398,7 @@ __global__ void __launch_bounds__(kSelThreads)
   all = BlockReduce(all, SumOp{}, 0.f);
   left = BlockReduce(left, SumOp{}, 0.f);
   if (threadIdx.x == 0) {
-    all += weight_of(b_lo, top) + (two ? weight_of(b_hi, top) : 0.f);
+    all += weight_of(b_lo) + (two ? weight_of(b_hi) : 0.f);
     hb[0] = static_cast<int32_t>(b_lo);
     if (two) hb[1 + keep] = static_cast<int32_t>(b_hi);
     nchosen[h] = 1 + keep + (two ? 1 : 0);
@@ -411,34 +458,22 @@ Status LaunchScoreBlocks(const float* q, uint32_t hq, uint32_t d, const int32_t*
                          const float* mean, const float* min, const float* max, uint32_t nblocks,
                          BlockSelector selector, float* sel, float* mean_scores, void* stream) {
   if (hq == 0 || nblocks == 0) return Status::Ok();
-  dim3 grid((nblocks + kScoreWarps * kScoreRun - 1) / (kScoreWarps * kScoreRun), hq);
-  auto st = static_cast<cudaStream_t>(stream);
-  if (selector == BlockSelector::kQuest) {
-    ScoreBlocks<true><<<grid, 32 * kScoreWarps, 0, st>>>(q, d, head_map, mean, min, max, nblocks,
-                                                         sel, mean_scores);
-  } else {
-    ScoreBlocks<false><<<grid, 32 * kScoreWarps, 0, st>>>(q, d, head_map, mean, min, max, nblocks,
-                                                          sel, mean_scores);
-  }
+  const dim3 grid((nblocks + kScoreWarps * kScoreRun - 1) / (kScoreWarps * kScoreRun), hq);
+  auto kernel = selector == BlockSelector::kQuest ? ScoreBlocks<true> : ScoreBlocks<false>;
+  kernel<<<grid, 32 * kScoreWarps, 0, static_cast<cudaStream_t>(stream)>>>(
+      q, d, head_map, mean, min, max, nblocks, sel, mean_scores);
   return KernelStatus("block score kernel");
 }
 
-Status LaunchGroupMaxScores(const float* sel, uint32_t hq, uint32_t nblocks,
-                            const int32_t* head_map, float* out, void* stream) {
-  if (hq == 0 || nblocks == 0) return Status::Ok();
-  GroupMax<<<dim3((nblocks + 255) / 256, hq), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      sel, hq, nblocks, head_map, out);
-  return KernelStatus("group score kernel");
-}
-
-Status LaunchSelectBlocks(const float* sel, const float* mean_scores, uint32_t hq, uint32_t nblocks,
-                          uint32_t block, uint32_t lo, uint32_t hi, uint32_t k_top, float scale,
-                          int32_t* blocks, int32_t* nchosen, int32_t* list, int32_t* counts,
-                          uint32_t stride, float* omitted, void* stream) {
+Status LaunchSelectBlocks(const float* sel, const float* mean_scores, const int32_t* head_map,
+                          uint32_t hq, bool shared, uint32_t nblocks, uint32_t block, uint32_t lo,
+                          uint32_t hi, uint32_t k_top, float scale, int32_t* blocks,
+                          int32_t* nchosen, int32_t* list, int32_t* counts, uint32_t stride,
+                          float* omitted, void* stream) {
   if (hq == 0 || hi <= lo) return Status::Ok();
   SelectBlocks<<<hq, kSelThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      sel, mean_scores, nblocks, block, lo, hi, k_top, scale, blocks, nchosen, list, counts, stride,
-      omitted);
+      sel, mean_scores, head_map, hq, shared, nblocks, block, lo, hi, k_top, scale, blocks, nchosen,
+      list, counts, stride, omitted);
   return KernelStatus("block select kernel");
 }
 
