@@ -8,9 +8,11 @@ Run on the GPU machine (it has torch) from the repository root, with the binarie
 
 Kernel rows (B = 1, contiguous GQA, the whole prefix visible to the queries):
   pion    pion-gpu-attn-bench: the executor's launch sequence (partials + combine; sparse-auto
-          also block scores + block selection), mean of back-to-back calls timed by CUDA events
+          also block scores + block selection), mean per call over replays of a CUDA graph of
+          20 calls, timed by CUDA events (the host's launch rate does not count); the mean of
+          plain back-to-back calls is reported beside it
   torch   scaled_dot_product_attention(q, k, v, enable_gqa=True) on [1, H, N, D] tensors, timed
-          the same way; batched rows force the flash backend (SDPBackend.FLASH_ATTENTION)
+          the same two ways; batched rows force the flash backend (SDPBackend.FLASH_ATTENTION)
   stream  a plain streaming read of the same K/V bytes: the bandwidth ceiling
   "TB/s" is K/V bytes read / time (keys × H_kv × D × 2 × dtype size).
 End to end: pion-server --attention-backend cuda on loopback, ATTEND.PREFIX.QUERY (M = 1)
@@ -48,9 +50,14 @@ def pion_kernel(bin_dir: Path, *args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def cuda_time_us(fn, iters: int) -> float:
-    for _ in range(5):
-        fn()
+def cuda_time_us(fn, iters: int) -> tuple[float, float]:
+    """(µs per call over CUDA graph replays of 20 calls, µs per call back to back)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(5):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -58,10 +65,25 @@ def cuda_time_us(fn, iters: int) -> float:
         fn()
     b.record()
     b.synchronize()
-    return a.elapsed_time(b) * 1000.0 / iters
+    loop = a.elapsed_time(b) * 1000.0 / iters
+    per_graph = 20
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(per_graph):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    replays = max(1, iters // per_graph)
+    a.record()
+    for _ in range(replays):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1000.0 / (replays * per_graph), loop
 
 
-def torch_attend(dtype: str, hq: int, hkv: int, m: int, n: int, d: int, flash: bool) -> tuple[float, str]:
+def torch_attend(dtype: str, hq: int, hkv: int, m: int, n: int,
+                 d: int, flash: bool) -> tuple[tuple[float, float], str]:
     t = torch.float16 if dtype == "f16" else torch.float32
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(1, hq, m, d, dtype=t, device="cuda", generator=g)
@@ -178,11 +200,13 @@ def main() -> int:
 
     def kernel_row(label, dtype, m, n, flash=False):
         p = pion_kernel(bin_dir, "dense", dtype, hq, hkv, m, n, d)
-        tu, how = torch_attend(dtype, hq, hkv, m, n, d, flash)
+        (tu, tu_loop), how = torch_attend(dtype, hq, hkv, m, n, d, flash)
         st = pion_kernel(bin_dir, "stream", int(p["bytes"]))
         rows.append({"case": label, "dtype": dtype, "m": m, "n": n, "pion_us": p["us"],
+                     "pion_loop_us": p["us_launches"],
                      "pion_tbps": p["bytes"] / p["us"] / 1e6, "path": p["path"],
-                     "torch_us": tu, "torch_tbps": p["bytes"] / tu / 1e6, "torch_how": how,
+                     "torch_us": tu, "torch_loop_us": tu_loop,
+                     "torch_tbps": p["bytes"] / tu / 1e6, "torch_how": how,
                      "stream_tbps": st["gbps"] / 1e3, "speedup": tu / p["us"]})
         print(rows[-1], flush=True)
 
@@ -201,6 +225,7 @@ def main() -> int:
         # Dense reads H_kv·N rows; sparse H_q·budget, or H_kv·budget when each K/V head's
         # query heads share their blocks: the best possible ratio.
         sparse.append({"hq": shq, "hkv": shkv, "shared": shared, "sparse_us": sa["us"],
+                       "sparse_loop_us": sa["us_launches"], "dense_loop_us": dn["us_launches"],
                        "dense_us": dn["us"], "budget": sa["budget"],
                        "speedup": dn["us"] / sa["us"], "path": sa.get("path", ""),
                        "bound": shkv * 65536 / ((shkv if shared else shq) * sa["budget"])})
@@ -229,17 +254,22 @@ def main() -> int:
         "",
         "## Kernels: B=1, H_q=32, H_kv=8, D=128, the whole prefix visible",
         "",
+        "µs = per call, from replays of a CUDA graph of 20 calls (both sides; the host's launch "
+        "rate does not count). `launches` = the same calls issued back to back from the host. "
         "TB/s = K/V bytes read / time. `stream` = a plain streaming read of the same bytes in "
         "the same run. N=2K fits in L2 (50 MB), so its TB/s is above HBM for both.",
         "",
         "| case | dtype | M | N | Pion µs | Pion TB/s | torch µs | torch TB/s | stream TB/s "
-        "| Pion vs torch | Pion path | torch backend |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Pion vs torch | Pion µs, launches | torch µs, launches | Pion path | torch backend |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append("| %s | %s | %d | %d | %.1f | %.2f | %.1f | %.2f | %.2f | %.2f× | %s | %s |" % (
-            r["case"], r["dtype"], r["m"], r["n"], r["pion_us"], r["pion_tbps"], r["torch_us"],
-            r["torch_tbps"], r["stream_tbps"], r["speedup"], r["path"], r["torch_how"]))
+        lines.append(
+            "| %s | %s | %d | %d | %.1f | %.2f | %.1f | %.2f | %.2f | %.2f× | %.1f | %.1f | %s "
+            "| %s |" % (
+                r["case"], r["dtype"], r["m"], r["n"], r["pion_us"], r["pion_tbps"],
+                r["torch_us"], r["torch_tbps"], r["stream_tbps"], r["speedup"],
+                r["pion_loop_us"], r["torch_loop_us"], r["path"], r["torch_how"]))
     lines += [
         "",
         "## Sparse-auto: N=64K, fp16, D=128, budget %d keys per query head (block 64, K_top 62)"
@@ -251,13 +281,15 @@ def main() -> int:
         "set together (H_kv × budget rows: 16×), as with one query head per K/V head.",
         "",
         "| H_q | H_kv | selection | sparse-auto µs (scores + select + attend + combine) "
-        "| dense µs | dense / sparse | read-volume bound | attend path |",
-        "|---|---|---|---|---|---|---|---|",
+        "| dense µs | dense / sparse | read-volume bound | attend path "
+        "| sparse / dense µs, launches |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sparse:
-        lines.append("| %d | %d | %s | %.1f | %.1f | %.2f× | %.0f× | %s |" % (
+        lines.append("| %d | %d | %s | %.1f | %.1f | %.2f× | %.0f× | %s | %.1f / %.1f |" % (
             r["hq"], r["hkv"], "SHARED" if r["shared"] else "per head", r["sparse_us"],
-            r["dense_us"], r["speedup"], r["bound"], r["path"]))
+            r["dense_us"], r["speedup"], r["bound"], r["path"], r["sparse_loop_us"],
+            r["dense_loop_us"]))
     lines += [
         "",
         "## End to end: ATTEND.PREFIX.QUERY M=1, H=8, N=2048, D=128 (fp32 slot), loopback",

@@ -1,5 +1,6 @@
 // pion-gpu-attn-bench: Pion's CUDA attention kernels alone (kernels/cuda/cuda_attention.h), timed
-// with CUDA events as the mean over back-to-back iterations after a warm-up, next to a plain
+// with CUDA events as the mean per iteration over replays of a CUDA graph of 20 iterations
+// after a warm-up ("us"; "us_launches": plain back-to-back launches), next to a plain
 // streaming-read kernel over the same bytes in the same run (the bandwidth ceiling). The launch
 // sequence per iteration is the one the GPU executor issues: split-K partials + combine (or, with
 // one split, a launch that finishes itself), or block scores + block selection + sparse partials
@@ -48,6 +49,8 @@ void Ok(const Status& s) {
   }
 }
 
+uint32_t U(const char* s) { return static_cast<uint32_t>(std::strtoul(s, nullptr, 10)); }
+
 template <typename T>
 T* DevAlloc(size_t n) {
   void* p = nullptr;
@@ -95,20 +98,53 @@ void* RandomTensor(size_t elems, DType t, uint32_t seed) {
   return d;
 }
 
+// µs per call of `launch` (one iteration's launches), timed with events over `iters` calls
+// after a warm-up. As METHOD.md advises for small launches, the calls are captured in a CUDA
+// graph and its replays timed, so the host's launch rate does not set the number (a replay
+// keeps the launches' programmatic dependencies); PION_BENCH_GRAPH=0 times plain back-to-back
+// launches instead. *loop_us (optional) gets the plain-launch time as well.
 template <typename F>
-double TimeUs(cudaStream_t s, F&& launch, int iters) {
+double TimeUs(cudaStream_t s, F&& launch, int iters, double* loop_us = nullptr) {
   for (int i = 0; i < 5; ++i) launch();
   CK(cudaStreamSynchronize(s));
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
-  CK(cudaEventRecord(a, s));
-  for (int i = 0; i < iters; ++i) launch();
-  CK(cudaEventRecord(b, s));
-  CK(cudaEventSynchronize(b));
-  float ms = 0;
-  CK(cudaEventElapsedTime(&ms, a, b));
-  return 1000.0 * ms / iters;
+  auto elapsed_us = [&](auto&& body, int calls) {
+    CK(cudaEventRecord(a, s));
+    body();
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    return 1000.0 * ms / calls;
+  };
+  const double loop = elapsed_us(
+      [&] {
+        for (int i = 0; i < iters; ++i) launch();
+      },
+      iters);
+  if (loop_us != nullptr) *loop_us = loop;
+  const char* g = std::getenv("PION_BENCH_GRAPH");
+  if (g != nullptr && g[0] == '0') return loop;
+  constexpr int kPerGraph = 20;
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kPerGraph; ++i) launch();
+  CK(cudaStreamEndCapture(s, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  CK(cudaGraphLaunch(exec, s));  // warm-up
+  CK(cudaStreamSynchronize(s));
+  const int replays = std::max(1, iters / kPerGraph);
+  const double us = elapsed_us(
+      [&] {
+        for (int i = 0; i < replays; ++i) CK(cudaGraphLaunch(exec, s));
+      },
+      replays * kPerGraph);
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  return us;
 }
 
 int Iters(double bytes) { return bytes > 1e9 ? 30 : bytes > 1e8 ? 100 : 400; }
@@ -161,6 +197,7 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   a.items = di;
   a.n_items = static_cast<uint32_t>(items.size());
   a.splits = kernels::cuda::PlanSplits(a, n);
+  if (const char* sp = std::getenv("PION_BENCH_SPLITS")) a.splits = U(sp);  // planning experiments
   a.part_m = DevAlloc<float>(size_t{a.splits} * a.nrows);
   a.part_l = DevAlloc<float>(size_t{a.splits} * a.nrows);
   a.part_o = DevAlloc<float>(size_t{a.splits} * a.nrows * d);
@@ -176,6 +213,7 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
     CK(cudaMemset(a.counters, 0, kernels::cuda::GridBlocks(a) * sizeof(uint32_t)));
   }
   const double bytes = 2.0 * hkv * n * d * kernels::DTypeSize(t);
+  double us_launches = 0;
   const double us = TimeUs(
       s,
       [&] {
@@ -185,13 +223,13 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
                                           a.lse, s));
         }
       },
-      Iters(bytes));
+      Iters(bytes), &us_launches);
   std::printf(
       "{\"kind\": \"dense\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": %u, \"n\": %u, "
-      "\"d\": %u, \"us\": %.2f, \"bytes\": %.0f, \"gbps\": %.1f, \"splits\": %u, \"path\": "
-      "\"%s\"}\n",
-      t == DType::kF16 ? "f16" : "f32", hq, hkv, m, n, d, us, bytes, bytes / us / 1e3, a.splits,
-      tc ? (pad == 4 ? "tensor-core batched" : "tensor-core decode") : "simt");
+      "\"d\": %u, \"us\": %.2f, \"us_launches\": %.2f, \"bytes\": %.0f, \"gbps\": %.1f, "
+      "\"splits\": %u, \"path\": \"%s\"}\n",
+      t == DType::kF16 ? "f16" : "f32", hq, hkv, m, n, d, us, us_launches, bytes, bytes / us / 1e3,
+      a.splits, tc ? (pad == 4 ? "tensor-core batched" : "tensor-core decode") : "simt");
   return 0;
 }
 
@@ -254,8 +292,9 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
                                       s));
     }
   };
+  double us_launches = 0;
   const double us = TimeUs(
-      s, [&] { run(4); }, 200);
+      s, [&] { run(4); }, 200, &us_launches);
   std::string stage_us;
   const char* stages = std::getenv("PION_BENCH_STAGES");
   if (stages != nullptr && stages[0] == '1') {
@@ -269,11 +308,12 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   }
   std::printf(
       "{\"kind\": \"sparse_auto\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": 1, \"n\": "
-      "%u, \"d\": %u, \"block\": %u, \"k_top\": %u, \"budget\": %u, \"us\": %.2f, \"bytes\": "
-      "%.0f, \"splits\": %u, \"shared\": %s, \"path\": \"%s\", \"stage_us\": [%s]}\n",
-      t == DType::kF16 ? "f16" : "f32", hq, hkv, n, d, block, k_top, stride, us, bytes, a.splits,
-      shared ? "true" : "false", kernels::cuda::UsesTensorCores(a) ? "tensor-core" : "simt",
-      stage_us.c_str());
+      "%u, \"d\": %u, \"block\": %u, \"k_top\": %u, \"budget\": %u, \"us\": %.2f, "
+      "\"us_launches\": %.2f, \"bytes\": %.0f, \"splits\": %u, \"shared\": %s, \"path\": \"%s\", "
+      "\"stage_us\": [%s]}\n",
+      t == DType::kF16 ? "f16" : "f32", hq, hkv, n, d, block, k_top, stride, us, us_launches, bytes,
+      a.splits, shared ? "true" : "false",
+      kernels::cuda::UsesTensorCores(a) ? "tensor-core" : "simt", stage_us.c_str());
   return 0;
 }
 
@@ -292,7 +332,6 @@ int Stream(size_t bytes) {
 }
 
 DType ParseType(const char* s) { return std::strcmp(s, "f16") == 0 ? DType::kF16 : DType::kF32; }
-uint32_t U(const char* s) { return static_cast<uint32_t>(std::strtoul(s, nullptr, 10)); }
 
 }  // namespace
 

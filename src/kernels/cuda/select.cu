@@ -376,9 +376,7 @@ __global__ void __launch_bounds__(kSelThreads)
       left += w;
       return;
     }
-    hb[1 + rank] = static_cast<int32_t>(b);
-    int32_t* dst = hl + len0 + static_cast<size_t>(rank) * B;
-    for (uint32_t t = 0; t < B; ++t) dst[t] = static_cast<int32_t>(b * B + t);
+    hb[1 + rank] = static_cast<int32_t>(b);  // its rows: written below by the whole block
   };
   if (keep == ncand || keep == 0) {
     for (int i = threadIdx.x; i < ncand; i += blockDim.x) visit(i, keep > 0, i);
@@ -395,8 +393,12 @@ __global__ void __launch_bounds__(kSelThreads)
     RadixSelect(key, ncand, keep, &thr, &need);
     CompactAscending(key, ncand, thr, need, visit);
   }
-  all = BlockReduce(all, SumOp{}, 0.f);
+  all = BlockReduce(all, SumOp{}, 0.f);  // its barriers also publish hb
   left = BlockReduce(left, SumOp{}, 0.f);
+  // The chosen middle blocks' rows, ascending, every thread writing consecutive entries.
+  for (uint32_t e = threadIdx.x; e < static_cast<uint32_t>(keep) * B; e += blockDim.x) {
+    hl[len0 + e] = hb[1 + e / B] * static_cast<int32_t>(B) + static_cast<int32_t>(e % B);
+  }
   if (threadIdx.x == 0) {
     all += weight_of(b_lo) + (two ? weight_of(b_hi) : 0.f);
     hb[0] = static_cast<int32_t>(b_lo);
