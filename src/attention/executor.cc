@@ -94,7 +94,7 @@ Partial RowsView(const Partial& p, size_t first, size_t n) {
 void SparsePass(const kernels::AttentionKernels& kern, const Parallel& par, const Queries& q,
                 const Tensor3& k, const Tensor3& v, const std::vector<int32_t>& rows,
                 const std::vector<int32_t>& counts, uint32_t stride, float scale, int64_t window,
-                const Partial& out) {
+                const Partial& out, bool shared_lists = false) {
   const size_t groups = std::min<size_t>(q.hq, std::max(par.threads, 1));
   par.For(groups, [&](size_t g) {
     const uint32_t h0 = static_cast<uint32_t>(q.hq * g / groups);
@@ -107,6 +107,7 @@ void SparsePass(const kernels::AttentionKernels& kern, const Parallel& par, cons
     keys.rows = rows.data() + r0 * stride;
     keys.counts = counts.data() + r0;
     keys.stride = stride;
+    keys.shared_lists = shared_lists;
     kern.Attend(sub, keys, scale, window, RowsView(out, r0, static_cast<size_t>(sub.hq) * q.m));
   });
 }
@@ -269,7 +270,8 @@ void SparseAuto(const kernels::AttentionKernels& kern, const Parallel& par, cons
     }
   }
   r->omitted_mass_estimate = q.hq ? om / q.hq : 0;
-  SparsePass(kern, par, q, k, v, rows, counts, stride, scale, plan.window, out);
+  // SHARED: a group's heads have one list; the kernels read each listed key once for them.
+  SparsePass(kern, par, q, k, v, rows, counts, stride, scale, plan.window, out, plan.shared_blocks);
 }
 
 }  // namespace

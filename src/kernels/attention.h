@@ -68,6 +68,9 @@ struct Keys {
   const int32_t* rows = nullptr;    // [hq*m][stride]
   const int32_t* counts = nullptr;  // [hq*m]
   uint32_t stride = 0;
+  // Sparse, M = 1: the rows of query heads mapped to one K/V head have equal lists (SHARED
+  // sparse-auto), so a kernel may read each listed key once for all of them.
+  bool shared_lists = false;
 };
 
 // Online-softmax state of n query rows, in caller-owned memory: m[n], l[n], o[n][d].

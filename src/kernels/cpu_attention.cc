@@ -232,8 +232,24 @@ void Attend(const Queries& q, const Keys& keys, float scale, int64_t window, con
   Scratch& scratch = ThreadScratch();
   ClearPartial(out);
   if (keys.rows != nullptr) {
+    if (keys.shared_lists && q.m == 1) {  // a K/V head's rows read their one list together
+      std::vector<uint32_t>& heads = scratch.idx;
+      size_t rows[kMaxDecodeRows];
+      for (uint32_t g = 0; g < keys.k.heads; ++g) {
+        heads.clear();
+        for (uint32_t h = 0; h < q.hq; ++h) {
+          if (static_cast<uint32_t>(q.head_map[h]) == g) heads.push_back(h);
+        }
+        for (size_t i0 = 0; i0 < heads.size(); i0 += kMaxDecodeRows) {
+          const size_t n = std::min(kMaxDecodeRows, heads.size() - i0);
+          for (size_t i = 0; i < n; ++i) rows[i] = heads[i0 + i];
+          AttendSparseRows(q, keys, scale, window, rows, n, out, scratch);
+        }
+      }
+      return;
+    }
     for (size_t row = 0; row < static_cast<size_t>(q.hq) * q.m; ++row) {
-      AttendSparseRow(q, keys, scale, window, row, out, scratch);
+      AttendSparseRows(q, keys, scale, window, &row, 1, out, scratch);
     }
     return;
   }

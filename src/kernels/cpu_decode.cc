@@ -372,25 +372,29 @@ void AttendDecodeGroup(const Queries& q, const Keys& keys, float scale, int64_t 
   }
 }
 
-// Sparse lists: each query row gathers its visible key rows into fp32 blocks.
-void AttendSparseRow(const Queries& q, const Keys& keys, float scale, int64_t window, size_t row,
-                     const Partial& out, Scratch& scratch) {
+// Sparse lists: the visible key rows of rows[0]'s list, gathered into fp32 blocks once for the n
+// query rows (one, or a K/V head's rows sharing the list).
+void AttendSparseRows(const Queries& q, const Keys& keys, float scale, int64_t window,
+                      const size_t* rows, size_t n, const Partial& out, Scratch& scratch) {
   const uint32_t d = q.d;
+  const size_t row = rows[0];
   const uint32_t h = static_cast<uint32_t>(row / q.m);
   const uint32_t g = static_cast<uint32_t>(q.head_map[h]);
   const int64_t qpos = q.pos0 + static_cast<int64_t>(row % q.m);
   const int32_t* list = keys.rows + row * keys.stride;
   const int32_t count = keys.counts[row];
   const size_t block = DecodeBlockRows(d);
-  float* s = Grow(scratch.s, kPStride);
+  float* s = Grow(scratch.s, n * kPStride);
   float* kbuf = Grow(scratch.k, block * d);
   float* vbuf = Grow(scratch.v, block * d);
   DecodeRows state;
-  state.n = 1;
-  state.q[0] = q.q + row * d;
-  state.o[0] = out.o + row * d;
-  state.m[0] = out.m + row;
-  state.l[0] = out.l + row;
+  state.n = n;
+  for (size_t i = 0; i < n; ++i) {
+    state.q[i] = q.q + rows[i] * d;
+    state.o[i] = out.o + rows[i] * d;
+    state.m[i] = out.m + rows[i];
+    state.l[i] = out.l + rows[i];
+  }
   Prefetcher none;
   size_t nb = 0;
   for (int32_t c = 0; c <= count; ++c) {
@@ -402,8 +406,10 @@ void AttendSparseRow(const Queries& q, const Keys& keys, float scale, int64_t wi
       ++nb;
     }
     if (nb == block || (c == count && nb > 0)) {
-      state.lo[0] = 0;
-      state.hi[0] = static_cast<int64_t>(nb);
+      for (size_t i = 0; i < n; ++i) {
+        state.lo[i] = 0;
+        state.hi[i] = static_cast<int64_t>(nb);
+      }
       DecodeBlock(kbuf, vbuf, nb, 0, d, scale, state, s, none);
       nb = 0;
     }

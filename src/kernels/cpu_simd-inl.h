@@ -119,9 +119,10 @@ HWY_INLINE float Dot(const float* HWY_RESTRICT a, const T* HWY_RESTRICT b, size_
 // of K/V head g, all rows of each (nheads * q.m <= kMaxDecodeRows), dense keys.
 void AttendDecodeGroup(const Queries& q, const Keys& keys, float scale, int64_t window, uint32_t g,
                        const uint32_t* heads, size_t nheads, const Partial& out, Scratch& scratch);
-// One query row over its sparse key list (keys.rows != nullptr).
-void AttendSparseRow(const Queries& q, const Keys& keys, float scale, int64_t window, size_t row,
-                     const Partial& out, Scratch& scratch);
+// Query rows rows[0, n) (n <= kMaxDecodeRows, all at the position of rows[0]) over the sparse
+// key list of rows[0] (keys.rows != nullptr): each listed row is gathered once for all of them.
+void AttendSparseRows(const Queries& q, const Keys& keys, float scale, int64_t window,
+                      const size_t* rows, size_t n, const Partial& out, Scratch& scratch);
 
 }  // namespace HWY_NAMESPACE
 }  // namespace pion::kernels::cpu

@@ -346,6 +346,37 @@ TEST(Attend, SparseMatchesReference) {
   EXPECT_EQ(cases, 16);
 }
 
+// SHARED lists (keys.shared_lists): the heads of one K/V head attend their group's one list,
+// read once for all of them — the same results as each row reading it alone. Groups of 1, 4
+// and 20 heads (more than one decode pass of 16 rows), contiguous and shuffled head maps.
+TEST(Attend, SharedSparseListsMatchPerRow) {
+  std::mt19937 rng(21);
+  for (int trial = 0; trial < 6; ++trial) {
+    const uint32_t d = trial % 2 == 0 ? 128 : 64;
+    const uint32_t hq = trial < 2 ? 8 : (trial < 4 ? 40 : 4);
+    const uint32_t heads = trial < 4 ? 2 : 4;
+    const DType t = trial % 3 == 0 ? DType::kF16 : DType::kF32;
+    Problem p(d, hq, heads, 1, 2500, t, t, trial % 2 == 1, rng);
+    p.MakeSparse(rng, 400);
+    for (uint32_t h = 0; h < hq; ++h) {  // every head takes its group's first head's list
+      uint32_t first = 0;
+      while (p.head_map[first] != p.head_map[h]) ++first;
+      std::copy(p.rows.begin() + size_t{first} * p.keys.stride,
+                p.rows.begin() + size_t{first + 1} * p.keys.stride,
+                p.rows.begin() + size_t{h} * p.keys.stride);
+      p.counts[h] = p.counts[first];
+    }
+    p.queries.pos0 = trial == 5 ? 1200 : 2500;  // inside the keys: the mask drops some indices
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const Result want = AttendAndFinalize(ReferenceKernels(), p, scale, 0);
+    p.keys.shared_lists = true;
+    ForEachTarget([&](const std::string& target) {
+      ExpectClose(AttendAndFinalize(CpuKernels(), p, scale, 0), want, d,
+                  "shared lists trial " + std::to_string(trial) + " " + target);
+    });
+  }
+}
+
 // Splitting [0, N) into 2..5 ranges and merging the partials equals one call.
 TEST(Partial, SplitAndMergeEqualsWhole) {
   std::mt19937 rng(5);

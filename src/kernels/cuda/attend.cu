@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
   __shared__ int32_t rowid[kItemRows];
   __shared__ uint32_t range[2];
 
-  WaitForPrimary();  // the lists of a selection launched just before
+  WaitForPrimary();  // what the kernel before it in the stream wrote (e.g. selection lists)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const Item& item = a.items[blockIdx.x];
   const int nr = item.n;

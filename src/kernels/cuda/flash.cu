@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   __shared__ int64_t qspan[2];       // min and max position of the block's rows
   __shared__ int32_t kidx[kS][kBk];  // sparse: the key rows of each buffered tile
 
-  WaitForPrimary();  // the lists of a selection launched just before
+  WaitForPrimary();  // what the kernel before it in the stream wrote (e.g. selection lists)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rg = warp % WR;
   const uint32_t first_item = blockIdx.x * WR;
