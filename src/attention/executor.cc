@@ -95,10 +95,22 @@ void SparsePass(const kernels::AttentionKernels& kern, const Parallel& par, cons
                 const Tensor3& k, const Tensor3& v, const std::vector<int32_t>& rows,
                 const std::vector<int32_t>& counts, uint32_t stride, float scale, int64_t window,
                 const Partial& out, bool shared_lists = false) {
-  const size_t groups = std::min<size_t>(q.hq, std::max(par.threads, 1));
+  // Threads take runs of whole query heads; with shared lists and a contiguous GQA map, runs
+  // of whole K/V head groups, so no group's list is gathered by two threads.
+  uint32_t unit = 1;
+  if (shared_lists && k.heads > 0 && q.hq % k.heads == 0) {
+    const uint32_t group = q.hq / k.heads;
+    bool contiguous = true;
+    for (uint32_t h = 0; h < q.hq; ++h) {
+      contiguous = contiguous && static_cast<uint32_t>(q.head_map[h]) == h / group;
+    }
+    if (contiguous) unit = group;
+  }
+  const uint32_t units = q.hq / unit;
+  const size_t groups = std::min<size_t>(units, std::max(par.threads, 1));
   par.For(groups, [&](size_t g) {
-    const uint32_t h0 = static_cast<uint32_t>(q.hq * g / groups);
-    const uint32_t h1 = static_cast<uint32_t>(q.hq * (g + 1) / groups);
+    const uint32_t h0 = unit * static_cast<uint32_t>(units * g / groups);
+    const uint32_t h1 = unit * static_cast<uint32_t>(units * (g + 1) / groups);
     if (h0 == h1) return;
     Queries sub = HeadView(q, h0);
     sub.hq = h1 - h0;

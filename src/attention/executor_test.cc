@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -198,6 +199,47 @@ TEST(Executor, FullSupportSparseFormsEqualDense) {
     }
     EXPECT_GT(r.omitted_mass_estimate, 0.0);
     EXPECT_LT(r.omitted_mass_estimate, 1.0);
+  }
+}
+
+// SHARED sparse-auto: a group's heads choose the same blocks (by their highest scores), and the
+// result does not depend on how the query heads are split over threads (runs of whole groups
+// with a contiguous map, of single heads otherwise).
+TEST(Executor, SharedSparseAutoIsOneChoicePerGroup) {
+  std::mt19937 rng(9);
+  const uint32_t H = 4, HQ = 16, N = 3000, D = 64, B = 32, nb = (N + B - 1) / B;
+  Data kv(H, N, D, rng);
+  auto q = Randn(size_t{HQ} * D, rng);
+  std::vector<float> mean(size_t{H} * nb * D), mn(mean.size()), mx(mean.size());
+  kernels::BlockSummaries s{mean.data(), mn.data(), mx.data(), H, nb, B, D};
+  kernels::CpuKernels().Summarize(kv.K(), s);
+  for (bool contiguous : {true, false}) {
+    auto map = Contiguous(HQ, H);
+    if (!contiguous) std::shuffle(map.begin(), map.end(), rng);
+    Plan sa;
+    sa.q = {q.data(), HQ, 1, D, map.data(), N};
+    sa.form = Form::kSparseAuto;
+    sa.block = B;
+    sa.k_top = 6;
+    sa.selector = kernels::BlockSelector::kQuest;
+    sa.summaries = s;
+    sa.shared_blocks = true;
+    Receipt r1;
+    const auto one = RunPlan(kernels::CpuKernels(), sa, kv, 1, &r1, HQ);
+    for (uint32_t h = 0; h < HQ; ++h) {
+      for (uint32_t h2 = 0; h2 < HQ; ++h2) {
+        if (map[h] == map[h2]) EXPECT_EQ(r1.blocks[h], r1.blocks[h2]) << h << " " << h2;
+      }
+    }
+    Receipt ref_r;
+    const auto want = RunPlan(kernels::ReferenceKernels(), sa, kv, 1, &ref_r, HQ);
+    EXPECT_EQ(ref_r.blocks, r1.blocks);
+    ExpectNear(one, want, 2e-5f);
+    for (int threads : {3, 8, 16}) {
+      Receipt r;
+      ExpectNear(RunPlan(kernels::CpuKernels(), sa, kv, threads, &r, HQ), one, 1e-6f);
+      EXPECT_EQ(r.blocks, r1.blocks);
+    }
   }
 }
 
