@@ -18,9 +18,7 @@ import datetime as dt
 import os
 import platform
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import redis
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from benchutil import free_port  # noqa: E402,F401  (shared by the bench scripts)
+from benchutil import free_port, start_pion  # noqa: E402  (shared by the bench scripts)
 sys.path.insert(0, str(REPO / "clients" / "python"))
 import pion  # noqa: E402
 
@@ -85,19 +83,10 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     n, d, k = a.tokens, a.dim, 32
-    port, bport = free_port(), free_port()
-    work = Path(tempfile.mkdtemp(prefix="pion-index-bench-"))
-    srv = subprocess.Popen([a.pion, "--port", str(port), "--dir", str(work / "data"),
-                            "--metrics-port", "0", "--binary-port", str(bport)],
-                           stdout=open(work / "server.log", "w"), stderr=subprocess.STDOUT)
+    bport = free_port()
+    srv, port, _ = start_pion(a.pion, ["--binary-port", str(bport)], "pion-index-bench-")
     try:
         r = redis.Redis(port=port, socket_timeout=600)
-        for _ in range(100):
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
         rng = np.random.default_rng(1)
         # Attention-like keys: clustered (heads attend to structure), values random.
         centers = 2 * rng.standard_normal((64, d)).astype(np.float32)

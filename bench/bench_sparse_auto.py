@@ -16,23 +16,14 @@ import argparse
 import datetime as dt
 import os
 import platform
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
-import redis  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchutil import start_pion  # noqa: E402
 
 
 def receipt(reply) -> tuple[bytes, dict]:
@@ -67,19 +58,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None, help="markdown results file")
     a = ap.parse_args()
-    port = free_port()
-    work = Path(tempfile.mkdtemp(prefix="pion-sparse-bench-"))
-    cmd = [str(Path(a.server).resolve()), "--port", str(port), "--dir", str(work / "data"),
-           "--metrics-port", "0", "--binary-port", "0", "--attention-backend", a.backend]
-    srv = subprocess.Popen(cmd, stdout=open(work / "server.log", "w"), stderr=subprocess.STDOUT)
+    srv, port, _ = start_pion(Path(a.server).resolve(),
+                              ["--binary-port", "0", "--attention-backend", a.backend],
+                              "pion-sparse-bench-")
     try:
         r = redis.Redis(port=port)
-        for _ in range(200):
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
         rng = np.random.default_rng(1)
         n, d, hq, hkv, b = a.n, a.d, a.hq, a.hkv, a.block
         k = rng.standard_normal((hkv, n, d), dtype=np.float32)

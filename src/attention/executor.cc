@@ -202,9 +202,7 @@ void CallerSparse(const kernels::AttentionKernels& kern, const Parallel& par, co
 
 // SHARED sparse-auto: every head's block scores become the highest score of the query heads
 // mapped to its K/V head (ties then break alike, so the group chooses one set of blocks).
-void GroupMaxScores(const Queries& q, uint32_t nb, std::vector<float>* sel) {
-  uint32_t groups = 0;
-  for (uint32_t h = 0; h < q.hq; ++h) groups = std::max<uint32_t>(groups, q.head_map[h] + 1);
+void GroupMaxScores(const Queries& q, uint32_t groups, uint32_t nb, std::vector<float>* sel) {
   std::vector<float> best(static_cast<size_t>(groups) * nb,
                           -std::numeric_limits<float>::infinity());
   for (uint32_t h = 0; h < q.hq; ++h) {
@@ -234,7 +232,7 @@ void SparseAuto(const kernels::AttentionKernels& kern, const Parallel& par, cons
     mean_scores.resize(sel.size());
     kern.ScoreBlocks(q, s, kernels::BlockSelector::kMean, mean_scores.data());
   }
-  if (plan.shared_blocks) GroupMaxScores(q, nb, &sel);
+  if (plan.shared_blocks) GroupMaxScores(q, k.heads, nb, &sel);
   const uint32_t stride = std::min<uint64_t>(static_cast<uint64_t>(plan.k_top + 2) * B, k.rows);
   std::vector<int32_t> rows(static_cast<size_t>(q.hq) * stride);
   std::vector<int32_t> counts(q.hq, 0);

@@ -188,25 +188,6 @@ Status SparseLaunch(Job& job, AttendArgs a, const int32_t* head_map, const int32
   return LaunchItems(job, a, kernels::cuda::RowItems(a.hq, a.m, head_map), parts, splits, fin);
 }
 
-// A shared-list pass (SHARED sparse-auto): rows grouped by K/V head as in a dense pass, each
-// group attending the list of its first row (the lists of a group's rows are equal).
-Status GroupSparseLaunch(Job& job, AttendArgs a, const int32_t* head_map, const int32_t* list,
-                         const int32_t* counts, uint32_t stride, Parts* parts, uint32_t splits,
-                         Finish* fin) {
-  a.dense_items = true;
-  a.list = list;
-  a.counts = counts;
-  a.stride = stride;
-  return LaunchItems(job, a, kernels::cuda::DenseItems(a.hq, a.m, head_map), parts, splits, fin);
-}
-
-uint32_t GroupSparseSplitsFor(AttendArgs a, const int32_t* head_map, uint32_t stride) {
-  a.dense_items = true;
-  a.list = reinterpret_cast<const int32_t*>(1);  // shape only
-  a.n_items = static_cast<uint32_t>(kernels::cuda::DenseItems(a.hq, a.m, head_map).size());
-  return std::max<uint32_t>(1, kernels::cuda::PlanSplits(a, stride));
-}
-
 uint32_t SparseSplitsFor(AttendArgs a, const int32_t* head_map, uint32_t stride) {
   a.dense_items = false;
   a.list = reinterpret_cast<const int32_t*>(1);  // shape only: any sparse launch
@@ -359,7 +340,13 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       PION_ASSIGN(list, job.Dev<int32_t>(size_t{q.hq} * stride));
       PION_ASSIGN(counts, job.Dev<int32_t>(q.hq));
       PION_ASSIGN(omitted, job.Dev<float>(q.hq));
-      const uint32_t splits = plan.shared_blocks ? GroupSparseSplitsFor(base, q.head_map, stride)
+      // SHARED: one list per row group of a K/V head — a dense pass's items over the list of
+      // each group's first row (the lists of a group's rows are equal).
+      AttendArgs grouped = base;
+      grouped.list = list;
+      grouped.counts = counts;
+      grouped.stride = stride;
+      const uint32_t splits = plan.shared_blocks ? DenseSplitsFor(grouped, q.head_map, stride)
                                                  : SparseSplitsFor(base, q.head_map, stride);
       PION_TRY(AllocParts(job, splits + suf_splits, nrows, q.d, &parts));
       if (vis_lo < vis_hi) {
@@ -373,8 +360,7 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
             sel, ms, dmap, q.hq, plan.shared_blocks, nb, B, vis_lo, vis_hi, plan.k_top, scale,
             blocks, nchosen, list, counts, stride, omitted, job.stream()));
         if (plan.shared_blocks) {
-          PION_TRY(
-              GroupSparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits, fin));
+          PION_TRY(DenseLaunch(job, grouped, q.head_map, stride, &parts, splits, fin));
         } else {
           PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits, fin));
         }

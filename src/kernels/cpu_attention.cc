@@ -231,15 +231,18 @@ void AttendTile(const Queries& q, const Keys& keys, float scale, int64_t window,
 void Attend(const Queries& q, const Keys& keys, float scale, int64_t window, const Partial& out) {
   Scratch& scratch = ThreadScratch();
   ClearPartial(out);
+  std::vector<uint32_t>& heads = scratch.idx;
+  auto heads_of = [&](uint32_t g) {  // the query heads of K/V head g, into `heads`
+    heads.clear();
+    for (uint32_t h = 0; h < q.hq; ++h) {
+      if (static_cast<uint32_t>(q.head_map[h]) == g) heads.push_back(h);
+    }
+  };
   if (keys.rows != nullptr) {
     if (keys.shared_lists && q.m == 1) {  // a K/V head's rows read their one list together
-      std::vector<uint32_t>& heads = scratch.idx;
       size_t rows[kMaxDecodeRows];
       for (uint32_t g = 0; g < keys.k.heads; ++g) {
-        heads.clear();
-        for (uint32_t h = 0; h < q.hq; ++h) {
-          if (static_cast<uint32_t>(q.head_map[h]) == g) heads.push_back(h);
-        }
+        heads_of(g);
         for (size_t i0 = 0; i0 < heads.size(); i0 += kMaxDecodeRows) {
           const size_t n = std::min(kMaxDecodeRows, heads.size() - i0);
           for (size_t i = 0; i < n; ++i) rows[i] = heads[i0 + i];
@@ -256,13 +259,9 @@ void Attend(const Queries& q, const Keys& keys, float scale, int64_t window, con
   if (keys.begin >= keys.end) return;
   const size_t lanes = hn::Lanes(DF());
   const size_t rt = lanes * kTileVecs;
-  std::vector<uint32_t>& heads = scratch.idx;
   std::vector<uint32_t>& rows = scratch.rows;
   for (uint32_t g = 0; g < keys.k.heads; ++g) {
-    heads.clear();
-    for (uint32_t h = 0; h < q.hq; ++h) {
-      if (static_cast<uint32_t>(q.head_map[h]) == g) heads.push_back(h);
-    }
+    heads_of(g);
     if (heads.empty()) continue;
     const size_t n = heads.size() * q.m;
     if (n < lanes && n <= kMaxDecodeRows) {

@@ -18,7 +18,7 @@ namespace {
 
 constexpr int kSelThreads = 256;
 constexpr int kSmemBlocks = 2048;  // block candidates a block select stages in shared memory
-constexpr int kMaxGroup = 256;     // SHARED: query heads of one K/V head listed in shared memory
+constexpr int kMaxGroup = 1024;    // SHARED: the most query heads of one K/V head (all of H_q)
 
 template <typename Op>
 __device__ float BlockReduce(float x, Op op, float identity) {
@@ -241,13 +241,17 @@ __global__ void Summarize(const T* k, uint32_t rows, uint32_t d, uint32_t block,
 constexpr int kScoreWarps = 8;
 constexpr int kScoreRun = 8;
 
-// The scores of query head row qh against blocks b0 .. b0 + kScoreRun − 1 of the K/V head at
-// offset `head` (its index · nb), summed over the warp: dot = q·mean, bound = the Quest bound.
 template <bool kQuest>
-__device__ inline void ScoreRun(const float* qh, uint32_t d, size_t head, uint32_t b0, uint32_t nb,
-                                const float* mean, const float* mn, const float* mx,
-                                float (&dot)[kScoreRun], float (&bound)[kScoreRun]) {
+__global__ void __launch_bounds__(256)
+    ScoreBlocks(const float* q, uint32_t d, const int32_t* head_map, const float* mean,
+                const float* mn, const float* mx, uint32_t nb, float* sel, float* mean_scores) {
+  const uint32_t h = blockIdx.y;
+  const uint32_t b0 = (blockIdx.x * kScoreWarps + (threadIdx.x >> 5)) * kScoreRun;
   const int lane = threadIdx.x & 31;
+  if (b0 >= nb) return;
+  const float* qh = q + size_t{h} * d;
+  const size_t head = size_t{static_cast<uint32_t>(head_map[h])} * nb;
+  float dot[kScoreRun], bound[kScoreRun];
 #pragma unroll
   for (int r = 0; r < kScoreRun; ++r) dot[r] = bound[r] = 0.f;
   for (uint32_t x = lane; x < d; x += 32) {
@@ -266,34 +270,14 @@ __device__ inline void ScoreRun(const float* qh, uint32_t d, size_t head, uint32
     dot[r] = WarpSum(dot[r]);
     if (kQuest) bound[r] = WarpSum(bound[r]);
   }
-}
-
-// Lane r < kScoreRun: element r of v (a register array read with compile-time indexes only).
-__device__ inline float LaneValue(const float (&v)[kScoreRun]) {
-  const int lane = threadIdx.x & 31;
-  float out = 0.f;
-#pragma unroll
-  for (int r = 0; r < kScoreRun; ++r) {
-    if (r == lane) out = v[r];
-  }
-  return out;
-}
-
-// Per query head h (blockIdx.y): sel = q·mean or the Quest bound, mean_scores = q·mean.
-template <bool kQuest>
-__global__ void __launch_bounds__(256)
-    ScoreBlocks(const float* q, uint32_t d, const int32_t* head_map, const float* mean,
-                const float* mn, const float* mx, uint32_t nb, float* sel, float* mean_scores) {
-  const uint32_t h = blockIdx.y;
-  const uint32_t b0 = (blockIdx.x * kScoreWarps + (threadIdx.x >> 5)) * kScoreRun;
-  const int lane = threadIdx.x & 31;
-  if (b0 >= nb) return;
-  const size_t head = size_t{static_cast<uint32_t>(head_map[h])} * nb;
-  float dot[kScoreRun], bound[kScoreRun];
-  ScoreRun<kQuest>(q + size_t{h} * d, d, head, b0, nb, mean, mn, mx, dot, bound);
   if (lane < kScoreRun && b0 + lane < nb) {
-    mean_scores[size_t{h} * nb + b0 + lane] = LaneValue(dot);
-    sel[size_t{h} * nb + b0 + lane] = LaneValue(kQuest ? bound : dot);
+    float dv = 0.f, bv = 0.f;
+#pragma unroll
+    for (int r = 0; r < kScoreRun; ++r) {
+      if (r == lane) dv = dot[r], bv = bound[r];
+    }
+    mean_scores[size_t{h} * nb + b0 + lane] = dv;
+    sel[size_t{h} * nb + b0 + lane] = kQuest ? bv : dv;
   }
 }
 
@@ -310,28 +294,18 @@ __global__ void __launch_bounds__(kSelThreads)
   const uint32_t b_lo = lo / B, b_hi = (hi - 1) / B;
   const float* hs = sel + size_t{h} * nb;
   const float* hm = ms + size_t{h} * nb;
-  if (threadIdx.x == 0) n_members = 0;
-  __syncthreads();
   if (shared) {  // the group's heads (any order: the max does not depend on it)
+    if (threadIdx.x == 0) n_members = 0;
+    __syncthreads();
     for (uint32_t t = threadIdx.x; t < hq; t += blockDim.x) {
-      if (head_map[t] == head_map[h]) {
-        const int slot = atomicAdd(&n_members, 1);
-        if (slot < kMaxGroup) members[slot] = static_cast<int32_t>(t);
-      }
+      if (head_map[t] == head_map[h]) members[atomicAdd(&n_members, 1)] = static_cast<int32_t>(t);
     }
     __syncthreads();
   }
-  const int group = shared ? n_members : 0;
   auto score_of = [&](uint32_t b) {
     if (!shared) return hs[b];
     float m = -INFINITY;
-    if (group <= kMaxGroup) {
-      for (int j = 0; j < group; ++j) m = fmaxf(m, sel[size_t(members[j]) * nb + b]);
-    } else {
-      for (uint32_t t = 0; t < hq; ++t) {
-        if (head_map[t] == head_map[h]) m = fmaxf(m, sel[size_t{t} * nb + b]);
-      }
-    }
+    for (int j = 0; j < n_members; ++j) m = fmaxf(m, sel[size_t(members[j]) * nb + b]);
     return m;
   };
   const int ncand = b_hi > b_lo ? static_cast<int>(b_hi - b_lo - 1) : 0;
@@ -460,10 +434,15 @@ Status LaunchScoreBlocks(const float* q, uint32_t hq, uint32_t d, const int32_t*
                          const float* mean, const float* min, const float* max, uint32_t nblocks,
                          BlockSelector selector, float* sel, float* mean_scores, void* stream) {
   if (hq == 0 || nblocks == 0) return Status::Ok();
-  const dim3 grid((nblocks + kScoreWarps * kScoreRun - 1) / (kScoreWarps * kScoreRun), hq);
-  auto kernel = selector == BlockSelector::kQuest ? ScoreBlocks<true> : ScoreBlocks<false>;
-  kernel<<<grid, 32 * kScoreWarps, 0, static_cast<cudaStream_t>(stream)>>>(
-      q, d, head_map, mean, min, max, nblocks, sel, mean_scores);
+  dim3 grid((nblocks + kScoreWarps * kScoreRun - 1) / (kScoreWarps * kScoreRun), hq);
+  auto st = static_cast<cudaStream_t>(stream);
+  if (selector == BlockSelector::kQuest) {
+    ScoreBlocks<true><<<grid, 32 * kScoreWarps, 0, st>>>(q, d, head_map, mean, min, max, nblocks,
+                                                         sel, mean_scores);
+  } else {
+    ScoreBlocks<false><<<grid, 32 * kScoreWarps, 0, st>>>(q, d, head_map, mean, min, max, nblocks,
+                                                          sel, mean_scores);
+  }
   return KernelStatus("block score kernel");
 }
 
@@ -473,6 +452,10 @@ Status LaunchSelectBlocks(const float* sel, const float* mean_scores, const int3
                           int32_t* nchosen, int32_t* list, int32_t* counts, uint32_t stride,
                           float* omitted, void* stream) {
   if (hq == 0 || hi <= lo) return Status::Ok();
+  if (shared && hq > static_cast<uint32_t>(kMaxGroup)) {
+    return Status(ErrorKind::kErr, "SHARED block selection takes at most " +
+                                       std::to_string(kMaxGroup) + " query heads");
+  }
   SelectBlocks<<<hq, kSelThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       sel, mean_scores, head_map, hq, shared, nblocks, block, lo, hi, k_top, scale, blocks, nchosen,
       list, counts, stride, omitted);
