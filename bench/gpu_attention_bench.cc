@@ -196,6 +196,7 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   CK(cudaMemcpy(di, items.data(), items.size() * sizeof(items[0]), cudaMemcpyHostToDevice));
   a.items = di;
   a.n_items = static_cast<uint32_t>(items.size());
+  a.item_rows = kernels::cuda::MaxRows(items);
   a.splits = kernels::cuda::PlanSplits(a, n);
   if (const char* sp = std::getenv("PION_BENCH_SPLITS")) a.splits = U(sp);  // planning experiments
   a.part_m = DevAlloc<float>(size_t{a.splits} * a.nrows);
@@ -262,6 +263,7 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   CK(cudaMemcpy(di, items.data(), items.size() * sizeof(items[0]), cudaMemcpyHostToDevice));
   a.items = di;
   a.n_items = static_cast<uint32_t>(items.size());
+  a.item_rows = kernels::cuda::MaxRows(items);
   a.dense_items = shared;
   a.list = list;
   a.counts = counts;

@@ -146,6 +146,7 @@ Status LaunchItems(Job& job, AttendArgs a, const std::vector<Item>& items, Parts
   PION_ASSIGN(ditems, job.Up(items.data(), items.size()));
   a.items = ditems;
   a.n_items = static_cast<uint32_t>(items.size());
+  a.item_rows = kernels::cuda::MaxRows(items);
   a.splits = splits;
   a.part_m = parts->m;
   a.part_l = parts->l;
@@ -173,7 +174,9 @@ uint32_t DenseSplitsFor(AttendArgs a, const int32_t* head_map, uint64_t keys) {
   if (keys == 0) return 0;
   a.dense_items = true;
   const int pad = kernels::cuda::UsesTensorCores(a) ? kernels::cuda::FlashRowGroups(a) : 1;
-  a.n_items = static_cast<uint32_t>(kernels::cuda::DenseItems(a.hq, a.m, head_map, pad).size());
+  const auto items = kernels::cuda::DenseItems(a.hq, a.m, head_map, pad);
+  a.n_items = static_cast<uint32_t>(items.size());
+  a.item_rows = kernels::cuda::MaxRows(items);
   return kernels::cuda::PlanSplits(a, keys);
 }
 

@@ -204,7 +204,8 @@ void Check(const Case& c, uint32_t seed = 1) {
 TEST(GpuExecutor, Smoke) {
   SKIP_WITHOUT_GPU();
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
-    for (uint32_t m : {1u, 40u}) {
+    // m = 1: 4 rows per K/V head (packed decode); 3: 12 rows (decode); 40: 160 (batched).
+    for (uint32_t m : {1u, 3u, 40u}) {
       for (Form f : {Form::kDense, Form::kTopK, Form::kFused}) {
         Case c;
         c.form = f;

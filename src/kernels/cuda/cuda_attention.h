@@ -36,11 +36,14 @@ struct Item {
 };
 // Host: the dense grouping — rows of query heads mapped to the same K/V head, kItemRows at a
 // time (a group's rows are consecutive query positions of its heads, so their key ranges
-// overlap), each K/V head's run padded with empty items to a multiple of `pad` (the row groups
-// of one tensor-core block). head_map is host memory.
+// overlap; the kernels rely on an item's rows ascending by position), each K/V head's run padded
+// with empty items to a multiple of `pad` (the row groups of one tensor-core block). head_map is
+// host memory.
 std::vector<Item> DenseItems(uint32_t hq, uint32_t m, const int32_t* head_map, int pad = 1);
 // Host: one item per query row (sparse lists differ per row).
 std::vector<Item> RowItems(uint32_t hq, uint32_t m, const int32_t* head_map);
+// Host: the most rows of any of `items` (AttendArgs::item_rows).
+uint32_t MaxRows(const std::vector<Item>& items);
 
 struct AttendArgs {
   const float* q = nullptr;  // [hq][m][d]
@@ -62,8 +65,9 @@ struct AttendArgs {
   int64_t window = 0;
   const Item* items = nullptr;
   uint32_t n_items = 0;
-  bool dense_items = true;  // items from DenseItems (eligible for tensor cores)
-  uint32_t splits = 1;      // key-range pieces per item (blockIdx.y)
+  uint32_t item_rows = kItemRows;  // the most rows of any item (MaxRows(items))
+  bool dense_items = true;         // items from DenseItems (eligible for tensor cores)
+  uint32_t splits = 1;             // key-range pieces per item (blockIdx.y)
   // Partial outputs: part p, row r at [p*nrows + r] (o: times d).
   float* part_m = nullptr;
   float* part_l = nullptr;

@@ -56,7 +56,7 @@ __device__ inline uint32_t PackLo(float x, float y) {
   return Pack(x - hx, y - hy);
 }
 
-template <int D, int WR, bool kSplit>
+template <int D, int WR, bool kSplit, bool kPack>
 struct Flash {
   static constexpr int kStr = D + 8;  // padded smem row (halves): ldmatrix rows hit distinct banks
   static constexpr int kRows = 16 * WR;
@@ -69,9 +69,9 @@ struct Flash {
   static constexpr size_t kBytes = std::max(kQ + 2 * kStages * kTile, kQ + kMerge);
 };
 
-template <int D, int WR, bool kSplit>
+template <int D, int WR, bool kSplit, bool kPack>
 __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
-  using C = Flash<D, WR, kSplit>;
+  using C = Flash<D, WR, kSplit, kPack>;
   constexpr int kStr = C::kStr, kKw = C::kKw, kNt = kKw / 8, kS = C::kStages;
   extern __shared__ __align__(16) uint8_t smem[];
   __half* qh = reinterpret_cast<__half*>(smem);
@@ -90,41 +90,33 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   const uint32_t first_item = blockIdx.x * WR;
   const int32_t kv = a.items[first_item].kv;
   const bool sparse = a.list != nullptr;  // WR == 1, one row per item
-  for (int t = tid; t < C::kRows; t += 128) {
-    const uint32_t it = first_item + t / 16;
-    const int j = t % 16;
+  if (tid < C::kRows) {                   // kRows <= 64
+    const uint32_t it = first_item + tid / 16;
+    const int j = tid % 16;
     int32_t r = -1;
     if (it < a.n_items && j < a.items[it].n) r = a.items[it].rows[j];
-    rowid[t] = r;
-    qpos[t] = r >= 0 ? a.q_pos0 + static_cast<int64_t>(r % a.m) : 0;
-  }
-  __syncthreads();
-  // The block's key range and position span: a reduction over its rows by warp 0.
-  int64_t vlo = INT64_MAX, vhi = INT64_MIN, pmin = INT64_MAX, pmax = INT64_MIN;
-  if (warp == 0) {
-    for (int r = lane; r < C::kRows; r += 32) {
-      if (rowid[r] < 0) continue;
-      vlo = Min(vlo, FirstVisible(qpos[r], a.window, a.k_pos0));
-      vhi = Max(vhi, qpos[r] - a.k_pos0 + 1);
-      pmin = Min(pmin, qpos[r]);
-      pmax = Max(pmax, qpos[r]);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      vlo = Min<int64_t>(vlo, __shfl_xor_sync(0xffffffffu, vlo, o));
-      vhi = Max<int64_t>(vhi, __shfl_xor_sync(0xffffffffu, vhi, o));
-      pmin = Min<int64_t>(pmin, __shfl_xor_sync(0xffffffffu, pmin, o));
-      pmax = Max<int64_t>(pmax, __shfl_xor_sync(0xffffffffu, pmax, o));
-    }
+    rowid[tid] = r;
+    qpos[tid] = r >= 0 ? a.q_pos0 + static_cast<int64_t>(r % a.m) : 0;
   }
   if (tid == 0) {
+    // The block's key range and position span. An item's rows ascend by query position
+    // (DenseItems, RowItems), so its first and last rows bound it.
+    int64_t pmin = INT64_MAX, pmax = INT64_MIN;
+    for (int i = 0; i < WR; ++i) {
+      const uint32_t it = first_item + i;
+      if (it >= a.n_items || a.items[it].n == 0) continue;
+      pmin = Min<int64_t>(pmin, a.q_pos0 + a.items[it].rows[0] % a.m);
+      pmax = Max<int64_t>(pmax, a.q_pos0 + a.items[it].rows[a.items[it].n - 1] % a.m);
+    }
     qspan[0] = pmin;
     qspan[1] = pmax;
     uint32_t lo = 0, hi = 0;
     if (sparse) {
-      hi = rowid[0] >= 0 ? static_cast<uint32_t>(a.counts[rowid[0]]) : 0;
-    } else {
-      const int64_t b = Max<int64_t>(vlo, a.begin), e = Min<int64_t>(vhi, a.end);
+      const int32_t r0 = a.items[first_item].n > 0 ? a.items[first_item].rows[0] : -1;
+      hi = r0 >= 0 ? static_cast<uint32_t>(a.counts[r0]) : 0;
+    } else if (pmin <= pmax) {
+      const int64_t b = Max<int64_t>(FirstVisible(pmin, a.window, a.k_pos0), a.begin);
+      const int64_t e = Min<int64_t>(pmax - a.k_pos0 + 1, a.end);
       lo = static_cast<uint32_t>(b < e ? b : 0);
       hi = static_cast<uint32_t>(b < e ? e : 0);
     }
@@ -154,6 +146,11 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   auto tile_k = [&](int buf) { return kt + (kIndep ? (warp * kS + buf) * 16 : buf * kBk) * kStr; };
   auto tile_v = [&](int buf) { return vt + (kIndep ? (warp * kS + buf) * 16 : buf * kBk) * kStr; };
   const int kidx0 = kIndep ? warp * 16 : 0;
+  // Each loader copies 16-byte chunks of kTileRows × D/8; when the loaders cover whole rows
+  // (D = 32, 64, 128, 256) every chunk of a loader sits in the same column.
+  constexpr int kCpr = D / 8;
+  constexpr bool kLaneCols = kLoaders % kCpr == 0;
+  const int lrow = ltid / kCpr, lcol = (ltid % kCpr) * 8;
 
   // Tile t into buffer t % kS; always one commit group per call (empty past the end) so that
   // wait_prior(kS − 1) means "tile t has landed".
@@ -166,6 +163,18 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       const __half* vg = vbase + size_t(first) * D;
       __half* ks = tile_k(buf);
       __half* vs = tile_v(buf);
+      if constexpr (kLaneCols) {
+        if (list == nullptr && tk == kTileRows) {  // a full dense tile: offsets fixed per loader
+#pragma unroll
+          for (int i = 0; i < D / 16; ++i) {
+            const int j = lrow + i * (kLoaders / kCpr);
+            CpAsync16(ks + j * kStr + lcol, kg + j * D + lcol);
+            CpAsync16(vs + j * kStr + lcol, vg + j * D + lcol);
+          }
+          __pipeline_commit();
+          return;
+        }
+      }
 #pragma unroll
       for (int i = 0; i < D / 16; ++i) {  // kTileRows × D/8 chunks of 16 bytes over the loaders
         const int e = ltid + kLoaders * i;
@@ -198,6 +207,8 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   const int64_t qp_a = qpos[row_a], qp_b = qpos[row_b];
   const int64_t qmin = qspan[0], qmax = qspan[1];
   const float sl2 = a.scale * kLog2e;
+  // Packed: a thread's row g only (rows g + 8 carry the low parts of Q and P).
+  constexpr int kRowsPerThread = kPack ? 1 : 2;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   float o[D / 8][4];
 #pragma unroll
@@ -213,6 +224,13 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
     float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
     if (rowid[r] >= 0) x = *reinterpret_cast<const float4*>(a.q + size_t(rowid[r]) * D + c);
     uint2 hi{Pack(x.x, x.y), Pack(x.z, x.w)};
+    if constexpr (kPack) {  // rows 0..7 hold the rows' high parts, rows 8..15 their low parts
+      if (r >= 8) continue;
+      uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
+      *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
+      *reinterpret_cast<uint2*>(qh + (r + 8) * kStr + c) = lo;
+      continue;
+    }
     *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
     if constexpr (kSplit) {
       uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
@@ -231,9 +249,12 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
     }
     const __half* kb = tile_k(buf);
     const __half* vb = tile_v(buf);
-    float s[kNt][4];
+    float s[kNt][4], s2[kNt][4];  // s2: the odd k-steps' chain (packed)
 #pragma unroll
-    for (int n = 0; n < kNt; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    for (int n = 0; n < kNt; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      s2[n][0] = s2[n][1] = s2[n][2] = s2[n][3] = 0.f;
+    }
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t ah[4], al[4];
@@ -244,12 +265,24 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       for (int j = 0; j < kNt / 2; ++j) {
         uint32_t b[4];
         Ldm4(b, kb + (j * 16 + (lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
-        Mma(s[2 * j], ah, b[0], b[1]);
-        Mma(s[2 * j + 1], ah, b[2], b[3]);
+        if constexpr (kPack) {
+          Mma(ks % 2 ? s2[2 * j] : s[2 * j], ah, b[0], b[1]);
+          Mma(ks % 2 ? s2[2 * j + 1] : s[2 * j + 1], ah, b[2], b[3]);
+        } else {
+          Mma(s[2 * j], ah, b[0], b[1]);
+          Mma(s[2 * j + 1], ah, b[2], b[3]);
+        }
         if constexpr (kSplit) {
           Mma(s[2 * j], al, b[0], b[1]);
           Mma(s[2 * j + 1], al, b[2], b[3]);
         }
+      }
+    }
+    if constexpr (kPack) {  // row g's score = its high part (row g) + its low part (row g + 8)
+#pragma unroll
+      for (int n = 0; n < kNt; ++n) {
+        s[n][0] += s[n][2] + s2[n][0] + s2[n][2];
+        s[n][1] += s[n][3] + s2[n][1] + s2[n][3];
       }
     }
     // Mask (position, window, range, padding rows), scale into the log2 domain, row max. A
@@ -261,7 +294,7 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
 #pragma unroll
     for (int n = 0; n < kNt; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < 2 * kRowsPerThread; ++e) {
         const bool rb = e >= 2;
         bool ok = rb ? valid_b : valid_a;
         if (!full) {
@@ -275,9 +308,9 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
         mx[rb] = fmaxf(mx[rb], s[n][e]);
       }
     }
-    float alpha[2];
+    float alpha[2] = {1.f, 1.f};
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < kRowsPerThread; ++i) {
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
       const float m_new = fmaxf(m_run[i], mx[i]);
@@ -288,7 +321,7 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
 #pragma unroll
     for (int n = 0; n < kNt; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < 2 * kRowsPerThread; ++e) {
         const int i = e >> 1;
         const float p = m_run[i] == -INFINITY ? 0.f : exp2f(s[n][e] - m_run[i]);
         s[n][e] = p;
@@ -301,8 +334,8 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       for (int n = 0; n < D / 8; ++n) {
         o[n][0] *= alpha[0];
         o[n][1] *= alpha[0];
-        o[n][2] *= alpha[1];
-        o[n][3] *= alpha[1];
+        o[n][2] *= alpha[kRowsPerThread - 1];
+        o[n][3] *= alpha[kRowsPerThread - 1];
       }
     }
     // o += P·V, 16 keys at a time.
@@ -311,6 +344,10 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       uint32_t ph[4] = {Pack(s[2 * kk][0], s[2 * kk][1]), Pack(s[2 * kk][2], s[2 * kk][3]),
                         Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                         Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      if constexpr (kPack) {  // P's rows g + 8: the low parts of rows g
+        ph[1] = PackLo(s[2 * kk][0], s[2 * kk][1]);
+        ph[3] = PackLo(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      }
       uint32_t pl[4];
       if constexpr (kSplit) {
         pl[0] = PackLo(s[2 * kk][0], s[2 * kk][1]);
@@ -336,10 +373,17 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       __syncthreads();
     }
   }
-  LaunchDependents();  // a combine launched after this one may start its blocks
+  LaunchDependents();     // a combine launched after this one may start its blocks
+  if constexpr (kPack) {  // rows g + 8 accumulated P's low parts times V: add them to rows g
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][0] += o[n][2];
+      o[n][1] += o[n][3];
+    }
+  }
   // Row sums over the quad.
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kRowsPerThread; ++i) {
     l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
     l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
   }
@@ -369,7 +413,7 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
     float* ls = ms + 64;                                 // [4][16]
     float* os = ls + 64;                                 // [4][16][D]
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < kRowsPerThread; ++i) {
       const int row = g + 8 * i;
       if ((lane & 3) == 0) {
         ms[warp * 16 + row] = m_run[i];
@@ -408,56 +452,64 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   FinishSplits(a, rowid, C::kRows);
 }
 
-template <int D, int WR, bool kSplit>
+template <int D, int WR, bool kSplit, bool kPack>
 Status Launch(const AttendArgs& a, cudaStream_t stream) {
-  using C = Flash<D, WR, kSplit>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(FlashKernel<D, WR, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(C::kBytes));
+  using C = Flash<D, WR, kSplit, kPack>;
+  static const cudaError_t attr = cudaFuncSetAttribute(FlashKernel<D, WR, kSplit, kPack>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       static_cast<int>(C::kBytes));
   if (attr != cudaSuccess) return gpu::CudaError(attr, "tensor-core kernel shared memory");
   dim3 grid((a.n_items + WR - 1) / WR, a.splits);
-  return LaunchDependent(FlashKernel<D, WR, kSplit>, grid, dim3(128), C::kBytes, stream,
+  return LaunchDependent(FlashKernel<D, WR, kSplit, kPack>, grid, dim3(128), C::kBytes, stream,
                          "tensor-core attention kernel", a);
 }
 
-template <int WR, bool kSplit>
+template <int WR, bool kSplit, bool kPack>
 size_t BytesD(uint32_t d) {
   switch (d) {
     case 32:
-      return Flash<32, WR, kSplit>::kBytes;
+      return Flash<32, WR, kSplit, kPack>::kBytes;
     case 64:
-      return Flash<64, WR, kSplit>::kBytes;
+      return Flash<64, WR, kSplit, kPack>::kBytes;
     case 96:
-      return Flash<96, WR, kSplit>::kBytes;
+      return Flash<96, WR, kSplit, kPack>::kBytes;
     case 128:
-      return Flash<128, WR, kSplit>::kBytes;
+      return Flash<128, WR, kSplit, kPack>::kBytes;
     case 160:
-      return Flash<160, WR, kSplit>::kBytes;
+      return Flash<160, WR, kSplit, kPack>::kBytes;
     case 192:
-      return Flash<192, WR, kSplit>::kBytes;
+      return Flash<192, WR, kSplit, kPack>::kBytes;
   }
-  return Flash<256, WR, kSplit>::kBytes;
+  return Flash<256, WR, kSplit, kPack>::kBytes;
 }
 
-template <int WR, bool kSplit>
+template <int WR, bool kSplit, bool kPack>
 Status LaunchD(const AttendArgs& a, cudaStream_t stream) {
   switch (a.d) {
     case 32:
-      return Launch<32, WR, kSplit>(a, stream);
+      return Launch<32, WR, kSplit, kPack>(a, stream);
     case 64:
-      return Launch<64, WR, kSplit>(a, stream);
+      return Launch<64, WR, kSplit, kPack>(a, stream);
     case 96:
-      return Launch<96, WR, kSplit>(a, stream);
+      return Launch<96, WR, kSplit, kPack>(a, stream);
     case 128:
-      return Launch<128, WR, kSplit>(a, stream);
+      return Launch<128, WR, kSplit, kPack>(a, stream);
     case 160:
-      return Launch<160, WR, kSplit>(a, stream);
+      return Launch<160, WR, kSplit, kPack>(a, stream);
     case 192:
-      return Launch<192, WR, kSplit>(a, stream);
+      return Launch<192, WR, kSplit, kPack>(a, stream);
     case 256:
-      return Launch<256, WR, kSplit>(a, stream);
+      return Launch<256, WR, kSplit, kPack>(a, stream);
   }
   return Status(ErrorKind::kErr, "no tensor-core kernel for head dim " + std::to_string(a.d));
+}
+
+// The three kernel shapes: batched (fp16 Q and P), decode with hi/lo parts in separate MMAs,
+// and decode with the low parts packed as rows 8..15 (items of at most 8 rows: half the MMAs).
+enum class Shape { kBatched, kDecode, kDecodePacked };
+Shape ShapeOf(const AttendArgs& a) {
+  if (FlashRowGroups(a) == 4) return Shape::kBatched;
+  return a.item_rows <= kItemRows / 2 ? Shape::kDecodePacked : Shape::kDecode;
 }
 
 }  // namespace
@@ -477,11 +529,27 @@ bool UsesTensorCores(const AttendArgs& a) {
 }
 
 size_t FlashBytes(const AttendArgs& a) {
-  return FlashRowGroups(a) == 4 ? BytesD<4, false>(a.d) : BytesD<1, true>(a.d);
+  switch (ShapeOf(a)) {
+    case Shape::kBatched:
+      return BytesD<4, false, false>(a.d);
+    case Shape::kDecodePacked:
+      return BytesD<1, false, true>(a.d);
+    case Shape::kDecode:
+      break;
+  }
+  return BytesD<1, true, false>(a.d);
 }
 
 Status LaunchFlash(const AttendArgs& a, cudaStream_t stream) {
-  return FlashRowGroups(a) == 4 ? LaunchD<4, false>(a, stream) : LaunchD<1, true>(a, stream);
+  switch (ShapeOf(a)) {
+    case Shape::kBatched:
+      return LaunchD<4, false, false>(a, stream);
+    case Shape::kDecodePacked:
+      return LaunchD<1, false, true>(a, stream);
+    case Shape::kDecode:
+      break;
+  }
+  return LaunchD<1, true, false>(a, stream);
 }
 
 }  // namespace pion::kernels::cuda

@@ -46,4 +46,10 @@ std::vector<Item> RowItems(uint32_t hq, uint32_t m, const int32_t* head_map) {
   return items;
 }
 
+uint32_t MaxRows(const std::vector<Item>& items) {
+  int32_t n = 0;
+  for (const Item& it : items) n = std::max(n, it.n);
+  return static_cast<uint32_t>(n);
+}
+
 }  // namespace pion::kernels::cuda
