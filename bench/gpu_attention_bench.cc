@@ -10,6 +10,7 @@
 //   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top> [shared]
 //                       (shared: SHARED selection — one block set per K/V head)
 //   pion-gpu-attn-bench stream <bytes>
+//   pion-gpu-attn-bench empty <kernels> <blocks>   (the launch floor: empty kernels per call)
 //
 // Prints one JSON object per line (us per call, bytes of K/V read, GB/s). Run by
 // bench/bench_attend_gpu.py, which runs torch's scaled_dot_product_attention on the same shapes.
@@ -26,6 +27,7 @@
 #include "kernels/cuda/gpu.h"
 
 void LaunchStreamRead(const void* p, size_t bytes, uint32_t* sink, int sms, cudaStream_t s);
+void LaunchEmpty(int blocks, cudaStream_t s);
 
 namespace {
 
@@ -214,12 +216,15 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
     CK(cudaMemset(a.counters, 0, kernels::cuda::GridBlocks(a) * sizeof(uint32_t)));
   }
   const double bytes = 2.0 * hkv * n * d * kernels::DTypeSize(t);
+  // A timing experiment: the split-K launch alone (its output is not merged).
+  const char* nc = std::getenv("PION_BENCH_SKIP_COMBINE");
+  const bool skip_combine = nc != nullptr && nc[0] == '1';
   double us_launches = 0;
   const double us = TimeUs(
       s,
       [&] {
         Ok(kernels::cuda::LaunchAttend(a, s));
-        if (a.counters == nullptr) {
+        if (a.counters == nullptr && !skip_combine) {
           Ok(kernels::cuda::LaunchCombine(a.splits, a.nrows, d, a.part_m, a.part_l, a.part_o, a.out,
                                           a.lse, s));
         }
@@ -333,6 +338,24 @@ int Stream(size_t bytes) {
   return 0;
 }
 
+// Launches of `kernels` empty kernels per call: the floor under any sequence of that many launches.
+int Empty(uint32_t kernels, uint32_t blocks) {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  double us_launches = 0;
+  const double us = TimeUs(
+      s,
+      [&] {
+        for (uint32_t i = 0; i < kernels; ++i) LaunchEmpty(static_cast<int>(blocks), s);
+      },
+      400, &us_launches);
+  std::printf(
+      "{\"kind\": \"empty\", \"kernels\": %u, \"blocks\": %u, \"us\": %.2f, "
+      "\"us_launches\": %.2f}\n",
+      kernels, blocks, us, us_launches);
+  return 0;
+}
+
 DType ParseType(const char* s) { return std::strcmp(s, "f16") == 0 ? DType::kF16 : DType::kF32; }
 
 }  // namespace
@@ -351,10 +374,12 @@ int main(int argc, char** argv) {
                       U(argv[7]), U(argv[8]), argc == 10);
   }
   if (kind == "stream" && argc == 3) return Stream(std::strtoull(argv[2], nullptr, 10));
+  if (kind == "empty" && argc == 4) return Empty(U(argv[2]), U(argv[3]));
   std::fprintf(stderr,
                "usage: pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>\n"
                "       pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> "
                "<K_top> [shared]\n"
-               "       pion-gpu-attn-bench stream <bytes>\n");
+               "       pion-gpu-attn-bench stream <bytes>\n"
+               "       pion-gpu-attn-bench empty <kernels> <blocks>\n");
   return 2;
 }

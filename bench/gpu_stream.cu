@@ -1,5 +1,6 @@
-// The bandwidth ceiling for pion-gpu-attn-bench: a plain streaming read of n bytes (16-byte
-// loads, grid-stride), reduced to one word per block so the loads are not optimized away.
+// The ceilings for pion-gpu-attn-bench: a plain streaming read of n bytes (16-byte loads,
+// grid-stride, reduced to one word per block so the loads are not optimized away) — the
+// bandwidth ceiling — and an empty kernel, the launch floor.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,7 +17,12 @@ __global__ void StreamRead(const uint4* p, size_t n, uint32_t* sink) {
   if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;  // practically never: keeps the loads live
 }
 
+__global__ void Empty() {}
+
 }  // namespace
+
+// The launch floor: a kernel that does nothing, on `blocks` blocks of 128 threads.
+void LaunchEmpty(int blocks, cudaStream_t s) { Empty<<<blocks, 128, 0, s>>>(); }
 
 void LaunchStreamRead(const void* p, size_t bytes, uint32_t* sink, int sms, cudaStream_t s) {
   StreamRead<<<sms * 8, 256, 0, s>>>(static_cast<const uint4*>(p), bytes / 16, sink);

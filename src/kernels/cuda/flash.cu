@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_common.cuh"
@@ -56,6 +57,26 @@ __device__ inline uint32_t PackLo(float x, float y) {
   return Pack(x - hx, y - hy);
 }
 
+// 16 bytes global -> shared at compile-time byte offsets from two base addresses (the offsets
+// ride in the instruction: no address arithmetic per copy).
+template <int kSmemOff, int kGlobalOff>
+__device__ inline void CpAsync16At(uint32_t smem_base, const void* gmem_base) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0+%2], [%1+%3], 16;\n" ::"r"(smem_base),
+               "l"(gmem_base), "n"(kSmemOff), "n"(kGlobalOff));
+}
+// floor(n * i / parts) without a 64-bit division where the product fits 32 bits.
+__device__ inline uint32_t SplitPoint(uint32_t n, uint32_t i, uint32_t parts) {
+  const uint64_t p = uint64_t{n} * i;
+  return p <= 0xffffffffu ? static_cast<uint32_t>(p) / parts : static_cast<uint32_t>(p / parts);
+}
+template <int I, int N, typename F>
+__device__ inline void Unroll(F&& f) {
+  if constexpr (I < N) {
+    f(std::integral_constant<int, I>{});
+    Unroll<I + 1, N>(f);
+  }
+}
+
 template <int D, int WR, bool kSplit, bool kPack>
 struct Flash {
   static constexpr int kStr = D + 8;  // padded smem row (halves): ldmatrix rows hit distinct banks
@@ -65,7 +86,7 @@ struct Flash {
   static constexpr int kStages = WR == 1 ? 3 : 2;
   static constexpr size_t kQ = size_t{kRows} * kStr * 2 * (kSplit ? 2 : 1);
   static constexpr size_t kTile = size_t{kBk} * kStr * 2;
-  static constexpr size_t kMerge = WR == 1 ? size_t{4} * 16 * (D + 2) * 4 : 0;
+  static constexpr size_t kMerge = WR == 1 ? size_t{4} * 16 * (D + 3) * 4 : 0;
   static constexpr size_t kBytes = std::max(kQ + 2 * kStages * kTile, kQ + kMerge);
 };
 
@@ -120,9 +141,8 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       lo = static_cast<uint32_t>(b < e ? b : 0);
       hi = static_cast<uint32_t>(b < e ? e : 0);
     }
-    const uint64_t len = hi - lo;
-    range[0] = lo + static_cast<uint32_t>(len * blockIdx.y / a.splits);
-    range[1] = lo + static_cast<uint32_t>(len * (blockIdx.y + 1) / a.splits);
+    range[0] = lo;
+    range[1] = hi - lo;
   }
   __syncthreads();
   // Decode (WR = 1): each warp streams its own quarter of the block's keys through its own
@@ -132,12 +152,14 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   constexpr int kTileRows = kIndep ? 16 : kBk;
   constexpr int kLoaders = kIndep ? 32 : 128;
   const int ltid = kIndep ? lane : tid;
-  uint32_t k0 = range[0], k1 = range[1];
-  if (kIndep) {
-    const uint64_t len = k1 - k0;
-    k1 = k0 + static_cast<uint32_t>(len * (warp + 1) / 4);
-    k0 = k0 + static_cast<uint32_t>(len * warp / 4);
-  }
+  // Split the range's tiles evenly over the launch's workers (splits × 4 warps for decode,
+  // splits blocks batched), so every tile but the range's last is full.
+  const uint32_t lo = range[0], len = range[1];
+  const uint32_t tiles = (len + kTileRows - 1) / kTileRows;
+  const uint32_t workers = a.splits * (kIndep ? 4 : 1);
+  const uint32_t wk = blockIdx.y * (kIndep ? 4 : 1) + (kIndep ? warp : 0);
+  const uint32_t k0 = lo + Min<uint32_t>(len, SplitPoint(tiles, wk, workers) * kTileRows);
+  const uint32_t k1 = lo + Min<uint32_t>(len, SplitPoint(tiles, wk + 1, workers) * kTileRows);
   const int ntiles = static_cast<int>((k1 - k0 + kTileRows - 1) / kTileRows);
   const __half* kbase = static_cast<const __half*>(a.k) + size_t(kv) * a.rows * D;
   const __half* vbase = static_cast<const __half*>(a.v) + size_t(kv) * a.rows * D;
@@ -165,12 +187,15 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       __half* vs = tile_v(buf);
       if constexpr (kLaneCols) {
         if (list == nullptr && tk == kTileRows) {  // a full dense tile: offsets fixed per loader
-#pragma unroll
-          for (int i = 0; i < D / 16; ++i) {
-            const int j = lrow + i * (kLoaders / kCpr);
-            CpAsync16(ks + j * kStr + lcol, kg + j * D + lcol);
-            CpAsync16(vs + j * kStr + lcol, vg + j * D + lcol);
-          }
+          const uint32_t kd = SmemAddr(ks + lrow * kStr + lcol);
+          const uint32_t vd = SmemAddr(vs + lrow * kStr + lcol);
+          const __half* kgl = kg + lrow * D + lcol;
+          const __half* vgl = vg + lrow * D + lcol;
+          Unroll<0, D / 16>([&](auto I) {
+            constexpr int kRow = decltype(I)::value * (kLoaders / kCpr);
+            CpAsync16At<kRow * kStr * 2, kRow * D * 2>(kd, kgl);
+            CpAsync16At<kRow * kStr * 2, kRow * D * 2>(vd, vgl);
+          });
           __pipeline_commit();
           return;
         }
@@ -219,13 +244,17 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
 #pragma unroll
   for (int t = 0; t < kS - 1; ++t) prefetch(t);
   // Q (fp16, and its low part) into shared memory while the first tiles are on their way.
-  for (int e = tid; e < C::kRows * D / 4; e += 128) {
+  constexpr int kQRows = kPack ? 8 : C::kRows;  // packed: rows 8..15 are built from 0..7
+  // Decode unrolls the loads (they are all in flight at once); batched keeps its registers.
+#pragma unroll(WR == 1 ? (kQRows * D / 4 + 127) / 128 : 1)
+  for (int i = 0; i < (kQRows * D / 4 + 127) / 128; ++i) {
+    const int e = tid + 128 * i;
+    if (e >= kQRows * D / 4) break;
     const int r = e / (D / 4), c = (e % (D / 4)) * 4;
     float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
     if (rowid[r] >= 0) x = *reinterpret_cast<const float4*>(a.q + size_t(rowid[r]) * D + c);
     uint2 hi{Pack(x.x, x.y), Pack(x.z, x.w)};
     if constexpr (kPack) {  // rows 0..7 hold the rows' high parts, rows 8..15 their low parts
-      if (r >= 8) continue;
       uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
       *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
       *reinterpret_cast<uint2*>(qh + (r + 8) * kStr + c) = lo;
@@ -255,6 +284,17 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
       s2[n][0] = s2[n][1] = s2[n][2] = s2[n][3] = 0.f;
     }
+    // D <= 128: every K fragment of the tile is loaded before the first MMA, so the ldmatrix
+    // latencies overlap instead of each MMA waiting on its own (larger D: one at a time).
+    constexpr int kPre = D <= 128 ? D / 16 : 1;
+    uint32_t kf[kPre][kNt / 2][4];
+    if constexpr (kPre > 1) {
+#pragma unroll
+      for (int ks = 0; ks < kPre; ++ks)
+#pragma unroll
+        for (int j = 0; j < kNt / 2; ++j)
+          Ldm4(kf[ks][j], kb + (j * 16 + (lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
+    }
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t ah[4], al[4];
@@ -263,8 +303,10 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       if constexpr (kSplit) Ldm4(al, ql + qr * kStr + qc);
 #pragma unroll
       for (int j = 0; j < kNt / 2; ++j) {
-        uint32_t b[4];
-        Ldm4(b, kb + (j * 16 + (lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
+        uint32_t bb[4];
+        if constexpr (kPre == 1)
+          Ldm4(bb, kb + (j * 16 + (lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
+        const uint32_t(&b)[4] = kPre > 1 ? kf[ks % kPre][j] : bb;
         if constexpr (kPack) {
           Mma(ks % 2 ? s2[2 * j] : s[2 * j], ah, b[0], b[1]);
           Mma(ks % 2 ? s2[2 * j + 1] : s[2 * j + 1], ah, b[2], b[3]);
@@ -426,26 +468,35 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       }
     }
     __syncthreads();
-    for (int e = tid; e < 16 * D; e += 128) {
-      const int row = e / D, x = e % D;
-      if (rowid[row] < 0) continue;
+    // Per row: the warps' weights (one thread a row), then the weighted sums (a thread a column).
+    float* fs = os + 4 * 16 * D;  // [16][4]
+    if (tid < 16 && rowid[tid] >= 0) {
       float m = -INFINITY;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) m = fmaxf(m, ms[w * 16 + row]);
-      float l = 0.f, acc = 0.f;
-      if (m != -INFINITY) {
+      for (int w = 0; w < 4; ++w) m = fmaxf(m, ms[w * 16 + tid]);
+      float l = 0.f;
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const float f = exp2f(ms[w * 16 + row] - m);
-          l += ls[w * 16 + row] * f;
-          acc += os[(w * 16 + row) * D + x] * f;
-        }
+      for (int w = 0; w < 4; ++w) {
+        const float f = m == -INFINITY ? 0.f : exp2f(ms[w * 16 + tid] - m);
+        fs[tid * 4 + w] = f;
+        l += ls[w * 16 + tid] * f;
       }
+      const size_t pr = part * a.nrows + size_t(rowid[tid]);
+      a.part_m[pr] = m == -INFINITY ? -INFINITY : m * kLn2;
+      a.part_l[pr] = l;
+    }
+    __syncthreads();
+    constexpr int kOutRows = kPack ? 8 : 16;
+#pragma unroll
+    for (int row = 0; row < kOutRows; ++row) {
+      if (rowid[row] < 0) continue;
       const size_t pr = part * a.nrows + size_t(rowid[row]);
-      a.part_o[pr * D + x] = acc;
-      if (x == 0) {
-        a.part_m[pr] = m == -INFINITY ? -INFINITY : m * kLn2;
-        a.part_l[pr] = l;
+#pragma unroll
+      for (int x = tid; x < D; x += 128) {
+        float acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) acc += os[(w * 16 + row) * D + x] * fs[row * 4 + w];
+        a.part_o[pr * D + x] = acc;
       }
     }
   }
