@@ -402,20 +402,30 @@ Status LaunchSimtD(const AttendArgs& a, cudaStream_t stream) {
   return Status(ErrorKind::kErr, "unsupported head dim " + std::to_string(a.d));
 }
 
-// One block (4 warps) per output row. Each lane owns 4 consecutive columns; warp w sums the
-// parts p ≡ w (mod 4) with their weights exp(m_p − M), loads issued 4 parts at a time so they
-// overlap; the four warp sums meet in shared memory.
+// One block (4 warps) per output row. First every part's m and l are loaded at once (up to
+// kCombineParts of them, kept in shared memory) and turned into weights exp(m_p − M); then each
+// lane owns 4 consecutive columns and warp w sums the parts p ≡ w (mod 4), loads issued 4 parts
+// at a time so they overlap, none waiting on another load; the four warp sums meet in shared
+// memory. Past kCombineParts parts the weights are recomputed from m as the sums go.
+constexpr uint32_t kCombineParts = 1024;
 __global__ void __launch_bounds__(128)
     Combine(uint32_t parts, uint32_t nrows, uint32_t d, const float* pm, const float* pl,
             const float* po, float* out, float* lse) {
   __shared__ float top, wsum[4];
+  __shared__ float wts[kCombineParts], lts[kCombineParts];
   __shared__ float4 part_o[4][128];  // [warp][column group], d <= 512
   WaitForPrimary();                  // launched early (programmatic dependent launch)
   const uint32_t row = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool staged = parts <= kCombineParts;
   float mx = -INFINITY;
   for (uint32_t p = threadIdx.x; p < parts; p += blockDim.x) {
-    mx = fmaxf(mx, pm[size_t{p} * nrows + row]);
+    const float m = pm[size_t{p} * nrows + row];
+    if (staged) {
+      wts[p] = m;
+      lts[p] = pl[size_t{p} * nrows + row];
+    }
+    mx = fmaxf(mx, m);
   }
   mx = WarpMax(mx);
   if (lane == 0) wsum[warp] = mx;
@@ -429,8 +439,16 @@ __global__ void __launch_bounds__(128)
     if (threadIdx.x == 0 && lse != nullptr) lse[row] = -INFINITY;
     return;
   }
-  const uint32_t groups = d / 4;  // float4 columns
   float l = 0.f;
+  if (staged) {
+    for (uint32_t p = threadIdx.x; p < parts; p += blockDim.x) {
+      const float w = wts[p] == -INFINITY ? 0.f : expf(wts[p] - mx);
+      wts[p] = w;
+      l += w * lts[p];
+    }
+    __syncthreads();
+  }
+  const uint32_t groups = d / 4;  // float4 columns
   for (uint32_t g0 = 0; g0 < groups; g0 += 32) {
     const uint32_t g = g0 + lane;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -440,12 +458,16 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const uint32_t p = p0 + 4 * u;
-        const float m = p < parts ? pm[size_t{p} * nrows + row] : -INFINITY;
-        w[u] = m == -INFINITY ? 0.f : expf(m - mx);
+        if (staged) {
+          w[u] = p < parts ? wts[p] : 0.f;
+        } else {
+          const float m = p < parts ? pm[size_t{p} * nrows + row] : -INFINITY;
+          w[u] = m == -INFINITY ? 0.f : expf(m - mx);
+          if (g0 == 0 && lane == 0 && w[u] != 0.f) l += w[u] * pl[size_t{p} * nrows + row];
+        }
         v[u] = w[u] != 0.f && g < groups
                    ? reinterpret_cast<const float4*>(po + (size_t{p} * nrows + row) * d)[g]
                    : make_float4(0.f, 0.f, 0.f, 0.f);
-        if (g0 == 0 && lane == 0 && w[u] != 0.f) l += w[u] * pl[size_t{p} * nrows + row];
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
@@ -457,6 +479,7 @@ __global__ void __launch_bounds__(128)
     }
     if (g < groups) part_o[warp][g] = acc;
   }
+  if (staged) l = WarpSum(l);  // every lane summed its own parts' l
   if (lane == 0) wsum[warp] = l;
   __syncthreads();
   const float total = wsum[0] + wsum[1] + wsum[2] + wsum[3];
