@@ -210,7 +210,9 @@ def main() -> int:
                      "stream_tbps": st["gbps"] / 1e3, "speedup": tu / p["us"]})
         print(rows[-1], flush=True)
 
-    for n in (2048, 32768, 131072):
+    # The launch floor: an empty kernel, and two (a split-K pass and its combine are two).
+    floor = [pion_kernel(bin_dir, "empty", k, 128)["us"] for k in (1, 2)]
+    for n in (2048, 8192, 32768, 131072):
         kernel_row("decode", "f16", 1, n)
     for n in (2048, 32768, 131072):
         kernel_row("decode", "f32", 1, n)
@@ -257,7 +259,9 @@ def main() -> int:
         "µs = per call, from replays of a CUDA graph of 20 calls (both sides; the host's launch "
         "rate does not count). `launches` = the same calls issued back to back from the host. "
         "TB/s = K/V bytes read / time. `stream` = a plain streaming read of the same bytes in "
-        "the same run. N=2K fits in L2 (50 MB), so its TB/s is above HBM for both.",
+        "the same run. N=2K fits in L2 (50 MB), so its TB/s is above HBM for both. The launch "
+        "floor in the same run: an empty kernel %.2f µs, two empty kernels %.2f µs." % (
+            floor[0], floor[1]),
         "",
         "| case | dtype | M | N | Pion µs | Pion TB/s | torch µs | torch TB/s | stream TB/s "
         "| Pion vs torch | Pion µs, launches | torch µs, launches | Pion path | torch backend |",

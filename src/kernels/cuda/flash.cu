@@ -2,14 +2,18 @@
 // m16n8k16 (fp16 inputs, fp32 accumulation), K/V tiles of 64 keys double-buffered in shared
 // memory with cp.async, ldmatrix fragments (K plain, V transposed), online softmax in registers.
 //
-// Two shapes, chosen by rows per K/V head:
+// Three shapes, chosen by rows per K/V head (ShapeOf):
 //   WR = 4  batched: the block's four warps own 16 query rows each (64 rows) and share every
 //           K/V tile — the flash-attention layout for M > 1. Q and P enter the tensor cores as
 //           fp16 (flash-attention precision; partials, LSE and the output stay fp32).
 //   WR = 1  decode: one group of up to 16 rows (all query heads of a K/V head, a few positions);
-//           the four warps split each tile's 64 keys and merge their states at the end. Q and P
-//           are split into fp16 hi + lo parts (two MMAs each), so the scores and weights keep
-//           fp32-level accuracy while the kernel stays bound by reading K/V.
+//           each warp streams its own run of 16-key tiles through its own cp.async ring and the
+//           four warps merge their states at the end. Q and P are split into fp16 hi + lo parts
+//           (two MMAs each), so the scores and weights keep fp32-level accuracy.
+//   packed  decode with at most 8 rows (GQA groups up to 8 at M = 1): the low parts ride as the
+//           MMA's rows 8..15 (rows g + 8 of Q and P are the low parts of rows g), so one MMA
+//           computes both parts and the row's value is the sum of its two accumulator rows —
+//           the same accuracy as the decode shape with half the tensor-core work.
 #include <cuda_fp16.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
