@@ -295,6 +295,23 @@ TEST(GpuExecutor, LongPrefixSplits) {
   }
 }
 
+// fp32 over 8K keys or more runs the SIMT kernel's long-range shape (two-stage ring, three
+// blocks a multiprocessor): every head dim, with and without a window, GQA.
+TEST(GpuExecutor, LongFp32RangesEveryHeadDim) {
+  SKIP_WITHOUT_GPU();
+  for (uint32_t d : {32u, 64u, 96u, 128u, 160u, 192u, 256u, 512u}) {
+    for (int64_t window : {0, 3000}) {
+      Case c;
+      c.dtype = DType::kF32;
+      c.d = d;
+      c.n = 9000;
+      c.window = window;
+      c.m = 2;
+      Check(c);
+    }
+  }
+}
+
 TEST(GpuExecutor, TopK) {
   SKIP_WITHOUT_GPU();
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {

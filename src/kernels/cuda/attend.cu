@@ -26,10 +26,13 @@ namespace pion::kernels::cuda {
 
 namespace {
 
-template <typename T, int D>
+// kLong (fp32 over long dense ranges): tiles of ~14 KB, two stages — the block fits three to a
+// multiprocessor, where short ranges do better with three stages of ~16 KB tiles (two blocks).
+template <typename T, int D, bool kLong = false>
 struct Simt {
   static constexpr int kThreads = 128;
-  static constexpr int kTk = std::clamp<int>(16384 / (D * int(sizeof(T))), 8, 64);  // keys/tile
+  static constexpr int kTk =
+      std::clamp<int>((kLong ? 14336 : 16384) / (D * int(sizeof(T))), 8, 64);  // keys/tile
   static constexpr int kStride = D + 16 / int(sizeof(T));  // smem row, padded by 16 bytes
   static constexpr int kVecs = D * int(sizeof(T)) / 16;    // 16-byte vectors per row
   static constexpr int kMaxO = (kItemRows * D / 4 + kThreads - 1) / kThreads;
@@ -42,7 +45,7 @@ struct Simt {
   static constexpr size_t kQ = size_t{kItemRows} * D * 4;
   static constexpr size_t kTile = size_t{kTk} * kStride * sizeof(T);
   static constexpr size_t kS = size_t{kItemRows} * kTk * 4;
-  static constexpr int kStages = 3;  // tiles in flight: two loading while one is computed
+  static constexpr int kStages = kLong ? 2 : 3;  // tiles in flight while one is computed
   static constexpr size_t kBytes =
       kQ + 2 * kStages * kTile + kS + kStages * kTk * 4 + 3 * kItemRows * 4;
 };
@@ -133,9 +136,9 @@ __device__ inline void Dots2x2(const float* qa, const float* qb, const T* ka, co
   for (int i = 0; i < 4; ++i) out[i] = e[i] + o[i];
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kLong>
 __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
-  using C = Simt<T, D>;
+  using C = Simt<T, D, kLong>;
   extern __shared__ __align__(16) uint8_t smem[];
   float* qs = reinterpret_cast<float*>(smem);
   T* ks = reinterpret_cast<T*>(smem + C::kQ);  // [2][kTk][kStride]
@@ -368,36 +371,37 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
   FinishSplits(a, rowid, nr);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kLong>
 Status LaunchSimt(const AttendArgs& a, cudaStream_t stream) {
-  using C = Simt<T, D>;
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      AttendSimt<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kBytes));
+  using C = Simt<T, D, kLong>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(AttendSimt<T, D, kLong>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(C::kBytes));
   if (attr != cudaSuccess) return gpu::CudaError(attr, "attention kernel shared memory");
   dim3 grid(a.n_items, a.splits);
-  return LaunchDependent(AttendSimt<T, D>, grid, dim3(C::kThreads), C::kBytes, stream,
+  return LaunchDependent(AttendSimt<T, D, kLong>, grid, dim3(C::kThreads), C::kBytes, stream,
                          "attention kernel", a);
 }
 
-template <typename T>
+template <typename T, bool kLong>
 Status LaunchSimtD(const AttendArgs& a, cudaStream_t stream) {
   switch (a.d) {
     case 32:
-      return LaunchSimt<T, 32>(a, stream);
+      return LaunchSimt<T, 32, kLong>(a, stream);
     case 64:
-      return LaunchSimt<T, 64>(a, stream);
+      return LaunchSimt<T, 64, kLong>(a, stream);
     case 96:
-      return LaunchSimt<T, 96>(a, stream);
+      return LaunchSimt<T, 96, kLong>(a, stream);
     case 128:
-      return LaunchSimt<T, 128>(a, stream);
+      return LaunchSimt<T, 128, kLong>(a, stream);
     case 160:
-      return LaunchSimt<T, 160>(a, stream);
+      return LaunchSimt<T, 160, kLong>(a, stream);
     case 192:
-      return LaunchSimt<T, 192>(a, stream);
+      return LaunchSimt<T, 192, kLong>(a, stream);
     case 256:
-      return LaunchSimt<T, 256>(a, stream);
+      return LaunchSimt<T, 256, kLong>(a, stream);
     case 512:
-      return LaunchSimt<T, 512>(a, stream);
+      return LaunchSimt<T, 512, kLong>(a, stream);
   }
   return Status(ErrorKind::kErr, "unsupported head dim " + std::to_string(a.d));
 }
@@ -492,25 +496,32 @@ __global__ void __launch_bounds__(128)
   if (threadIdx.x == 0 && lse != nullptr) lse[row] = mx + logf(total);
 }
 
-template <typename T>
+template <typename T, bool kLong>
 size_t SimtBytes(uint32_t d) {
   switch (d) {
     case 32:
-      return Simt<T, 32>::kBytes;
+      return Simt<T, 32, kLong>::kBytes;
     case 64:
-      return Simt<T, 64>::kBytes;
+      return Simt<T, 64, kLong>::kBytes;
     case 96:
-      return Simt<T, 96>::kBytes;
+      return Simt<T, 96, kLong>::kBytes;
     case 128:
-      return Simt<T, 128>::kBytes;
+      return Simt<T, 128, kLong>::kBytes;
     case 160:
-      return Simt<T, 160>::kBytes;
+      return Simt<T, 160, kLong>::kBytes;
     case 192:
-      return Simt<T, 192>::kBytes;
+      return Simt<T, 192, kLong>::kBytes;
     case 256:
-      return Simt<T, 256>::kBytes;
+      return Simt<T, 256, kLong>::kBytes;
   }
-  return Simt<T, 512>::kBytes;
+  return Simt<T, 512, kLong>::kBytes;
+}
+
+// fp32 dense passes over at least 8K keys take the long-range SIMT shape (measured on the H200
+// at D = 128: N = 32K 92.1 -> 86.9 us, 128K 330 -> 314; N = 2K 12.5 -> 14.1, so short ranges
+// keep the other).
+bool SimtLong(const AttendArgs& a) {
+  return a.dtype == DType::kF32 && a.list == nullptr && a.end >= a.begin + 8192;
 }
 
 }  // namespace
@@ -521,9 +532,11 @@ uint32_t GridBlocks(const AttendArgs& a) {
 
 uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
   const bool tc = UsesTensorCores(a);
-  const size_t smem = tc                       ? FlashBytes(a)
-                      : a.dtype == DType::kF32 ? SimtBytes<float>(a.d)
-                                               : SimtBytes<__half>(a.d);  // 2-byte types alike
+  const size_t smem = tc            ? FlashBytes(a)
+                      : SimtLong(a) ? SimtBytes<float, true>(a.d)
+                      : a.dtype == DType::kF32
+                          ? SimtBytes<float, false>(a.d)
+                          : SimtBytes<__half, false>(a.d);  // 2-byte types alike
   // Resident 128-thread blocks per SM: shared memory (227 KiB usable) and 16 warps' worth.
   const uint64_t per_sm = std::clamp<uint64_t>((227u << 10) / std::max<size_t>(smem, 1), 1, 4);
   const uint64_t slots = per_sm * std::max(gpu::Info().sms, 1);
@@ -539,11 +552,11 @@ Status LaunchAttend(const AttendArgs& a, void* stream) {
   if (UsesTensorCores(a)) return LaunchFlash(a, s);
   switch (a.dtype) {
     case DType::kF16:
-      return LaunchSimtD<__half>(a, s);
+      return LaunchSimtD<__half, false>(a, s);
     case DType::kBF16:
-      return LaunchSimtD<__nv_bfloat16>(a, s);
+      return LaunchSimtD<__nv_bfloat16, false>(a, s);
     default:
-      return LaunchSimtD<float>(a, s);
+      return SimtLong(a) ? LaunchSimtD<float, true>(a, s) : LaunchSimtD<float, false>(a, s);
   }
 }
 
