@@ -250,7 +250,7 @@ def main() -> int:
         "",
         "Command (on the GPU machine, from the repository root):",
         "`python3 bench/bench_attend_gpu.py --bin build/devcarry/bin` (binaries from "
-        "`make gpu-bundle`). torch %s, CUDA %s, host %s (%d cores)." % (
+        "`make gpu-bundle`, unpacked by `python3 build/devcarry/unpack.py`). torch %s, CUDA %s, host %s (%d cores)." % (
             torch.__version__, torch.version.cuda, platform.processor() or platform.machine(),
             os.cpu_count()),
         "",

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Packs what the GPU machine needs to run the GPU tests and benchmarks — it has CUDA, PyTorch and
 # numpy but no Debian packages: build/devcarry/{bin,lib,py} with pion-server, the GPU test and
-# bench binaries, the shared libraries they link, and the Python packages the tests use.
+# bench binaries (xz-compressed: `python3 build/devcarry/unpack.py` there restores them), the
+# shared libraries they link, and the Python packages the tests use.
 #   scripts/gpu-bundle.sh [build-dir]      (default: build)
 set -euo pipefail
 BUILD=${1:-build}
 OUT=build/devcarry
 rm -rf "$OUT"
 mkdir -p "$OUT/bin" "$OUT/lib" "$OUT/py" "$OUT/pytest"
-for b in pion-server gpu_attention_test pion-attn-bench pion-gpu-attn-bench pion-fetch-bench; do
+for b in pion-server gpu_attention_test pion-gpu-attn-bench pion-fetch-bench; do
   [ -x "$BUILD/$b" ] && cp "$BUILD/$b" "$OUT/bin/"
 done
 ldd "$OUT"/bin/* | awk '$3 ~ /^\// {print $3}' | sort -u | while read -r lib; do
@@ -28,4 +29,23 @@ for pkg in pytest _pytest pluggy iniconfig packaging py.py; do
   [ -e "$src" ] && cp -r "$src" "$OUT/pytest/"
 done
 cp -r clients/python/pion "$OUT/py/" 2>/dev/null || true
+# The binaries' GPU code makes them large; a transfer to the GPU machine may be capped (64 MiB
+# there), so they travel xz-compressed and unpack.py restores them on the GPU machine.
+cat > "$OUT/unpack.py" <<'PY'
+"""Restores the bundle's compressed binaries (bin/*.xz) in place: python3 build/devcarry/unpack.py"""
+import lzma
+import pathlib
+
+for packed in sorted((pathlib.Path(__file__).resolve().parent / "bin").glob("*.xz")):
+    binary = packed.with_suffix("")
+    binary.write_bytes(lzma.decompress(packed.read_bytes()))
+    binary.chmod(0o755)
+    packed.unlink()
+PY
+for b in "$OUT"/bin/*; do
+  python3 -c 'import lzma, pathlib, sys
+p = pathlib.Path(sys.argv[1])
+pathlib.Path(sys.argv[1] + ".xz").write_bytes(lzma.compress(p.read_bytes(), preset=3))
+p.unlink()' "$b"
+done
 du -sh "$OUT"
