@@ -388,6 +388,59 @@ TEST(GpuExecutor, SparseAuto) {
   }
 }
 
+// The work items the kernels take (host code: runs without a GPU). The kernels rely on an
+// item's rows ascending by query position (its first and last rows bound its key range) and on
+// item_rows bounding every item (<= 8 selects the packed decode shape).
+TEST(GpuItems, RowsAscendByPositionCoverEveryRowOnce) {
+  using kernels::cuda::Item;
+  std::vector<std::vector<int32_t>> maps = {
+      {0, 0, 0, 0, 1, 1, 1, 1},                                      // GQA 4
+      {0, 1, 0, 1, 0, 1},                                            // interleaved heads
+      {0, 1, 2, 3},                                                  // MHA
+      {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},  // 20 heads on one
+  };
+  for (const auto& map : maps) {
+    const uint32_t hq = static_cast<uint32_t>(map.size());
+    for (uint32_t m : {1u, 3u, 40u}) {
+      for (int pad : {1, 4}) {
+        SCOPED_TRACE("hq=" + std::to_string(hq) + " m=" + std::to_string(m) +
+                     " pad=" + std::to_string(pad));
+        const auto items = kernels::cuda::DenseItems(hq, m, map.data(), pad);
+        ASSERT_EQ(items.size() % pad, 0u);
+        std::vector<int> seen(size_t{hq} * m, 0);
+        int32_t most = 0;
+        for (const Item& it : items) {
+          ASSERT_LE(it.n, kernels::cuda::kItemRows);
+          most = std::max(most, it.n);
+          for (int j = 0; j < it.n; ++j) {
+            const int32_t r = it.rows[j];
+            ASSERT_GE(r, 0);
+            ASSERT_LT(r, static_cast<int32_t>(hq * m));
+            EXPECT_EQ(map[r / m], it.kv);
+            ++seen[r];
+            if (j > 0) {
+              EXPECT_LE(it.rows[j - 1] % m, r % m) << "positions must ascend";
+            }
+          }
+        }
+        for (int c : seen) EXPECT_EQ(c, 1);
+        EXPECT_EQ(kernels::cuda::MaxRows(items), static_cast<uint32_t>(most));
+        const auto rows = kernels::cuda::RowItems(hq, m, map.data());
+        ASSERT_EQ(rows.size(), size_t{hq} * m);
+        for (uint32_t r = 0; r < hq * m; ++r) {
+          EXPECT_EQ(rows[r].n, 1);
+          EXPECT_EQ(rows[r].rows[0], static_cast<int32_t>(r));
+          EXPECT_EQ(rows[r].kv, map[r / m]);
+        }
+        EXPECT_EQ(kernels::cuda::MaxRows(rows), 1u);
+      }
+    }
+  }
+  // GQA 4 at M = 1: 4 rows an item, the packed decode shape.
+  const std::vector<int32_t> gqa = {0, 0, 0, 0, 1, 1, 1, 1};
+  EXPECT_EQ(kernels::cuda::MaxRows(kernels::cuda::DenseItems(8, 1, gqa.data())), 4u);
+}
+
 TEST(GpuSlotsTest, EvictsUnheldCopiesOnly) {
   SKIP_WITHOUT_GPU();
   GpuSlots slots(3 << 20);
