@@ -43,6 +43,10 @@ from benchutil import free_port  # noqa: E402,F401  (shared by the bench scripts
 
 
 def pion_kernel(bin_dir: Path, *args) -> dict:
+    if not (bin_dir / "pion-gpu-attn-bench").exists() and \
+            (bin_dir / "pion-gpu-attn-bench.xz").exists():
+        raise SystemExit("%s holds a packed gpu-bundle: run python3 %s first" % (
+            bin_dir, bin_dir.parent / "unpack.py"))
     out = subprocess.run([str(bin_dir / "pion-gpu-attn-bench"), *map(str, args)],
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:

@@ -9,6 +9,10 @@
 set -euo pipefail
 BIN=$(cd "${PION_GPU_BIN:-build}" && pwd)
 PY=${PYTHON:-python3}
+# A gpu-bundle still packed (bin/*.xz): restore its binaries first.
+if compgen -G "$BIN/*.xz" >/dev/null && [ -f "$BIN/../unpack.py" ]; then
+  "$PY" "$BIN/../unpack.py"
+fi
 "$BIN/gpu_attention_test"
 if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
   CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
