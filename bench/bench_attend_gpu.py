@@ -39,7 +39,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from benchutil import free_port  # noqa: E402,F401  (shared by the bench scripts)
+from benchutil import free_port, report  # noqa: E402,F401  (shared by the bench scripts)
 
 
 def pion_kernel(bin_dir: Path, *args) -> dict:
@@ -312,10 +312,7 @@ def main() -> int:
     for backend, r in e2e_rows:
         lines.append("| %s | %.0f | %.0f | %.0f | %.0f | %.1e |" % (
             backend, r["p50_us"], r["p99_us"], r["req_per_s"], r["compute_us"], r["max_rel_err"]))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text)
+    report(lines, a.out)
     return 0
 
 

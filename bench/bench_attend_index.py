@@ -27,7 +27,7 @@ import redis
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from benchutil import free_port, start_pion  # noqa: E402  (shared by the bench scripts)
+from benchutil import free_port, report, start_pion  # noqa: E402  (shared by the bench scripts)
 sys.path.insert(0, str(REPO / "clients" / "python"))
 import pion  # noqa: E402
 
@@ -191,11 +191,7 @@ def main() -> int:
     for name, ef, p50, p99, bp50, bp99, server, recall, scan in rows:
         lines.append("| %s | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.3f | %.0f |" % (
             name, ef, p50, p99, bp50, bp99, server, recall, scan))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = Path(a.out) if a.out else REPO / "bench" / "results" / (
-        "attend-index-%s.md" % dt.date.today())
-    out.write_text(text)
+    report(lines, a.out or REPO / "bench" / "results" / ("attend-index-%s.md" % dt.date.today()))
     return 0
 
 

@@ -39,7 +39,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from benchutil import free_port  # noqa: E402,F401  (shared by the bench scripts)
+from benchutil import free_port, report  # noqa: E402,F401  (shared by the bench scripts)
 sys.path.insert(0, str(REPO / "clients" / "python"))
 import pion  # noqa: E402
 import pion.hf  # noqa: E402
@@ -212,11 +212,8 @@ def main() -> int:
                      "slots, %d calls) and takes %.0f µs per call at the client (Stage 2's last "
                      "request)" % (r["prefix"], r["floor"], r["vanilla"] / r["floor"],
                                    r["fused"][1], r["fused"][2], r["fused"][0], r["fused"][3]))
-    text = "\n".join(lines) + "\n"
-    print(text)
     out = os.environ.get("OUT")
-    if out:
-        Path(out, "hf-ttft.md").write_text(text)
+    report(lines, Path(out, "hf-ttft.md") if out else None)
     return 0
 
 

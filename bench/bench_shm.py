@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
 from bench_protocol import free_port, git_info, machine_info, start_server, stop  # noqa: E402
+from benchutil import report  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -218,10 +219,7 @@ def main() -> int:
                   "| path | ms | GB/s | of memcpy |", "|---|---:|---:|---:|"]
         for name, t in prefix["rows"]:
             lines.append(f"| {name} | {t * 1e3:.1f} | {pb / t / 1e9:.2f} | {pm / t * 100:.0f} % |")
-    text = "\n".join(lines) + "\n"
-    out = Path(a.out) if a.out else REPO / "bench" / "results" / f"shm-{today}.md"
-    out.write_text(text)
-    print(text)
+    report(lines, a.out or REPO / "bench" / "results" / f"shm-{today}.md")
     return 0
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchutil import start_pion  # noqa: E402
+from benchutil import report, start_pion  # noqa: E402
 
 
 def receipt(reply) -> tuple[bytes, dict]:
@@ -119,10 +119,7 @@ def main() -> int:
         lines.append("| %s | %.0f | %.2f× | %s | %s |" % (
             x["form"], x["us"], rows[0]["us"] / x["us"], x.get("rows", hq * n),
             "%.1e" % x["err"] if "err" in x else "—"))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text)
+    report(lines, a.out)
     return 0
 
 

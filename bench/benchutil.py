@@ -35,3 +35,11 @@ def start_pion(binary: str, args: list[str], prefix: str = "pion-bench-"):
     proc.kill()
     raise RuntimeError("pion-server did not answer on port %d: %s"
                        % (port, (work / "server.log").read_text()[-2000:]))
+
+
+def report(lines: list[str], out: str | Path | None) -> None:
+    """Prints a results table (markdown lines) and, given a path, writes it there too."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        Path(out).write_text(text)
