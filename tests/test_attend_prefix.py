@@ -477,19 +477,27 @@ AUTO_CASES = [
 ]
 
 
-@pytest.mark.parametrize("select", ["mean", "quest"])
-@pytest.mark.parametrize("case", AUTO_CASES, ids=[str(i) for i in range(len(AUTO_CASES))])
-def test_query_sparse_auto_matches_reference(shared_pion, case, select):
-    hq, hkv, n, d, b, k_top, w, qpos, hm = case
-    idx = AUTO_CASES.index(case)
-    r = shared_pion.client()
-    rng = np.random.default_rng(400 + idx)
+def sparse_auto_setup(r, case, seed, sid):
+    """Random K/V stored as `sid` and an M=1 query for an AUTO_CASES entry: (rng, k, v, q,
+    head map, query position, the command's window/QPOS arguments)."""
+    hq, hkv, n, d, _, _, w, qpos, hm = case
+    rng = np.random.default_rng(seed)
     k, v, q = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d), rnd(rng, hq, 1, d, scale=2.0)
     hm = np.asarray(contiguous_map(hq, hkv) if hm is None else hm)
-    sid = "auto%d%s" % (idx, select)
     store(r, sid, 0, k, v)
     p = n if qpos is None else qpos
     tail = ([w] if w else []) + (["QPOS", qpos] if qpos is not None else [])
+    return rng, k, v, q, hm, p, tail
+
+
+@pytest.mark.parametrize("select", ["mean", "quest"])
+@pytest.mark.parametrize("case", AUTO_CASES, ids=[str(i) for i in range(len(AUTO_CASES))])
+def test_query_sparse_auto_matches_reference(shared_pion, case, select):
+    hq, hkv, n, d, b, k_top, w, qpos, _ = case
+    idx = AUTO_CASES.index(case)
+    r = shared_pion.client()
+    sid = "auto%d%s" % (idx, select)
+    _, k, v, q, hm, p, tail = sparse_auto_setup(r, case, 400 + idx, sid)
     if select == "quest":
         tail += ["SELECT", "quest"]
     chosen, nvis_blocks, allow, omitted = sparse_auto_ref(q[:, 0], k, hm, b, k_top, p, w, select)
@@ -533,15 +541,10 @@ def test_query_sparse_auto_matches_reference(shared_pion, case, select):
 def test_query_sparse_auto_shared_matches_reference(shared_pion, case, select):
     """SHARED: the query heads of one K/V head choose one set of blocks, each block ranked by
     the highest of their scores; each head then attends exactly those rows."""
-    hq, hkv, n, d, b, k_top, w, qpos, hm = AUTO_CASES[case]
+    hq, hkv, n, d, b, k_top, w, qpos, _ = AUTO_CASES[case]
     r = shared_pion.client()
-    rng = np.random.default_rng(900 + case)
-    k, v, q = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d), rnd(rng, hq, 1, d, scale=2.0)
-    hm = np.asarray(contiguous_map(hq, hkv) if hm is None else hm)
     sid = "autoshared%d%s" % (case, select)
-    store(r, sid, 0, k, v)
-    p = n if qpos is None else qpos
-    tail = ([w] if w else []) + (["QPOS", qpos] if qpos is not None else [])
+    rng, k, v, q, hm, p, tail = sparse_auto_setup(r, AUTO_CASES[case], 900 + case, sid)
     tail += ["SELECT", select, "SHARED"]
     chosen, nvis_blocks, allow, omitted = sparse_auto_ref(q[:, 0], k, hm, b, k_top, p, w, select,
                                                           shared=True)
