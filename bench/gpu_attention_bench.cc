@@ -235,7 +235,7 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
       "\"d\": %u, \"us\": %.2f, \"us_launches\": %.2f, \"bytes\": %.0f, \"gbps\": %.1f, "
       "\"splits\": %u, \"path\": \"%s\"}\n",
       t == DType::kF16 ? "f16" : "f32", hq, hkv, m, n, d, us, us_launches, bytes, bytes / us / 1e3,
-      a.splits, tc ? (pad == 4 ? "tensor-core batched" : "tensor-core decode") : "simt");
+      a.splits, tc ? (pad >= 4 ? "tensor-core batched" : "tensor-core decode") : "simt");
   return 0;
 }
 

@@ -538,7 +538,11 @@ uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
                           ? SimtBytes<float, false>(a.d)
                           : SimtBytes<__half, false>(a.d);  // 2-byte types alike
   // Resident 128-thread blocks per SM: shared memory (227 KiB usable) and 16 warps' worth.
-  const uint64_t per_sm = std::clamp<uint64_t>((227u << 10) / std::max<size_t>(smem, 1), 1, 4);
+  // The eight-group batched kernel is bound by its registers: ask the occupancy calculator.
+  const uint64_t per_sm =
+      tc && FlashRowGroups(a) == 8
+          ? static_cast<uint64_t>(BatchedBlocksPerSm(a.d))
+          : std::clamp<uint64_t>((227u << 10) / std::max<size_t>(smem, 1), 1, 4);
   const uint64_t slots = per_sm * std::max(gpu::Info().sms, 1);
   const uint64_t blocks = tc ? (a.n_items + FlashRowGroups(a) - 1) / FlashRowGroups(a) : a.n_items;
   uint64_t splits = std::max<uint64_t>(1, slots / std::max<uint64_t>(blocks, 1));

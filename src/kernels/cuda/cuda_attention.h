@@ -86,7 +86,8 @@ uint32_t GridBlocks(const AttendArgs& a);
 
 // Whether LaunchAttend runs these args on tensor cores (fp16, dense items — with or without
 // shared lists — d <= 256, sm_80+; per-row sparse lists measure faster on the SIMT kernel), and how
-// many 16-row groups one such block holds (4 when a K/V head has >= 64 query rows, else 1).
+// many 16-row groups one such block holds (8 when a K/V head has >= 128 query rows at d = 128 or
+// >= 512 at smaller d, else 4 from 64 rows, else 1).
 // Call before building items: DenseItems(..., FlashRowGroups(a)) when UsesTensorCores(a).
 bool UsesTensorCores(const AttendArgs& a);
 int FlashRowGroups(const AttendArgs& a);

@@ -136,8 +136,12 @@ Status LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   return e == cudaSuccess ? KernelStatus(what) : gpu::CudaError(e, what);
 }
 
-// The tensor-core kernel (flash.cu) and its shared-memory bytes per block.
+// The tensor-core kernels (flash.cu; eight row groups a block: flash_batched.cu) and their
+// shared-memory bytes per block.
 Status LaunchFlash(const AttendArgs& a, cudaStream_t stream);
 size_t FlashBytes(const AttendArgs& a);
+Status LaunchBatched(const AttendArgs& a, cudaStream_t stream);
+size_t BatchedBytes(uint32_t d);
+int BatchedBlocksPerSm(uint32_t d);  // resident blocks of it per multiprocessor
 
 }  // namespace pion::kernels::cuda

@@ -4,8 +4,10 @@
 //
 // Three shapes, chosen by rows per K/V head (ShapeOf):
 //   WR = 4  batched: the block's four warps own 16 query rows each (64 rows) and share every
-//           K/V tile — the flash-attention layout for M > 1. Q and P enter the tensor cores as
-//           fp16 (flash-attention precision; partials, LSE and the output stay fp32).
+//           K/V tile — the flash-attention layout for M > 1 (with many rows and d <= 128,
+//           flash_batched.cu's eight-group kernel takes over: FlashRowGroups). Q and P enter the
+//           tensor cores as fp16 (flash-attention precision; partials, LSE and the output stay
+//           fp32).
 //   WR = 1  decode: one group of up to 16 rows (all query heads of a K/V head, a few positions);
 //           each warp streams its own run of 16-key tiles through its own cp.async ring and the
 //           four warps merge their states at the end. Q and P are split into fp16 hi + lo parts
@@ -19,68 +21,15 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_mma.cuh"
 
 namespace pion::kernels::cuda {
 namespace {
 
 constexpr int kBk = 64;  // keys per tile
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-__device__ inline uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ inline void Ldm4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
-__device__ inline void Ldm4T(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
-__device__ inline void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ inline uint32_t Pack(float x, float y) {
-  __half2 h = __floats2half2_rn(x, y);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-// x − fp16(x), packed: the low part of a hi/lo split.
-__device__ inline uint32_t PackLo(float x, float y) {
-  const float hx = __half2float(__float2half_rn(x)), hy = __half2float(__float2half_rn(y));
-  return Pack(x - hx, y - hy);
-}
-
-// 16 bytes global -> shared at compile-time byte offsets from two base addresses (the offsets
-// ride in the instruction: no address arithmetic per copy).
-template <int kSmemOff, int kGlobalOff>
-__device__ inline void CpAsync16At(uint32_t smem_base, const void* gmem_base) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0+%2], [%1+%3], 16;\n" ::"r"(smem_base),
-               "l"(gmem_base), "n"(kSmemOff), "n"(kGlobalOff));
-}
-// floor(n * i / parts) without a 64-bit division where the product fits 32 bits.
-__device__ inline uint32_t SplitPoint(uint32_t n, uint32_t i, uint32_t parts) {
-  const uint64_t p = uint64_t{n} * i;
-  return p <= 0xffffffffu ? static_cast<uint32_t>(p) / parts : static_cast<uint32_t>(p / parts);
-}
-template <int I, int N, typename F>
-__device__ inline void Unroll(F&& f) {
-  if constexpr (I < N) {
-    f(std::integral_constant<int, I>{});
-    Unroll<I + 1, N>(f);
-  }
-}
-
 template <int D, int WR, bool kSplit, bool kPack>
 struct Flash {
   static constexpr int kStr = D + 8;  // padded smem row (halves): ldmatrix rows hit distinct banks
@@ -563,18 +512,22 @@ Status LaunchD(const AttendArgs& a, cudaStream_t stream) {
 // and decode with the low parts packed as rows 8..15 (items of at most 8 rows: half the MMAs).
 enum class Shape { kBatched, kDecode, kDecodePacked };
 Shape ShapeOf(const AttendArgs& a) {
-  if (FlashRowGroups(a) == 4) return Shape::kBatched;
+  if (FlashRowGroups(a) >= 4) return Shape::kBatched;
   return a.item_rows <= kItemRows / 2 ? Shape::kDecodePacked : Shape::kDecode;
 }
 
 }  // namespace
 
 int FlashRowGroups(const AttendArgs& a) {
-  // Batched (four row groups per block) when a K/V head has at least 64 query rows; sparse
-  // lists (one row per item) and decode use one.
+  // Batched when a K/V head has at least 64 query rows: four row groups per block, or eight
+  // (two per warp, flash_batched.cu) for d <= 128 from where they measured faster on the H200
+  // (GQA 32/8: d = 128 from 128 rows, M = 32 N = 32K 124 -> 111 us, M = 512 1736 -> 1369; smaller
+  // d from 512 rows — at 128 and 256 rows d = 64 was 3-11 % slower). Sparse lists (one row per
+  // item) and decode use one.
   if (a.list != nullptr || !a.dense_items) return 1;
-  const uint32_t heads_per_kv = a.heads > 0 ? a.hq / a.heads : 1;
-  return uint64_t{heads_per_kv} * a.m >= 64 ? 4 : 1;
+  const uint64_t rows = uint64_t{a.heads > 0 ? a.hq / a.heads : 1} * a.m;
+  if (a.d <= 128 && rows >= (a.d == 128 ? 128u : 512u)) return 8;
+  return rows >= 64 ? 4 : 1;
 }
 
 bool UsesTensorCores(const AttendArgs& a) {
@@ -584,6 +537,7 @@ bool UsesTensorCores(const AttendArgs& a) {
 }
 
 size_t FlashBytes(const AttendArgs& a) {
+  if (FlashRowGroups(a) == 8) return BatchedBytes(a.d);
   switch (ShapeOf(a)) {
     case Shape::kBatched:
       return BytesD<4, false, false>(a.d);
@@ -596,6 +550,7 @@ size_t FlashBytes(const AttendArgs& a) {
 }
 
 Status LaunchFlash(const AttendArgs& a, cudaStream_t stream) {
+  if (FlashRowGroups(a) == 8) return LaunchBatched(a, stream);
   switch (ShapeOf(a)) {
     case Shape::kBatched:
       return LaunchD<4, false, false>(a, stream);

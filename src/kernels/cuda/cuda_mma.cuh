@@ -1,0 +1,67 @@
+// Tensor-core building blocks shared by the mma.sync kernels (flash.cu, flash_batched.cu): not a
+// public interface. Fragments follow the PTX m16n8k16 layouts; lane l holds rows g = l / 4 and
+// g + 8, columns 2·(l % 4) and + 1 of its accumulator tile.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace pion::kernels::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ inline uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ inline void Ldm4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ inline void Ldm4T(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ inline void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ inline uint32_t Pack(float x, float y) {
+  __half2 h = __floats2half2_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+// x − fp16(x), packed: the low part of a hi/lo split.
+__device__ inline uint32_t PackLo(float x, float y) {
+  const float hx = __half2float(__float2half_rn(x)), hy = __half2float(__float2half_rn(y));
+  return Pack(x - hx, y - hy);
+}
+
+// 16 bytes global -> shared at compile-time byte offsets from two base addresses (the offsets
+// ride in the instruction: no address arithmetic per copy).
+template <int kSmemOff, int kGlobalOff>
+__device__ inline void CpAsync16At(uint32_t smem_base, const void* gmem_base) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0+%2], [%1+%3], 16;\n" ::"r"(smem_base),
+               "l"(gmem_base), "n"(kSmemOff), "n"(kGlobalOff));
+}
+// floor(n * i / parts) without a 64-bit division where the product fits 32 bits.
+__device__ inline uint32_t SplitPoint(uint32_t n, uint32_t i, uint32_t parts) {
+  const uint64_t p = uint64_t{n} * i;
+  return p <= 0xffffffffu ? static_cast<uint32_t>(p) / parts : static_cast<uint32_t>(p / parts);
+}
+template <int I, int N, typename F>
+__device__ inline void Unroll(F&& f) {
+  if constexpr (I < N) {
+    f(std::integral_constant<int, I>{});
+    Unroll<I + 1, N>(f);
+  }
+}
+
+}  // namespace pion::kernels::cuda
