@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-__global__ void __launch_bounds__(kSelThreads)
+__global__ void __launch_bounds__(kSelThreads, 1)
     SelectRows(AttendArgs a, uint32_t row0, const float* scores, uint32_t top_k, int32_t* list,
                int32_t* counts, float* omitted, uint8_t* exact) {
   const uint32_t r = row0 + blockIdx.x;
@@ -237,9 +237,19 @@ __global__ void Summarize(const T* k, uint32_t rows, uint32_t d, uint32_t block,
 }
 
 // A warp scores kScoreRun consecutive blocks of one query head: its loads for all of them are
-// issued before the reductions, so they overlap. Lanes own d/32 columns each.
+// issued before the reductions, so they overlap. Lanes own 4-column slices (float4: one load a
+// block and summary at d = 128; d is a multiple of 32).
 constexpr int kScoreWarps = 8;
 constexpr int kScoreRun = 8;
+
+__device__ inline float Dot4(float4 a, float4 b) {
+  return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, a.w * b.w)));
+}
+// Quest's bound over a slice: sum of max(q·min, q·max) per column.
+__device__ inline float Bound4(float4 q, float4 lo, float4 hi) {
+  return fmaxf(q.x * lo.x, q.x * hi.x) + fmaxf(q.y * lo.y, q.y * hi.y) +
+         fmaxf(q.z * lo.z, q.z * hi.z) + fmaxf(q.w * lo.w, q.w * hi.w);
+}
 
 template <bool kQuest>
 __global__ void __launch_bounds__(256)
@@ -249,20 +259,28 @@ __global__ void __launch_bounds__(256)
   const uint32_t b0 = (blockIdx.x * kScoreWarps + (threadIdx.x >> 5)) * kScoreRun;
   const int lane = threadIdx.x & 31;
   if (b0 >= nb) return;
-  const float* qh = q + size_t{h} * d;
+  const uint32_t d4 = d / 4;
+  const float4* qh = reinterpret_cast<const float4*>(q + size_t{h} * d);
   const size_t head = size_t{static_cast<uint32_t>(head_map[h])} * nb;
+  const float4* mean4 = reinterpret_cast<const float4*>(mean);
+  const float4* mn4 = reinterpret_cast<const float4*>(mn);
+  const float4* mx4 = reinterpret_cast<const float4*>(mx);
   float dot[kScoreRun], bound[kScoreRun];
 #pragma unroll
   for (int r = 0; r < kScoreRun; ++r) dot[r] = bound[r] = 0.f;
-  for (uint32_t x = lane; x < d; x += 32) {
-    const float qx = __ldg(qh + x);
+  for (uint32_t x = lane; x < d4; x += 32) {
+    const float4 qx = __ldg(qh + x);
+    float4 mv[kScoreRun], lo[kScoreRun], hi[kScoreRun];
 #pragma unroll
     for (int r = 0; r < kScoreRun; ++r) {
-      if (b0 + r < nb) {
-        const size_t i = (head + b0 + r) * d + x;
-        dot[r] = fmaf(qx, __ldg(mean + i), dot[r]);
-        if (kQuest) bound[r] += fmaxf(qx * __ldg(mn + i), qx * __ldg(mx + i));
-      }
+      const size_t i = (head + Min<uint32_t>(b0 + r, nb - 1)) * d4 + x;
+      mv[r] = __ldg(mean4 + i);
+      if (kQuest) lo[r] = __ldg(mn4 + i), hi[r] = __ldg(mx4 + i);
+    }
+#pragma unroll
+    for (int r = 0; r < kScoreRun; ++r) {
+      dot[r] += Dot4(qx, mv[r]);
+      if (kQuest) bound[r] += Bound4(qx, lo[r], hi[r]);
     }
   }
 #pragma unroll
@@ -281,13 +299,14 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-__global__ void __launch_bounds__(kSelThreads)
+__global__ void __launch_bounds__(kSelThreads, 1)
     SelectBlocks(const float* sel, const float* ms, const int32_t* head_map, uint32_t hq,
                  bool shared, uint32_t nb, uint32_t B, uint32_t lo, uint32_t hi, uint32_t k_top,
                  float scale, int32_t* blocks, int32_t* nchosen, int32_t* list, int32_t* counts,
                  uint32_t stride, float* omitted) {
   __shared__ uint32_t skeys[kSmemBlocks];
-  __shared__ float sms[kSmemBlocks];  // scale · q·mean of the candidates
+  __shared__ float sms[kSmemBlocks];       // scale · q·mean of the candidates
+  __shared__ int32_t chosen[kSmemBlocks];  // the chosen middle blocks, ascending (keep <= it)
   __shared__ int32_t members[kMaxGroup];
   __shared__ int n_members;
   const uint32_t h = blockIdx.x;
@@ -311,14 +330,47 @@ __global__ void __launch_bounds__(kSelThreads)
   const int ncand = b_hi > b_lo ? static_cast<int>(b_hi - b_lo - 1) : 0;
   const bool staged = ncand <= kSmemBlocks;
   float top = -INFINITY;
-  for (uint32_t b = b_lo + threadIdx.x; b <= b_hi; b += blockDim.x) {
-    const float x = hm[b] * scale;
-    top = fmaxf(top, x);
-    const int i = static_cast<int>(b - b_lo) - 1;
-    if (staged && i >= 0 && i < ncand) {
-      sms[i] = x;
-      skeys[i] = SortKey(score_of(b));
+  if (staged) {
+    // Every load of a thread in flight at once: the visible blocks' mean scores (and, per
+    // head, their selection scores), then (SHARED) the members' scores, max-ed per candidate.
+    constexpr int kPer = (kSmemBlocks + 2 + kSelThreads - 1) / kSelThreads;
+    const int nvis = static_cast<int>(b_hi - b_lo + 1);
+    float x[kPer], key[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = static_cast<int>(threadIdx.x) + j * kSelThreads;
+      x[j] = i < nvis ? hm[b_lo + i] : -INFINITY;
+      key[j] = i < nvis && !shared ? hs[b_lo + i] : -INFINITY;
     }
+    if (shared) {  // four members' loads in flight at a time
+      for (int m0 = 0; m0 < n_members; m0 += 4) {
+        float v[4][kPer];
+#pragma unroll
+        for (int mm = 0; mm < 4; ++mm) {
+          const float* ps = m0 + mm < n_members ? sel + size_t(members[m0 + mm]) * nb : nullptr;
+#pragma unroll
+          for (int j = 0; j < kPer; ++j) {
+            const int i = static_cast<int>(threadIdx.x) + j * kSelThreads;
+            v[mm][j] = ps != nullptr && i < nvis ? ps[b_lo + i] : -INFINITY;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kPer; ++j)
+          key[j] = fmaxf(key[j], fmaxf(fmaxf(v[0][j], v[1][j]), fmaxf(v[2][j], v[3][j])));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = static_cast<int>(threadIdx.x) + j * kSelThreads - 1;  // candidate index
+      top = fmaxf(top, x[j] * scale);
+      if (i >= 0 && i < ncand) {
+        sms[i] = x[j] * scale;
+        skeys[i] = SortKey(key[j]);
+      }
+    }
+  } else {
+    for (uint32_t b = b_lo + threadIdx.x; b <= b_hi; b += blockDim.x)
+      top = fmaxf(top, hm[b] * scale);
   }
   top = BlockReduce(top, MaxOp{}, -INFINITY);  // its barriers also publish skeys and sms
   auto weight_of = [&](uint32_t b) {
@@ -351,6 +403,7 @@ __global__ void __launch_bounds__(kSelThreads)
       return;
     }
     hb[1 + rank] = static_cast<int32_t>(b);  // its rows: written below by the whole block
+    if (rank < kSmemBlocks) chosen[rank] = static_cast<int32_t>(b);
   };
   if (keep == ncand || keep == 0) {
     for (int i = threadIdx.x; i < ncand; i += blockDim.x) visit(i, keep > 0, i);
@@ -370,8 +423,9 @@ __global__ void __launch_bounds__(kSelThreads)
   all = BlockReduce(all, SumOp{}, 0.f);  // its barriers also publish hb
   left = BlockReduce(left, SumOp{}, 0.f);
   // The chosen middle blocks' rows, ascending, every thread writing consecutive entries.
+  const int32_t* cb = keep <= kSmemBlocks ? chosen : hb + 1;  // shared memory when it fits
   for (uint32_t e = threadIdx.x; e < static_cast<uint32_t>(keep) * B; e += blockDim.x) {
-    hl[len0 + e] = hb[1 + e / B] * static_cast<int32_t>(B) + static_cast<int32_t>(e % B);
+    hl[len0 + e] = cb[e / B] * static_cast<int32_t>(B) + static_cast<int32_t>(e % B);
   }
   if (threadIdx.x == 0) {
     all += weight_of(b_lo) + (two ? weight_of(b_hi) : 0.f);
