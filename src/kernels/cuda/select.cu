@@ -1,6 +1,6 @@
 // Selection on the GPU: exact scores and per-row top-k (QUERY with top_k), block summaries,
 // block scores and per-head block choice (QUERY_SPARSE_AUTO). Top-k is a radix select over
-// order-preserving keys (four 8-bit passes of a block-wide histogram), then one ordered
+// order-preserving keys (up to four 8-bit passes of a block-wide histogram), then one ordered
 // compaction pass that emits the chosen indices ascending — ties at the threshold go to the
 // lower index, as the CPU executor breaks them — and sums the softmax mass left out.
 #include <cuda_bf16.h>
@@ -16,7 +16,7 @@
 namespace pion::kernels::cuda {
 namespace {
 
-constexpr int kSelThreads = 256;
+constexpr int kSelThreads = 512;
 constexpr int kSmemBlocks = 2048;  // block candidates a block select stages in shared memory
 constexpr int kMaxGroup = 1024;    // SHARED: the most query heads of one K/V head (all of H_q)
 
@@ -47,24 +47,35 @@ struct SumOp {
   __device__ float operator()(float a, float b) const { return a + b; }
 };
 
-// The k-th largest key among key(0..n-1) (1 <= k <= n): *thr, and how many keys equal to it
-// belong to the top k (*need_eq; every key above it does). One kSelThreads block; per 8-bit digit
-// a shared histogram, then a block scan over the bins from the top finds the digit.
+// Where the top k of n keys end: a key is in the top k when its masked bits exceed `prefix`,
+// or equal it and it is among the first `need` such (in index order).
+struct Threshold {
+  uint32_t prefix = 0, mask = 0;
+  int need = 0;
+};
+
+// The threshold of the top k among key(0..n-1) (1 <= k <= n). One kSelThreads block; per 8-bit
+// digit a shared histogram, then a block scan over the bins from the top finds the digit of the
+// k-th largest key. It stops early once every key of that digit's bin belongs to the top k (the
+// masked prefix then separates them exactly: no later digit can matter).
 template <typename KeyFn>
-__device__ void RadixSelect(const KeyFn& key, int n, int k, uint32_t* thr, int* need_eq) {
+__device__ Threshold RadixSelect(const KeyFn& key, int n, int k) {
   using Scan = cub::BlockScan<int, kSelThreads>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int hist[256];
   __shared__ uint32_t s_prefix, s_mask;
   __shared__ int s_k;
+  __shared__ bool s_done;
   if (threadIdx.x == 0) {
     s_prefix = 0;
     s_mask = 0;
     s_k = k;
+    s_done = false;
   }
   for (int shift = 24; shift >= 0; shift -= 8) {
-    hist[threadIdx.x] = 0;
+    if (threadIdx.x < 256) hist[threadIdx.x] = 0;
     __syncthreads();
+    if (s_done) break;
     const uint32_t prefix = s_prefix, mask = s_mask;
     const int want = s_k;
     // Lanes with the same digit add once (block scores cluster in a few high digits: one
@@ -82,43 +93,46 @@ __device__ void RadixSelect(const KeyFn& key, int n, int k, uint32_t* thr, int* 
     __syncthreads();
     // Thread t owns bin 255 − t: `above` counts the keys in higher bins.
     const int b = 255 - static_cast<int>(threadIdx.x);
-    const int h = hist[b];
+    const int h = b >= 0 ? hist[b] : 0;
     int above;
     Scan(tmp).ExclusiveSum(h, above);
     if (above < want && want <= above + h) {
       s_prefix = prefix | (static_cast<uint32_t>(b) << shift);
       s_mask = mask | (255u << shift);
       s_k = want - above;
+      s_done = want - above == h;  // the whole bin is in the top k
     }
     __syncthreads();
   }
-  *thr = s_prefix;
-  *need_eq = s_k;
+  Threshold t;
+  t.prefix = s_prefix;
+  t.mask = s_mask;
+  t.need = s_k;
   __syncthreads();
+  return t;
 }
 
 // Visits i = 0..n-1 in index order: visit(i, taken, rank) with rank the position of i among
-// the taken ones (ascending). Taken: key > thr, or key == thr among the first need_eq such.
+// the taken ones (ascending), taken as `th` says. One block scan per kSelThreads keys: it counts
+// the keys above the threshold and those at it together (16 bits each), and the ones at it are
+// taken while fewer than th.need came before.
 template <typename KeyFn, typename Visit>
-__device__ void CompactAscending(const KeyFn& key, int n, uint32_t thr, int need_eq,
-                                 const Visit& visit) {
+__device__ void CompactAscending(const KeyFn& key, int n, const Threshold& th, const Visit& visit) {
   using Scan = cub::BlockScan<int, kSelThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  int eq_before = 0, taken_before = 0;
+  int gt_before = 0, eq_before = 0;
   for (int base = 0; base < n; base += kSelThreads) {
-    const int i = base + threadIdx.x;
-    const uint32_t u = i < n ? key(i) : 0;
-    const int gt = i < n && u > thr, eq = i < n && u == thr;
-    int eq_excl, eq_total;
-    Scan(tmp).ExclusiveSum(eq, eq_excl, eq_total);
+    const int i = base + static_cast<int>(threadIdx.x);
+    const uint32_t u = i < n ? key(i) & th.mask : 0u;
+    const int gt = i < n && u > th.prefix, eq = i < n && u == th.prefix;
+    int excl, total;
+    Scan(tmp).ExclusiveSum(gt | (eq << 16), excl, total);
     __syncthreads();
-    const int take = gt || (eq && eq_before + eq_excl < need_eq);
-    int t_excl, t_total;
-    Scan(tmp).ExclusiveSum(take, t_excl, t_total);
-    __syncthreads();
-    if (i < n) visit(i, take != 0, taken_before + t_excl);
-    eq_before += eq_total;
-    taken_before += t_total;
+    const int gts = gt_before + (excl & 0xffff), eqs = eq_before + (excl >> 16);
+    const bool take = gt || (eq && eqs < th.need);
+    if (i < n) visit(i, take, gts + Min(eqs, th.need));
+    gt_before += total & 0xffff;
+    eq_before += total >> 16;
   }
 }
 
@@ -193,11 +207,9 @@ __global__ void __launch_bounds__(kSelThreads, 1)
   for (int i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, s[i]);
   mx = BlockReduce(mx, MaxOp{}, -INFINITY);
   auto key = [s](int i) { return SortKey(s[i]); };
-  uint32_t thr;
-  int need;
-  RadixSelect(key, n, keep, &thr, &need);
+  const Threshold th = RadixSelect(key, n, keep);
   float all = 0.f, left = 0.f;
-  CompactAscending(key, n, thr, need, [&](int i, bool taken, int rank) {
+  CompactAscending(key, n, th, [&](int i, bool taken, int rank) {
     const float w = expf(s[i] - mx);
     all += w;
     if (taken) {
@@ -409,16 +421,10 @@ __global__ void __launch_bounds__(kSelThreads, 1)
     for (int i = threadIdx.x; i < ncand; i += blockDim.x) visit(i, keep > 0, i);
   } else if (staged) {
     auto key = [](int i) { return skeys[i]; };
-    uint32_t thr;
-    int need;
-    RadixSelect(key, ncand, keep, &thr, &need);
-    CompactAscending(key, ncand, thr, need, visit);
+    CompactAscending(key, ncand, RadixSelect(key, ncand, keep), visit);
   } else {
     auto key = [&](int i) { return SortKey(score_of(b_lo + 1 + static_cast<uint32_t>(i))); };
-    uint32_t thr;
-    int need;
-    RadixSelect(key, ncand, keep, &thr, &need);
-    CompactAscending(key, ncand, thr, need, visit);
+    CompactAscending(key, ncand, RadixSelect(key, ncand, keep), visit);
   }
   all = BlockReduce(all, SumOp{}, 0.f);  // its barriers also publish hb
   left = BlockReduce(left, SumOp{}, 0.f);
