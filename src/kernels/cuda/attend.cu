@@ -519,9 +519,11 @@ size_t SimtBytes(uint32_t d) {
 
 // fp32 dense passes over at least 8K keys take the long-range SIMT shape (measured on the H200
 // at D = 128: N = 32K 92.1 -> 86.9 us, 128K 330 -> 314; N = 2K 12.5 -> 14.1, so short ranges
-// keep the other).
+// keep the other), and so do per-row lists over 2-byte K/V: three blocks a multiprocessor
+// instead of one, where one query row per block leaves too few warps to hide the gathers.
 bool SimtLong(const AttendArgs& a) {
-  return a.dtype == DType::kF32 && a.list == nullptr && a.end >= a.begin + 8192;
+  if (a.list != nullptr) return a.dtype != DType::kF32;
+  return a.dtype == DType::kF32 && a.end >= a.begin + 8192;
 }
 
 }  // namespace
@@ -532,11 +534,12 @@ uint32_t GridBlocks(const AttendArgs& a) {
 
 uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
   const bool tc = UsesTensorCores(a);
-  const size_t smem = tc            ? FlashBytes(a)
-                      : SimtLong(a) ? SimtBytes<float, true>(a.d)
-                      : a.dtype == DType::kF32
-                          ? SimtBytes<float, false>(a.d)
-                          : SimtBytes<__half, false>(a.d);  // 2-byte types alike
+  const size_t smem =
+      tc ? FlashBytes(a)
+      : SimtLong(a)
+          ? (a.dtype == DType::kF32 ? SimtBytes<float, true>(a.d) : SimtBytes<__half, true>(a.d))
+      : a.dtype == DType::kF32 ? SimtBytes<float, false>(a.d)
+                               : SimtBytes<__half, false>(a.d);  // 2-byte types alike
   // Resident 128-thread blocks per SM: shared memory (227 KiB usable) and 16 warps' worth.
   // The eight-group batched kernel is bound by its registers: ask the occupancy calculator.
   const uint64_t per_sm =
@@ -556,9 +559,10 @@ Status LaunchAttend(const AttendArgs& a, void* stream) {
   if (UsesTensorCores(a)) return LaunchFlash(a, s);
   switch (a.dtype) {
     case DType::kF16:
-      return LaunchSimtD<__half, false>(a, s);
+      return SimtLong(a) ? LaunchSimtD<__half, true>(a, s) : LaunchSimtD<__half, false>(a, s);
     case DType::kBF16:
-      return LaunchSimtD<__nv_bfloat16, false>(a, s);
+      return SimtLong(a) ? LaunchSimtD<__nv_bfloat16, true>(a, s)
+                         : LaunchSimtD<__nv_bfloat16, false>(a, s);
     default:
       return SimtLong(a) ? LaunchSimtD<float, true>(a, s) : LaunchSimtD<float, false>(a, s);
   }
