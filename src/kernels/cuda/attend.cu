@@ -526,6 +526,13 @@ bool SimtLong(const AttendArgs& a) {
   return a.dtype == DType::kF32 && a.end >= a.begin + 8192;
 }
 
+// Shared memory per block of the SIMT shape LaunchAttend runs `a` on (2-byte types alike).
+size_t SimtSmem(const AttendArgs& a) {
+  const bool f32 = a.dtype == DType::kF32;
+  if (SimtLong(a)) return f32 ? SimtBytes<float, true>(a.d) : SimtBytes<__half, true>(a.d);
+  return f32 ? SimtBytes<float, false>(a.d) : SimtBytes<__half, false>(a.d);
+}
+
 }  // namespace
 
 uint32_t GridBlocks(const AttendArgs& a) {
@@ -534,12 +541,7 @@ uint32_t GridBlocks(const AttendArgs& a) {
 
 uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
   const bool tc = UsesTensorCores(a);
-  const size_t smem =
-      tc ? FlashBytes(a)
-      : SimtLong(a)
-          ? (a.dtype == DType::kF32 ? SimtBytes<float, true>(a.d) : SimtBytes<__half, true>(a.d))
-      : a.dtype == DType::kF32 ? SimtBytes<float, false>(a.d)
-                               : SimtBytes<__half, false>(a.d);  // 2-byte types alike
+  const size_t smem = tc ? FlashBytes(a) : SimtSmem(a);
   // Resident 128-thread blocks per SM: shared memory (227 KiB usable) and 16 warps' worth.
   // The eight-group batched kernel is bound by its registers: ask the occupancy calculator.
   const uint64_t per_sm =
