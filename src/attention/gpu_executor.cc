@@ -158,26 +158,32 @@ Status LaunchItems(Job& job, AttendArgs a, const std::vector<Item>& items, Parts
   return kernels::cuda::LaunchAttend(a, job.stream());
 }
 
-// A dense pass of every query row over keys [0, a.rows) of `a` (dense items), writing its
-// splits into parts. `keys` is how many keys any row sees (0: nothing to launch).
-Status DenseLaunch(Job& job, AttendArgs a, const int32_t* head_map, uint64_t keys, Parts* parts,
-                   uint32_t splits, Finish* fin = nullptr) {
-  if (keys == 0) return Status::Ok();
+// A dense pass of every query row of `a` (rows grouped by K/V head, padded to the tensor-core
+// block's row groups), planned once: its items and splits (0 when no row sees a key).
+struct DensePass {
+  std::vector<Item> items;
+  uint32_t splits = 0;
+};
+
+// `keys` is how many keys any row sees.
+DensePass PlanDense(AttendArgs a, const int32_t* head_map, uint64_t keys) {
+  DensePass pass;
+  if (keys == 0) return pass;
   a.dense_items = true;
   const int pad = kernels::cuda::UsesTensorCores(a) ? kernels::cuda::FlashRowGroups(a) : 1;
-  return LaunchItems(job, a, kernels::cuda::DenseItems(a.hq, a.m, head_map, pad), parts, splits,
-                     fin);
+  pass.items = kernels::cuda::DenseItems(a.hq, a.m, head_map, pad);
+  a.n_items = static_cast<uint32_t>(pass.items.size());
+  a.item_rows = kernels::cuda::MaxRows(pass.items);
+  pass.splits = kernels::cuda::PlanSplits(a, keys);
+  return pass;
 }
 
-// Splits a dense pass should use (items as DenseLaunch builds them).
-uint32_t DenseSplitsFor(AttendArgs a, const int32_t* head_map, uint64_t keys) {
-  if (keys == 0) return 0;
+// Launches a planned dense pass over keys [0, a.rows) of `a`, writing its splits into parts.
+Status DenseLaunch(Job& job, AttendArgs a, const DensePass& pass, Parts* parts,
+                   Finish* fin = nullptr) {
+  if (pass.splits == 0) return Status::Ok();
   a.dense_items = true;
-  const int pad = kernels::cuda::UsesTensorCores(a) ? kernels::cuda::FlashRowGroups(a) : 1;
-  const auto items = kernels::cuda::DenseItems(a.hq, a.m, head_map, pad);
-  a.n_items = static_cast<uint32_t>(items.size());
-  a.item_rows = kernels::cuda::MaxRows(items);
-  return kernels::cuda::PlanSplits(a, keys);
+  return LaunchItems(job, a, pass.items, parts, pass.splits, fin);
 }
 
 // A sparse pass: row r attends list[r*stride ..+counts[r]) (device), one item per row.
@@ -230,7 +236,7 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
 
   // Suffix (fused forms): fp32 K/V at positions N..N+S−1, dense and causal.
   AttendArgs suf = base;
-  uint32_t suf_splits = 0;
+  DensePass suf_pass;
   if (fused && s_suf > 0) {
     const size_t elems = size_t{plan.k_suffix.heads} * s_suf * q.d;
     PION_ASSIGN(dk, job.Up(static_cast<const float*>(plan.k_suffix.data), elems));
@@ -243,7 +249,7 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
     suf.begin = 0;
     suf.end = s_suf;
     const auto [sb, se] = VisibleRows(q.pos0, q.pos0 + q.m - 1, plan.window, n, s_suf);
-    suf_splits = DenseSplitsFor(suf, q.head_map, se - sb);
+    suf_pass = PlanDense(suf, q.head_map, se - sb);
   }
 
   Parts parts;
@@ -268,10 +274,10 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
   switch (plan.form) {
     case Form::kDense:
     case Form::kFused: {
-      const uint32_t splits = DenseSplitsFor(base, q.head_map, vis_hi - vis_lo);
-      PION_TRY(AllocParts(job, splits + suf_splits, nrows, q.d, &parts));
-      PION_TRY(DenseLaunch(job, base, q.head_map, vis_hi - vis_lo, &parts, splits, fin));
-      r->splits = std::max<uint32_t>(splits, 1);
+      const DensePass pass = PlanDense(base, q.head_map, vis_hi - vis_lo);
+      PION_TRY(AllocParts(job, pass.splits + suf_pass.splits, nrows, q.d, &parts));
+      PION_TRY(DenseLaunch(job, base, pass, &parts, fin));
+      r->splits = std::max<uint32_t>(pass.splits, 1);
       r->rows_attended = r->visible_rows;
       for (uint32_t row = 0; row < nrows; ++row) r->support[row / q.m] += visible[row];
       break;
@@ -349,9 +355,11 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       grouped.list = list;
       grouped.counts = counts;
       grouped.stride = stride;
-      const uint32_t splits = plan.shared_blocks ? DenseSplitsFor(grouped, q.head_map, stride)
-                                                 : SparseSplitsFor(base, q.head_map, stride);
-      PION_TRY(AllocParts(job, splits + suf_splits, nrows, q.d, &parts));
+      DensePass group_pass;  // SHARED
+      if (plan.shared_blocks) group_pass = PlanDense(grouped, q.head_map, stride);
+      const uint32_t splits =
+          plan.shared_blocks ? group_pass.splits : SparseSplitsFor(base, q.head_map, stride);
+      PION_TRY(AllocParts(job, splits + suf_pass.splits, nrows, q.d, &parts));
       if (vis_lo < vis_hi) {
         b_lo = vis_lo / B;
         b_hi = (vis_hi - 1) / B;
@@ -363,7 +371,7 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
             sel, ms, dmap, q.hq, plan.shared_blocks, nb, B, vis_lo, vis_hi, plan.k_top, scale,
             blocks, nchosen, list, counts, stride, omitted, job.stream()));
         if (plan.shared_blocks) {
-          PION_TRY(DenseLaunch(job, grouped, q.head_map, stride, &parts, splits, fin));
+          PION_TRY(DenseLaunch(job, grouped, group_pass, &parts, fin));
         } else {
           PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits, fin));
         }
@@ -378,9 +386,9 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
     }
   }
 
-  if (fused && suf_splits > 0) {
-    if (parts.m == nullptr) PION_TRY(AllocParts(job, suf_splits, nrows, q.d, &parts));
-    PION_TRY(DenseLaunch(job, suf, q.head_map, 1, &parts, suf_splits));
+  if (fused && suf_pass.splits > 0) {
+    if (parts.m == nullptr) PION_TRY(AllocParts(job, suf_pass.splits, nrows, q.d, &parts));
+    PION_TRY(DenseLaunch(job, suf, suf_pass, &parts));
   }
   if (parts.m == nullptr) PION_TRY(AllocParts(job, 0, nrows, q.d, &parts));
   PION_TRY(job.Flush());
