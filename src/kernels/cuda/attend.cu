@@ -26,8 +26,9 @@ namespace pion::kernels::cuda {
 
 namespace {
 
-// kLong (fp32 over long dense ranges): tiles of ~14 KB, two stages — the block fits three to a
-// multiprocessor, where short ranges do better with three stages of ~16 KB tiles (two blocks).
+// kLong (SimtLong: fp32 over long dense ranges, per-row lists over 2-byte K/V): tiles of ~14 KB,
+// two stages — the block fits three to a multiprocessor, where the rest do better with three
+// stages of ~16 KB tiles.
 template <typename T, int D, bool kLong = false>
 struct Simt {
   static constexpr int kThreads = 128;
@@ -526,6 +527,12 @@ bool SimtLong(const AttendArgs& a) {
   return a.dtype == DType::kF32 && a.end >= a.begin + 8192;
 }
 
+// The SIMT kernel in the shape SimtLong picks for `a`.
+template <typename T>
+Status LaunchSimtShape(const AttendArgs& a, cudaStream_t stream) {
+  return SimtLong(a) ? LaunchSimtD<T, true>(a, stream) : LaunchSimtD<T, false>(a, stream);
+}
+
 // Shared memory per block of the SIMT shape LaunchAttend runs `a` on (2-byte types alike).
 size_t SimtSmem(const AttendArgs& a) {
   const bool f32 = a.dtype == DType::kF32;
@@ -549,7 +556,7 @@ uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
           ? static_cast<uint64_t>(BatchedBlocksPerSm(a.d))
           : std::clamp<uint64_t>((227u << 10) / std::max<size_t>(smem, 1), 1, 4);
   const uint64_t slots = per_sm * std::max(gpu::Info().sms, 1);
-  const uint64_t blocks = tc ? (a.n_items + FlashRowGroups(a) - 1) / FlashRowGroups(a) : a.n_items;
+  const uint64_t blocks = GridBlocks(a);
   uint64_t splits = std::max<uint64_t>(1, slots / std::max<uint64_t>(blocks, 1));
   splits = std::min<uint64_t>(splits, std::max<uint64_t>(1, keys / 128));
   return static_cast<uint32_t>(std::min<uint64_t>(splits, 4096));
@@ -561,12 +568,11 @@ Status LaunchAttend(const AttendArgs& a, void* stream) {
   if (UsesTensorCores(a)) return LaunchFlash(a, s);
   switch (a.dtype) {
     case DType::kF16:
-      return SimtLong(a) ? LaunchSimtD<__half, true>(a, s) : LaunchSimtD<__half, false>(a, s);
+      return LaunchSimtShape<__half>(a, s);
     case DType::kBF16:
-      return SimtLong(a) ? LaunchSimtD<__nv_bfloat16, true>(a, s)
-                         : LaunchSimtD<__nv_bfloat16, false>(a, s);
+      return LaunchSimtShape<__nv_bfloat16>(a, s);
     default:
-      return SimtLong(a) ? LaunchSimtD<float, true>(a, s) : LaunchSimtD<float, false>(a, s);
+      return LaunchSimtShape<float>(a, s);
   }
 }
 
