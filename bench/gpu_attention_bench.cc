@@ -7,8 +7,11 @@
 // + combine (sparse-auto).
 //
 //   pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>
-//   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top> [shared]
-//                       (shared: SHARED selection — one block set per K/V head)
+//   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top> [shared|fused]
+//                       (shared: SHARED selection — one block set per K/V head; fused: SHARED,
+//                       and the one-launch kernel beside it, compared; PION_BENCH_CLUSTER=8|16
+//                       forces its cluster size, PION_BENCH_TRACE=1 adds its
+//                       phases' times)
 //   pion-gpu-attn-bench stream <bytes>
 //   pion-gpu-attn-bench empty <kernels> <blocks>   (the launch floor: empty kernels per call)
 //
@@ -16,11 +19,13 @@
 // bench/bench_attend_gpu.py, which runs torch's scaled_dot_product_attention on the same shapes.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/cuda_attention.h"
@@ -240,7 +245,7 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
 }
 
 int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint32_t block,
-               uint32_t k_top, bool shared) {
+               uint32_t k_top, bool shared, bool fused) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   AttendArgs a = Base(t, hq, hkv, 1, n, d);
@@ -313,14 +318,133 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
       stage_us += buf;
     }
   }
+  // fused (WIP): the one-launch SHARED kernel beside the four launches, its results compared
+  // with theirs (output, LSE, chosen blocks, counts, omitted mass).
+  std::string fused_json;
+  if (fused) {
+    std::vector<int32_t> members(size_t{hkv} * kernels::cuda::kMaxSharedGroup, -1);
+    for (uint32_t h = 0; h < hq; ++h) {
+      int32_t* row = members.data() + size_t(map[h]) * kernels::cuda::kMaxSharedGroup;
+      int g = 0;
+      while (g < kernels::cuda::kMaxSharedGroup && row[g] >= 0) ++g;
+      if (g == kernels::cuda::kMaxSharedGroup) {
+        std::fprintf(stderr, "fused: more than %d query heads per K/V head\n",
+                     kernels::cuda::kMaxSharedGroup);
+        return 2;
+      }
+      row[g] = static_cast<int32_t>(h);
+    }
+    kernels::cuda::FusedSparseArgs f;
+    f.q = a.q;
+    f.hq = hq;
+    f.d = d;
+    f.members = DevAlloc<int32_t>(members.size());
+    CK(cudaMemcpy(const_cast<int32_t*>(f.members), members.data(), members.size() * 4,
+                  cudaMemcpyHostToDevice));
+    f.k = a.k;
+    f.v = a.v;
+    f.heads = hkv;
+    f.rows = n;
+    f.mean = mean;
+    f.min = mn;
+    f.max = mx;
+    f.nb = nb;
+    f.block = block;
+    f.lo = 0;
+    f.hi = n;
+    f.k_top = k_top;
+    f.scale = a.scale;
+    {
+      const char* c = std::getenv("PION_BENCH_CLUSTER");
+      f.cluster = kernels::cuda::SparseAutoSharedCluster(d, hkv, c ? U(c) : 0);
+    }
+    f.scratch = DevAlloc<float>(kernels::cuda::SparseAutoSharedScratch(hkv, d, f.cluster));
+    f.counters = DevAlloc<uint32_t>(hkv);
+    CK(cudaMemset(f.counters, 0, hkv * sizeof(uint32_t)));
+    f.out = DevAlloc<float>(size_t{hq} * d);
+    f.lse = DevAlloc<float>(hq);
+    f.blocks = DevAlloc<int32_t>(size_t{hq} * (k_top + 2));
+    f.nchosen = DevAlloc<int32_t>(hq);
+    f.counts = DevAlloc<int32_t>(hq);
+    f.omitted = DevAlloc<float>(hq);
+    run(4);
+    Ok(kernels::cuda::LaunchSparseAutoShared(f, s));
+    CK(cudaStreamSynchronize(s));
+    auto down = [](const auto* p, size_t n) {
+      std::vector<std::remove_cv_t<std::remove_pointer_t<decltype(p)>>> h(n);
+      CK(cudaMemcpy(h.data(), p, n * sizeof(h[0]), cudaMemcpyDeviceToHost));
+      return h;
+    };
+    const auto o1 = down(a.out, size_t{hq} * d), o2 = down(f.out, size_t{hq} * d);
+    const auto l1 = down(a.lse, hq), l2 = down(f.lse, hq);
+    const auto b1 = down(blocks, size_t{hq} * (k_top + 2)),
+               b2 = down(f.blocks, size_t{hq} * (k_top + 2));
+    const auto n1 = down(nchosen, hq), n2 = down(f.nchosen, hq);
+    const auto c1 = down(counts, hq), c2 = down(f.counts, hq);
+    const auto m1 = down(omitted, hq), m2 = down(f.omitted, hq);
+    double err = 0, om_err = 0;
+    for (size_t i = 0; i < o1.size(); ++i) err = std::max(err, std::fabs(double(o1[i]) - o2[i]));
+    for (uint32_t h = 0; h < hq; ++h) {
+      err = std::max(err, std::fabs(double(l1[h]) - l2[h]));
+      om_err = std::max(om_err, std::fabs(double(m1[h]) - m2[h]));
+    }
+    bool same = n1 == n2 && c1 == c2;
+    for (uint32_t h = 0; same && h < hq; ++h) {
+      for (int32_t j = 0; j < n1[h]; ++j)
+        same = same && b1[h * (k_top + 2) + j] == b2[h * (k_top + 2) + j];
+    }
+    double fused_launches = 0;
+    const double fused_us = TimeUs(
+        s, [&] { Ok(kernels::cuda::LaunchSparseAutoShared(f, s)); }, 200, &fused_launches);
+    // PION_BENCH_TRACE=1: one more launch with clock64 marks at the phase boundaries, each
+    // phase's mean over the blocks in µs (at the SM clock the device reports).
+    std::string phases;
+    if (const char* tr = std::getenv("PION_BENCH_TRACE"); tr != nullptr && tr[0] == '1') {
+      constexpr int kMarks = 10;
+      const size_t blocks_n = size_t{hkv} * f.cluster;
+      f.trace = DevAlloc<long long>(blocks_n * kMarks);
+      Ok(kernels::cuda::LaunchSparseAutoShared(f, s));
+      CK(cudaStreamSynchronize(s));
+      const auto tr_h = down(f.trace, blocks_n * kMarks);
+      int khz = 0;
+      CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+      for (int i = 1; i < kMarks; ++i) {
+        double sum = 0;
+        size_t cnt = 0;
+        double most = 0;  // the last phase: the longest (the merging block's)
+        for (size_t b = 0; b < blocks_n; ++b) {
+          const double t = double(tr_h[b * kMarks + i] - tr_h[b * kMarks + i - 1]);
+          sum += t;
+          most = std::max(most, t);
+          ++cnt;
+        }
+        if (i == kMarks - 1) sum = most * cnt;
+        char p[32];
+        std::snprintf(p, sizeof p, "%s%.2f", i > 1 ? ", " : "", cnt ? sum / cnt / khz * 1e3 : 0);
+        phases += p;
+      }
+      f.trace = nullptr;
+    }
+    char buf[512];
+    std::snprintf(buf, sizeof buf,
+                  ", \"fused_us\": %.2f, \"fused_us_launches\": %.2f, \"fused_cluster\": %u, "
+                  "\"fused_max_abs_err\": %.3g, \"fused_omitted_err\": %.3g, "
+                  "\"fused_same_blocks\": %s, \"fused_phase_us\": [%s], "
+                  "\"fused_active_clusters_8_16\": [%d, %d]",
+                  fused_us, fused_launches, f.cluster, err, om_err, same ? "true" : "false",
+                  phases.c_str(), kernels::cuda::SparseAutoSharedActiveClusters(d, 8),
+                  kernels::cuda::SparseAutoSharedActiveClusters(d, 16));
+    fused_json = buf;
+  }
   std::printf(
       "{\"kind\": \"sparse_auto\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": 1, \"n\": "
       "%u, \"d\": %u, \"block\": %u, \"k_top\": %u, \"budget\": %u, \"us\": %.2f, "
       "\"us_launches\": %.2f, \"bytes\": %.0f, \"splits\": %u, \"shared\": %s, \"path\": \"%s\", "
-      "\"stage_us\": [%s]}\n",
+      "\"stage_us\": [%s]%s}\n",
       t == DType::kF16 ? "f16" : "f32", hq, hkv, n, d, block, k_top, stride, us, us_launches, bytes,
       a.splits, shared ? "true" : "false",
-      kernels::cuda::UsesTensorCores(a) ? "tensor-core" : "simt", stage_us.c_str());
+      kernels::cuda::UsesTensorCores(a) ? "tensor-core" : "simt", stage_us.c_str(),
+      fused_json.c_str());
   return 0;
 }
 
@@ -369,16 +493,17 @@ int main(int argc, char** argv) {
   if (kind == "dense" && argc == 8) {
     return Dense(ParseType(argv[2]), U(argv[3]), U(argv[4]), U(argv[5]), U(argv[6]), U(argv[7]));
   }
-  if (kind == "sparse_auto" && (argc == 9 || (argc == 10 && std::string(argv[9]) == "shared"))) {
+  const std::string mode = argc == 10 ? argv[9] : "";
+  if (kind == "sparse_auto" && (argc == 9 || mode == "shared" || mode == "fused")) {
     return SparseAuto(ParseType(argv[2]), U(argv[3]), U(argv[4]), U(argv[5]), U(argv[6]),
-                      U(argv[7]), U(argv[8]), argc == 10);
+                      U(argv[7]), U(argv[8]), argc == 10, mode == "fused");
   }
   if (kind == "stream" && argc == 3) return Stream(std::strtoull(argv[2], nullptr, 10));
   if (kind == "empty" && argc == 4) return Empty(U(argv[2]), U(argv[3]));
   std::fprintf(stderr,
                "usage: pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>\n"
                "       pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> "
-               "<K_top> [shared]\n"
+               "<K_top> [shared|fused]\n"
                "       pion-gpu-attn-bench stream <bytes>\n"
                "       pion-gpu-attn-bench empty <kernels> <blocks>\n");
   return 2;

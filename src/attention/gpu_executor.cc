@@ -186,6 +186,22 @@ Status DenseLaunch(Job& job, AttendArgs a, const DensePass& pass, Parts* parts,
   return LaunchItems(job, a, pass.items, parts, pass.splits, fin);
 }
 
+// The query heads of each K/V head, kMaxSharedGroup slots a head (−1 past the last), for the
+// one-launch SHARED kernel; returns the largest group (0 when one exceeds the slots).
+uint32_t GroupMembers(const kernels::Queries& q, uint32_t heads, std::vector<int32_t>* members) {
+  constexpr int kSlots = kernels::cuda::kMaxSharedGroup;
+  members->assign(size_t{heads} * kSlots, -1);
+  std::vector<uint32_t> size(heads, 0);
+  uint32_t most = 0;
+  for (uint32_t h = 0; h < q.hq; ++h) {
+    const auto kv = static_cast<uint32_t>(q.head_map[h]);
+    if (size[kv] == kSlots) return 0;
+    (*members)[size_t{kv} * kSlots + size[kv]++] = static_cast<int32_t>(h);
+    most = std::max(most, size[kv]);
+  }
+  return most;
+}
+
 // A sparse pass: row r attends list[r*stride ..+counts[r]) (device), one item per row.
 Status SparseLaunch(Job& job, AttendArgs a, const int32_t* head_map, const int32_t* list,
                     const int32_t* counts, uint32_t stride, Parts* parts, uint32_t splits,
@@ -359,8 +375,61 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       if (plan.shared_blocks) group_pass = PlanDense(grouped, q.head_map, stride);
       const uint32_t splits =
           plan.shared_blocks ? group_pass.splits : SparseSplitsFor(base, q.head_map, stride);
-      PION_TRY(AllocParts(job, splits + suf_pass.splits, nrows, q.d, &parts));
-      if (vis_lo < vis_hi) {
+      // SHARED without a suffix, where the one-launch kernel takes the shape: score, select,
+      // attend and merge in the thread-block clusters of each K/V head (sparse_fused.cu).
+      std::vector<int32_t> members;
+      const uint32_t group = q.m == 1 ? GroupMembers(q, slot.heads, &members) : 0;
+      const bool one_launch =
+          vis_lo < vis_hi && plan.shared_blocks && fin != nullptr &&
+          kernels::cuda::SparseAutoSharedFits(
+              slot.dtype, q.d, group, static_cast<uint32_t>((vis_hi - 1) / B - vis_lo / B + 1));
+      if (!one_launch) PION_TRY(AllocParts(job, splits + suf_pass.splits, nrows, q.d, &parts));
+      if (one_launch) {
+        b_lo = vis_lo / B;
+        b_hi = (vis_hi - 1) / B;
+        PION_ASSIGN(dmembers, job.Up(members.data(), members.size()));
+        kernels::cuda::FusedSparseArgs f;
+        f.q = dq;
+        f.hq = q.hq;
+        f.d = q.d;
+        f.members = dmembers;
+        f.k = copy.k();
+        f.v = copy.v();
+        f.heads = slot.heads;
+        f.rows = slot.rows;
+        f.mean = summaries->dev_mean();
+        f.min = summaries->dev_min();
+        f.max = summaries->dev_max();
+        f.nb = nb;
+        f.block = B;
+        f.lo = static_cast<uint32_t>(vis_lo);
+        f.hi = static_cast<uint32_t>(vis_hi);
+        f.k_top = plan.k_top;
+        f.scale = scale;
+        f.quest = plan.selector == kernels::BlockSelector::kQuest;
+        f.out = dout;
+        f.lse = dout + out_n;
+        f.blocks = blocks;
+        f.nchosen = nchosen;
+        f.counts = counts;
+        f.omitted = omitted;
+        f.cluster = kernels::cuda::SparseAutoSharedCluster(q.d, slot.heads);
+        PION_ASSIGN(scratch, job.Dev<float>(kernels::cuda::SparseAutoSharedScratch(slot.heads, q.d,
+                                                                                   f.cluster)));
+        auto counters = job.ctx()->Counters(slot.heads);
+        if (!counters.ok()) return counters.status();
+        f.scratch = scratch;
+        f.counters = counters.value();
+        PION_TRY(job.Flush());
+        PION_TRY(kernels::cuda::LaunchSparseAutoShared(f, job.stream()));
+        finish.done = true;
+        r->splits = f.cluster;
+        PION_ASSIGN(hb, job.Down(blocks, size_t{q.hq} * (plan.k_top + 2)));
+        PION_ASSIGN(hn, job.Down(nchosen, q.hq));
+        PION_ASSIGN(hc, job.Down(counts, q.hq));
+        PION_ASSIGN(ho, job.Down(omitted, q.hq));
+        h_blocks = hb, h_nchosen = hn, h_counts = hc, h_omitted = ho;
+      } else if (vis_lo < vis_hi) {
         b_lo = vis_lo / B;
         b_hi = (vis_hi - 1) / B;
         PION_TRY(kernels::cuda::LaunchScoreBlocks(dq, q.hq, q.d, dmap, summaries->dev_mean(),

@@ -105,7 +105,8 @@ std::string Describe(const Case& c) {
          (c.shared ? " shared" : "");
 }
 
-void Check(const Case& c, uint32_t seed = 1) {
+// `receipt`: the GPU run's receipt, for checks of the path it took.
+void Check(const Case& c, uint32_t seed = 1, Receipt* receipt = nullptr) {
   SCOPED_TRACE(Describe(c));
   std::mt19937 rng(seed);
   auto ts = MakeSlot(c.heads, c.n, c.d, c.dtype, rng);
@@ -198,6 +199,7 @@ void Check(const Case& c, uint32_t seed = 1) {
   EXPECT_EQ(rg.blocks, rr.blocks);
   EXPECT_EQ(rg.blocks_total, rr.blocks_total);
   EXPECT_NEAR(rg.omitted_mass_estimate, rr.omitted_mass_estimate, 1e-4);
+  if (receipt != nullptr) *receipt = rg;
 }
 
 // One small case of every kernel variant: the compute-sanitizer (memcheck, racecheck) target.
@@ -390,6 +392,53 @@ TEST(GpuExecutor, SparseAuto) {
           Check(c);
         }
       }
+    }
+  }
+}
+
+// SHARED sparse-auto without a suffix runs as one launch where it fits (fp16, d 64/128, <= 8
+// query heads a K/V head, sm_90; sparse_fused.cu): clusters of 16 (few K/V heads) and of 8 (more
+// heads than clusters of 16 run at once), groups of one to eight query heads, Quest, a window, one
+// or two visible blocks, every candidate chosen, the most visible blocks one launch takes and one
+// more (the four launches then), against the CPU reference, receipts included.
+TEST(GpuExecutor, SparseAutoSharedOneLaunch) {
+  SKIP_WITHOUT_GPU();
+  using kernels::BlockSelector;
+  struct Shape {
+    uint32_t hq, heads, n, d, block, k_top;
+    int64_t window;
+    BlockSelector sel;
+    bool one_launch;
+  };
+  const Shape shapes[] = {
+      {8, 8, 4000, 128, 64, 20, 0, BlockSelector::kMean, true},        // G = 1
+      {64, 8, 4000, 64, 64, 20, 1000, BlockSelector::kQuest, true},    // G = 8, window
+      {36, 12, 5000, 128, 32, 50, 0, BlockSelector::kMean, true},      // 12 heads, G = 3
+      {8, 2, 100, 64, 64, 3, 0, BlockSelector::kMean, true},           // two visible blocks
+      {8, 2, 50, 128, 64, 3, 0, BlockSelector::kQuest, true},          // one
+      {8, 2, 1000, 64, 64, 1000, 0, BlockSelector::kMean, true},       // every candidate
+      {8, 2, 2050 * 16, 64, 16, 100, 0, BlockSelector::kMean, true},   // the most blocks
+      {8, 2, 2051 * 16, 64, 16, 100, 0, BlockSelector::kMean, false},  // one more
+      {72, 8, 3000, 128, 64, 10, 0, BlockSelector::kMean, false},      // G = 9: four launches
+  };
+  const bool clusters = kernels::cuda::SparseAutoSharedFits(DType::kF16, 64, 1, 1);
+  for (const Shape& sh : shapes) {
+    Case c;
+    c.form = Form::kSparseAuto;
+    c.dtype = DType::kF16;
+    c.shared = true;
+    c.hq = sh.hq;
+    c.heads = sh.heads;
+    c.n = sh.n;
+    c.d = sh.d;
+    c.block = sh.block;
+    c.k_top = sh.k_top;
+    c.window = sh.window;
+    c.selector = sh.sel;
+    Receipt r;
+    Check(c, 1, &r);
+    if (clusters && sh.one_launch) {  // a one-launch receipt reports the cluster size as splits
+      EXPECT_EQ(r.splits, kernels::cuda::SparseAutoSharedCluster(sh.d, sh.heads)) << Describe(c);
     }
   }
 }

@@ -110,6 +110,56 @@ Status LaunchSelectRows(const AttendArgs& a, uint32_t row0, uint32_t n, const fl
                         uint32_t top_k, int32_t* list, int32_t* counts, float* omitted,
                         uint8_t* exact, void* stream);
 
+// SHARED sparse-auto in one launch (sparse_fused.cu): per K/V head one thread-block cluster of
+// `cluster` blocks scores the head's blocks, selects the top k_top (plus the first and last
+// visible blocks, as LaunchSelectBlocks with shared), attends its share of the chosen rows on the
+// tensor cores, and the head's last block to finish merges them into out/lse; the receipts as
+// LaunchSelectBlocks writes them, without the row lists. fp16 K/V, d ∈ {64, 128}, M = 1, at most
+// kMaxSharedGroup query heads per K/V head, sm_90+.
+inline constexpr int kMaxSharedGroup = 8;
+struct FusedSparseArgs {
+  const float* q = nullptr;  // [hq][d]
+  uint32_t hq = 0, d = 0;
+  // [heads][kMaxSharedGroup]: the query heads of each K/V head, −1 past the last.
+  const int32_t* members = nullptr;
+  const void* k = nullptr;  // fp16 [heads][rows][d]
+  const void* v = nullptr;
+  uint32_t heads = 0, rows = 0;
+  const float* mean = nullptr;  // block summaries [heads][nb][d]
+  const float* min = nullptr;
+  const float* max = nullptr;
+  uint32_t nb = 0, block = 0;
+  uint32_t lo = 0, hi = 0;  // visible rows (hi > lo)
+  uint32_t k_top = 0;
+  float scale = 0;
+  bool quest = false;
+  uint32_t cluster = 8;       // blocks a head: SparseAutoSharedCluster
+  float* out = nullptr;       // [hq][d]
+  float* lse = nullptr;       // [hq]
+  int32_t* blocks = nullptr;  // [hq][k_top + 2]
+  int32_t* nchosen = nullptr;
+  int32_t* counts = nullptr;
+  float* omitted = nullptr;
+  // The blocks of a head meet in scratch (SparseAutoSharedScratch floats) and one zeroed counter
+  // a head (left zeroed).
+  float* scratch = nullptr;
+  uint32_t* counters = nullptr;
+  long long* trace = nullptr;  // bench only: [blocks][10] clock64 marks at the phase boundaries
+};
+Status LaunchSparseAutoShared(const FusedSparseArgs& a, void* stream);
+// Whether LaunchSparseAutoShared takes a query of this shape on this device: fp16 K/V, d 64 or
+// 128, at most kMaxSharedGroup query heads per K/V head (`group`), `visible_blocks` within its
+// staging, sm_90+.
+bool SparseAutoSharedFits(DType dtype, uint32_t d, uint32_t group, uint32_t visible_blocks);
+// The cluster size for `heads` K/V heads: 16 where every head's cluster of 16 runs at once, else
+// 8. `want` (8 or 16) forces it where the device has it (the bench compares them).
+uint32_t SparseAutoSharedCluster(uint32_t d, uint32_t heads, uint32_t want = 0);
+// How many clusters of `cluster` (8 or 16) blocks of the kernel the device runs at once.
+int SparseAutoSharedActiveClusters(uint32_t d, uint32_t cluster);
+inline size_t SparseAutoSharedScratch(uint32_t heads, uint32_t d, uint32_t cluster) {
+  return size_t{heads} * cluster * kMaxSharedGroup * (d + 4);
+}
+
 Status LaunchSummarize(const void* k, DType dtype, uint32_t heads, uint32_t rows, uint32_t d,
                        uint32_t block, uint32_t nblocks, float* mean, float* min, float* max,
                        void* stream);

@@ -88,5 +88,9 @@ Status LaunchSelectBlocks(const float*, const float*, const int32_t*, uint32_t, 
                           int32_t*, int32_t*, uint32_t, float*, void*) {
   return NoCuda();
 }
+Status LaunchSparseAutoShared(const FusedSparseArgs&, void*) { return NoCuda(); }
+bool SparseAutoSharedFits(DType, uint32_t, uint32_t, uint32_t) { return false; }
+uint32_t SparseAutoSharedCluster(uint32_t, uint32_t, uint32_t) { return 8; }
+int SparseAutoSharedActiveClusters(uint32_t, uint32_t) { return 0; }
 
 }  // namespace pion::kernels::cuda

@@ -8,10 +8,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_select.cuh"
 
 namespace pion::kernels::cuda {
 namespace {
@@ -19,122 +19,6 @@ namespace {
 constexpr int kSelThreads = 512;
 constexpr int kSmemBlocks = 2048;  // block candidates a block select stages in shared memory
 constexpr int kMaxGroup = 1024;    // SHARED: the most query heads of one K/V head (all of H_q)
-
-template <typename Op>
-__device__ float BlockReduce(float x, Op op, float identity) {
-  __shared__ float part[32];
-  __shared__ float result;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
-  if (lane == 0) part[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    x = lane < static_cast<int>(blockDim.x / 32) ? part[lane] : identity;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
-    if (lane == 0) result = x;
-  }
-  __syncthreads();
-  const float r = result;
-  __syncthreads();
-  return r;
-}
-struct MaxOp {
-  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-struct SumOp {
-  __device__ float operator()(float a, float b) const { return a + b; }
-};
-
-// Where the top k of n keys end: a key is in the top k when its masked bits exceed `prefix`,
-// or equal it and it is among the first `need` such (in index order).
-struct Threshold {
-  uint32_t prefix = 0, mask = 0;
-  int need = 0;
-};
-
-// The threshold of the top k among key(0..n-1) (1 <= k <= n). One kSelThreads block; per 8-bit
-// digit a shared histogram, then a block scan over the bins from the top finds the digit of the
-// k-th largest key. It stops early once every key of that digit's bin belongs to the top k (the
-// masked prefix then separates them exactly: no later digit can matter).
-template <typename KeyFn>
-__device__ Threshold RadixSelect(const KeyFn& key, int n, int k) {
-  using Scan = cub::BlockScan<int, kSelThreads>;
-  __shared__ typename Scan::TempStorage tmp;
-  __shared__ int hist[256];
-  __shared__ uint32_t s_prefix, s_mask;
-  __shared__ int s_k;
-  __shared__ bool s_done;
-  if (threadIdx.x == 0) {
-    s_prefix = 0;
-    s_mask = 0;
-    s_k = k;
-    s_done = false;
-  }
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    if (threadIdx.x < 256) hist[threadIdx.x] = 0;
-    __syncthreads();
-    if (s_done) break;
-    const uint32_t prefix = s_prefix, mask = s_mask;
-    const int want = s_k;
-    // Lanes with the same digit add once (block scores cluster in a few high digits: one
-    // shared-memory atomic per digit and warp instead of one per key on one address).
-    for (int base = 0; base < n; base += kSelThreads) {
-      const int i = base + static_cast<int>(threadIdx.x);
-      const uint32_t u = i < n ? key(i) : 0u;
-      const bool in = i < n && (u & mask) == prefix;
-      const uint32_t bin = in ? (u >> shift) & 255u : 256u;
-      const unsigned peers = __match_any_sync(0xffffffffu, bin);
-      if (in && __ffs(peers) - 1 == static_cast<int>(threadIdx.x & 31u)) {
-        atomicAdd(&hist[bin], __popc(peers));
-      }
-    }
-    __syncthreads();
-    // Thread t owns bin 255 − t: `above` counts the keys in higher bins.
-    const int b = 255 - static_cast<int>(threadIdx.x);
-    const int h = b >= 0 ? hist[b] : 0;
-    int above;
-    Scan(tmp).ExclusiveSum(h, above);
-    if (above < want && want <= above + h) {
-      s_prefix = prefix | (static_cast<uint32_t>(b) << shift);
-      s_mask = mask | (255u << shift);
-      s_k = want - above;
-      s_done = want - above == h;  // the whole bin is in the top k
-    }
-    __syncthreads();
-  }
-  Threshold t;
-  t.prefix = s_prefix;
-  t.mask = s_mask;
-  t.need = s_k;
-  __syncthreads();
-  return t;
-}
-
-// Visits i = 0..n-1 in index order: visit(i, taken, rank) with rank the position of i among
-// the taken ones (ascending), taken as `th` says. One block scan per kSelThreads keys: it counts
-// the keys above the threshold and those at it together (16 bits each), and the ones at it are
-// taken while fewer than th.need came before.
-template <typename KeyFn, typename Visit>
-__device__ void CompactAscending(const KeyFn& key, int n, const Threshold& th, const Visit& visit) {
-  using Scan = cub::BlockScan<int, kSelThreads>;
-  __shared__ typename Scan::TempStorage tmp;
-  int gt_before = 0, eq_before = 0;
-  for (int base = 0; base < n; base += kSelThreads) {
-    const int i = base + static_cast<int>(threadIdx.x);
-    const uint32_t u = i < n ? key(i) & th.mask : 0u;
-    const int gt = i < n && u > th.prefix, eq = i < n && u == th.prefix;
-    int excl, total;
-    Scan(tmp).ExclusiveSum(gt | (eq << 16), excl, total);
-    __syncthreads();
-    const int gts = gt_before + (excl & 0xffff), eqs = eq_before + (excl >> 16);
-    const bool take = gt || (eq && eqs < th.need);
-    if (i < n) visit(i, take, gts + Min(eqs, th.need));
-    gt_before += total & 0xffff;
-    eq_before += total >> 16;
-  }
-}
 
 template <typename T>
 __device__ inline float ToF(T x) {
@@ -207,9 +91,9 @@ __global__ void __launch_bounds__(kSelThreads, 1)
   for (int i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, s[i]);
   mx = BlockReduce(mx, MaxOp{}, -INFINITY);
   auto key = [s](int i) { return SortKey(s[i]); };
-  const Threshold th = RadixSelect(key, n, keep);
+  const Threshold th = RadixSelect<kSelThreads>(key, n, keep);
   float all = 0.f, left = 0.f;
-  CompactAscending(key, n, th, [&](int i, bool taken, int rank) {
+  CompactAscending<kSelThreads>(key, n, th, [&](int i, bool taken, int rank) {
     const float w = expf(s[i] - mx);
     all += w;
     if (taken) {
@@ -253,15 +137,6 @@ __global__ void Summarize(const T* k, uint32_t rows, uint32_t d, uint32_t block,
 // block and summary at d = 128; d is a multiple of 32).
 constexpr int kScoreWarps = 8;
 constexpr int kScoreRun = 8;
-
-__device__ inline float Dot4(float4 a, float4 b) {
-  return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, a.w * b.w)));
-}
-// Quest's bound over a slice: sum of max(q·min, q·max) per column.
-__device__ inline float Bound4(float4 q, float4 lo, float4 hi) {
-  return fmaxf(q.x * lo.x, q.x * hi.x) + fmaxf(q.y * lo.y, q.y * hi.y) +
-         fmaxf(q.z * lo.z, q.z * hi.z) + fmaxf(q.w * lo.w, q.w * hi.w);
-}
 
 template <bool kQuest>
 __global__ void __launch_bounds__(256)
@@ -421,10 +296,10 @@ __global__ void __launch_bounds__(kSelThreads, 1)
     for (int i = threadIdx.x; i < ncand; i += blockDim.x) visit(i, keep > 0, i);
   } else if (staged) {
     auto key = [](int i) { return skeys[i]; };
-    CompactAscending(key, ncand, RadixSelect(key, ncand, keep), visit);
+    CompactAscending<kSelThreads>(key, ncand, RadixSelect<kSelThreads>(key, ncand, keep), visit);
   } else {
     auto key = [&](int i) { return SortKey(score_of(b_lo + 1 + static_cast<uint32_t>(i))); };
-    CompactAscending(key, ncand, RadixSelect(key, ncand, keep), visit);
+    CompactAscending<kSelThreads>(key, ncand, RadixSelect<kSelThreads>(key, ncand, keep), visit);
   }
   all = BlockReduce(all, SumOp{}, 0.f);  // its barriers also publish hb
   left = BlockReduce(left, SumOp{}, 0.f);

@@ -1,0 +1,140 @@
+// Block-wide selection helpers shared by the selection kernels (select.cu, sparse_fused.cu): not
+// a public interface. Keys are order-preserving uint32 (SortKey); ties at the threshold go to the
+// lower index, as the CPU executor breaks them.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace pion::kernels::cuda {
+
+// A 4-column slice of a block score: q·mean, and Quest's bound (sum of max(q·min, q·max)).
+__device__ inline float Dot4(float4 a, float4 b) {
+  return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, a.w * b.w)));
+}
+__device__ inline float Bound4(float4 q, float4 lo, float4 hi) {
+  return fmaxf(q.x * lo.x, q.x * hi.x) + fmaxf(q.y * lo.y, q.y * hi.y) +
+         fmaxf(q.z * lo.z, q.z * hi.z) + fmaxf(q.w * lo.w, q.w * hi.w);
+}
+
+template <typename Op>
+__device__ inline float BlockReduce(float x, Op op, float identity) {
+  __shared__ float part[32];
+  __shared__ float result;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+  if (lane == 0) part[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    x = lane < static_cast<int>(blockDim.x / 32) ? part[lane] : identity;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+    if (lane == 0) result = x;
+  }
+  __syncthreads();
+  const float r = result;
+  __syncthreads();
+  return r;
+}
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+
+// Where the top k of n keys end: a key is in the top k when its masked bits exceed `prefix`,
+// or equal it and it is among the first `need` such (in index order).
+struct Threshold {
+  uint32_t prefix = 0, mask = 0;
+  int need = 0;
+};
+
+// The threshold of the top k among key(0..n-1) (1 <= k <= n). One block of kThreads (>= 256)
+// threads; per 8-bit digit a shared histogram, then a block scan over the bins from the top finds
+// the digit of the k-th largest key. It stops early once every key of that digit's bin belongs to
+// the top k (the masked prefix then separates them exactly: no later digit can matter).
+template <int kThreads, typename KeyFn>
+__device__ inline Threshold RadixSelect(const KeyFn& key, int n, int k) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int hist[256];
+  __shared__ uint32_t s_prefix, s_mask;
+  __shared__ int s_k;
+  __shared__ bool s_done;
+  if (threadIdx.x == 0) {
+    s_prefix = 0;
+    s_mask = 0;
+    s_k = k;
+    s_done = false;
+  }
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    if (threadIdx.x < 256) hist[threadIdx.x] = 0;
+    __syncthreads();
+    if (s_done) break;
+    const uint32_t prefix = s_prefix, mask = s_mask;
+    const int want = s_k;
+    // Lanes with the same digit add once (block scores cluster in a few high digits: one
+    // shared-memory atomic per digit and warp instead of one per key on one address).
+    for (int base = 0; base < n; base += kThreads) {
+      const int i = base + static_cast<int>(threadIdx.x);
+      const uint32_t u = i < n ? key(i) : 0u;
+      const bool in = i < n && (u & mask) == prefix;
+      const uint32_t bin = in ? (u >> shift) & 255u : 256u;
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (in && __ffs(peers) - 1 == static_cast<int>(threadIdx.x & 31u)) {
+        atomicAdd(&hist[bin], __popc(peers));
+      }
+    }
+    __syncthreads();
+    // Thread t owns bin 255 − t: `above` counts the keys in higher bins.
+    const int b = 255 - static_cast<int>(threadIdx.x);
+    const int h = b >= 0 ? hist[b] : 0;
+    int above;
+    Scan(tmp).ExclusiveSum(h, above);
+    if (above < want && want <= above + h) {
+      s_prefix = prefix | (static_cast<uint32_t>(b) << shift);
+      s_mask = mask | (255u << shift);
+      s_k = want - above;
+      s_done = want - above == h;  // the whole bin is in the top k
+    }
+    __syncthreads();
+  }
+  Threshold t;
+  t.prefix = s_prefix;
+  t.mask = s_mask;
+  t.need = s_k;
+  __syncthreads();
+  return t;
+}
+
+// Visits i = 0..n-1 in index order: visit(i, taken, rank) with rank the position of i among
+// the taken ones (ascending), taken as `th` says. One block scan per kThreads keys: it counts
+// the keys above the threshold and those at it together (16 bits each), and the ones at it are
+// taken while fewer than th.need came before.
+template <int kThreads, typename KeyFn, typename Visit>
+__device__ inline void CompactAscending(const KeyFn& key, int n, const Threshold& th,
+                                        const Visit& visit) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  int gt_before = 0, eq_before = 0;
+  for (int base = 0; base < n; base += kThreads) {
+    const int i = base + static_cast<int>(threadIdx.x);
+    const uint32_t u = i < n ? key(i) & th.mask : 0u;
+    const int gt = i < n && u > th.prefix, eq = i < n && u == th.prefix;
+    int excl, total;
+    Scan(tmp).ExclusiveSum(gt | (eq << 16), excl, total);
+    __syncthreads();
+    const int gts = gt_before + (excl & 0xffff), eqs = eq_before + (excl >> 16);
+    const bool take = gt || (eq && eqs < th.need);
+    if (i < n) visit(i, take, gts + Min(eqs, th.need));
+    gt_before += total & 0xffff;
+    eq_before += total >> 16;
+  }
+}
+
+}  // namespace pion::kernels::cuda

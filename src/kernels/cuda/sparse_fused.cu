@@ -1,0 +1,662 @@
+// SHARED sparse-auto in one launch: the thread-block clusters of a K/V head score the head's
+// blocks, select the top K_top, attend the chosen rows and merge, where the separate path takes
+// four launches (block scores, block select, sparse partials, combine) and their gaps.
+//
+// A K/V head gets one cluster of C blocks (C = 16 where every head's cluster runs at once, else
+// 8; 256 threads each: SparseAutoSharedCluster). Per cluster, for K/V head kv
+// and its query heads (≤ 8, M = 1):
+//   1. rank r scores its slice of the visible blocks b_lo..b_hi for every member head (q·mean,
+//      and Quest's bound when asked: the same arithmetic as ScoreBlocks); a candidate's key is
+//      the highest selection score of the members (SHARED);
+//   2. cluster barrier; every rank gathers all candidates' keys from the others' shared memory
+//      and runs the same radix select (so every rank knows the chosen blocks without another
+//      exchange), and sums the omitted-mass weights of its own slice;
+//   3. rank r attends its share of the chosen rows (first block, chosen middle blocks,
+//      last block, ascending). Each warp streams its own run of 16-row tiles through its own
+//      cp.async ring on the tensor cores: the member heads' queries are the MMA's rows 0..7 (fp16
+//      high parts) and 8..15 (their low parts), so one m16n8k16 computes both parts of every
+//      head's scores and weights (fp32-level accuracy, as flash.cu's packed decode); the eight
+//      warps' states merge in shared memory;
+//   4. every rank leaves its state (m, l, o and its omitted-mass sums) in global scratch and
+//      counts itself done; the head's last rank merges them all (as FinishSplits does for
+//      split-K) and writes out / LSE and the receipts. A rank's shared memory stays until the
+//      cluster's other ranks have gathered from it (a split cluster barrier: arrive after the
+//      gather, wait before exit).
+#include <cooperative_groups.h>
+#include <cuda_fp16.h>
+#include <cuda_pipeline.h>
+#include <cuda_runtime.h>
+
+#include <string>
+#include <type_traits>
+
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_mma.cuh"
+#include "kernels/cuda/cuda_select.cuh"
+
+namespace pion::kernels::cuda {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxCand = 2048;  // candidate blocks (visible blocks − 2) a cluster can select from
+constexpr int kTk = 16;         // rows per warp tile
+constexpr int kG = kMaxSharedGroup;
+
+template <int D, int C>
+struct Fused {
+  static constexpr int kSlice = (kMaxCand + 2 + C - 1) / C;  // visible blocks a rank scores
+  static constexpr int kSlice4 = (kSlice + 3) / 4 * 4;
+  static constexpr int kStr = D + 8;  // padded tile row (halves): ldmatrix rows hit distinct banks
+  static constexpr int kStages = D > 64 ? 3 : 4;  // tiles in each warp's ring
+  static constexpr size_t kRing = size_t{kStages} * 2 * kTk * kStr * 2;  // a warp's K and V tiles
+  // Dynamic shared memory (bytes; every piece a multiple of 16). Kept throughout: the fp16 hi/lo
+  // queries (MMA rows), the chosen blocks, this rank's candidate keys (the other ranks read them)
+  // and the warps' rings.
+  static constexpr size_t kQh = size_t{16} * kStr * 2;
+  static constexpr size_t kChosen = size_t{kMaxCand} * 2;  // uint16: block − b_lo
+  static constexpr size_t kSliceKey = size_t{kSlice4} * 4;
+  static constexpr size_t kOffChosen = kQh;
+  static constexpr size_t kOffSliceKey = kOffChosen + kChosen;
+  static constexpr size_t kOffRings = kOffSliceKey + kSliceKey;
+  static constexpr size_t kBytes = kOffRings + kWarps * kRing;
+  // Scoring and selection happen before the first tile is loaded, so their buffers share the
+  // rings (offsets from kOffRings): fp32 queries, gathered keys, taken flags, scaled q·mean.
+  static constexpr size_t kAQ = 0;
+  static constexpr size_t kAKeys = kAQ + size_t{kG} * D * 4;
+  static constexpr size_t kATaken = kAKeys + size_t{kMaxCand} * 4;
+  static constexpr size_t kASliceMs = kATaken + size_t{kMaxCand};
+  static_assert(kASliceMs + size_t{kG} * kSlice4 * 4 <= kWarps * kRing, "selection > rings");
+  // ...and so do the warps' final outputs [kWarps][kG][D] and the last rank's merge weights.
+  static_assert(size_t{kWarps} * kG * D * 4 <= kWarps * kRing, "outputs > rings");
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Sums 32 values across the warp and scatters the totals: afterwards lane l's v[0] is the warp's
+// sum of every lane's v[l]. 31 shuffles for 32 sums (32 WarpSums take 160), and each total is
+// added in WarpSum's order, so bit for bit the same value.
+__device__ inline float ReduceScatter32(float (&v)[32]) {
+  const int lane = threadIdx.x & 31;
+  Unroll<0, 5>([&](auto S) {
+    constexpr int kHalf = 16 >> decltype(S)::value;  // values left after this step
+    const bool upper = lane & kHalf;
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const float keep = upper ? v[i + kHalf] : v[i];
+      const float send = upper ? v[i] : v[i + kHalf];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kHalf);
+    }
+  });
+  return v[0];
+}
+#endif
+
+template <int D, int C>
+__global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters; the launch checks the device
+  using F = Fused<D, C>;
+  constexpr int kStr = F::kStr, kS = F::kStages;
+  constexpr int kMarks = 10;  // trace marks a block
+  extern __shared__ __align__(16) uint8_t smem[];
+  __half* qh = reinterpret_cast<__half*>(smem);                               // [16][kStr]
+  uint16_t* chosen = reinterpret_cast<uint16_t*>(smem + F::kOffChosen);       // [keep] ascending
+  uint32_t* slice_key = reinterpret_cast<uint32_t*>(smem + F::kOffSliceKey);  // [kSlice]
+  uint8_t* rings = smem + F::kOffRings;
+  float* qs = reinterpret_cast<float*>(rings + F::kAQ);              // [kG][D]
+  uint32_t* keys = reinterpret_cast<uint32_t*>(rings + F::kAKeys);   // [ncand], gathered
+  uint8_t* taken = rings + F::kATaken;                               // [ncand]
+  float* slice_ms = reinterpret_cast<float*>(rings + F::kASliceMs);  // [kG][kSlice] scale·q·mean
+  __shared__ float part_top[kG], part_all[kG], part_left[kG];
+  __shared__ float warp_a[kWarps][kG], warp_b[kWarps][kG];
+  __shared__ float s_top[kG];
+  __shared__ int32_t heads[kG];
+  __shared__ bool s_last;
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  constexpr uint32_t ranks = C;  // the head's blocks
+  const uint32_t kv = blockIdx.x / C, me = static_cast<uint32_t>(rank);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  auto mark = [&](int i) {
+    if (a.trace != nullptr && tid == 0) a.trace[size_t{blockIdx.x} * kMarks + i] = clock64();
+  };
+  WaitForPrimary();
+  mark(0);
+
+  // The member heads (packed, −1 past the last) and their query rows: fp32 for the scores,
+  // fp16 high and low parts as the MMA's rows g and g + 8 (zero past the group).
+  int32_t member = -1;
+  if (tid < kG) {
+    member = a.members[kv * kG + tid];
+    heads[tid] = member;
+  }
+  const int G = __syncthreads_count(member >= 0);
+  for (int e = tid; e < kG * D / 4; e += kThreads) {
+    const int g = e / (D / 4), c = e % (D / 4);
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < G) x = reinterpret_cast<const float4*>(a.q + size_t(heads[g]) * D)[c];
+    reinterpret_cast<float4*>(qs)[e] = x;
+    *reinterpret_cast<uint2*>(qh + g * kStr + 4 * c) = make_uint2(Pack(x.x, x.y), Pack(x.z, x.w));
+    *reinterpret_cast<uint2*>(qh + (g + 8) * kStr + 4 * c) =
+        make_uint2(PackLo(x.x, x.y), PackLo(x.z, x.w));
+  }
+  const uint32_t B = a.block, lo = a.lo, hi = a.hi;
+  const uint32_t b_lo = lo / B, b_hi = (hi - 1) / B;
+  const int nvis = static_cast<int>(b_hi - b_lo + 1);
+  const int ncand = nvis > 2 ? nvis - 2 : 0;
+  const int s0 = nvis * rank / C, s1 = nvis * (rank + 1) / C;  // this rank's visible blocks
+  __syncthreads();
+  mark(1);
+
+  // 1. Scores of this rank's slice (the same sums in the same order as ScoreBlocks, so the same
+  // choices): a warp scores kRun blocks at a time, lanes over 4-column slices, every member
+  // head (zero queries past the group); ReduceScatter32 leaves lane l the sum of block l / 8,
+  // head l % 8.
+  const float4* mean4 = reinterpret_cast<const float4*>(a.mean);
+  const float4* mn4 = reinterpret_cast<const float4*>(a.min);
+  const float4* mx4 = reinterpret_cast<const float4*>(a.max);
+  constexpr int kRun = 32 / kG;  // blocks a warp scores together (ReduceScatter32: kRun × kG sums)
+  const int my_g = lane % kG, my_r = lane / kG;
+  const int x4 = lane < D / 4 ? lane : 0;
+  float4 q4[kG];
+#pragma unroll
+  for (int g = 0; g < kG; ++g) q4[g] = reinterpret_cast<const float4*>(qs + g * D)[x4];
+  float top = -INFINITY;  // of head my_g over this lane's blocks
+  // A warp loads kBatch runs at once (every load in flight together), then scores them run by run.
+  auto score = [&](auto quest_c, auto batch_c) {
+    constexpr bool kQuest = decltype(quest_c)::value;
+    constexpr int kBatch = decltype(batch_c)::value, kStep = kRun * kBatch;
+    for (int i0 = s0 + warp * kStep; i0 < s1; i0 += kWarps * kStep) {
+      float4 mv[kStep], lov[kQuest ? kStep : 1], hiv[kQuest ? kStep : 1];
+#pragma unroll
+      for (int r = 0; r < kStep; ++r) {
+        const int i = Min(i0 + r, s1 - 1);
+        const size_t row = (size_t{kv} * a.nb + b_lo + static_cast<uint32_t>(i)) * (D / 4);
+        mv[r] = __ldg(mean4 + row + x4);
+        if constexpr (kQuest) lov[r] = __ldg(mn4 + row + x4), hiv[r] = __ldg(mx4 + row + x4);
+      }
+#pragma unroll
+      for (int run = 0; run < kBatch; ++run) {
+        if (i0 + run * kRun >= s1) break;  // warp-uniform
+        float v[32];
+#pragma unroll
+        for (int r = 0; r < kRun; ++r)
+#pragma unroll
+          for (int g = 0; g < kG; ++g)
+            v[r * kG + g] = lane < D / 4 ? Dot4(q4[g], mv[run * kRun + r]) : 0.f;
+        const float dot = ReduceScatter32(v);
+        float sel = dot;
+        if constexpr (kQuest) {
+#pragma unroll
+          for (int r = 0; r < kRun; ++r)
+#pragma unroll
+            for (int g = 0; g < kG; ++g)
+              v[r * kG + g] =
+                  lane < D / 4 ? Bound4(q4[g], lov[run * kRun + r], hiv[run * kRun + r]) : 0.f;
+          sel = ReduceScatter32(v);
+        }
+        const int i = i0 + run * kRun + my_r;
+        const bool mine = i < s1 && my_g < G;
+        // A candidate's key: the highest selection score of the member heads (one block's lanes).
+        float key = mine ? sel : -INFINITY;
+#pragma unroll
+        for (int o = 1; o < kG; o <<= 1) key = fmaxf(key, __shfl_xor_sync(0xffffffffu, key, o));
+        const float x = dot * a.scale;
+        if (mine) {
+          top = fmaxf(top, x);
+          slice_ms[my_g * F::kSlice + (i - s0)] = x;
+        }
+        if (my_g == 0 && i < s1) slice_key[i - s0] = SortKey(key);
+      }
+    }
+  };
+  if (a.quest) {  // three summaries a block: two runs at once
+    score(std::true_type{}, std::integral_constant<int, 2>{});
+  } else {
+    score(std::false_type{}, std::integral_constant<int, 4>{});
+  }
+#pragma unroll
+  for (int o = kG; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+  if (lane < kG) warp_a[warp][lane] = top;
+  __syncthreads();
+  if (tid < G) {
+    float t = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) t = fmaxf(t, warp_a[w][tid]);
+    part_top[tid] = t;
+  }
+  mark(2);
+  cluster.sync();
+
+  // 2. Every rank gathers the candidates' keys (visible blocks 1..nvis−2) and the heads' top
+  // mean scores (all of a pass's remote loads in flight before any store), then selects.
+  for (int j = tid; j < F::kSlice; j += kThreads) {
+    uint32_t got[C];
+#pragma unroll
+    for (int r = 0; r < C; ++r) {
+      const int r0 = nvis * r / C, r1 = nvis * (r + 1) / C;
+      got[r] = r0 + j < r1 ? cluster.map_shared_rank(slice_key, r)[j] : 0u;
+    }
+#pragma unroll
+    for (int r = 0; r < C; ++r) {
+      const int i = nvis * r / C + j;
+      if (i < nvis * (r + 1) / C && i >= 1 && i <= ncand) keys[i - 1] = got[r];
+    }
+  }
+  if (tid < G) {
+    float t[C];
+#pragma unroll
+    for (int r = 0; r < C; ++r) t[r] = *cluster.map_shared_rank(part_top + tid, r);
+    float m = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < C; ++r) m = fmaxf(m, t[r]);
+    s_top[tid] = m;
+  }
+  __syncthreads();
+  auto gathered = cluster.barrier_arrive();  // done reading the other ranks' shared memory
+  mark(3);
+  const int keep = Min<int>(static_cast<int>(a.k_top), ncand);
+  if (keep == ncand || keep == 0) {
+    for (int i = tid; i < ncand; i += kThreads) {
+      taken[i] = keep > 0;
+      if (keep > 0) chosen[i] = static_cast<uint16_t>(1 + i);
+    }
+  } else {
+    auto key = [keys](int i) { return keys[i]; };
+    CompactAscending<kThreads>(key, ncand, RadixSelect<kThreads>(key, ncand, keep),
+                               [&](int i, bool t, int r) {
+                                 taken[i] = t;
+                                 if (t) chosen[r] = static_cast<uint16_t>(1 + i);
+                               });
+  }
+  __syncthreads();
+  mark(4);
+  // The omitted-mass proxy over this rank's slice: block weights count · exp(x − top), summed per
+  // head (a warp's sums, then the warps').
+  {
+    float all[kG] = {}, left[kG] = {};
+    for (int i = s0 + tid; i < s1; i += kThreads) {
+      const uint32_t b = b_lo + static_cast<uint32_t>(i);
+      const float rows = static_cast<float>(min((b + 1) * B, hi) - max(b * B, lo));
+      const bool out = i >= 1 && i <= ncand && !taken[i - 1];
+#pragma unroll
+      for (int h = 0; h < kG; ++h) {
+        if (h >= G) break;
+        const float w = rows * expf(slice_ms[h * F::kSlice + (i - s0)] - s_top[h]);
+        all[h] += w;
+        if (out) left[h] += w;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kG; ++h) {
+      if (h >= G) break;
+      const float sa = WarpSum(all[h]), sl = WarpSum(left[h]);
+      if (lane == 0) warp_a[warp][h] = sa, warp_b[warp][h] = sl;
+    }
+    __syncthreads();  // also: the selection's buffers are dead, the rings may fill
+    if (tid < G) {
+      float sa = 0.f, sl = 0.f;
+      for (int w = 0; w < kWarps; ++w) sa += warp_a[w][tid], sl += warp_b[w][tid];
+      part_all[tid] = sa;
+      part_left[tid] = sl;
+    }
+  }
+  mark(5);
+
+  // 3. Attention over this block's share of the chosen rows; each warp its own run of tiles.
+  const uint32_t len0 = min((b_lo + 1) * B, hi) - lo;
+  const uint32_t mid = static_cast<uint32_t>(keep) * B;
+  const uint32_t last = nvis >= 2 ? hi - b_hi * B : 0;
+  const uint32_t total = len0 + mid + last;
+  const uint32_t e0 = static_cast<uint32_t>(uint64_t{total} * me / ranks);
+  const uint32_t e1 = static_cast<uint32_t>(uint64_t{total} * (me + 1) / ranks);
+  const uint32_t tiles = (e1 - e0 + kTk - 1) / kTk;
+  const uint32_t w_first = e0 + SplitPoint(tiles, warp, kWarps) * kTk;
+  const int ntiles =
+      static_cast<int>(SplitPoint(tiles, warp + 1, kWarps) - SplitPoint(tiles, warp, kWarps));
+  auto row_of = [&](uint32_t e) -> uint32_t {
+    if (e < len0) return lo + e;
+    if (e < len0 + mid) return (b_lo + chosen[(e - len0) / B]) * B + (e - len0) % B;
+    return b_hi * B + (e - len0 - mid);
+  };
+  const __half* kbase = static_cast<const __half*>(a.k) + size_t{kv} * a.rows * D;
+  const __half* vbase = static_cast<const __half*>(a.v) + size_t{kv} * a.rows * D;
+  __half* ring = reinterpret_cast<__half*>(rings + warp * F::kRing);
+  auto tile_k = [&](int buf) { return ring + buf * 2 * kTk * kStr; };
+  auto tile_v = [&](int buf) { return ring + (buf * 2 + 1) * kTk * kStr; };
+  // Tile t into buffer t % kS; one commit group per call (empty past the end), so that
+  // wait_prior(kS − 1) means "tile t has landed".
+  auto prefetch = [&](int t) {
+    if (t < ntiles) {
+      const int buf = t % kS;
+      const uint32_t first = w_first + static_cast<uint32_t>(t * kTk);
+#pragma unroll
+      for (int i = 0; i < kTk * (D / 8) / 32; ++i) {  // 16-byte pieces over the lanes
+        const int c = lane + 32 * i;
+        const int j = c / (D / 8), x = (c % (D / 8)) * 8;
+        __half* kd = tile_k(buf) + j * kStr + x;
+        __half* vd = tile_v(buf) + j * kStr + x;
+        if (first + j < e1) {
+          const size_t off = size_t{row_of(first + j)} * D + x;
+          CpAsync16(kd, kbase + off);
+          CpAsync16(vd, vbase + off);
+        } else {  // rows past the share: zero, so p = 0 never meets garbage (0 · NaN)
+          *reinterpret_cast<uint4*>(kd) = make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(vd) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    __pipeline_commit();
+  };
+#pragma unroll
+  for (int t = 0; t < kS - 1; ++t) prefetch(t);
+
+  // Lane: row g (head g's high parts) and g + 8 (its low parts), columns c2, c2 + 1.
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+  const int lm = lane >> 3, lr = lane & 7;  // ldmatrix addressing
+  uint32_t qa[D / 16][4];                   // the query fragments, every tile's A operand
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+    Ldm4(qa[ks], qh + ((lm & 1) * 8 + lr) * kStr + ks * 16 + (lm >> 1) * 8);
+  const float sl2 = a.scale * kLog2e;
+  float m_run = -INFINITY, l_run = 0.f;  // log2 domain
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  for (int t = 0; t < ntiles; ++t) {
+    const int buf = t % kS;
+    prefetch(t + kS - 1);
+    __pipeline_wait_prior(kS - 1);
+    __syncwarp();
+    const __half* kb = tile_k(buf);
+    const __half* vb = tile_v(buf);
+    // Scores: even and odd k-steps in two chains; rows g + 8 hold the low parts' products.
+    float s[2][4] = {}, s2[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t b[4];
+      Ldm4(b, kb + ((lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
+      Mma(ks % 2 ? s2[0] : s[0], qa[ks], b[0], b[1]);
+      Mma(ks % 2 ? s2[1] : s[1], qa[ks], b[2], b[3]);
+    }
+    const uint32_t first = w_first + static_cast<uint32_t>(t * kTk);
+    float x[2][2], mx = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float v = s[n][e] + s[n][e + 2] + s2[n][e] + s2[n][e + 2];
+        x[n][e] = first + n * 8 + c2 + e < e1 ? v * sl2 : -INFINITY;
+        mx = fmaxf(mx, x[n][e]);
+      }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx);  // finite: a tile's first row is in the share
+    const float alpha = exp2f(m_run - m_new);
+    m_run = m_new;
+    l_run *= alpha;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        x[n][e] = exp2f(x[n][e] - m_new);
+        l_run += x[n][e];
+      }
+    }
+    if (__any_sync(0xffffffffu, alpha != 1.f)) {
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][0] *= alpha;
+        o[n][1] *= alpha;
+        o[n][2] *= alpha;
+        o[n][3] *= alpha;
+      }
+    }
+    // o += P·V: P's rows g are the weights' high parts, rows g + 8 their low parts.
+    const uint32_t ph[4] = {Pack(x[0][0], x[0][1]), PackLo(x[0][0], x[0][1]),
+                            Pack(x[1][0], x[1][1]), PackLo(x[1][0], x[1][1])};
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn) {
+      uint32_t b[4];
+      Ldm4T(b, vb + ((lm & 1) * 8 + lr) * kStr + dn * 16 + (lm >> 1) * 8);
+      Mma(o[2 * dn], ph, b[0], b[1]);
+      Mma(o[2 * dn + 1], ph, b[2], b[3]);
+    }
+    __syncwarp();  // the buffer is refilled next iteration: all lanes are done with it
+  }
+  // The warp's state for head g: the quad's row sums, rows g + 8's products added to rows g.
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  __syncthreads();  // every warp is done with the rings: they hold the warps' outputs now
+  mark(6);
+  float* wo = reinterpret_cast<float*>(rings);  // [kWarps][kG][D]
+  if (g < G) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      *reinterpret_cast<float2*>(wo + (warp * kG + g) * D + n * 8 + c2) =
+          make_float2(o[n][0] + o[n][2], o[n][1] + o[n][3]);
+    }
+    if ((lane & 3) == 0) warp_a[warp][g] = m_run, warp_b[warp][g] = l_run;
+  }
+  __syncthreads();
+  // Merge the warps into this rank's state for the head's scratch: per head its weights (warp_a
+  // becomes them), then a thread per column. scratch[kv][me][h] = (m, l, omitted all,
+  // omitted left, o[D]), m in natural log units.
+  constexpr int kRec = D + 4;
+  float* mine = a.scratch + (size_t{kv} * ranks + me) * kG * kRec;
+  if (tid < G) {
+    float m = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_a[w][tid]);
+    float l = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = m == -INFINITY ? 0.f : exp2f(warp_a[w][tid] - m);
+      warp_a[w][tid] = f;
+      l += f * warp_b[w][tid];
+    }
+    mine[tid * kRec] = m == -INFINITY ? -INFINITY : m * kLn2;
+    mine[tid * kRec + 1] = l;
+    mine[tid * kRec + 2] = part_all[tid];
+    mine[tid * kRec + 3] = part_left[tid];
+  }
+  __syncthreads();
+  for (int e = tid; e < G * D; e += kThreads) {
+    const int h = e / D, c = e % D;
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) acc += warp_a[w][h] * wo[(w * kG + h) * D + c];
+    mine[h * kRec + 4 + c] = acc;
+  }
+  mark(7);
+
+  // 4. The head's last rank to finish merges every rank's state (as FinishSplits) and writes the
+  // member heads' outputs, LSE and receipts.
+  __threadfence();  // this rank's state is visible device-wide before it counts itself
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(&a.counters[kv], 1u) == ranks - 1;
+  __syncthreads();
+  mark(8);
+  if (s_last) {
+    __threadfence();
+    const float* st = a.scratch + size_t{kv} * ranks * kG * kRec;
+    __shared__ float hm[kG], hl[kG];
+    // Every rank's m, l and omitted sums, all loads in flight, into [4][kG][ranks].
+    float* w = reinterpret_cast<float*>(rings);  // m, then the ranks' weights
+    float* wl = w + kG * ranks;
+    float* wall = wl + kG * ranks;
+    float* wleft = wall + kG * ranks;
+    for (int e = tid; e < G * static_cast<int>(ranks); e += kThreads) {
+      const float* rec = st + ((e % ranks) * kG + e / ranks) * kRec;
+      const float m = __ldcg(rec), l = __ldcg(rec + 1), all = __ldcg(rec + 2),
+                  left = __ldcg(rec + 3);
+      w[e] = m, wl[e] = l, wall[e] = all, wleft[e] = left;
+    }
+    __syncthreads();
+    if (tid < G) {
+      const float* mh = w + tid * ranks;
+      float mx = -INFINITY;
+      for (uint32_t r = 0; r < ranks; ++r) mx = fmaxf(mx, mh[r]);
+      float l = 0.f, all = 0.f, left = 0.f;
+      for (uint32_t r = 0; r < ranks; ++r) {
+        const float f = mx == -INFINITY ? 0.f : expf(mh[r] - mx);
+        w[tid * ranks + r] = f;
+        l += f * wl[tid * ranks + r];
+        all += wall[tid * ranks + r];
+        left += wleft[tid * ranks + r];
+      }
+      hm[tid] = mx;
+      hl[tid] = l;
+      const int32_t head = heads[tid];
+      a.lse[head] = mx == -INFINITY ? -INFINITY : mx + logf(l);
+      a.omitted[head] = all > 0.f ? left / all : 0.f;
+      int32_t* hb = a.blocks + size_t(head) * (a.k_top + 2);
+      const bool two = b_hi != b_lo;
+      hb[0] = static_cast<int32_t>(b_lo);
+      if (two) hb[1 + keep] = static_cast<int32_t>(b_hi);
+      a.nchosen[head] = 1 + keep + (two ? 1 : 0);
+      a.counts[head] = static_cast<int32_t>(total);
+    }
+    for (int e = tid; e < G * keep; e += kThreads) {
+      const int h = e / keep, i = e % keep;
+      a.blocks[size_t(heads[h]) * (a.k_top + 2) + 1 + i] = static_cast<int32_t>(b_lo + chosen[i]);
+    }
+    __syncthreads();
+    for (int e = tid; e < G * D; e += kThreads) {
+      const int h = e / D, x = e % D;
+      float acc = 0.f;
+#pragma unroll 8
+      for (uint32_t r = 0; r < ranks; ++r)
+        acc += w[h * ranks + r] * __ldcg(st + (r * kG + h) * kRec + 4 + x);
+      a.out[size_t(heads[h]) * D + x] = hm[h] == -INFINITY ? 0.f : acc / hl[h];
+    }
+    if (tid == 0) a.counters[kv] = 0;
+  }
+  mark(9);
+  // The other ranks read this one's candidate keys and top scores (phase 2): its shared memory
+  // stays until they all have.
+  cluster.barrier_wait(std::move(gathered));
+#endif
+}
+
+// The kernel for (D, C) with its attributes set (once), or the error that refused them.
+template <int D, int C>
+cudaError_t Prepare() {
+  static const cudaError_t attr = [] {
+    cudaError_t e =
+        cudaFuncSetAttribute(SparseAutoShared<D, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(Fused<D, C>::kBytes));
+    if (e == cudaSuccess && C > 8) {
+      e = cudaFuncSetAttribute(SparseAutoShared<D, C>,
+                               cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    }
+    return e;
+  }();
+  return attr;
+}
+
+template <int D, int C>
+cudaLaunchConfig_t Config(uint32_t blocks, cudaStream_t stream, cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = Fused<D, C>::kBytes;
+  cfg.stream = stream;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = C;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// How many clusters of the (D, C) kernel the device runs at once (0: none; clusters of 16 need
+// a whole GPC of free multiprocessors).
+template <int D, int C>
+int ActiveClusters() {
+  static const int n = [] {
+    if (Prepare<D, C>() != cudaSuccess) return 0;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = Config<D, C>(C, nullptr, &attr);
+    int clusters = 0;
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, SparseAutoShared<D, C>, &cfg);
+    if (e != cudaSuccess) cudaGetLastError();
+    return e == cudaSuccess ? clusters : 0;
+  }();
+  return n;
+}
+
+template <typename F>
+auto WithCluster(uint32_t c, F&& f) {
+  if (c == 16) return f(std::integral_constant<int, 16>{});
+  return f(std::integral_constant<int, 8>{});
+}
+
+int Active(uint32_t d, uint32_t c) {
+  return d == 64
+             ? WithCluster(c, [](auto cc) { return ActiveClusters<64, decltype(cc)::value>(); })
+             : WithCluster(c, [](auto cc) { return ActiveClusters<128, decltype(cc)::value>(); });
+}
+
+template <int D, int C>
+Status Launch(const FusedSparseArgs& a, cudaStream_t stream) {
+  const cudaError_t attr = Prepare<D, C>();
+  if (attr != cudaSuccess) return gpu::CudaError(attr, "fused sparse-auto kernel attributes");
+  cudaLaunchAttribute cluster;
+  const cudaLaunchConfig_t cfg = Config<D, C>(a.heads * C, stream, &cluster);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, SparseAutoShared<D, C>, a);
+  return e == cudaSuccess ? KernelStatus("fused sparse-auto kernel")
+                          : gpu::CudaError(e, "fused sparse-auto kernel");
+}
+
+}  // namespace
+
+bool SparseAutoSharedFits(DType dtype, uint32_t d, uint32_t group, uint32_t visible_blocks) {
+  if (dtype != DType::kF16 || (d != 64 && d != 128) || group < 1 ||
+      group > static_cast<uint32_t>(kMaxSharedGroup) ||
+      visible_blocks > static_cast<uint32_t>(kMaxCand) + 2 || gpu::Info().cc_major < 9) {
+    return false;
+  }
+  return Active(d, 8) > 0;
+}
+
+int SparseAutoSharedActiveClusters(uint32_t d, uint32_t cluster) {
+  return gpu::Info().cc_major >= 9 && (d == 64 || d == 128) ? Active(d, cluster) : 0;
+}
+
+uint32_t SparseAutoSharedCluster(uint32_t d, uint32_t heads, uint32_t want) {
+  // Measured on the H200 (bench/results/attention-gpu-2026-12-01.md): a head's rows spread over
+  // more blocks only pay while every cluster runs at once; two or more clusters a head (each
+  // scoring and selecting again) and smaller clusters measured slower.
+  if (want == 8 || want == 16) return want == 16 && Active(d, 16) > 0 ? 16 : 8;
+  return Active(d, 16) >= static_cast<int>(heads) ? 16 : 8;
+}
+
+Status LaunchSparseAutoShared(const FusedSparseArgs& a, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  if (a.heads == 0 || a.hi <= a.lo) return Status::Ok();
+  const uint32_t nvis = (a.hi - 1) / a.block - a.lo / a.block + 1;
+  if (nvis > static_cast<uint32_t>(kMaxCand) + 2) {
+    return Status(ErrorKind::kErr, "fused sparse-auto takes at most " +
+                                       std::to_string(kMaxCand + 2) + " visible blocks");
+  }
+  if (gpu::Info().cc_major < 9) {
+    return Status(ErrorKind::kErr, "fused sparse-auto needs thread-block clusters (sm_90+)");
+  }
+  if ((a.cluster != 8 && a.cluster != 16) || a.scratch == nullptr || a.counters == nullptr) {
+    return Status(ErrorKind::kErr, "fused sparse-auto: cluster " + std::to_string(a.cluster) +
+                                       " (8 or 16), scratch and counters are required");
+  }
+  if (a.d == 64) {
+    return WithCluster(a.cluster, [&](auto cc) { return Launch<64, decltype(cc)::value>(a, s); });
+  }
+  if (a.d == 128) {
+    return WithCluster(a.cluster, [&](auto cc) { return Launch<128, decltype(cc)::value>(a, s); });
+  }
+  return Status(ErrorKind::kErr,
+                "fused sparse-auto has no kernel for head dim " + std::to_string(a.d));
+}
+
+}  // namespace pion::kernels::cuda
