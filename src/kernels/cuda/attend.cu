@@ -558,7 +558,20 @@ uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
   const uint64_t slots = per_sm * std::max(gpu::Info().sms, 1);
   const uint64_t blocks = GridBlocks(a);
   uint64_t splits = std::max<uint64_t>(1, slots / std::max<uint64_t>(blocks, 1));
-  splits = std::min<uint64_t>(splits, std::max<uint64_t>(1, keys / 128));
+  // Short dense ranges are latency-bound: a split takes at least 128 keys, but the fp16
+  // tensor-core decode keeps 16 splits down to 128 keys a split and takes 256 from there, and
+  // fp32 on the SIMT kernel 32 down to 64 keys a split. Measured on the H200 (GQA 32/8, d = 128,
+  // pion-gpu-attn-bench dense with PION_BENCH_SPLITS): fp16 4K 11.6 -> 10.7 µs (16 splits, not
+  // 32), 8K 15.4 -> 14.0 (32, not 33), from 32K unchanged (one block a slot: 128K 138 µs, 145
+  // with 32); fp32 2K 12.5 -> 11.6 (32, not 16), 4K 17.6 (32; 17.9 with 33).
+  const bool dense = a.list == nullptr;
+  uint64_t cap = keys / 128;
+  if (tc && dense && FlashRowGroups(a) == 1) {
+    cap = std::max(std::min<uint64_t>(16, keys / 128), keys / 256);
+  } else if (!tc && dense && a.dtype == DType::kF32) {
+    cap = std::max(std::min<uint64_t>(32, keys / 64), keys / 128);
+  }
+  splits = std::min<uint64_t>(splits, std::max<uint64_t>(1, cap));
   return static_cast<uint32_t>(std::min<uint64_t>(splits, 4096));
 }
 
