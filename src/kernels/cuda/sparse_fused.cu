@@ -537,6 +537,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   // The other ranks read this one's candidate keys and top scores (phase 2): its shared memory
   // stays until they all have.
   cluster.barrier_wait(std::move(gathered));
+#else
+  __trap();  // built without clusters: never launched (ActiveClusters checks the loaded code)
 #endif
 }
 
@@ -573,11 +575,18 @@ cudaLaunchConfig_t Config(uint32_t blocks, cudaStream_t stream, cudaLaunchAttrib
 }
 
 // How many clusters of the (D, C) kernel the device runs at once (0: none; clusters of 16 need
-// a whole GPC of free multiprocessors).
+// a whole GPC of free multiprocessors). 0 as well where the loaded code is not the sm_90 build:
+// a newer GPU JIT-compiling the portable compute_80 PTX gets a body that only traps.
 template <int D, int C>
 int ActiveClusters() {
   static const int n = [] {
     if (Prepare<D, C>() != cudaSuccess) return 0;
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, SparseAutoShared<D, C>) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    if (fa.ptxVersion < 90) return 0;
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = Config<D, C>(C, nullptr, &attr);
     int clusters = 0;
@@ -642,8 +651,9 @@ Status LaunchSparseAutoShared(const FusedSparseArgs& a, void* stream) {
     return Status(ErrorKind::kErr, "fused sparse-auto takes at most " +
                                        std::to_string(kMaxCand + 2) + " visible blocks");
   }
-  if (gpu::Info().cc_major < 9) {
-    return Status(ErrorKind::kErr, "fused sparse-auto needs thread-block clusters (sm_90+)");
+  if (gpu::Info().cc_major < 9 || Active(a.d == 64 ? 64 : 128, 8) == 0) {
+    return Status(ErrorKind::kErr,
+                  "fused sparse-auto needs thread-block clusters and this binary's sm_90 code");
   }
   if ((a.cluster != 8 && a.cluster != 16) || a.scratch == nullptr || a.counters == nullptr) {
     return Status(ErrorKind::kErr, "fused sparse-auto: cluster " + std::to_string(a.cluster) +
