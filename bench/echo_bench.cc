@@ -19,7 +19,6 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -46,7 +45,8 @@ using pion::bench::ConnectTcp;
 using pion::bench::ParseSize;
 using pion::bench::Percentile;
 
-using Clock = std::chrono::steady_clock;
+using Clock = pion::bench::Clock;
+using Result = pion::bench::LoadResult;
 
 struct Options {
   std::string host = "127.0.0.1";
@@ -130,178 +130,52 @@ Options ParseArgs(int argc, char** argv) {
   return o;
 }
 
-// Shared, read-only after setup.
-struct Shared {
+// Shared, read-only after setup (but for the control block).
+struct Shared : pion::bench::LoadControl {
   Options opt;
   std::vector<uint8_t> payload;
   std::string req_head;    // "*2\r\n$4\r\nECHO\r\n$<n>\r\n"
   std::string reply_head;  // "$<n>\r\n"
-  std::atomic<int> ready{0};
-  std::atomic<bool> go{false};
-  std::atomic<bool> failed{false};
-  Clock::time_point start, measure_from, deadline;
 };
 
-struct Result {
-  uint64_t requests = 0;  // replies completed inside the measured window
-  uint64_t verified = 0;
-  std::vector<uint32_t> lat_us;
-  Clock::time_point finished;
-  std::string error;
+// Every request the same ECHO of the payload, sent from three pieces (header, payload, CRLF)
+// without copying them together.
+struct EchoTraffic {
+  const Shared* sh;
+  size_t RequestLen(uint64_t) const { return sh->req_head.size() + sh->opt.size + 2; }
+  ssize_t Send(int fd, uint64_t, size_t off) const {
+    static constexpr char kCrlf[] = "\r\n";
+    const std::pair<const void*, size_t> parts[3] = {
+        {sh->req_head.data(), sh->req_head.size()}, {sh->payload.data(), sh->opt.size}, {kCrlf, 2}};
+    iovec iov[3];
+    int n = 0;
+    for (const auto& [p, len] : parts) {
+      if (off >= len) {
+        off -= len;
+        continue;
+      }
+      iov[n].iov_base = const_cast<uint8_t*>(static_cast<const uint8_t*>(p) + off);
+      iov[n].iov_len = len - off;
+      off = 0;
+      ++n;
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(n);
+    return sendmsg(fd, &msg, MSG_NOSIGNAL);
+  }
+  const std::string& ReplyHead(uint64_t) const { return sh->reply_head; }
+  size_t PayloadLen(uint64_t) const { return sh->opt.size; }
+  size_t MaxReply() const { return sh->reply_head.size() + sh->opt.size + 2; }
+  const char* Mismatch(uint64_t, const uint8_t* p) const {
+    return std::memcmp(p, sh->payload.data(), sh->opt.size) != 0 ? "payload mismatch" : nullptr;
+  }
 };
 
 // One connection's send/receive loop. quota == 0: run until the shared deadline.
 void RunConnection(Shared* sh, int fd, uint64_t quota, Result* out) {
-  const Options& o = sh->opt;
-  const size_t head_len = sh->req_head.size();
-  const size_t req_len = head_len + o.size + 2;
-  const size_t rhead_len = sh->reply_head.size();
-  const size_t reply_len = rhead_len + o.size + 2;
-  std::vector<uint8_t> rbuf(reply_len);  // whole reply: header, payload, CRLF
-  std::vector<Clock::time_point> started(static_cast<size_t>(o.pipeline));
-  if (quota == 0)
-    out->lat_us.reserve(1 << 16);
-  else
-    out->lat_us.reserve(quota);
-
-  uint64_t sent = 0, received = 0;  // fully sent requests / fully received replies
-  bool sending = false;
-  size_t send_off = 0, recv_off = 0;
-  bool stop = false;
-  static constexpr char kCrlf[] = "\r\n";
-
-  auto fail = [&](std::string msg) {
-    out->error = std::move(msg);
-    sh->failed.store(true);
-  };
-
-  sh->ready.fetch_add(1);
-  while (!sh->go.load(std::memory_order_acquire)) std::this_thread::yield();
-
-  while (!sh->failed.load(std::memory_order_relaxed)) {
-    if (!stop) {
-      if (quota > 0)
-        stop = sent >= quota && !sending;
-      else
-        stop = !sending && Clock::now() >= sh->deadline;
-    }
-    if (stop && !sending && received == sent) break;
-    if (!sending && !stop && sent - received < static_cast<uint64_t>(o.pipeline) &&
-        (quota == 0 || sent < quota)) {
-      sending = true;
-      send_off = 0;
-      started[sent % started.size()] = Clock::now();
-    }
-
-    bool want_out = false, want_in = false, progress = false;
-    if (sending) {
-      iovec iov[3];
-      int n = 0;
-      size_t skip = send_off;
-      const std::pair<const void*, size_t> parts[3] = {
-          {sh->req_head.data(), head_len}, {sh->payload.data(), o.size}, {kCrlf, 2}};
-      for (const auto& [p, len] : parts) {
-        if (skip >= len) {
-          skip -= len;
-          continue;
-        }
-        iov[n].iov_base = const_cast<uint8_t*>(static_cast<const uint8_t*>(p) + skip);
-        iov[n].iov_len = len - skip;
-        skip = 0;
-        ++n;
-      }
-      msghdr msg{};
-      msg.msg_iov = iov;
-      msg.msg_iovlen = static_cast<size_t>(n);
-      ssize_t w = sendmsg(fd, &msg, MSG_NOSIGNAL);
-      if (w > 0) {
-        send_off += static_cast<size_t>(w);
-        progress = true;
-        if (send_off == req_len) {
-          sending = false;
-          ++sent;
-        }
-      } else if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        want_out = true;
-      } else if (w < 0 && errno == EINTR) {
-        progress = true;
-      } else {
-        fail(std::string("send: ") + std::strerror(errno));
-        break;
-      }
-    }
-
-    if (received < sent) {
-      ssize_t r = recv(fd, rbuf.data() + recv_off, reply_len - recv_off, 0);
-      if (r > 0) {
-        progress = true;
-        size_t before = recv_off;
-        recv_off += static_cast<size_t>(r);
-        if (before == 0 && rbuf[0] != '$') {
-          // An error or unexpected reply: show what we got (up to the first line).
-          size_t len = recv_off;
-          for (size_t i = 0; i < recv_off; ++i) {
-            if (rbuf[i] == '\r' || rbuf[i] == '\n') {
-              len = i;
-              break;
-            }
-          }
-          fail("unexpected reply: " +
-               std::string(reinterpret_cast<char*>(rbuf.data()), std::min<size_t>(len, 200)));
-          break;
-        }
-        if (before < rhead_len && recv_off >= rhead_len &&
-            std::memcmp(rbuf.data(), sh->reply_head.data(), rhead_len) != 0) {
-          fail("unexpected reply header: " +
-               std::string(reinterpret_cast<char*>(rbuf.data()), rhead_len));
-          break;
-        }
-        if (recv_off == reply_len) {
-          auto now = Clock::now();
-          if (rbuf[reply_len - 2] != '\r' || rbuf[reply_len - 1] != '\n') {
-            fail("reply not terminated by CRLF");
-            break;
-          }
-          if (received == 0 || (o.verify_every > 0 && received % o.verify_every == 0)) {
-            if (std::memcmp(rbuf.data() + rhead_len, sh->payload.data(), o.size) != 0) {
-              fail("payload mismatch in reply " + std::to_string(received));
-              break;
-            }
-            ++out->verified;
-          }
-          auto t0 = started[received % started.size()];
-          if (now >= sh->measure_from) {
-            auto us = std::chrono::duration_cast<std::chrono::microseconds>(now - t0).count();
-            out->lat_us.push_back(static_cast<uint32_t>(std::min<int64_t>(us, UINT32_MAX)));
-            ++out->requests;
-          }
-          ++received;
-          recv_off = 0;
-        }
-      } else if (r == 0) {
-        fail("server closed the connection");
-        break;
-      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        want_in = true;
-      } else if (errno == EINTR) {
-        progress = true;
-      } else {
-        fail(std::string("recv: ") + std::strerror(errno));
-        break;
-      }
-    }
-
-    if (!progress && (want_in || want_out)) {
-      pollfd p{fd, static_cast<short>((want_in ? POLLIN : 0) | (want_out ? POLLOUT : 0)), 0};
-      // A bounded wait so a --seconds run notices the deadline and a failure elsewhere.
-      int pr = poll(&p, 1, 100);
-      if (pr < 0 && errno != EINTR) {
-        fail(std::string("poll: ") + std::strerror(errno));
-        break;
-      }
-    }
-  }
-  out->finished = Clock::now();
+  const EchoTraffic tr{sh};
+  pion::bench::RunPipelined(sh, fd, quota, sh->opt.pipeline, sh->opt.verify_every, tr, out);
 }
 
 }  // namespace
@@ -335,46 +209,19 @@ int main(int argc, char** argv) {
     fds.push_back(fd);
   }
 
-  std::vector<Result> results(static_cast<size_t>(o.connections));
-  std::vector<std::thread> threads;
-  for (int c = 0; c < o.connections; ++c) {
-    uint64_t quota = 0;
-    if (o.requests > 0) {
-      quota = o.requests / o.connections + (static_cast<uint64_t>(c) < o.requests % o.connections);
-      if (quota == 0) continue;
-    }
-    threads.emplace_back(RunConnection, &sh, fds[c], quota, &results[c]);
-  }
-  while (sh.ready.load() < static_cast<int>(threads.size())) std::this_thread::yield();
-  sh.start = Clock::now();
-  sh.measure_from = sh.start + std::chrono::duration_cast<Clock::duration>(
-                                   std::chrono::duration<double>(o.warmup));
-  sh.deadline = sh.measure_from + std::chrono::duration_cast<Clock::duration>(
-                                      std::chrono::duration<double>(o.seconds));
-  sh.go.store(true, std::memory_order_release);
-  for (auto& t : threads) t.join();
+  const pion::bench::LoadTotals tot = pion::bench::RunLoad(
+      &sh, o.connections, o.requests, o.warmup, o.seconds, false,
+      [&](int c, uint64_t quota, Result* r) { RunConnection(&sh, fds[c], quota, r); });
   for (int fd : fds) close(fd);
-
-  uint64_t requests = 0, verified = 0;
-  Clock::time_point end = sh.measure_from;
-  std::vector<uint32_t> lat;
-  for (auto& r : results) {
-    if (!r.error.empty()) {
-      std::fprintf(stderr, "pion-echo-bench: %s\n", r.error.c_str());
-      return 1;
-    }
-    requests += r.requests;
-    verified += r.verified;
-    end = std::max(end, r.finished);
-    lat.insert(lat.end(), r.lat_us.begin(), r.lat_us.end());
+  if (!tot.error.empty()) {
+    std::fprintf(stderr, "pion-echo-bench: %s\n", tot.error.c_str());
+    return 1;
   }
-  std::sort(lat.begin(), lat.end());
-  double secs = std::chrono::duration<double>(end - sh.measure_from).count();
+  const std::vector<uint32_t>& lat = tot.lat_us;
+  const uint64_t requests = tot.requests, verified = tot.verified;
+  const double secs = tot.seconds, mean = tot.mean_us;
   double rps = secs > 0 ? static_cast<double>(requests) / secs : 0.0;
   double gbps = rps * static_cast<double>(o.size) / 1e9;
-  double mean = 0;
-  for (uint32_t v : lat) mean += v;
-  if (!lat.empty()) mean /= static_cast<double>(lat.size());
 
   std::printf("{\"host\": \"%s\", \"port\": %d, \"size\": %" PRIu64
               ", \"connections\": %d, "

@@ -57,7 +57,8 @@ using pion::bench::ConnectTcp;
 using pion::bench::ParseSize;
 using pion::bench::Percentile;
 
-using Clock = std::chrono::steady_clock;
+using Clock = pion::bench::Clock;
+using Result = pion::bench::LoadResult;
 
 struct Options {
   std::string host = "127.0.0.1";
@@ -248,24 +249,11 @@ struct Request {
   uint64_t hash = 0;       // of the probe's payload
 };
 
-// Shared, read-only after setup.
-struct Shared {
+// Shared, read-only after setup (but for the control block).
+struct Shared : pion::bench::LoadControl {
   Options opt;
   std::vector<Request> reqs;
   size_t max_reply = 0;
-  std::atomic<int> ready{0};
-  std::atomic<bool> go{false};
-  std::atomic<bool> failed{false};
-  Clock::time_point start, measure_from, deadline;
-};
-
-struct Result {
-  uint64_t requests = 0;  // replies completed inside the measured window
-  uint64_t payload_bytes = 0;
-  uint64_t verified = 0;
-  std::vector<uint32_t> lat_us;
-  Clock::time_point finished;
-  std::string error;
 };
 
 // Blocking helpers on a non-blocking socket, for the probe.
@@ -348,142 +336,31 @@ void Probe(Shared* sh, int fd) {
   }
 }
 
+// Connection `conn` sends the requests in turn from the conn-th one, each checked against the
+// probe's reply.
+struct FetchTraffic {
+  const Shared* sh;
+  int conn;
+  const Request& Of(uint64_t k) const {
+    return sh->reqs[(static_cast<uint64_t>(conn) + k) % sh->reqs.size()];
+  }
+  size_t RequestLen(uint64_t k) const { return Of(k).bytes.size(); }
+  ssize_t Send(int fd, uint64_t k, size_t off) const {
+    const std::string& b = Of(k).bytes;
+    return send(fd, b.data() + off, b.size() - off, MSG_NOSIGNAL);
+  }
+  const std::string& ReplyHead(uint64_t k) const { return Of(k).reply_head; }
+  size_t PayloadLen(uint64_t k) const { return Of(k).size; }
+  size_t MaxReply() const { return sh->max_reply; }
+  const char* Mismatch(uint64_t k, const uint8_t* p) const {
+    return Hash(p, Of(k).size) != Of(k).hash ? "payload differs from the probe's" : nullptr;
+  }
+};
+
 // One connection's send/receive loop. quota == 0: run until the shared deadline.
 void RunConnection(Shared* sh, int conn, int fd, uint64_t quota, Result* out) {
-  const Options& o = sh->opt;
-  const size_t nreq = sh->reqs.size();
-  std::vector<uint8_t> rbuf(sh->max_reply);  // whole reply: header, payload, CRLF
-  std::memset(rbuf.data(), 0, rbuf.size());  // fault the pages in before timing
-  std::vector<Clock::time_point> started(static_cast<size_t>(o.pipeline));
-  out->lat_us.reserve(quota == 0 ? 1 << 16 : quota);
-  auto req_of = [&](uint64_t k) -> const Request& {
-    return sh->reqs[(static_cast<uint64_t>(conn) + k) % nreq];
-  };
-
-  uint64_t sent = 0, received = 0;  // fully sent requests / fully received replies
-  bool sending = false;
-  size_t send_off = 0, recv_off = 0;
-  bool stop = false;
-
-  auto fail = [&](std::string msg) {
-    out->error = std::move(msg);
-    sh->failed.store(true);
-  };
-
-  sh->ready.fetch_add(1);
-  while (!sh->go.load(std::memory_order_acquire)) std::this_thread::yield();
-
-  while (!sh->failed.load(std::memory_order_relaxed)) {
-    if (!stop) {
-      if (quota > 0)
-        stop = sent >= quota && !sending;
-      else
-        stop = !sending && Clock::now() >= sh->deadline;
-    }
-    if (stop && !sending && received == sent) break;
-    if (!sending && !stop && sent - received < static_cast<uint64_t>(o.pipeline) &&
-        (quota == 0 || sent < quota)) {
-      sending = true;
-      send_off = 0;
-      started[sent % started.size()] = Clock::now();
-    }
-
-    bool want_out = false, want_in = false, progress = false;
-    if (sending) {
-      const std::string& rq = req_of(sent).bytes;
-      ssize_t w = send(fd, rq.data() + send_off, rq.size() - send_off, MSG_NOSIGNAL);
-      if (w > 0) {
-        send_off += static_cast<size_t>(w);
-        progress = true;
-        if (send_off == rq.size()) {
-          sending = false;
-          ++sent;
-        }
-      } else if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        want_out = true;
-      } else if (w < 0 && errno == EINTR) {
-        progress = true;
-      } else {
-        fail(std::string("send: ") + std::strerror(errno));
-        break;
-      }
-    }
-
-    if (received < sent) {
-      const Request& rq = req_of(received);
-      const size_t rhead_len = rq.reply_head.size();
-      const size_t reply_len = rhead_len + rq.size + 2;
-      ssize_t r = recv(fd, rbuf.data() + recv_off, reply_len - recv_off, 0);
-      if (r > 0) {
-        progress = true;
-        size_t before = recv_off;
-        recv_off += static_cast<size_t>(r);
-        if (before == 0 && rbuf[0] != '$') {
-          // An error or unexpected reply: show what we got (up to the first line).
-          size_t len = recv_off;
-          for (size_t i = 0; i < recv_off; ++i) {
-            if (rbuf[i] == '\r' || rbuf[i] == '\n') {
-              len = i;
-              break;
-            }
-          }
-          fail("unexpected reply: " +
-               std::string(reinterpret_cast<char*>(rbuf.data()), std::min<size_t>(len, 200)));
-          break;
-        }
-        if (before < rhead_len && recv_off >= rhead_len &&
-            std::memcmp(rbuf.data(), rq.reply_head.data(), rhead_len) != 0) {
-          fail("unexpected reply header: " +
-               std::string(reinterpret_cast<char*>(rbuf.data()), rhead_len));
-          break;
-        }
-        if (recv_off == reply_len) {
-          auto now = Clock::now();
-          if (rbuf[reply_len - 2] != '\r' || rbuf[reply_len - 1] != '\n') {
-            fail("reply not terminated by CRLF");
-            break;
-          }
-          if (received == 0 || (o.verify_every > 0 && received % o.verify_every == 0)) {
-            if (Hash(rbuf.data() + rhead_len, rq.size) != rq.hash) {
-              fail("payload differs from the probe's in reply " + std::to_string(received));
-              break;
-            }
-            ++out->verified;
-          }
-          auto t0 = started[received % started.size()];
-          if (now >= sh->measure_from) {
-            auto us = std::chrono::duration_cast<std::chrono::microseconds>(now - t0).count();
-            out->lat_us.push_back(static_cast<uint32_t>(std::min<int64_t>(us, UINT32_MAX)));
-            ++out->requests;
-            out->payload_bytes += rq.size;
-          }
-          ++received;
-          recv_off = 0;
-        }
-      } else if (r == 0) {
-        fail("server closed the connection");
-        break;
-      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        want_in = true;
-      } else if (errno == EINTR) {
-        progress = true;
-      } else {
-        fail(std::string("recv: ") + std::strerror(errno));
-        break;
-      }
-    }
-
-    if (!progress && (want_in || want_out)) {
-      pollfd p{fd, static_cast<short>((want_in ? POLLIN : 0) | (want_out ? POLLOUT : 0)), 0};
-      // A bounded wait so a --seconds run notices the deadline and a failure elsewhere.
-      int pr = poll(&p, 1, 100);
-      if (pr < 0 && errno != EINTR) {
-        fail(std::string("poll: ") + std::strerror(errno));
-        break;
-      }
-    }
-  }
-  out->finished = Clock::now();
+  const FetchTraffic tr{sh, conn};
+  pion::bench::RunPipelined(sh, fd, quota, sh->opt.pipeline, sh->opt.verify_every, tr, out);
 }
 
 }  // namespace
@@ -515,52 +392,16 @@ int main(int argc, char** argv) {
   }
   Probe(&sh, fds[0]);
 
-  std::vector<Result> results(static_cast<size_t>(o.connections));
-  std::vector<std::thread> threads;
-  for (int c = 0; c < o.connections; ++c) {
-    uint64_t quota = 0;
-    if (o.requests > 0) {
-      quota = o.requests / o.connections + (static_cast<uint64_t>(c) < o.requests % o.connections);
-      if (quota == 0) continue;
-    }
-    threads.emplace_back(RunConnection, &sh, c, fds[c], quota, &results[c]);
-  }
-  while (sh.ready.load() < static_cast<int>(threads.size())) std::this_thread::yield();
-  sh.start = Clock::now();
-  sh.measure_from = sh.start + std::chrono::duration_cast<Clock::duration>(
-                                   std::chrono::duration<double>(o.warmup));
-  sh.deadline = sh.measure_from + std::chrono::duration_cast<Clock::duration>(
-                                      std::chrono::duration<double>(o.seconds));
-  sh.go.store(true, std::memory_order_release);
-  // Marks on stderr for a driver that samples CPU use over the measured window only.
-  std::this_thread::sleep_until(sh.measure_from);
-  if (!sh.failed.load()) {
-    std::fprintf(stderr, "# measure start\n");
-    std::fflush(stderr);
-  }
-  for (auto& t : threads) t.join();
-  std::fprintf(stderr, "# measure end\n");
-  std::fflush(stderr);
+  const pion::bench::LoadTotals tot = pion::bench::RunLoad(
+      &sh, o.connections, o.requests, o.warmup, o.seconds, true,
+      [&](int c, uint64_t quota, Result* r) { RunConnection(&sh, c, fds[c], quota, r); });
   for (int fd : fds) close(fd);
-
-  uint64_t requests = 0, verified = 0, payload = 0;
-  Clock::time_point end = sh.measure_from;
-  std::vector<uint32_t> lat;
-  for (auto& r : results) {
-    if (!r.error.empty()) Die(r.error);
-    requests += r.requests;
-    payload += r.payload_bytes;
-    verified += r.verified;
-    end = std::max(end, r.finished);
-    lat.insert(lat.end(), r.lat_us.begin(), r.lat_us.end());
-  }
-  std::sort(lat.begin(), lat.end());
-  double secs = std::chrono::duration<double>(end - sh.measure_from).count();
+  if (!tot.error.empty()) Die(tot.error);
+  const std::vector<uint32_t>& lat = tot.lat_us;
+  const uint64_t requests = tot.requests, verified = tot.verified, payload = tot.payload_bytes;
+  const double secs = tot.seconds, mean = tot.mean_us;
   double rps = secs > 0 ? static_cast<double>(requests) / secs : 0.0;
   double bps = secs > 0 ? static_cast<double>(payload) / secs : 0.0;
-  double mean = 0;
-  for (uint32_t v : lat) mean += v;
-  if (!lat.empty()) mean /= static_cast<double>(lat.size());
   uint64_t min_size = UINT64_MAX, max_size = 0;
   for (const auto& r : sh.reqs) {
     min_size = std::min(min_size, r.size);
