@@ -48,16 +48,8 @@ using pion::bench::Percentile;
 using Clock = pion::bench::Clock;
 using Result = pion::bench::LoadResult;
 
-struct Options {
-  std::string host = "127.0.0.1";
-  int port = 6379;
+struct Options : pion::bench::LoadOptions {
   uint64_t size = 4 << 20;
-  int connections = 1;
-  double seconds = 10.0;
-  uint64_t requests = 0;  // > 0: fixed request count instead of --seconds
-  int pipeline = 1;
-  double warmup = 0.0;
-  uint64_t verify_every = 64;  // 0: verify only each connection's first reply
   uint64_t seed = 0x5eed;
 };
 
@@ -78,7 +70,6 @@ struct Options {
 
 Options ParseArgs(int argc, char** argv) {
   Options o;
-  bool have_seconds = false;
   for (int i = 1; i < argc; ++i) {
     std::string_view a = argv[i];
     std::string val_buf;
@@ -92,41 +83,18 @@ Options ParseArgs(int argc, char** argv) {
       if (i + 1 >= argc) Usage(2);
       val = argv[++i];
     }
-    if (a == "--host")
-      o.host = val;
-    else if (a == "--port")
-      o.port = std::atoi(val);
-    else if (a == "--size")
+    if (pion::bench::ParseLoadOption(a, val, &o)) continue;
+    if (a == "--size") {
       o.size = ParseSize("pion-echo-bench", val);
-    else if (a == "--connections" || a == "-c")
-      o.connections = std::atoi(val);
-    else if (a == "--seconds") {
-      o.seconds = std::atof(val);
-      have_seconds = true;
-    } else if (a == "--requests" || a == "-n")
-      o.requests = std::strtoull(val, nullptr, 10);
-    else if (a == "--pipeline" || a == "-P")
-      o.pipeline = std::atoi(val);
-    else if (a == "--warmup")
-      o.warmup = std::atof(val);
-    else if (a == "--verify-every")
-      o.verify_every = std::strtoull(val, nullptr, 10);
-    else if (a == "--seed")
+    } else if (a == "--seed") {
       o.seed = std::strtoull(val, nullptr, 10);
-    else {
+    } else {
       std::fprintf(stderr, "pion-echo-bench: unknown option '%.*s'\n", static_cast<int>(a.size()),
                    a.data());
       Usage(2);
     }
   }
-  if (o.requests > 0 && have_seconds) {
-    std::fprintf(stderr, "pion-echo-bench: give --seconds or --requests, not both\n");
-    std::exit(2);
-  }
-  if (o.connections < 1 || o.pipeline < 1 || o.port < 1 || o.port > 65535 ||
-      (o.requests == 0 && o.seconds <= 0)) {
-    Usage(2);
-  }
+  if (!pion::bench::LoadOptionsValid("pion-echo-bench", o)) Usage(2);
   return o;
 }
 

@@ -60,20 +60,12 @@ using pion::bench::Percentile;
 using Clock = pion::bench::Clock;
 using Result = pion::bench::LoadResult;
 
-struct Options {
-  std::string host = "127.0.0.1";
-  int port = 6379;
+struct Options : pion::bench::LoadOptions {
   std::vector<std::string> command_files;
   std::vector<std::string> words;  // after --: one request
   std::vector<std::string> verify_files;
   uint64_t expect_size = 0;  // 0: any bulk length (learned by the probe)
   bool have_expect = false;
-  int connections = 1;
-  double seconds = 10.0;
-  uint64_t requests = 0;  // > 0: fixed request count instead of --seconds
-  int pipeline = 1;
-  double warmup = 0.0;
-  uint64_t verify_every = 64;  // 0: verify only each connection's first reply
 };
 
 [[noreturn]] void Usage(int code) {
@@ -103,7 +95,6 @@ struct Options {
 
 Options ParseArgs(int argc, char** argv) {
   Options o;
-  bool have_seconds = false;
   for (int i = 1; i < argc; ++i) {
     std::string_view a = argv[i];
     if (a == "--") {
@@ -121,47 +112,24 @@ Options ParseArgs(int argc, char** argv) {
       if (i + 1 >= argc) Usage(2);
       val = argv[++i];
     }
-    if (a == "--host")
-      o.host = val;
-    else if (a == "--port")
-      o.port = std::atoi(val);
-    else if (a == "--command-file")
+    if (pion::bench::ParseLoadOption(a, val, &o)) continue;
+    if (a == "--command-file") {
       o.command_files.emplace_back(val);
-    else if (a == "--verify-file")
+    } else if (a == "--verify-file") {
       o.verify_files.emplace_back(val);
-    else if (a == "--expect-size") {
+    } else if (a == "--expect-size") {
       o.expect_size = ParseSize("pion-fetch-bench", val);
       o.have_expect = true;
-    } else if (a == "--connections" || a == "-c")
-      o.connections = std::atoi(val);
-    else if (a == "--seconds") {
-      o.seconds = std::atof(val);
-      have_seconds = true;
-    } else if (a == "--requests" || a == "-n")
-      o.requests = std::strtoull(val, nullptr, 10);
-    else if (a == "--pipeline" || a == "-P")
-      o.pipeline = std::atoi(val);
-    else if (a == "--warmup")
-      o.warmup = std::atof(val);
-    else if (a == "--verify-every")
-      o.verify_every = std::strtoull(val, nullptr, 10);
-    else {
+    } else {
       std::fprintf(stderr, "pion-fetch-bench: unknown option '%.*s'\n", static_cast<int>(a.size()),
                    a.data());
       Usage(2);
     }
   }
-  if (o.requests > 0 && have_seconds) {
-    std::fprintf(stderr, "pion-fetch-bench: give --seconds or --requests, not both\n");
-    std::exit(2);
-  }
+  if (!pion::bench::LoadOptionsValid("pion-fetch-bench", o)) Usage(2);
   if (o.command_files.empty() == o.words.empty()) {
     std::fprintf(stderr, "pion-fetch-bench: give --command-file or -- WORD ..., one of them\n");
     std::exit(2);
-  }
-  if (o.connections < 1 || o.pipeline < 1 || o.port < 1 || o.port > 65535 ||
-      (o.requests == 0 && o.seconds <= 0)) {
-    Usage(2);
   }
   return o;
 }

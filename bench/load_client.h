@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -55,6 +56,55 @@ inline uint64_t ParseSize(const char* prog, const char* s) {
       std::exit(2);
   }
   return static_cast<uint64_t>(v);
+}
+
+// The options both load clients take.
+struct LoadOptions {
+  std::string host = "127.0.0.1";
+  int port = 6379;
+  int connections = 1;
+  double seconds = 10.0;
+  bool have_seconds = false;  // --seconds given
+  uint64_t requests = 0;      // > 0: fixed request count instead of --seconds
+  int pipeline = 1;
+  double warmup = 0.0;
+  uint64_t verify_every = 64;  // 0: verify only each connection's first reply
+};
+
+// Takes option `a` with its value when it is one of LoadOptions'; false when it is not.
+inline bool ParseLoadOption(std::string_view a, const char* val, LoadOptions* o) {
+  if (a == "--host") {
+    o->host = val;
+  } else if (a == "--port") {
+    o->port = std::atoi(val);
+  } else if (a == "--connections" || a == "-c") {
+    o->connections = std::atoi(val);
+  } else if (a == "--seconds") {
+    o->seconds = std::atof(val);
+    o->have_seconds = true;
+  } else if (a == "--requests" || a == "-n") {
+    o->requests = std::strtoull(val, nullptr, 10);
+  } else if (a == "--pipeline" || a == "-P") {
+    o->pipeline = std::atoi(val);
+  } else if (a == "--warmup") {
+    o->warmup = std::atof(val);
+  } else if (a == "--verify-every") {
+    o->verify_every = std::strtoull(val, nullptr, 10);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Whether the load options are usable; both --seconds and --requests exit with status 2 and
+// the reason (naming `prog`).
+inline bool LoadOptionsValid(const char* prog, const LoadOptions& o) {
+  if (o.requests > 0 && o.have_seconds) {
+    std::fprintf(stderr, "%s: give --seconds or --requests, not both\n", prog);
+    std::exit(2);
+  }
+  return o.connections >= 1 && o.pipeline >= 1 && o.port >= 1 && o.port <= 65535 &&
+         (o.requests > 0 || o.seconds > 0);
 }
 
 // A non-blocking TCP connection with TCP_NODELAY, or -1 with *err set.
