@@ -88,6 +88,30 @@ def stop(proc: subprocess.Popen | None):
         proc.wait(timeout=5)
 
 
+def env_with(pairs: list[str]) -> dict:
+    """This process's environment plus the KEY=VALUE pairs."""
+    env = dict(os.environ)
+    for kv in pairs:
+        k, _, v = kv.partition("=")
+        env[k] = v
+    return env
+
+
+def start_pair(procs: dict, cmds: dict, ports: dict, tmp: Path, envs: dict) -> dict:
+    """Starts pion-server and redis-server (cmds/ports/envs by name; logs in tmp) into `procs` —
+    filled as they start, so the caller's cleanup stops whatever did — waits until both answer,
+    and returns their psutil handles by name."""
+    for name in ("pion", "redis"):
+        log = tmp / f"{name}.log"
+        procs[name] = subprocess.Popen(cmds[name], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, cwd=tmp, env=envs.get(name))
+    for name in procs:
+        wait_ready(procs[name], ports[name], name, tmp / f"{name}.log")
+    print(f"pion-server pid {procs['pion'].pid} port {ports['pion']}; "
+          f"redis-server pid {procs['redis'].pid} port {ports['redis']}", flush=True)
+    return {name: psutil.Process(procs[name].pid) for name in procs}
+
+
 def cmd_output(cmd: list[str]) -> str:
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
@@ -287,25 +311,13 @@ def main() -> int:
     redis_cmd = [a.redis_server, "--port", str(p2), "--save", "", "--appendonly", "no",
                  "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "2gb",
                  "--bind", "127.0.0.1", "--dir", str(tmp)]
-    pion_env = dict(os.environ)
-    for kv in a.pion_env:
-        k, _, v = kv.partition("=")
-        pion_env[k] = v
     procs: dict[str, subprocess.Popen] = {}
     runs: list[dict] = []  # one row per measurement run
     load_before = os.getloadavg()
     try:
-        for name, cmd in (("pion", pion_cmd), ("redis", redis_cmd)):
-            log = tmp / f"{name}.log"
-            procs[name] = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, cwd=tmp,
-                                           env=pion_env if name == "pion" else None)
         ports = {"pion": p1, "redis": p2}
-        for name in procs:
-            wait_ready(procs[name], ports[name], name, tmp / f"{name}.log")
-        ps = {name: psutil.Process(procs[name].pid) for name in procs}
-        print(f"pion-server pid {procs['pion'].pid} port {p1}; "
-              f"redis-server pid {procs['redis'].pid} port {p2}", flush=True)
+        ps = start_pair(procs, {"pion": pion_cmd, "redis": redis_cmd}, ports, tmp,
+                        {"pion": env_with(a.pion_env)})
 
         def order(rep):
             return ["pion", "redis"] if rep % 2 == 0 else ["redis", "pion"]

@@ -35,8 +35,9 @@ import psutil
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_protocol import (CpuMeter, cmd_output, free_port, git_info, machine_info,  # noqa: E402
-                            median, ratio, sha256, stop, tail, wait_quiet, wait_ready)
+from bench_protocol import (CpuMeter, cmd_output, env_with, free_port, git_info,  # noqa: E402
+                            machine_info, median, ratio, sha256, start_pair, stop, tail,
+                            wait_quiet)
 
 REPO = Path(__file__).resolve().parent.parent
 # pion/redis ratios of layers/s asked for by the issue (fp32 sends twice the bytes of a layer).
@@ -200,31 +201,15 @@ def main() -> int:
     redis_cmd = [a.redis_server, "--port", str(p2), "--save", "", "--appendonly", "no",
                  "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "2gb",
                  "--bind", "127.0.0.1", "--dir", str(tmp / "redis-data")]
-    pion_env = dict(os.environ)
-    for kv in a.pion_env:
-        k, _, v = kv.partition("=")
-        pion_env[k] = v
-    redis_env = dict(os.environ)
-    for kv in a.redis_env:
-        k, _, v = kv.partition("=")
-        redis_env[k] = v
     procs: dict[str, subprocess.Popen] = {}
     runs: list[dict] = []
     load_notes: list[str] = []
     client_cmds: dict[str, list[str]] = {}
     load_before = os.getloadavg()
     try:
-        for name, cmd in (("pion", pion_cmd), ("redis", redis_cmd)):
-            log = tmp / f"{name}.log"
-            procs[name] = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, cwd=tmp,
-                                           env=pion_env if name == "pion" else redis_env)
         ports = {"pion": p1, "redis": p2}
-        for name in procs:
-            wait_ready(procs[name], ports[name], name, tmp / f"{name}.log")
-        ps = {name: psutil.Process(procs[name].pid) for name in procs}
-        print(f"pion-server pid {procs['pion'].pid} port {p1}; "
-              f"redis-server pid {procs['redis'].pid} port {p2}", flush=True)
+        ps = start_pair(procs, {"pion": pion_cmd, "redis": redis_cmd}, ports, tmp,
+                        {"pion": env_with(a.pion_env), "redis": env_with(a.redis_env)})
 
         def check_alive():
             for name, p in procs.items():
