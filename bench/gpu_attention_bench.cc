@@ -409,18 +409,16 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
       int khz = 0;
       CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
       for (int i = 1; i < kMarks; ++i) {
-        double sum = 0;
-        size_t cnt = 0;
-        double most = 0;  // the last phase: the longest (the merging block's)
+        // The last phase (the merge) runs in one block of a head: its longest, not the mean.
+        double sum = 0, most = 0;
         for (size_t b = 0; b < blocks_n; ++b) {
           const double t = double(tr_h[b * kMarks + i] - tr_h[b * kMarks + i - 1]);
           sum += t;
           most = std::max(most, t);
-          ++cnt;
         }
-        if (i == kMarks - 1) sum = most * cnt;
+        const double cycles = i == kMarks - 1 ? most : sum / double(blocks_n);
         char p[32];
-        std::snprintf(p, sizeof p, "%s%.2f", i > 1 ? ", " : "", cnt ? sum / cnt / khz * 1e3 : 0);
+        std::snprintf(p, sizeof p, "%s%.2f", i > 1 ? ", " : "", cycles / khz * 1e3);
         phases += p;
       }
       f.trace = nullptr;

@@ -356,37 +356,23 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       });
       PION_TRY(summaries->fill_status);
       PION_TRY(job.Flush());
-      const uint32_t stride =
-          static_cast<uint32_t>(std::min<uint64_t>(uint64_t{plan.k_top + 2} * B, n));
-      PION_ASSIGN(sel, job.Dev<float>(size_t{q.hq} * nb));
-      PION_ASSIGN(ms, job.Dev<float>(size_t{q.hq} * nb));
       PION_ASSIGN(blocks, job.Dev<int32_t>(size_t{q.hq} * (plan.k_top + 2)));
       PION_ASSIGN(nchosen, job.Dev<int32_t>(q.hq));
-      PION_ASSIGN(list, job.Dev<int32_t>(size_t{q.hq} * stride));
       PION_ASSIGN(counts, job.Dev<int32_t>(q.hq));
       PION_ASSIGN(omitted, job.Dev<float>(q.hq));
-      // SHARED: one list per row group of a K/V head — a dense pass's items over the list of
-      // each group's first row (the lists of a group's rows are equal).
-      AttendArgs grouped = base;
-      grouped.list = list;
-      grouped.counts = counts;
-      grouped.stride = stride;
-      DensePass group_pass;  // SHARED
-      if (plan.shared_blocks) group_pass = PlanDense(grouped, q.head_map, stride);
-      const uint32_t splits =
-          plan.shared_blocks ? group_pass.splits : SparseSplitsFor(base, q.head_map, stride);
+      if (vis_lo < vis_hi) {
+        b_lo = vis_lo / B;
+        b_hi = (vis_hi - 1) / B;
+      }
       // SHARED without a suffix, where the one-launch kernel takes the shape: score, select,
       // attend and merge in the thread-block clusters of each K/V head (sparse_fused.cu).
       std::vector<int32_t> members;
-      const uint32_t group = q.m == 1 ? GroupMembers(q, slot.heads, &members) : 0;
-      const bool one_launch =
-          vis_lo < vis_hi && plan.shared_blocks && fin != nullptr &&
-          kernels::cuda::SparseAutoSharedFits(
-              slot.dtype, q.d, group, static_cast<uint32_t>((vis_hi - 1) / B - vis_lo / B + 1));
-      if (!one_launch) PION_TRY(AllocParts(job, splits + suf_pass.splits, nrows, q.d, &parts));
+      const uint32_t group =
+          plan.shared_blocks && q.m == 1 ? GroupMembers(q, slot.heads, &members) : 0;
+      const bool one_launch = vis_lo < vis_hi && plan.shared_blocks && fin != nullptr &&
+                              kernels::cuda::SparseAutoSharedFits(
+                                  slot.dtype, q.d, group, static_cast<uint32_t>(b_hi - b_lo + 1));
       if (one_launch) {
-        b_lo = vis_lo / B;
-        b_hi = (vis_hi - 1) / B;
         PION_ASSIGN(dmembers, job.Up(members.data(), members.size()));
         kernels::cuda::FusedSparseArgs f;
         f.q = dq;
@@ -424,27 +410,43 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
         PION_TRY(kernels::cuda::LaunchSparseAutoShared(f, job.stream()));
         finish.done = true;
         r->splits = f.cluster;
-        PION_ASSIGN(hb, job.Down(blocks, size_t{q.hq} * (plan.k_top + 2)));
-        PION_ASSIGN(hn, job.Down(nchosen, q.hq));
-        PION_ASSIGN(hc, job.Down(counts, q.hq));
-        PION_ASSIGN(ho, job.Down(omitted, q.hq));
-        h_blocks = hb, h_nchosen = hn, h_counts = hc, h_omitted = ho;
-      } else if (vis_lo < vis_hi) {
-        b_lo = vis_lo / B;
-        b_hi = (vis_hi - 1) / B;
-        PION_TRY(kernels::cuda::LaunchScoreBlocks(dq, q.hq, q.d, dmap, summaries->dev_mean(),
-                                                  summaries->dev_min(), summaries->dev_max(), nb,
-                                                  plan.selector, sel, ms, job.stream()));
-        // SHARED: each head ranks the blocks by its group's highest scores.
-        PION_TRY(kernels::cuda::LaunchSelectBlocks(
-            sel, ms, dmap, q.hq, plan.shared_blocks, nb, B, vis_lo, vis_hi, plan.k_top, scale,
-            blocks, nchosen, list, counts, stride, omitted, job.stream()));
-        if (plan.shared_blocks) {
-          PION_TRY(DenseLaunch(job, grouped, group_pass, &parts, fin));
-        } else {
-          PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits, fin));
+      } else {
+        // Four launches: block scores, block select (writing each row's list), the lists'
+        // partials, and the combine after this switch.
+        const uint32_t stride =
+            static_cast<uint32_t>(std::min<uint64_t>(uint64_t{plan.k_top + 2} * B, n));
+        PION_ASSIGN(sel, job.Dev<float>(size_t{q.hq} * nb));
+        PION_ASSIGN(ms, job.Dev<float>(size_t{q.hq} * nb));
+        PION_ASSIGN(list, job.Dev<int32_t>(size_t{q.hq} * stride));
+        // SHARED: one list per row group of a K/V head — a dense pass's items over the list of
+        // each group's first row (the lists of a group's rows are equal).
+        AttendArgs grouped = base;
+        grouped.list = list;
+        grouped.counts = counts;
+        grouped.stride = stride;
+        DensePass group_pass;  // SHARED
+        if (plan.shared_blocks) group_pass = PlanDense(grouped, q.head_map, stride);
+        const uint32_t splits =
+            plan.shared_blocks ? group_pass.splits : SparseSplitsFor(base, q.head_map, stride);
+        PION_TRY(AllocParts(job, splits + suf_pass.splits, nrows, q.d, &parts));
+        if (vis_lo < vis_hi) {
+          PION_TRY(kernels::cuda::LaunchScoreBlocks(dq, q.hq, q.d, dmap, summaries->dev_mean(),
+                                                    summaries->dev_min(), summaries->dev_max(), nb,
+                                                    plan.selector, sel, ms, job.stream()));
+          // SHARED: each head ranks the blocks by its group's highest scores.
+          PION_TRY(kernels::cuda::LaunchSelectBlocks(
+              sel, ms, dmap, q.hq, plan.shared_blocks, nb, B, vis_lo, vis_hi, plan.k_top, scale,
+              blocks, nchosen, list, counts, stride, omitted, job.stream()));
+          if (plan.shared_blocks) {
+            PION_TRY(DenseLaunch(job, grouped, group_pass, &parts, fin));
+          } else {
+            PION_TRY(
+                SparseLaunch(job, base, q.head_map, list, counts, stride, &parts, splits, fin));
+          }
+          r->splits = splits;
         }
-        r->splits = splits;
+      }
+      if (vis_lo < vis_hi) {  // the receipt's numbers, as the selection wrote them
         PION_ASSIGN(hb, job.Down(blocks, size_t{q.hq} * (plan.k_top + 2)));
         PION_ASSIGN(hn, job.Down(nchosen, q.hq));
         PION_ASSIGN(hc, job.Down(counts, q.hq));

@@ -117,7 +117,6 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
 
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
-  constexpr uint32_t ranks = C;  // the head's blocks
   const uint32_t kv = blockIdx.x / C, me = static_cast<uint32_t>(rank);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   auto mark = [&](int i) {
@@ -310,8 +309,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   const uint32_t mid = static_cast<uint32_t>(keep) * B;
   const uint32_t last = nvis >= 2 ? hi - b_hi * B : 0;
   const uint32_t total = len0 + mid + last;
-  const uint32_t e0 = static_cast<uint32_t>(uint64_t{total} * me / ranks);
-  const uint32_t e1 = static_cast<uint32_t>(uint64_t{total} * (me + 1) / ranks);
+  const uint32_t e0 = static_cast<uint32_t>(uint64_t{total} * me / C);
+  const uint32_t e1 = static_cast<uint32_t>(uint64_t{total} * (me + 1) / C);
   const uint32_t tiles = (e1 - e0 + kTk - 1) / kTk;
   const uint32_t w_first = e0 + SplitPoint(tiles, warp, kWarps) * kTk;
   const int ntiles =
@@ -446,7 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   // becomes them), then a thread per column. scratch[kv][me][h] = (m, l, omitted all,
   // omitted left, o[D]), m in natural log units.
   constexpr int kRec = D + 4;
-  float* mine = a.scratch + (size_t{kv} * ranks + me) * kG * kRec;
+  float* mine = a.scratch + (size_t{kv} * C + me) * kG * kRec;
   if (tid < G) {
     float m = -INFINITY;
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_a[w][tid]);
@@ -475,36 +474,36 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   // member heads' outputs, LSE and receipts.
   __threadfence();  // this rank's state is visible device-wide before it counts itself
   __syncthreads();
-  if (tid == 0) s_last = atomicAdd(&a.counters[kv], 1u) == ranks - 1;
+  if (tid == 0) s_last = atomicAdd(&a.counters[kv], 1u) == C - 1;
   __syncthreads();
   mark(8);
   if (s_last) {
     __threadfence();
-    const float* st = a.scratch + size_t{kv} * ranks * kG * kRec;
+    const float* st = a.scratch + size_t{kv} * C * kG * kRec;
     __shared__ float hm[kG], hl[kG];
-    // Every rank's m, l and omitted sums, all loads in flight, into [4][kG][ranks].
+    // Every rank's m, l and omitted sums, all loads in flight, into [4][kG][C].
     float* w = reinterpret_cast<float*>(rings);  // m, then the ranks' weights
-    float* wl = w + kG * ranks;
-    float* wall = wl + kG * ranks;
-    float* wleft = wall + kG * ranks;
-    for (int e = tid; e < G * static_cast<int>(ranks); e += kThreads) {
-      const float* rec = st + ((e % ranks) * kG + e / ranks) * kRec;
+    float* wl = w + kG * C;
+    float* wall = wl + kG * C;
+    float* wleft = wall + kG * C;
+    for (int e = tid; e < G * C; e += kThreads) {
+      const float* rec = st + ((e % C) * kG + e / C) * kRec;
       const float m = __ldcg(rec), l = __ldcg(rec + 1), all = __ldcg(rec + 2),
                   left = __ldcg(rec + 3);
       w[e] = m, wl[e] = l, wall[e] = all, wleft[e] = left;
     }
     __syncthreads();
     if (tid < G) {
-      const float* mh = w + tid * ranks;
+      const float* mh = w + tid * C;
       float mx = -INFINITY;
-      for (uint32_t r = 0; r < ranks; ++r) mx = fmaxf(mx, mh[r]);
+      for (uint32_t r = 0; r < C; ++r) mx = fmaxf(mx, mh[r]);
       float l = 0.f, all = 0.f, left = 0.f;
-      for (uint32_t r = 0; r < ranks; ++r) {
+      for (uint32_t r = 0; r < C; ++r) {
         const float f = mx == -INFINITY ? 0.f : expf(mh[r] - mx);
-        w[tid * ranks + r] = f;
-        l += f * wl[tid * ranks + r];
-        all += wall[tid * ranks + r];
-        left += wleft[tid * ranks + r];
+        w[tid * C + r] = f;
+        l += f * wl[tid * C + r];
+        all += wall[tid * C + r];
+        left += wleft[tid * C + r];
       }
       hm[tid] = mx;
       hl[tid] = l;
@@ -527,8 +526,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
       const int h = e / D, x = e % D;
       float acc = 0.f;
 #pragma unroll 8
-      for (uint32_t r = 0; r < ranks; ++r)
-        acc += w[h * ranks + r] * __ldcg(st + (r * kG + h) * kRec + 4 + x);
+      for (uint32_t r = 0; r < C; ++r)
+        acc += w[h * C + r] * __ldcg(st + (r * kG + h) * kRec + 4 + x);
       a.out[size_t(heads[h]) * D + x] = hm[h] == -INFINITY ? 0.f : acc / hl[h];
     }
     if (tid == 0) a.counters[kv] = 0;
