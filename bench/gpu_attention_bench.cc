@@ -7,6 +7,10 @@
 // + combine (sparse-auto).
 //
 //   pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>
+//                       (comparisons, same binary: PION_BENCH_SPLITS=<n> a split count,
+//                       PION_BENCH_INTERLEAVE=0 decode warps on quarters, PION_BENCH_UNIFORM=0
+//                       items loaded as for any grouping, PION_BENCH_SKIP_COMBINE=1 the split-K
+//                       launch alone, PION_BENCH_FINISH=1 the launch merging its own splits)
 //   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top> [shared|fused]
 //                       (shared: SHARED selection — one block set per K/V head; fused: SHARED,
 //                       and the one-launch kernel beside it, compared; PION_BENCH_CLUSTER=8|16
@@ -204,8 +208,15 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   a.items = di;
   a.n_items = static_cast<uint32_t>(items.size());
   a.item_rows = kernels::cuda::MaxRows(items);
+  a.uniform_group = kernels::cuda::UniformGroup(items, m);
   a.splits = kernels::cuda::PlanSplits(a, n);
-  if (const char* sp = std::getenv("PION_BENCH_SPLITS")) a.splits = U(sp);  // planning experiments
+  // Comparisons: a split count, quarters instead of interleaved tiles (=0), the items loaded
+  // as for any grouping (PION_BENCH_UNIFORM=0).
+  if (const char* sp = std::getenv("PION_BENCH_SPLITS")) a.splits = U(sp);
+  if (const char* il = std::getenv("PION_BENCH_INTERLEAVE")) a.interleave = il[0] == '1';
+  if (const char* un = std::getenv("PION_BENCH_UNIFORM"); un != nullptr && un[0] == '0') {
+    a.uniform_group = 0;
+  }
   a.part_m = DevAlloc<float>(size_t{a.splits} * a.nrows);
   a.part_l = DevAlloc<float>(size_t{a.splits} * a.nrows);
   a.part_o = DevAlloc<float>(size_t{a.splits} * a.nrows * d);

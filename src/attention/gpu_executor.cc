@@ -147,6 +147,7 @@ Status LaunchItems(Job& job, AttendArgs a, const std::vector<Item>& items, Parts
   a.items = ditems;
   a.n_items = static_cast<uint32_t>(items.size());
   a.item_rows = kernels::cuda::MaxRows(items);
+  a.uniform_group = kernels::cuda::UniformGroup(items, a.m);
   a.splits = splits;
   a.part_m = parts->m;
   a.part_l = parts->l;
@@ -365,11 +366,12 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
         b_hi = (vis_hi - 1) / B;
       }
       // SHARED without a suffix, where the one-launch kernel takes the shape: score, select,
-      // attend and merge in the thread-block clusters of each K/V head (sparse_fused.cu).
+      // attend and merge in the thread-block clusters of each K/V head (sparse_fused.cu). With
+      // one query head per K/V head, choosing per head is choosing per group: the same launch.
       std::vector<int32_t> members;
-      const uint32_t group =
-          plan.shared_blocks && q.m == 1 ? GroupMembers(q, slot.heads, &members) : 0;
-      const bool one_launch = vis_lo < vis_hi && plan.shared_blocks && fin != nullptr &&
+      const uint32_t group = q.m == 1 ? GroupMembers(q, slot.heads, &members) : 0;
+      const bool one_launch = vis_lo < vis_hi && (plan.shared_blocks || group == 1) &&
+                              fin != nullptr &&
                               kernels::cuda::SparseAutoSharedFits(
                                   slot.dtype, q.d, group, static_cast<uint32_t>(b_hi - b_lo + 1));
       if (one_launch) {

@@ -297,6 +297,15 @@ TEST(GpuExecutor, LongPrefixSplits) {
     c.d = 128;
     c.dtype = t;
     Check(c);
+    // Under a window, the queries inside the prefix: the long decode ranges (fp16: interleaved
+    // tiles, at least 32 a block) with masked tiles at both ends; 12 rows a group at M = 3.
+    c.window = 30001;
+    c.qpos = 50007;
+    Check(c);
+    c.m = 3;
+    Check(c);
+    c.window = 0;
+    c.qpos = -1;
     c.n = 20000;
     c.m = 16;  // 64 rows per K/V head: the batched path
     Check(c);
@@ -442,6 +451,16 @@ TEST(GpuExecutor, SparseAutoSharedOneLaunch) {
     c.selector = sh.sel;
     Receipt r;
     Check(c, 1, &r);
+    if (sh.hq == sh.heads) {  // one query head per K/V head: per-head choice, the same launch
+      Receipt per_head;
+      c.shared = false;
+      Check(c, 1, &per_head);
+      if (clusters && sh.one_launch) {
+        EXPECT_EQ(per_head.splits, kernels::cuda::SparseAutoSharedCluster(sh.d, sh.heads))
+            << Describe(c);
+      }
+      c.shared = true;
+    }
     if (clusters && sh.one_launch) {  // a one-launch receipt reports the cluster size as splits
       EXPECT_EQ(r.splits, kernels::cuda::SparseAutoSharedCluster(sh.d, sh.heads)) << Describe(c);
     }
@@ -499,6 +518,20 @@ TEST(GpuItems, RowsAscendByPositionCoverEveryRowOnce) {
   // GQA 4 at M = 1: 4 rows an item, the packed decode shape.
   const std::vector<int32_t> gqa = {0, 0, 0, 0, 1, 1, 1, 1};
   EXPECT_EQ(kernels::cuda::MaxRows(kernels::cuda::DenseItems(8, 1, gqa.data())), 4u);
+  // Uniform groups (the decode kernels then skip loading the items): only unpadded M = 1 items
+  // whose K/V head i holds query heads i*g .. i*g + g − 1.
+  using kernels::cuda::DenseItems;
+  using kernels::cuda::UniformGroup;
+  EXPECT_EQ(UniformGroup(DenseItems(8, 1, gqa.data()), 1), 4u);
+  EXPECT_EQ(UniformGroup(DenseItems(8, 1, gqa.data(), 4), 1), 0u);   // padded with empty items
+  EXPECT_EQ(UniformGroup(DenseItems(8, 3, gqa.data()), 3), 0u);      // M = 3
+  EXPECT_EQ(UniformGroup(DenseItems(6, 1, maps[1].data()), 1), 0u);  // interleaved heads
+  EXPECT_EQ(UniformGroup(DenseItems(4, 1, maps[2].data()), 1), 1u);  // MHA
+  EXPECT_EQ(UniformGroup(kernels::cuda::RowItems(4, 1, maps[2].data()), 1), 1u);
+  EXPECT_EQ(UniformGroup(DenseItems(20, 1, maps[3].data()), 1), 0u);  // 16 + 4 rows
+  const std::vector<int32_t> gaps = {0, 0, 2, 2};                     // K/V head 1 unused
+  EXPECT_EQ(UniformGroup(DenseItems(4, 1, gaps.data()), 1), 0u);
+  EXPECT_EQ(UniformGroup({}, 1), 0u);
 }
 
 TEST(GpuSlotsTest, EvictsUnheldCopiesOnly) {

@@ -157,12 +157,16 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
 
   WaitForPrimary();  // what the kernel before it in the stream wrote (e.g. selection lists)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const Item& item = a.items[blockIdx.x];
-  const int nr = item.n;
   const uint32_t split = blockIdx.y;
   const bool sparse = a.list != nullptr;
+  // Uniform dense items (AttendArgs::uniform_group): rows and positions from the arguments, so
+  // the first tiles are requested without waiting for the item.
+  const int ug = sparse ? 0 : static_cast<int>(a.uniform_group);
+  const Item& item = a.items[blockIdx.x];
+  const int nr = ug > 0 ? ug : item.n;
+  const int32_t kv = ug > 0 ? static_cast<int32_t>(blockIdx.x) : item.kv;
   if (tid < nr) {
-    const int32_t r = item.rows[tid];
+    const int32_t r = ug > 0 ? kv * ug + tid : item.rows[tid];
     rowid[tid] = r;
     qpos[tid] = a.q_pos0 + static_cast<int64_t>(r % a.m);
     rm[tid] = -INFINITY;
@@ -199,8 +203,8 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
   __syncthreads();
   const uint32_t k0 = range[0], k1 = range[1];
   const int ntiles = static_cast<int>((k1 - k0 + C::kTk - 1) / C::kTk);
-  const T* kbase = static_cast<const T*>(a.k) + static_cast<size_t>(item.kv) * a.rows * D;
-  const T* vbase = static_cast<const T*>(a.v) + static_cast<size_t>(item.kv) * a.rows * D;
+  const T* kbase = static_cast<const T*>(a.k) + static_cast<size_t>(kv) * a.rows * D;
+  const T* vbase = static_cast<const T*>(a.v) + static_cast<size_t>(kv) * a.rows * D;
   const int32_t* list = sparse ? a.list + static_cast<size_t>(rowid[0]) * a.stride : nullptr;
 
   // Tile t into buffer t % kSt; one commit group per call (empty past the end), so that
@@ -497,6 +501,57 @@ __global__ void __launch_bounds__(128)
   if (threadIdx.x == 0 && lse != nullptr) lse[row] = mx + logf(total);
 }
 
+// The combine for few parts (at most kP <= 32) and d <= 128 — short ranges, where the merge is
+// pure latency: one warp a row, lane p holding part p's m and l, lane g float4 column g of every
+// part's output, all loads issued at once; weights and sums by shuffles — no shared memory, no
+// block barrier.
+template <int kP>
+__global__ void __launch_bounds__(128)
+    CombineWarp(uint32_t parts, uint32_t nrows, uint32_t d, const float* pm, const float* pl,
+                const float* po, float* out, float* lse) {
+  WaitForPrimary();  // launched early (programmatic dependent launch)
+  const int lane = threadIdx.x & 31;
+  const uint32_t row = blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (row >= nrows) return;
+  const uint32_t groups = d / 4;
+  const bool col = static_cast<uint32_t>(lane) < groups;
+  float4 v[kP];
+#pragma unroll
+  for (int p = 0; p < kP; ++p) {
+    v[p] = p < parts && col
+               ? reinterpret_cast<const float4*>(po + (size_t(p) * nrows + row) * d)[lane]
+               : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const bool mine = static_cast<uint32_t>(lane) < parts;
+  const float m = mine ? pm[size_t(lane) * nrows + row] : -INFINITY;
+  const float l = mine ? pl[size_t(lane) * nrows + row] : 0.f;
+  const float mx = WarpMax(m);
+  float* o = out + size_t{row} * d;
+  if (mx == -INFINITY) {  // no part saw a key
+    if (col) reinterpret_cast<float4*>(o)[lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (lane == 0 && lse != nullptr) lse[row] = -INFINITY;
+    return;
+  }
+  const float w = m == -INFINITY ? 0.f : expf(m - mx);
+  const float total = WarpSum(w * l);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int p = 0; p < kP; ++p) {
+    const float wp = __shfl_sync(0xffffffffu, w, p);
+    if (wp != 0.f) {  // a part without keys may hold anything: skip it, not 0·x
+      acc.x += wp * v[p].x;
+      acc.y += wp * v[p].y;
+      acc.z += wp * v[p].z;
+      acc.w += wp * v[p].w;
+    }
+  }
+  if (col) {
+    reinterpret_cast<float4*>(o)[lane] =
+        make_float4(acc.x / total, acc.y / total, acc.z / total, acc.w / total);
+  }
+  if (lane == 0 && lse != nullptr) lse[row] = mx + logf(total);
+}
+
 template <typename T, bool kLong>
 size_t SimtBytes(uint32_t d) {
   switch (d) {
@@ -595,8 +650,20 @@ Status LaunchCombine(uint32_t parts, uint32_t nrows, uint32_t d, const float* pa
   if (nrows == 0) return Status::Ok();
   // A programmatic dependent launch: its blocks start as the attention launch before it drains
   // and wait for that grid's results (on the H200: about 1 µs less per query at N = 2K).
-  return LaunchDependent(Combine, dim3(nrows), dim3(128), 0, static_cast<cudaStream_t>(stream),
-                         "combine kernel", parts, nrows, d, part_m, part_l, part_o, out, lse);
+  // Up to 32 parts at d <= 128 a warp merges a row (CombineWarp; on the H200, GQA 32/8 d = 128,
+  // same run: fp16 2K 8.55 -> 8.28 µs, 4K 10.40 -> 10.11, 8K 13.86 -> 13.69; fp32 2K even).
+  auto s = static_cast<cudaStream_t>(stream);
+  const dim3 warps((nrows + 3) / 4);
+  if (d <= 128 && parts <= 16) {
+    return LaunchDependent(CombineWarp<16>, warps, dim3(128), 0, s, "combine kernel", parts, nrows,
+                           d, part_m, part_l, part_o, out, lse);
+  }
+  if (d <= 128 && parts <= 32) {
+    return LaunchDependent(CombineWarp<32>, warps, dim3(128), 0, s, "combine kernel", parts, nrows,
+                           d, part_m, part_l, part_o, out, lse);
+  }
+  return LaunchDependent(Combine, dim3(nrows), dim3(128), 0, s, "combine kernel", parts, nrows, d,
+                         part_m, part_l, part_o, out, lse);
 }
 
 }  // namespace pion::kernels::cuda

@@ -44,6 +44,9 @@ std::vector<Item> DenseItems(uint32_t hq, uint32_t m, const int32_t* head_map, i
 std::vector<Item> RowItems(uint32_t hq, uint32_t m, const int32_t* head_map);
 // Host: the most rows of any of `items` (AttendArgs::item_rows).
 uint32_t MaxRows(const std::vector<Item>& items);
+// Host: g when `items` are DenseItems of M = 1 queries whose K/V head i has query heads
+// i*g .. i*g + g − 1 (unpadded), else 0 (AttendArgs::uniform_group).
+uint32_t UniformGroup(const std::vector<Item>& items, uint32_t m);
 
 struct AttendArgs {
   const float* q = nullptr;  // [hq][m][d]
@@ -68,6 +71,18 @@ struct AttendArgs {
   uint32_t item_rows = kItemRows;  // the most rows of any item (MaxRows(items))
   bool dense_items = true;         // items from DenseItems (eligible for tensor cores)
   uint32_t splits = 1;             // key-range pieces per item (blockIdx.y)
+  // Dense M = 1 items exactly as DenseItems lays them out without padding: item i is K/V head i
+  // with query rows i*g .. i*g + g − 1, g = uniform_group (0: not so; UniformGroup decides).
+  // The decode kernels then take rows, positions and key range from these arguments instead of
+  // loading the items first — the first K/V tiles are requested one memory round trip sooner
+  // (H200, GQA 32/8 d = 128, same run: fp16 2K 9.26 -> 8.94 µs, fp32 2K 13.12 -> 12.90).
+  uint32_t uniform_group = 0;
+  // Tensor-core decode (one row group a block) over at least 32 tiles a block: the block's four
+  // warps take its 16-key tiles in turn (warp w tiles w, w + 4, ...: the block reads one
+  // contiguous run) instead of a quarter of them each. Measured on the H200 (GQA 32/8, d = 128):
+  // 128K 138.2 -> 135.5 µs, 32K 41.8 -> 41.1; at 8K (16 tiles a block) 14.08 vs 14.15, so not
+  // there. false: always quarters (the bench's PION_BENCH_INTERLEAVE=0, for comparison).
+  bool interleave = true;
   // Partial outputs: part p, row r at [p*nrows + r] (o: times d).
   float* part_m = nullptr;
   float* part_l = nullptr;

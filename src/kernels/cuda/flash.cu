@@ -62,21 +62,28 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rg = warp % WR;
   const uint32_t first_item = blockIdx.x * WR;
-  const int32_t kv = a.items[first_item].kv;
   const bool sparse = a.list != nullptr;  // WR == 1, one row per item
-  if (tid < C::kRows) {                   // kRows <= 64
-    const uint32_t it = first_item + tid / 16;
-    const int j = tid % 16;
+  // Uniform dense decode: rows, positions and key range follow from the arguments (every row
+  // is at q_pos0), so the first tiles are requested without waiting for the items.
+  const int ug = WR == 1 && !sparse ? static_cast<int>(a.uniform_group) : 0;
+  const int32_t kv = ug > 0 ? static_cast<int32_t>(blockIdx.x) : a.items[first_item].kv;
+  if (tid < C::kRows) {  // kRows <= 64
     int32_t r = -1;
-    if (it < a.n_items && j < a.items[it].n) r = a.items[it].rows[j];
+    if (ug > 0) {
+      if (tid < ug) r = kv * ug + tid;
+    } else {
+      const uint32_t it = first_item + tid / 16;
+      const int j = tid % 16;
+      if (it < a.n_items && j < a.items[it].n) r = a.items[it].rows[j];
+    }
     rowid[tid] = r;
     qpos[tid] = r >= 0 ? a.q_pos0 + static_cast<int64_t>(r % a.m) : 0;
   }
   if (tid == 0) {
     // The block's key range and position span. An item's rows ascend by query position
     // (DenseItems, RowItems), so its first and last rows bound it.
-    int64_t pmin = INT64_MAX, pmax = INT64_MIN;
-    for (int i = 0; i < WR; ++i) {
+    int64_t pmin = ug > 0 ? a.q_pos0 : INT64_MAX, pmax = ug > 0 ? a.q_pos0 : INT64_MIN;
+    for (int i = 0; i < WR && ug == 0; ++i) {
       const uint32_t it = first_item + i;
       if (it >= a.n_items || a.items[it].n == 0) continue;
       pmin = Min<int64_t>(pmin, a.q_pos0 + a.items[it].rows[0] % a.m);
@@ -106,14 +113,19 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   constexpr int kLoaders = kIndep ? 32 : 128;
   const int ltid = kIndep ? lane : tid;
   // Split the range's tiles evenly over the launch's workers (splits × 4 warps for decode,
-  // splits blocks batched), so every tile but the range's last is full.
+  // splits blocks batched), so every tile but the range's last is full. Interleaved decode (a
+  // block of at least 32 tiles): the range splits by blocks, and warp w takes the block's tiles
+  // w, w + 4, ... — the block reads one contiguous run (AttendArgs::interleave).
   const uint32_t lo = range[0], len = range[1];
   const uint32_t tiles = (len + kTileRows - 1) / kTileRows;
-  const uint32_t workers = a.splits * (kIndep ? 4 : 1);
-  const uint32_t wk = blockIdx.y * (kIndep ? 4 : 1) + (kIndep ? warp : 0);
-  const uint32_t k0 = lo + Min<uint32_t>(len, SplitPoint(tiles, wk, workers) * kTileRows);
+  const bool inter = kIndep && a.interleave && tiles >= 32 * a.splits;
+  const uint32_t workers = a.splits * (kIndep && !inter ? 4 : 1);
+  const uint32_t wk = blockIdx.y * (kIndep && !inter ? 4 : 1) + (kIndep && !inter ? warp : 0);
+  uint32_t k0 = lo + Min<uint32_t>(len, SplitPoint(tiles, wk, workers) * kTileRows);
   const uint32_t k1 = lo + Min<uint32_t>(len, SplitPoint(tiles, wk + 1, workers) * kTileRows);
-  const int ntiles = static_cast<int>((k1 - k0 + kTileRows - 1) / kTileRows);
+  if (inter) k0 = Min<uint32_t>(k1, k0 + warp * kTileRows);
+  const uint32_t step = inter ? 4 * kTileRows : kTileRows;  // rows from one tile to the next
+  const int ntiles = static_cast<int>((k1 - k0 + step - 1) / step);
   const __half* kbase = static_cast<const __half*>(a.k) + size_t(kv) * a.rows * D;
   const __half* vbase = static_cast<const __half*>(a.v) + size_t(kv) * a.rows * D;
   const int32_t* list = sparse && rowid[0] >= 0 ? a.list + size_t(rowid[0]) * a.stride : nullptr;
@@ -132,7 +144,7 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   auto prefetch = [&](int t) {
     if (t < ntiles) {
       const int buf = t % kS;
-      const uint32_t first = k0 + t * kTileRows;
+      const uint32_t first = k0 + t * step;
       const int tk = Min<int>(kTileRows, k1 - first);
       const __half* kg = kbase + size_t(first) * D;  // dense: rows first.. are contiguous
       const __half* vg = vbase + size_t(first) * D;
@@ -282,7 +294,7 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
     }
     // Mask (position, window, range, padding rows), scale into the log2 domain, row max. A
     // dense tile every row of the block fully sees skips the per-key tests.
-    const int64_t e0 = int64_t(k0) + t * kTileRows;  // this warp's first entry
+    const int64_t e0 = int64_t(k0) + int64_t(t) * step;  // this warp's first entry
     const bool full = !sparse && e0 + kKw <= k1 && a.k_pos0 + e0 + kKw - 1 <= qmin &&
                       (a.window <= 0 || a.k_pos0 + e0 > qmax - a.window);
     float mx[2] = {-INFINITY, -INFINITY};

@@ -52,4 +52,18 @@ uint32_t MaxRows(const std::vector<Item>& items) {
   return static_cast<uint32_t>(n);
 }
 
+uint32_t UniformGroup(const std::vector<Item>& items, uint32_t m) {
+  if (m != 1 || items.empty()) return 0;
+  const int32_t g = items[0].n;
+  if (g <= 0) return 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    if (it.kv != static_cast<int32_t>(i) || it.n != g) return 0;
+    for (int32_t j = 0; j < g; ++j) {
+      if (it.rows[j] != static_cast<int32_t>(i) * g + j) return 0;
+    }
+  }
+  return static_cast<uint32_t>(g);
+}
+
 }  // namespace pion::kernels::cuda
