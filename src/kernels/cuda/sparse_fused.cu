@@ -70,8 +70,10 @@ struct Fused {
   static constexpr size_t kATaken = kAKeys + size_t{kMaxCand} * 4;
   static constexpr size_t kASliceMs = kATaken + size_t{kMaxCand};
   static_assert(kASliceMs + size_t{kG} * kSlice4 * 4 <= kWarps * kRing, "selection > rings");
-  // ...and so do the warps' final outputs [kWarps][kG][D] and the last rank's merge weights.
-  static_assert(size_t{kWarps} * kG * D * 4 <= kWarps * kRing, "outputs > rings");
+  // ...and so do the warps' final outputs [kWarps][kG][kWo] (rows padded by 8 floats: a quad's
+  // float2 stores of 8 rows hit distinct banks) and the last rank's merge weights.
+  static constexpr int kWo = D + 8;
+  static_assert(size_t{kWarps} * kG * kWo * 4 <= kWarps * kRing, "outputs > rings");
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -431,11 +433,11 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
   __syncthreads();  // every warp is done with the rings: they hold the warps' outputs now
   mark(6);
-  float* wo = reinterpret_cast<float*>(rings);  // [kWarps][kG][D]
+  float* wo = reinterpret_cast<float*>(rings);  // [kWarps][kG][kWo]
   if (g < G) {
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
-      *reinterpret_cast<float2*>(wo + (warp * kG + g) * D + n * 8 + c2) =
+      *reinterpret_cast<float2*>(wo + (warp * kG + g) * F::kWo + n * 8 + c2) =
           make_float2(o[n][0] + o[n][2], o[n][1] + o[n][3]);
     }
     if ((lane & 3) == 0) warp_a[warp][g] = m_run, warp_b[warp][g] = l_run;
@@ -465,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
     const int h = e / D, c = e % D;
     float acc = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) acc += warp_a[w][h] * wo[(w * kG + h) * D + c];
+    for (int w = 0; w < kWarps; ++w) acc += warp_a[w][h] * wo[(w * kG + h) * F::kWo + c];
     mine[h * kRec + 4 + c] = acc;
   }
   mark(7);
