@@ -329,21 +329,15 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
       stage_us += buf;
     }
   }
-  // fused (WIP): the one-launch SHARED kernel beside the four launches, its results compared
+  // fused: the one-launch SHARED kernel beside the four launches, its results compared
   // with theirs (output, LSE, chosen blocks, counts, omitted mass).
   std::string fused_json;
   if (fused) {
-    std::vector<int32_t> members(size_t{hkv} * kernels::cuda::kMaxSharedGroup, -1);
-    for (uint32_t h = 0; h < hq; ++h) {
-      int32_t* row = members.data() + size_t(map[h]) * kernels::cuda::kMaxSharedGroup;
-      int g = 0;
-      while (g < kernels::cuda::kMaxSharedGroup && row[g] >= 0) ++g;
-      if (g == kernels::cuda::kMaxSharedGroup) {
-        std::fprintf(stderr, "fused: more than %d query heads per K/V head\n",
-                     kernels::cuda::kMaxSharedGroup);
-        return 2;
-      }
-      row[g] = static_cast<int32_t>(h);
+    std::vector<int32_t> members;
+    if (kernels::cuda::GroupMembers(hq, map.data(), hkv, &members) == 0) {
+      std::fprintf(stderr, "fused: more than %d query heads per K/V head\n",
+                   kernels::cuda::kMaxSharedGroup);
+      return 2;
     }
     kernels::cuda::FusedSparseArgs f;
     f.q = a.q;

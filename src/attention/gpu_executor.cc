@@ -187,22 +187,6 @@ Status DenseLaunch(Job& job, AttendArgs a, const DensePass& pass, Parts* parts,
   return LaunchItems(job, a, pass.items, parts, pass.splits, fin);
 }
 
-// The query heads of each K/V head, kMaxSharedGroup slots a head (−1 past the last), for the
-// one-launch SHARED kernel; returns the largest group (0 when one exceeds the slots).
-uint32_t GroupMembers(const kernels::Queries& q, uint32_t heads, std::vector<int32_t>* members) {
-  constexpr int kSlots = kernels::cuda::kMaxSharedGroup;
-  members->assign(size_t{heads} * kSlots, -1);
-  std::vector<uint32_t> size(heads, 0);
-  uint32_t most = 0;
-  for (uint32_t h = 0; h < q.hq; ++h) {
-    const auto kv = static_cast<uint32_t>(q.head_map[h]);
-    if (size[kv] == kSlots) return 0;
-    (*members)[size_t{kv} * kSlots + size[kv]++] = static_cast<int32_t>(h);
-    most = std::max(most, size[kv]);
-  }
-  return most;
-}
-
 // A sparse pass: row r attends list[r*stride ..+counts[r]) (device), one item per row.
 Status SparseLaunch(Job& job, AttendArgs a, const int32_t* head_map, const int32_t* list,
                     const int32_t* counts, uint32_t stride, Parts* parts, uint32_t splits,
@@ -369,7 +353,8 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       // attend and merge in the thread-block clusters of each K/V head (sparse_fused.cu). With
       // one query head per K/V head, choosing per head is choosing per group: the same launch.
       std::vector<int32_t> members;
-      const uint32_t group = q.m == 1 ? GroupMembers(q, slot.heads, &members) : 0;
+      const uint32_t group =
+          q.m == 1 ? kernels::cuda::GroupMembers(q.hq, q.head_map, slot.heads, &members) : 0;
       const bool one_launch = vis_lo < vis_hi && (plan.shared_blocks || group == 1) &&
                               fin != nullptr &&
                               kernels::cuda::SparseAutoSharedFits(

@@ -132,6 +132,11 @@ Status LaunchSelectRows(const AttendArgs& a, uint32_t row0, uint32_t n, const fl
 // LaunchSelectBlocks writes them, without the row lists. fp16 K/V, d ∈ {64, 128}, M = 1, at most
 // kMaxSharedGroup query heads per K/V head, sm_90+.
 inline constexpr int kMaxSharedGroup = 8;
+// Host: FusedSparseArgs::members for hq query heads on `heads` K/V heads (head_map host memory):
+// each K/V head's query heads, kMaxSharedGroup slots a head, −1 past the last. Returns the
+// largest group, 0 when one exceeds the slots.
+uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads,
+                      std::vector<int32_t>* members);
 struct FusedSparseArgs {
   const float* q = nullptr;  // [hq][d]
   uint32_t hq = 0, d = 0;

@@ -66,4 +66,18 @@ uint32_t UniformGroup(const std::vector<Item>& items, uint32_t m) {
   return static_cast<uint32_t>(g);
 }
 
+uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads,
+                      std::vector<int32_t>* members) {
+  members->assign(size_t{heads} * kMaxSharedGroup, -1);
+  std::vector<uint32_t> size(heads, 0);
+  uint32_t most = 0;
+  for (uint32_t h = 0; h < hq; ++h) {
+    const auto kv = static_cast<uint32_t>(head_map[h]);
+    if (size[kv] == kMaxSharedGroup) return 0;
+    (*members)[size_t{kv} * kMaxSharedGroup + size[kv]++] = static_cast<int32_t>(h);
+    most = std::max(most, size[kv]);
+  }
+  return most;
+}
+
 }  // namespace pion::kernels::cuda
