@@ -13,9 +13,9 @@
 //                       launch alone, PION_BENCH_FINISH=1 the launch merging its own splits)
 //   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top> [shared|fused]
 //                       (shared: SHARED selection — one block set per K/V head; fused: SHARED,
-//                       and the one-launch kernel beside it, compared; PION_BENCH_CLUSTER=8|16
-//                       forces its cluster size, PION_BENCH_TRACE=1 adds its
-//                       phases' times)
+//                       and the one-launch kernel beside it, compared;
+//                       PION_BENCH_CLUSTER=8|16 forces its cluster size,
+//                       PION_BENCH_TRACE=1 adds its phases' times)
 //   pion-gpu-attn-bench stream <bytes>
 //   pion-gpu-attn-bench empty <kernels> <blocks>   (the launch floor: empty kernels per call)
 //
@@ -363,9 +363,6 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
       const char* c = std::getenv("PION_BENCH_CLUSTER");
       f.cluster = kernels::cuda::SparseAutoSharedCluster(d, hkv, c ? U(c) : 0);
     }
-    f.scratch = DevAlloc<float>(kernels::cuda::SparseAutoSharedScratch(hkv, d, f.cluster));
-    f.counters = DevAlloc<uint32_t>(hkv);
-    CK(cudaMemset(f.counters, 0, hkv * sizeof(uint32_t)));
     f.out = DevAlloc<float>(size_t{hq} * d);
     f.lse = DevAlloc<float>(hq);
     f.blocks = DevAlloc<int32_t>(size_t{hq} * (k_top + 2));
@@ -405,7 +402,7 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
     // phase's mean over the blocks in µs (at the SM clock the device reports).
     std::string phases;
     if (const char* tr = std::getenv("PION_BENCH_TRACE"); tr != nullptr && tr[0] == '1') {
-      constexpr int kMarks = 10;
+      constexpr int kMarks = 11;
       const size_t blocks_n = size_t{hkv} * f.cluster;
       f.trace = DevAlloc<long long>(blocks_n * kMarks);
       Ok(kernels::cuda::LaunchSparseAutoShared(f, s));
@@ -414,29 +411,30 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
       int khz = 0;
       CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
       for (int i = 1; i < kMarks; ++i) {
-        // The last phase (the merge) runs in one block of a head: its longest, not the mean.
-        double sum = 0, most = 0;
+        double sum = 0;
         for (size_t b = 0; b < blocks_n; ++b) {
-          const double t = double(tr_h[b * kMarks + i] - tr_h[b * kMarks + i - 1]);
-          sum += t;
-          most = std::max(most, t);
+          sum += double(tr_h[b * kMarks + i] - tr_h[b * kMarks + i - 1]);
         }
-        const double cycles = i == kMarks - 1 ? most : sum / double(blocks_n);
+        const double cycles = sum / double(blocks_n);
         char p[32];
         std::snprintf(p, sizeof p, "%s%.2f", i > 1 ? ", " : "", cycles / khz * 1e3);
         phases += p;
       }
       f.trace = nullptr;
     }
-    char buf[512];
+    std::string active;
+    for (uint32_t c : {8u, 16u}) {
+      active += (active.empty() ? "\"" : ", \"") + std::to_string(c) +
+                "\": " + std::to_string(kernels::cuda::SparseAutoSharedActiveClusters(d, c));
+    }
+    char buf[768];
     std::snprintf(buf, sizeof buf,
                   ", \"fused_us\": %.2f, \"fused_us_launches\": %.2f, \"fused_cluster\": %u, "
                   "\"fused_max_abs_err\": %.3g, \"fused_omitted_err\": %.3g, "
                   "\"fused_same_blocks\": %s, \"fused_phase_us\": [%s], "
-                  "\"fused_active_clusters_8_16\": [%d, %d]",
+                  "\"fused_active_clusters\": {%s}",
                   fused_us, fused_launches, f.cluster, err, om_err, same ? "true" : "false",
-                  phases.c_str(), kernels::cuda::SparseAutoSharedActiveClusters(d, 8),
-                  kernels::cuda::SparseAutoSharedActiveClusters(d, 16));
+                  phases.c_str(), active.c_str());
     fused_json = buf;
   }
   std::printf(

@@ -387,12 +387,6 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
         f.counts = counts;
         f.omitted = omitted;
         f.cluster = kernels::cuda::SparseAutoSharedCluster(q.d, slot.heads);
-        PION_ASSIGN(scratch, job.Dev<float>(kernels::cuda::SparseAutoSharedScratch(slot.heads, q.d,
-                                                                                   f.cluster)));
-        auto counters = job.ctx()->Counters(slot.heads);
-        if (!counters.ok()) return counters.status();
-        f.scratch = scratch;
-        f.counters = counters.value();
         PION_TRY(job.Flush());
         PION_TRY(kernels::cuda::LaunchSparseAutoShared(f, job.stream()));
         finish.done = true;

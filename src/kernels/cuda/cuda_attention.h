@@ -153,18 +153,14 @@ struct FusedSparseArgs {
   uint32_t k_top = 0;
   float scale = 0;
   bool quest = false;
-  uint32_t cluster = 8;       // blocks a head: SparseAutoSharedCluster
+  uint32_t cluster = 8;       // blocks a head (8 or 16): SparseAutoSharedCluster
   float* out = nullptr;       // [hq][d]
   float* lse = nullptr;       // [hq]
   int32_t* blocks = nullptr;  // [hq][k_top + 2]
   int32_t* nchosen = nullptr;
   int32_t* counts = nullptr;
   float* omitted = nullptr;
-  // The blocks of a head meet in scratch (SparseAutoSharedScratch floats) and one zeroed counter
-  // a head (left zeroed).
-  float* scratch = nullptr;
-  uint32_t* counters = nullptr;
-  long long* trace = nullptr;  // bench only: [blocks][10] clock64 marks at the phase boundaries
+  long long* trace = nullptr;  // bench only: [blocks][11] clock64 marks at the phase boundaries
 };
 Status LaunchSparseAutoShared(const FusedSparseArgs& a, void* stream);
 // Whether LaunchSparseAutoShared takes a query of this shape on this device: fp16 K/V, d 64 or
@@ -172,13 +168,12 @@ Status LaunchSparseAutoShared(const FusedSparseArgs& a, void* stream);
 // staging, sm_90+.
 bool SparseAutoSharedFits(DType dtype, uint32_t d, uint32_t group, uint32_t visible_blocks);
 // The cluster size for `heads` K/V heads: 16 where every head's cluster of 16 runs at once, else
-// 8. `want` (8 or 16) forces it where the device has it (the bench compares them).
+// 8 (measured on the H200: clusters of 10, 12 and 14 run no more heads at once than 16; a
+// second wave costs more than the wider clusters save). `want` (8 or 16) forces it where the
+// device has it (the bench compares them).
 uint32_t SparseAutoSharedCluster(uint32_t d, uint32_t heads, uint32_t want = 0);
 // How many clusters of `cluster` (8 or 16) blocks of the kernel the device runs at once.
 int SparseAutoSharedActiveClusters(uint32_t d, uint32_t cluster);
-inline size_t SparseAutoSharedScratch(uint32_t heads, uint32_t d, uint32_t cluster) {
-  return size_t{heads} * cluster * kMaxSharedGroup * (d + 4);
-}
 
 Status LaunchSummarize(const void* k, DType dtype, uint32_t heads, uint32_t rows, uint32_t d,
                        uint32_t block, uint32_t nblocks, float* mean, float* min, float* max,

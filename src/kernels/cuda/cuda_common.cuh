@@ -37,6 +37,55 @@ __device__ inline void CpAsync16(void* smem_dst, const void* gmem_src) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src));
 }
 
+__device__ inline uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Hopper's bulk copies (the TMA unit): global → this block's shared memory, `bytes` (a multiple
+// of 16, both addresses 16-byte aligned) counted against an mbarrier's transaction count. A copy
+// issues as one instruction per row where cp.async takes one per 16 bytes and lane, and it does
+// not hold the SM's load slots while in flight.
+__device__ inline void MbarInit(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(arrivals)
+               : "memory");
+}
+// After MbarInit, before the barrier's first use by the copy unit.
+__device__ inline void FenceMbarInit() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// One arrival that also expects `bytes` more to land before the phase completes.
+__device__ inline void MbarArriveExpect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// Until the phase of the given parity (0, 1, 0, ... as the barrier is reused) has completed.
+__device__ inline void MbarWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(parity)
+        : "memory");
+  }
+}
+__device__ inline void BulkCopy(void* smem_dst, const void* gmem_src, uint32_t bytes,
+                                uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(SmemAddr(smem_dst)),
+      "l"(gmem_src), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+}
+// Orders this thread's earlier plain shared-memory accesses before later bulk copies' writes.
+__device__ inline void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+#endif
+
 // Order-preserving uint32 of a float: larger float → larger key (−inf lowest but NaN).
 __device__ inline uint32_t SortKey(float f) {
   const uint32_t u = __float_as_uint(f);

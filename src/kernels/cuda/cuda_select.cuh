@@ -113,25 +113,39 @@ __device__ inline Threshold RadixSelect(const KeyFn& key, int n, int k) {
 }
 
 // Visits i = 0..n-1 in index order: visit(i, taken, rank) with rank the position of i among
-// the taken ones (ascending), taken as `th` says. One block scan per kThreads keys: it counts
-// the keys above the threshold and those at it together (16 bits each), and the ones at it are
-// taken while fewer than th.need came before.
-template <int kThreads, typename KeyFn, typename Visit>
+// the taken ones (ascending), taken as `th` says. One block scan per kThreads · kPer keys (a
+// thread a run of kPer consecutive keys: keys in shared memory, where kPer > 1 saves scans): it
+// counts the keys above the threshold and those at it together (16 bits each), and the ones at
+// it are taken while fewer than th.need came before.
+template <int kThreads, int kPer = 1, typename KeyFn, typename Visit>
 __device__ inline void CompactAscending(const KeyFn& key, int n, const Threshold& th,
                                         const Visit& visit) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
   int gt_before = 0, eq_before = 0;
-  for (int base = 0; base < n; base += kThreads) {
-    const int i = base + static_cast<int>(threadIdx.x);
-    const uint32_t u = i < n ? key(i) & th.mask : 0u;
-    const int gt = i < n && u > th.prefix, eq = i < n && u == th.prefix;
+  for (int base = 0; base < n; base += kThreads * kPer) {
+    const int i0 = base + static_cast<int>(threadIdx.x) * kPer;
+    uint32_t u[kPer];
+    int count = 0;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      u[j] = i0 + j < n ? key(i0 + j) & th.mask : 0u;
+      const int gt = i0 + j < n && u[j] > th.prefix, eq = i0 + j < n && u[j] == th.prefix;
+      count += gt | (eq << 16);
+    }
     int excl, total;
-    Scan(tmp).ExclusiveSum(gt | (eq << 16), excl, total);
+    Scan(tmp).ExclusiveSum(count, excl, total);
     __syncthreads();
-    const int gts = gt_before + (excl & 0xffff), eqs = eq_before + (excl >> 16);
-    const bool take = gt || (eq && eqs < th.need);
-    if (i < n) visit(i, take, gts + Min(eqs, th.need));
+    int gts = gt_before + (excl & 0xffff), eqs = eq_before + (excl >> 16);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (i0 + j >= n) break;
+      const bool gt = u[j] > th.prefix, eq = u[j] == th.prefix;
+      const bool take = gt || (eq && eqs < th.need);
+      visit(i0 + j, take, gts + Min(eqs, th.need));
+      gts += gt;
+      eqs += eq;
+    }
     gt_before += total & 0xffff;
     eq_before += total >> 16;
   }

@@ -3,8 +3,8 @@
 // four launches (block scores, block select, sparse partials, combine) and their gaps.
 //
 // A K/V head gets one cluster of C blocks (C = 16 where every head's cluster runs at once, else
-// 8; 256 threads each: SparseAutoSharedCluster). Per cluster, for K/V head kv
-// and its query heads (≤ 8, M = 1):
+// 8; 256 threads each: SparseAutoSharedCluster). Per cluster, for K/V head kv and its query heads
+// (≤ 8, M = 1):
 //   1. rank r scores its slice of the visible blocks b_lo..b_hi for every member head (q·mean,
 //      and Quest's bound when asked: the same arithmetic as ScoreBlocks); a candidate's key is
 //      the highest selection score of the members (SHARED);
@@ -17,14 +17,12 @@
 //      high parts) and 8..15 (their low parts), so one m16n8k16 computes both parts of every
 //      head's scores and weights (fp32-level accuracy, as flash.cu's packed decode); the eight
 //      warps' states merge in shared memory;
-//   4. every rank leaves its state (m, l, o and its omitted-mass sums) in global scratch and
-//      counts itself done; the head's last rank merges them all (as FinishSplits does for
-//      split-K) and writes out / LSE and the receipts. A rank's shared memory stays until the
-//      cluster's other ranks have gathered from it (a split cluster barrier: arrive after the
-//      gather, wait before exit).
+//   4. cluster barrier; the ranks merge over distributed shared memory: rank r reads every
+//      rank's state (m, l, o) for its share of the output columns and writes them, rank h the
+//      LSE, omitted fraction and receipts of member head h. Each rank's shared memory stays until
+//      the others are done reading it (a cluster barrier before exit).
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
-#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <string>
@@ -73,7 +71,8 @@ struct Fused {
   // ...and so do the warps' final outputs [kWarps][kG][kWo] (rows padded by 8 floats: a quad's
   // float2 stores of 8 rows hit distinct banks) and the last rank's merge weights.
   static constexpr int kWo = D + 8;
-  static_assert(size_t{kWarps} * kG * kWo * 4 <= kWarps * kRing, "outputs > rings");
+  static_assert((size_t{kWarps} * kG * kWo + size_t{kG} * D) * 4 <= kWarps * kRing,
+                "outputs > rings");
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -101,7 +100,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters; the launch checks the device
   using F = Fused<D, C>;
   constexpr int kStr = F::kStr, kS = F::kStages;
-  constexpr int kMarks = 10;  // trace marks a block
+  constexpr int kMarks = 11;  // trace marks a block
   extern __shared__ __align__(16) uint8_t smem[];
   __half* qh = reinterpret_cast<__half*>(smem);                               // [16][kStr]
   uint16_t* chosen = reinterpret_cast<uint16_t*>(smem + F::kOffChosen);       // [keep] ascending
@@ -115,7 +114,6 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   __shared__ float warp_a[kWarps][kG], warp_b[kWarps][kG];
   __shared__ float s_top[kG];
   __shared__ int32_t heads[kG];
-  __shared__ bool s_last;
 
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
@@ -260,20 +258,22 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   mark(3);
   const int keep = Min<int>(static_cast<int>(a.k_top), ncand);
   if (keep == ncand || keep == 0) {
+    mark(4);
     for (int i = tid; i < ncand; i += kThreads) {
       taken[i] = keep > 0;
       if (keep > 0) chosen[i] = static_cast<uint16_t>(1 + i);
     }
   } else {
     auto key = [keys](int i) { return keys[i]; };
-    CompactAscending<kThreads>(key, ncand, RadixSelect<kThreads>(key, ncand, keep),
-                               [&](int i, bool t, int r) {
-                                 taken[i] = t;
-                                 if (t) chosen[r] = static_cast<uint16_t>(1 + i);
-                               });
+    const Threshold th = RadixSelect<kThreads>(key, ncand, keep);
+    mark(4);
+    CompactAscending<kThreads, kMaxCand / kThreads>(key, ncand, th, [&](int i, bool t, int r) {
+      taken[i] = t;
+      if (t) chosen[r] = static_cast<uint16_t>(1 + i);
+    });
   }
   __syncthreads();
-  mark(4);
+  mark(5);
   // The omitted-mass proxy over this rank's slice: block weights count · exp(x − top), summed per
   // head (a warp's sums, then the warps').
   {
@@ -296,7 +296,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
       const float sa = WarpSum(all[h]), sl = WarpSum(left[h]);
       if (lane == 0) warp_a[warp][h] = sa, warp_b[warp][h] = sl;
     }
-    __syncthreads();  // also: the selection's buffers are dead, the rings may fill
+    FenceProxyAsync();  // the selection's plain accesses of the rings before the bulk copies
+    __syncthreads();    // also: the selection's buffers are dead, the rings may fill
     if (tid < G) {
       float sa = 0.f, sl = 0.f;
       for (int w = 0; w < kWarps; ++w) sa += warp_a[w][tid], sl += warp_b[w][tid];
@@ -304,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
       part_left[tid] = sl;
     }
   }
-  mark(5);
+  mark(6);
 
   // 3. Attention over this block's share of the chosen rows; each warp its own run of tiles.
   const uint32_t len0 = min((b_lo + 1) * B, hi) - lo;
@@ -327,29 +328,33 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   __half* ring = reinterpret_cast<__half*>(rings + warp * F::kRing);
   auto tile_k = [&](int buf) { return ring + buf * 2 * kTk * kStr; };
   auto tile_v = [&](int buf) { return ring + (buf * 2 + 1) * kTk * kStr; };
-  // Tile t into buffer t % kS; one commit group per call (empty past the end), so that
-  // wait_prior(kS − 1) means "tile t has landed".
-  auto prefetch = [&](int t) {
-    if (t < ntiles) {
-      const int buf = t % kS;
-      const uint32_t first = w_first + static_cast<uint32_t>(t * kTk);
+  // Tile t into buffer t % kS with bulk copies: lane j < 16 copies K row j, lane 16 + j V row
+  // j, counted on the buffer's mbarrier (its k-th fill completes phase k, parity k & 1); rows
+  // past the share are zeroed instead, so p = 0 never meets garbage (0 · NaN).
+  __shared__ __align__(8) uint64_t bars[kWarps][kS];
+  if (lane == 0) {
 #pragma unroll
-      for (int i = 0; i < kTk * (D / 8) / 32; ++i) {  // 16-byte pieces over the lanes
-        const int c = lane + 32 * i;
-        const int j = c / (D / 8), x = (c % (D / 8)) * 8;
-        __half* kd = tile_k(buf) + j * kStr + x;
-        __half* vd = tile_v(buf) + j * kStr + x;
-        if (first + j < e1) {
-          const size_t off = size_t{row_of(first + j)} * D + x;
-          CpAsync16(kd, kbase + off);
-          CpAsync16(vd, vbase + off);
-        } else {  // rows past the share: zero, so p = 0 never meets garbage (0 · NaN)
-          *reinterpret_cast<uint4*>(kd) = make_uint4(0, 0, 0, 0);
-          *reinterpret_cast<uint4*>(vd) = make_uint4(0, 0, 0, 0);
-        }
-      }
+    for (int b = 0; b < kS; ++b) MbarInit(&bars[warp][b], 1);
+    FenceMbarInit();
+  }
+  __syncwarp();
+  const int pj = lane & 15;
+  const __half* src_base = lane < 16 ? kbase : vbase;
+  auto prefetch = [&](int t) {
+    if (t >= ntiles) return;
+    const int buf = t % kS;
+    const uint32_t first = w_first + static_cast<uint32_t>(t * kTk);
+    const uint32_t valid = min(static_cast<uint32_t>(kTk), e1 - first);
+    __half* dst = (lane < 16 ? tile_k(buf) : tile_v(buf)) + pj * kStr;
+    FenceProxyAsync();  // this lane's zeroing of the row (an earlier fill) before the copy
+    if (lane == 0) MbarArriveExpect(&bars[warp][buf], valid * 2 * D * 2);
+    __syncwarp();
+    if (static_cast<uint32_t>(pj) < valid) {
+      BulkCopy(dst, src_base + size_t{row_of(first + pj)} * D, D * 2, &bars[warp][buf]);
+    } else {
+#pragma unroll
+      for (int x = 0; x < D / 8; ++x) reinterpret_cast<uint4*>(dst)[x] = make_uint4(0, 0, 0, 0);
     }
-    __pipeline_commit();
   };
 #pragma unroll
   for (int t = 0; t < kS - 1; ++t) prefetch(t);
@@ -369,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   for (int t = 0; t < ntiles; ++t) {
     const int buf = t % kS;
     prefetch(t + kS - 1);
-    __pipeline_wait_prior(kS - 1);
+    MbarWait(&bars[warp][buf], static_cast<uint32_t>(t / kS) & 1u);
     __syncwarp();
     const __half* kb = tile_k(buf);
     const __half* vb = tile_v(buf);
@@ -432,8 +437,10 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
   __syncthreads();  // every warp is done with the rings: they hold the warps' outputs now
-  mark(6);
+  mark(7);
   float* wo = reinterpret_cast<float*>(rings);  // [kWarps][kG][kWo]
+  float* r_o = wo + kWarps * kG * F::kWo;       // [kG][D]: this rank's merged outputs
+  __shared__ float r_m[kG], r_l[kG];            // ...and their m (natural log units) and l
   if (g < G) {
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
@@ -443,11 +450,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
     if ((lane & 3) == 0) warp_a[warp][g] = m_run, warp_b[warp][g] = l_run;
   }
   __syncthreads();
-  // Merge the warps into this rank's state for the head's scratch: per head its weights (warp_a
-  // becomes them), then a thread per column. scratch[kv][me][h] = (m, l, omitted all,
-  // omitted left, o[D]), m in natural log units.
-  constexpr int kRec = D + 4;
-  float* mine = a.scratch + (size_t{kv} * C + me) * kG * kRec;
+  // Merge the warps into this rank's state, kept in its shared memory for the cluster's merge:
+  // per head its weights (warp_a becomes them), then a float4 column a thread.
   if (tid < G) {
     float m = -INFINITY;
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_a[w][tid]);
@@ -457,87 +461,98 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
       warp_a[w][tid] = f;
       l += f * warp_b[w][tid];
     }
-    mine[tid * kRec] = m == -INFINITY ? -INFINITY : m * kLn2;
-    mine[tid * kRec + 1] = l;
-    mine[tid * kRec + 2] = part_all[tid];
-    mine[tid * kRec + 3] = part_left[tid];
+    r_m[tid] = m == -INFINITY ? -INFINITY : m * kLn2;
+    r_l[tid] = l;
   }
   __syncthreads();
-  for (int e = tid; e < G * D; e += kThreads) {
-    const int h = e / D, c = e % D;
-    float acc = 0.f;
+  for (int e = tid; e < G * D / 4; e += kThreads) {
+    const int h = e / (D / 4), c = (e % (D / 4)) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) acc += warp_a[w][h] * wo[(w * kG + h) * F::kWo + c];
-    mine[h * kRec + 4 + c] = acc;
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = warp_a[w][h];
+      const float4 x = *reinterpret_cast<const float4*>(wo + (w * kG + h) * F::kWo + c);
+      acc.x += f * x.x;
+      acc.y += f * x.y;
+      acc.z += f * x.z;
+      acc.w += f * x.w;
+    }
+    *reinterpret_cast<float4*>(r_o + h * D + c) = acc;
   }
-  mark(7);
-
-  // 4. The head's last rank to finish merges every rank's state (as FinishSplits) and writes the
-  // member heads' outputs, LSE and receipts.
-  __threadfence();  // this rank's state is visible device-wide before it counts itself
-  __syncthreads();
-  if (tid == 0) s_last = atomicAdd(&a.counters[kv], 1u) == C - 1;
-  __syncthreads();
   mark(8);
-  if (s_last) {
-    __threadfence();
-    const float* st = a.scratch + size_t{kv} * C * kG * kRec;
-    __shared__ float hm[kG], hl[kG];
-    // Every rank's m, l and omitted sums, all loads in flight, into [4][kG][C].
-    float* w = reinterpret_cast<float*>(rings);  // m, then the ranks' weights
-    float* wl = w + kG * C;
-    float* wall = wl + kG * C;
-    float* wleft = wall + kG * C;
-    for (int e = tid; e < G * C; e += kThreads) {
-      const float* rec = st + ((e % C) * kG + e / C) * kRec;
-      const float m = __ldcg(rec), l = __ldcg(rec + 1), all = __ldcg(rec + 2),
-                  left = __ldcg(rec + 3);
-      w[e] = m, wl[e] = l, wall[e] = all, wleft[e] = left;
-    }
-    __syncthreads();
-    if (tid < G) {
-      const float* mh = w + tid * C;
-      float mx = -INFINITY;
-      for (uint32_t r = 0; r < C; ++r) mx = fmaxf(mx, mh[r]);
-      float l = 0.f, all = 0.f, left = 0.f;
-      for (uint32_t r = 0; r < C; ++r) {
-        const float f = mx == -INFINITY ? 0.f : expf(mh[r] - mx);
-        w[tid * C + r] = f;
-        l += f * wl[tid * C + r];
-        all += wall[tid * C + r];
-        left += wleft[tid * C + r];
-      }
-      hm[tid] = mx;
-      hl[tid] = l;
-      const int32_t head = heads[tid];
-      a.lse[head] = mx == -INFINITY ? -INFINITY : mx + logf(l);
-      a.omitted[head] = all > 0.f ? left / all : 0.f;
-      int32_t* hb = a.blocks + size_t(head) * (a.k_top + 2);
-      const bool two = b_hi != b_lo;
-      hb[0] = static_cast<int32_t>(b_lo);
-      if (two) hb[1 + keep] = static_cast<int32_t>(b_hi);
-      a.nchosen[head] = 1 + keep + (two ? 1 : 0);
-      a.counts[head] = static_cast<int32_t>(total);
-    }
-    for (int e = tid; e < G * keep; e += kThreads) {
-      const int h = e / keep, i = e % keep;
-      a.blocks[size_t(heads[h]) * (a.k_top + 2) + 1 + i] = static_cast<int32_t>(b_lo + chosen[i]);
-    }
-    __syncthreads();
-    for (int e = tid; e < G * D; e += kThreads) {
-      const int h = e / D, x = e % D;
-      float acc = 0.f;
-#pragma unroll 8
-      for (uint32_t r = 0; r < C; ++r)
-        acc += w[h * C + r] * __ldcg(st + (r * kG + h) * kRec + 4 + x);
-      a.out[size_t(heads[h]) * D + x] = hm[h] == -INFINITY ? 0.f : acc / hl[h];
-    }
-    if (tid == 0) a.counters[kv] = 0;
-  }
-  mark(9);
-  // The other ranks read this one's candidate keys and top scores (phase 2): its shared memory
-  // stays until they all have.
+  // Every rank's state is complete (and the phase-2 gathers long done: that barrier's wait
+  // first, the hardware barrier's phases complete in order).
   cluster.barrier_wait(std::move(gathered));
+  cluster.sync();
+  mark(9);
+
+  // 4. The cluster merges over distributed shared memory: rank r merges its share of the member
+  // heads' float4 output columns, every rank's part and the head's m and l per rank loaded at
+  // once; rank h (< G) writes head h's LSE, omitted fraction and receipts.
+  {
+    const int ncol = G * (D / 4);
+    const int e = ncol * rank / C + tid;
+    if (e < ncol * (rank + 1) / C) {  // ≤ kG·D/4/C columns a rank: one pass
+      const int h = e / (D / 4), c = (e % (D / 4)) * 4;
+      float mr[C], lr[C];
+      float4 ov[C];
+#pragma unroll
+      for (int r = 0; r < C; ++r) {
+        mr[r] = *cluster.map_shared_rank(r_m + h, r);
+        lr[r] = *cluster.map_shared_rank(r_l + h, r);
+        ov[r] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(r_o + h * D + c, r));
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int r = 0; r < C; ++r) mx = fmaxf(mx, mr[r]);
+      float l = 0.f;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int r = 0; r < C; ++r) {
+        const float f = mx == -INFINITY ? 0.f : expf(mr[r] - mx);
+        l += f * lr[r];
+        acc.x += f * ov[r].x;
+        acc.y += f * ov[r].y;
+        acc.z += f * ov[r].z;
+        acc.w += f * ov[r].w;
+      }
+      *reinterpret_cast<float4*>(a.out + size_t(heads[h]) * D + c) =
+          mx == -INFINITY ? make_float4(0.f, 0.f, 0.f, 0.f)
+                          : make_float4(acc.x / l, acc.y / l, acc.z / l, acc.w / l);
+    }
+    if (rank < G) {
+      const int h = rank;
+      const int32_t head = heads[h];
+      if (warp == 0) {  // lane r: rank r's m, l and omitted sums
+        const bool in = lane < C;
+        const float m = in ? *cluster.map_shared_rank(r_m + h, lane) : -INFINITY;
+        const float l = in ? *cluster.map_shared_rank(r_l + h, lane) : 0.f;
+        const float all = in ? *cluster.map_shared_rank(part_all + h, lane) : 0.f;
+        const float left = in ? *cluster.map_shared_rank(part_left + h, lane) : 0.f;
+        float mx = m;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float sl = WarpSum(mx == -INFINITY || !in ? 0.f : expf(m - mx) * l);
+        const float sa = WarpSum(all), sf = WarpSum(left);
+        if (lane == 0) {
+          a.lse[head] = mx == -INFINITY ? -INFINITY : mx + logf(sl);
+          a.omitted[head] = sa > 0.f ? sf / sa : 0.f;
+          int32_t* hb = a.blocks + size_t(head) * (a.k_top + 2);
+          const bool two = b_hi != b_lo;
+          hb[0] = static_cast<int32_t>(b_lo);
+          if (two) hb[1 + keep] = static_cast<int32_t>(b_hi);
+          a.nchosen[head] = 1 + keep + (two ? 1 : 0);
+          a.counts[head] = static_cast<int32_t>(total);
+        }
+      }
+      for (int i = tid; i < keep; i += kThreads) {
+        a.blocks[size_t(head) * (a.k_top + 2) + 1 + i] = static_cast<int32_t>(b_lo + chosen[i]);
+      }
+    }
+  }
+  mark(10);
+  // The other ranks read this one's state: its shared memory stays until they all have.
+  cluster.sync();
 #else
   __trap();  // built without clusters: never launched (ActiveClusters checks the loaded code)
 #endif
@@ -604,6 +619,8 @@ auto WithCluster(uint32_t c, F&& f) {
   return f(std::integral_constant<int, 8>{});
 }
 
+bool IsClusterSize(uint32_t c) { return c == 8 || c == 16; }
+
 int Active(uint32_t d, uint32_t c) {
   return d == 64
              ? WithCluster(c, [](auto cc) { return ActiveClusters<64, decltype(cc)::value>(); })
@@ -633,7 +650,9 @@ bool SparseAutoSharedFits(DType dtype, uint32_t d, uint32_t group, uint32_t visi
 }
 
 int SparseAutoSharedActiveClusters(uint32_t d, uint32_t cluster) {
-  return gpu::Info().cc_major >= 9 && (d == 64 || d == 128) ? Active(d, cluster) : 0;
+  return gpu::Info().cc_major >= 9 && (d == 64 || d == 128) && IsClusterSize(cluster)
+             ? Active(d, cluster)
+             : 0;
 }
 
 uint32_t SparseAutoSharedCluster(uint32_t d, uint32_t heads, uint32_t want) {
@@ -656,9 +675,9 @@ Status LaunchSparseAutoShared(const FusedSparseArgs& a, void* stream) {
     return Status(ErrorKind::kErr,
                   "fused sparse-auto needs thread-block clusters and this binary's sm_90 code");
   }
-  if ((a.cluster != 8 && a.cluster != 16) || a.scratch == nullptr || a.counters == nullptr) {
-    return Status(ErrorKind::kErr, "fused sparse-auto: cluster " + std::to_string(a.cluster) +
-                                       " (8 or 16), scratch and counters are required");
+  if (!IsClusterSize(a.cluster)) {
+    return Status(ErrorKind::kErr,
+                  "fused sparse-auto: cluster " + std::to_string(a.cluster) + " (8 or 16 blocks)");
   }
   if (a.d == 64) {
     return WithCluster(a.cluster, [&](auto cc) { return Launch<64, decltype(cc)::value>(a, s); });
