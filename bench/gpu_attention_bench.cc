@@ -15,7 +15,9 @@
 //                       (shared: SHARED selection — one block set per K/V head; fused: SHARED,
 //                       and the one-launch kernel beside it, compared;
 //                       PION_BENCH_CLUSTER=8|16 forces its cluster size,
-//                       PION_BENCH_TRACE=1 adds its phases' times)
+//                       PION_BENCH_TRACE=1 adds its phases' mean times: queries, scores,
+//                       gather, radix select, compaction, first tiles + omitted mass,
+//                       attention, warp merge, cluster barrier, cluster merge)
 //   pion-gpu-attn-bench stream <bytes>
 //   pion-gpu-attn-bench empty <kernels> <blocks>   (the launch floor: empty kernels per call)
 //

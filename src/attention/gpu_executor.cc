@@ -355,10 +355,10 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       std::vector<int32_t> members;
       const uint32_t group =
           q.m == 1 ? kernels::cuda::GroupMembers(q.hq, q.head_map, slot.heads, &members) : 0;
-      const bool one_launch = vis_lo < vis_hi && (plan.shared_blocks || group == 1) &&
-                              fin != nullptr &&
-                              kernels::cuda::SparseAutoSharedFits(
-                                  slot.dtype, q.d, group, static_cast<uint32_t>(b_hi - b_lo + 1));
+      const bool one_launch =
+          vis_lo < vis_hi && (plan.shared_blocks || group == 1) && fin != nullptr &&
+          kernels::cuda::SparseAutoSharedFits(slot.dtype, q.d, group,
+                                              static_cast<uint32_t>(b_hi - b_lo + 1), slot.heads);
       if (one_launch) {
         PION_ASSIGN(dmembers, job.Up(members.data(), members.size()));
         kernels::cuda::FusedSparseArgs f;

@@ -429,12 +429,20 @@ TEST(GpuExecutor, SparseAutoSharedOneLaunch) {
       {8, 2, 2050 * 16, 64, 16, 100, 0, BlockSelector::kMean, true},   // the most blocks
       {8, 2, 2051 * 16, 64, 16, 100, 0, BlockSelector::kMean, false},  // one more
       {72, 8, 3000, 128, 64, 10, 0, BlockSelector::kMean, false},      // G = 9: four launches
+      {32, 32, 3000, 64, 64, 10, 0, BlockSelector::kMean, false},      // more heads than clusters
   };
-  const bool clusters = kernels::cuda::SparseAutoSharedFits(DType::kF16, 64, 1, 1);
+  const bool clusters = kernels::cuda::SparseAutoSharedFits(DType::kF16, 64, 1, 1, 1);
   // On Hopper (the sm_90a build) the one launch must be available: a check of the loaded code
   // that wrongly refused it would otherwise only show as slower queries.
   if (gpu::Info().cc_major == 9) {
     EXPECT_TRUE(clusters);
+  }
+  // K/V heads beyond the clusters the device runs at once take the four launches (no waves).
+  if (clusters) {
+    const auto most = static_cast<uint32_t>(kernels::cuda::SparseAutoSharedActiveClusters(64, 8));
+    EXPECT_TRUE(kernels::cuda::SparseAutoSharedFits(DType::kF16, 64, 1, 100, most));
+    EXPECT_FALSE(kernels::cuda::SparseAutoSharedFits(DType::kF16, 64, 1, 100, most + 1));
+    EXPECT_LT(most, 32u);  // the 32-head shape below must take the four launches
   }
   for (const Shape& sh : shapes) {
     Case c;

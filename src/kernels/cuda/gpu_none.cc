@@ -89,7 +89,7 @@ Status LaunchSelectBlocks(const float*, const float*, const int32_t*, uint32_t, 
   return NoCuda();
 }
 Status LaunchSparseAutoShared(const FusedSparseArgs&, void*) { return NoCuda(); }
-bool SparseAutoSharedFits(DType, uint32_t, uint32_t, uint32_t) { return false; }
+bool SparseAutoSharedFits(DType, uint32_t, uint32_t, uint32_t, uint32_t) { return false; }
 uint32_t SparseAutoSharedCluster(uint32_t, uint32_t, uint32_t) { return 8; }
 int SparseAutoSharedActiveClusters(uint32_t, uint32_t) { return 0; }
 

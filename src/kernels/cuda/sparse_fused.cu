@@ -62,14 +62,16 @@ struct Fused {
   static constexpr size_t kOffRings = kOffSliceKey + kSliceKey;
   static constexpr size_t kBytes = kOffRings + kWarps * kRing;
   // Scoring and selection happen before the first tile is loaded, so their buffers share the
-  // rings (offsets from kOffRings): fp32 queries, gathered keys, taken flags, scaled q·mean.
-  static constexpr size_t kAQ = 0;
-  static constexpr size_t kAKeys = kAQ + size_t{kG} * D * 4;
-  static constexpr size_t kATaken = kAKeys + size_t{kMaxCand} * 4;
-  static constexpr size_t kASliceMs = kATaken + size_t{kMaxCand};
-  static_assert(kASliceMs + size_t{kG} * kSlice4 * 4 <= kWarps * kRing, "selection > rings");
+  // rings: the gathered keys at the start (dead once the blocks are chosen); head h's scaled
+  // q·mean over this rank's slice in warp h's last stage, and the slice's taken flags after head
+  // 0's — read while the warps' first tiles (the other stages) are already in flight.
+  static constexpr size_t kStage = size_t{2} * kTk * kStr * 2;  // a stage's K and V tiles
+  static constexpr size_t kLast = (kStages - 1) * kStage;       // the last stage in a ring
+  static_assert(size_t{kMaxCand} * 4 <= kLast, "keys > a ring's first stages");
+  static_assert(size_t{kSlice4} * 5 <= kStage, "a head's slice scores and flags > a stage");
+  static_assert(kWarps >= kG, "a warp's last stage a member head");
   // ...and so do the warps' final outputs [kWarps][kG][kWo] (rows padded by 8 floats: a quad's
-  // float2 stores of 8 rows hit distinct banks) and the last rank's merge weights.
+  // float2 stores of 8 rows hit distinct banks) and the rank's merged outputs [kG][D].
   static constexpr int kWo = D + 8;
   static_assert((size_t{kWarps} * kG * kWo + size_t{kG} * D) * 4 <= kWarps * kRing,
                 "outputs > rings");
@@ -106,10 +108,12 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   uint16_t* chosen = reinterpret_cast<uint16_t*>(smem + F::kOffChosen);       // [keep] ascending
   uint32_t* slice_key = reinterpret_cast<uint32_t*>(smem + F::kOffSliceKey);  // [kSlice]
   uint8_t* rings = smem + F::kOffRings;
-  float* qs = reinterpret_cast<float*>(rings + F::kAQ);              // [kG][D]
-  uint32_t* keys = reinterpret_cast<uint32_t*>(rings + F::kAKeys);   // [ncand], gathered
-  uint8_t* taken = rings + F::kATaken;                               // [ncand]
-  float* slice_ms = reinterpret_cast<float*>(rings + F::kASliceMs);  // [kG][kSlice] scale·q·mean
+  uint32_t* keys = reinterpret_cast<uint32_t*>(rings);  // [ncand], gathered
+  // Head h's scale·q·mean over the slice, and the slice's taken flags.
+  auto slice_ms = [rings](int h) {
+    return reinterpret_cast<float*>(rings + h * F::kRing + F::kLast);
+  };
+  uint8_t* taken = rings + F::kLast + F::kSlice4 * 4;  // [kSlice]
   __shared__ float part_top[kG], part_all[kG], part_left[kG];
   __shared__ float warp_a[kWarps][kG], warp_b[kWarps][kG];
   __shared__ float s_top[kG];
@@ -125,29 +129,32 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   WaitForPrimary();
   mark(0);
 
-  // The member heads (packed, −1 past the last) and their query rows: fp32 for the scores,
-  // fp16 high and low parts as the MMA's rows g and g + 8 (zero past the group).
-  int32_t member = -1;
-  if (tid < kG) {
-    member = a.members[kv * kG + tid];
-    heads[tid] = member;
-  }
-  const int G = __syncthreads_count(member >= 0);
-  for (int e = tid; e < kG * D / 4; e += kThreads) {
-    const int g = e / (D / 4), c = e % (D / 4);
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (g < G) x = reinterpret_cast<const float4*>(a.q + size_t(heads[g]) * D)[c];
-    reinterpret_cast<float4*>(qs)[e] = x;
-    *reinterpret_cast<uint2*>(qh + g * kStr + 4 * c) = make_uint2(Pack(x.x, x.y), Pack(x.z, x.w));
-    *reinterpret_cast<uint2*>(qh + (g + 8) * kStr + 4 * c) =
-        make_uint2(PackLo(x.x, x.y), PackLo(x.z, x.w));
+  // The member heads (packed, −1 past the last) in every thread's registers — the same
+  // addresses in every thread (broadcast loads), no barrier before the queries' loads; heads[]
+  // keeps them for the merge and the receipts.
+  int32_t hd[kG];
+  int G = 0;
+#pragma unroll
+  for (int g = 0; g < kG; ++g) {
+    hd[g] = __ldg(a.members + kv * kG + g);
+    G += hd[g] >= 0;
+    if (tid == g) heads[g] = hd[g];
   }
   const uint32_t B = a.block, lo = a.lo, hi = a.hi;
   const uint32_t b_lo = lo / B, b_hi = (hi - 1) / B;
   const int nvis = static_cast<int>(b_hi - b_lo + 1);
   const int ncand = nvis > 2 ? nvis - 2 : 0;
   const int s0 = nvis * rank / C, s1 = nvis * (rank + 1) / C;  // this rank's visible blocks
-  __syncthreads();
+  // Each lane's 4-column slice of every member's query (zero past the group), in registers: its
+  // loads are in flight with the first block summaries'. Warp 0 also stages them as the MMA's
+  // rows: fp16 high parts in rows g, low parts in rows g + 8.
+  const int x4 = lane < D / 4 ? lane : 0;
+  float4 q4[kG];
+#pragma unroll
+  for (int g = 0; g < kG; ++g) {
+    q4[g] = g < G ? __ldg(reinterpret_cast<const float4*>(a.q + size_t(hd[g]) * D) + x4)
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   mark(1);
 
   // 1. Scores of this rank's slice (the same sums in the same order as ScoreBlocks, so the same
@@ -159,10 +166,6 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   const float4* mx4 = reinterpret_cast<const float4*>(a.max);
   constexpr int kRun = 32 / kG;  // blocks a warp scores together (ReduceScatter32: kRun × kG sums)
   const int my_g = lane % kG, my_r = lane / kG;
-  const int x4 = lane < D / 4 ? lane : 0;
-  float4 q4[kG];
-#pragma unroll
-  for (int g = 0; g < kG; ++g) q4[g] = reinterpret_cast<const float4*>(qs + g * D)[x4];
   float top = -INFINITY;  // of head my_g over this lane's blocks
   // A warp loads kBatch runs at once (every load in flight together), then scores them run by run.
   auto score = [&](auto quest_c, auto batch_c) {
@@ -206,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
         const float x = dot * a.scale;
         if (mine) {
           top = fmaxf(top, x);
-          slice_ms[my_g * F::kSlice + (i - s0)] = x;
+          slice_ms(my_g)[i - s0] = x;
         }
         if (my_g == 0 && i < s1) slice_key[i - s0] = SortKey(key);
       }
@@ -216,6 +219,16 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
     score(std::true_type{}, std::integral_constant<int, 2>{});
   } else {
     score(std::false_type{}, std::integral_constant<int, 4>{});
+  }
+  if (warp == 0 && lane < D / 4) {
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      const float4 x = q4[g];
+      *reinterpret_cast<uint2*>(qh + g * kStr + 4 * lane) =
+          make_uint2(Pack(x.x, x.y), Pack(x.z, x.w));
+      *reinterpret_cast<uint2*>(qh + (g + 8) * kStr + 4 * lane) =
+          make_uint2(PackLo(x.x, x.y), PackLo(x.z, x.w));
+    }
   }
 #pragma unroll
   for (int o = kG; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
@@ -257,10 +270,14 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   auto gathered = cluster.barrier_arrive();  // done reading the other ranks' shared memory
   mark(3);
   const int keep = Min<int>(static_cast<int>(a.k_top), ncand);
+  // Candidate i is visible block 1 + i; the flags are kept for this rank's slice only.
+  auto flag = [&](int i, bool t) {
+    if (1 + i >= s0 && 1 + i < s1) taken[1 + i - s0] = t;
+  };
   if (keep == ncand || keep == 0) {
     mark(4);
     for (int i = tid; i < ncand; i += kThreads) {
-      taken[i] = keep > 0;
+      flag(i, keep > 0);
       if (keep > 0) chosen[i] = static_cast<uint16_t>(1 + i);
     }
   } else {
@@ -268,45 +285,13 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
     const Threshold th = RadixSelect<kThreads>(key, ncand, keep);
     mark(4);
     CompactAscending<kThreads, kMaxCand / kThreads>(key, ncand, th, [&](int i, bool t, int r) {
-      taken[i] = t;
+      flag(i, t);
       if (t) chosen[r] = static_cast<uint16_t>(1 + i);
     });
   }
+  FenceProxyAsync();  // the keys' plain accesses before the first tiles' bulk copies
   __syncthreads();
   mark(5);
-  // The omitted-mass proxy over this rank's slice: block weights count · exp(x − top), summed per
-  // head (a warp's sums, then the warps').
-  {
-    float all[kG] = {}, left[kG] = {};
-    for (int i = s0 + tid; i < s1; i += kThreads) {
-      const uint32_t b = b_lo + static_cast<uint32_t>(i);
-      const float rows = static_cast<float>(min((b + 1) * B, hi) - max(b * B, lo));
-      const bool out = i >= 1 && i <= ncand && !taken[i - 1];
-#pragma unroll
-      for (int h = 0; h < kG; ++h) {
-        if (h >= G) break;
-        const float w = rows * expf(slice_ms[h * F::kSlice + (i - s0)] - s_top[h]);
-        all[h] += w;
-        if (out) left[h] += w;
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < kG; ++h) {
-      if (h >= G) break;
-      const float sa = WarpSum(all[h]), sl = WarpSum(left[h]);
-      if (lane == 0) warp_a[warp][h] = sa, warp_b[warp][h] = sl;
-    }
-    FenceProxyAsync();  // the selection's plain accesses of the rings before the bulk copies
-    __syncthreads();    // also: the selection's buffers are dead, the rings may fill
-    if (tid < G) {
-      float sa = 0.f, sl = 0.f;
-      for (int w = 0; w < kWarps; ++w) sa += warp_a[w][tid], sl += warp_b[w][tid];
-      part_all[tid] = sa;
-      part_left[tid] = sl;
-    }
-  }
-  mark(6);
-
   // 3. Attention over this block's share of the chosen rows; each warp its own run of tiles.
   const uint32_t len0 = min((b_lo + 1) * B, hi) - lo;
   const uint32_t mid = static_cast<uint32_t>(keep) * B;
@@ -357,7 +342,40 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
     }
   };
 #pragma unroll
-  for (int t = 0; t < kS - 1; ++t) prefetch(t);
+  for (int t = 0; t < kS - 1; ++t) prefetch(t);  // the last stage fills after the omitted sums
+
+  // The omitted-mass proxy over this rank's slice, while the first tiles land: block weights
+  // count · exp(x − top), summed per head (a warp's sums, then the warps').
+  {
+    float all[kG] = {}, left[kG] = {};
+    for (int i = s0 + tid; i < s1; i += kThreads) {
+      const uint32_t b = b_lo + static_cast<uint32_t>(i);
+      const float rows = static_cast<float>(min((b + 1) * B, hi) - max(b * B, lo));
+      const bool out = i >= 1 && i <= ncand && !taken[i - s0];
+#pragma unroll
+      for (int h = 0; h < kG; ++h) {
+        if (h >= G) break;
+        const float w = rows * expf(slice_ms(h)[i - s0] - s_top[h]);
+        all[h] += w;
+        if (out) left[h] += w;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kG; ++h) {
+      if (h >= G) break;
+      const float sa = WarpSum(all[h]), sl = WarpSum(left[h]);
+      if (lane == 0) warp_a[warp][h] = sa, warp_b[warp][h] = sl;
+    }
+    FenceProxyAsync();  // reads of the last stages before their bulk copies
+    __syncthreads();    // also: the last stages may fill
+    if (tid < G) {
+      float sa = 0.f, sl = 0.f;
+      for (int w = 0; w < kWarps; ++w) sa += warp_a[w][tid], sl += warp_b[w][tid];
+      part_all[tid] = sa;
+      part_left[tid] = sl;
+    }
+  }
+  mark(6);
 
   // Lane: row g (head g's high parts) and g + 8 (its low parts), columns c2, c2 + 1.
   const int g = lane >> 2, c2 = (lane & 3) * 2;
@@ -523,7 +541,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
     if (rank < G) {
       const int h = rank;
       const int32_t head = heads[h];
-      if (warp == 0) {  // lane r: rank r's m, l and omitted sums
+      if (warp == 1) {  // lane r: rank r's m, l and omitted sums (warp 0 merges columns)
         const bool in = lane < C;
         const float m = in ? *cluster.map_shared_rank(r_m + h, lane) : -INFINITY;
         const float l = in ? *cluster.map_shared_rank(r_l + h, lane) : 0.f;
@@ -640,13 +658,14 @@ Status Launch(const FusedSparseArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-bool SparseAutoSharedFits(DType dtype, uint32_t d, uint32_t group, uint32_t visible_blocks) {
-  if (dtype != DType::kF16 || (d != 64 && d != 128) || group < 1 ||
+bool SparseAutoSharedFits(DType dtype, uint32_t d, uint32_t group, uint32_t visible_blocks,
+                          uint32_t heads) {
+  if (dtype != DType::kF16 || (d != 64 && d != 128) || group < 1 || heads == 0 ||
       group > static_cast<uint32_t>(kMaxSharedGroup) ||
       visible_blocks > static_cast<uint32_t>(kMaxCand) + 2 || gpu::Info().cc_major < 9) {
     return false;
   }
-  return Active(d, 8) > 0;
+  return Active(d, 8) >= static_cast<int>(heads);
 }
 
 int SparseAutoSharedActiveClusters(uint32_t d, uint32_t cluster) {
