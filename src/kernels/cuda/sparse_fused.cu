@@ -10,13 +10,15 @@
 //      the highest selection score of the members (SHARED);
 //   2. cluster barrier; every rank gathers all candidates' keys from the others' shared memory
 //      and runs the same radix select (so every rank knows the chosen blocks without another
-//      exchange), and sums the omitted-mass weights of its own slice;
+//      exchange);
 //   3. rank r attends its share of the chosen rows (first block, chosen middle blocks,
 //      last block, ascending). Each warp streams its own run of 16-row tiles through its own
-//      cp.async ring on the tensor cores: the member heads' queries are the MMA's rows 0..7 (fp16
-//      high parts) and 8..15 (their low parts), so one m16n8k16 computes both parts of every
-//      head's scores and weights (fp32-level accuracy, as flash.cu's packed decode); the eight
-//      warps' states merge in shared memory;
+//      ring (bulk copies, TMA, a row per lane, on an mbarrier per stage) to the tensor cores:
+//      the member heads' queries are the MMA's rows 0..7 (fp16 high parts) and 8..15 (their low
+//      parts), so one m16n8k16 computes both parts of every head's scores and weights
+//      (fp32-level accuracy, as flash.cu's packed decode); while the first tiles land, the rank
+//      sums the omitted-mass weights of its own slice; the eight warps' states merge in shared
+//      memory;
 //   4. cluster barrier; the ranks merge over distributed shared memory: rank r reads every
 //      rank's state (m, l, o) for its share of the output columns and writes them, rank h the
 //      LSE, omitted fraction and receipts of member head h. Each rank's shared memory stays until
