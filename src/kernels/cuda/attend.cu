@@ -652,18 +652,14 @@ Status LaunchCombine(uint32_t parts, uint32_t nrows, uint32_t d, const float* pa
   // and wait for that grid's results (on the H200: about 1 µs less per query at N = 2K).
   // Up to 32 parts at d <= 128 a warp merges a row (CombineWarp; on the H200, GQA 32/8 d = 128,
   // same run: fp16 2K 8.55 -> 8.28 µs, 4K 10.40 -> 10.11, 8K 13.86 -> 13.69; fp32 2K even).
-  auto s = static_cast<cudaStream_t>(stream);
-  const dim3 warps((nrows + 3) / 4);
-  if (d <= 128 && parts <= 16) {
-    return LaunchDependent(CombineWarp<16>, warps, dim3(128), 0, s, "combine kernel", parts, nrows,
-                           d, part_m, part_l, part_o, out, lse);
-  }
-  if (d <= 128 && parts <= 32) {
-    return LaunchDependent(CombineWarp<32>, warps, dim3(128), 0, s, "combine kernel", parts, nrows,
-                           d, part_m, part_l, part_o, out, lse);
-  }
-  return LaunchDependent(Combine, dim3(nrows), dim3(128), 0, s, "combine kernel", parts, nrows, d,
-                         part_m, part_l, part_o, out, lse);
+  auto launch = [&](auto kernel, dim3 grid) {
+    return LaunchDependent(kernel, grid, dim3(128), 0, static_cast<cudaStream_t>(stream),
+                           "combine kernel", parts, nrows, d, part_m, part_l, part_o, out, lse);
+  };
+  const dim3 warps((nrows + 3) / 4);  // CombineWarp: four rows a block
+  if (d <= 128 && parts <= 16) return launch(CombineWarp<16>, warps);
+  if (d <= 128 && parts <= 32) return launch(CombineWarp<32>, warps);
+  return launch(Combine, dim3(nrows));
 }
 
 }  // namespace pion::kernels::cuda

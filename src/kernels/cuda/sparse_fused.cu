@@ -549,9 +549,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
         const float l = in ? *cluster.map_shared_rank(r_l + h, lane) : 0.f;
         const float all = in ? *cluster.map_shared_rank(part_all + h, lane) : 0.f;
         const float left = in ? *cluster.map_shared_rank(part_left + h, lane) : 0.f;
-        float mx = m;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float mx = WarpMax(m);
         const float sl = WarpSum(mx == -INFINITY || !in ? 0.f : expf(m - mx) * l);
         const float sa = WarpSum(all), sf = WarpSum(left);
         if (lane == 0) {
