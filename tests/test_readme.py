@@ -1,0 +1,74 @@
+"""The README's five-minute tour, run as a reader runs it, against a real server.
+
+The console block's commands run in a shell as written (redis-cli prints as it would in a
+terminal unless its output goes into a pipe, as there) and their output must be what the
+README shows; then the Python blocks run in order in one namespace, as one session pasted into
+one interpreter. Only the addresses change: this server's ports and socket instead of 1974,
+1975, 9174 and /tmp/pion.sock. A README that no longer works from the first try fails here.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+CLIENT_DIR = README.parent / "clients" / "python"
+
+
+def tour_blocks(kind: str) -> list[str]:
+    """The fenced `kind` blocks of the README's tour (from its heading to the next one)."""
+    text = README.read_text()
+    start = text.index("## Five-minute tour")
+    end = text.index("\n## ", start + 1)
+    return re.findall(r"```%s\n(.*?)```" % kind, text[start:end], re.S)
+
+
+def console_steps(block: str) -> list[tuple[str, str]]:
+    """(command, expected output) pairs of a console block: `$ ` lines and what follows them."""
+    steps: list[tuple[str, str]] = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], ""))
+        else:
+            cmd, out = steps[-1]
+            steps[-1] = (cmd, out + line + "\n")
+    return steps
+
+
+def localize(cmd: str, srv) -> str:
+    """A tour command aimed at this test's server; redis-cli in terminal format when its output
+    is not piped (a reader's terminal), raw when it is (as redis-cli itself decides)."""
+    piped = "|" in cmd.split("#")[0]
+    cli = "redis-cli -h 127.0.0.1 -p %d" % srv.port + ("" if piped else " --no-raw")
+    return (cmd.replace("redis-cli -p 1974", cli)
+               .replace("127.0.0.1:9174", "127.0.0.1:%d" % srv.metrics_port))
+
+
+# The tour builds an HNSW graph over 50,000 keys (~10 s here; several times that under TSan).
+@pytest.mark.time_limit(600)
+def test_readme_tour_runs_as_written(pion_factory, tmp_path):
+    sock = str(tmp_path / "pion.sock")
+    srv = pion_factory("--workers", "2", "--unixsocket", sock)
+
+    steps = [s for block in tour_blocks("console") for s in console_steps(block)]
+    assert len(steps) >= 8, "the tour's console block was not found"
+    for cmd, expected in steps:
+        got = subprocess.run(["bash", "-c", localize(cmd, srv)], capture_output=True, text=True,
+                             timeout=30)
+        assert got.stdout == expected, "README step `%s`:\nexpected %r\ngot %r (stderr %r)" % (
+            cmd, expected, got.stdout, got.stderr)
+
+    code = "\n".join(tour_blocks("python"))
+    assert "redis.Redis(port=1974)" in code and "/tmp/pion.sock" in code
+    code = (code.replace("port=1974", "port=%d" % srv.port)
+                .replace("port=1975", "port=%d" % srv.binary_port)
+                .replace('"/tmp/pion.sock"', repr(sock))
+                .replace('"clients/python"', repr(str(CLIENT_DIR))))
+    namespace: dict = {"__name__": "readme_tour"}
+    exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 - the README's own code
+    # What the blocks left behind is what they say.
+    assert namespace["c"].last_fetch_path == "shm"
+    assert namespace["hit"] is not None
