@@ -1,10 +1,13 @@
-"""The README's five-minute tour, run as a reader runs it, against a real server.
+"""The READMEs' tours, run as a reader runs them, against a real server.
 
-The console block's commands run in a shell as written (redis-cli prints as it would in a
-terminal unless its output goes into a pipe, as there) and their output must be what the
-README shows; then the Python blocks run in order in one namespace, as one session pasted into
-one interpreter. Only the addresses change: this server's ports and socket instead of 1974,
-1975, 9174 and /tmp/pion.sock. A README that no longer works from the first try fails here.
+README.md's five-minute tour: the console block's commands run in a shell as written
+(redis-cli prints as it would in a terminal unless its output goes into a pipe, as there) and
+their output must be what the README shows; then its Python blocks run in order in one
+namespace, as one session pasted into one interpreter. clients/python/README.md: the Python
+blocks of "Five minutes", "Same-host shared memory" and "Binary protocol" likewise (the
+transformers section needs torch and a model: tests/test_hf.py covers it on the GPU machine).
+Only the addresses change: this server's ports and socket instead of 1974, 1975, 9174 and
+/tmp/pion.sock. A README that no longer works from the first try fails here.
 """
 from __future__ import annotations
 
@@ -16,14 +19,31 @@ import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 CLIENT_DIR = README.parent / "clients" / "python"
+CLIENT_README = CLIENT_DIR / "README.md"
+
+
+def section_blocks(path: Path, heading: str, kind: str) -> list[str]:
+    """The fenced `kind` blocks of one `## heading` section of a markdown file."""
+    text = path.read_text()
+    start = text.index("\n## %s" % heading)
+    end = text.find("\n## ", start + 1)
+    return re.findall(r"```%s\n(.*?)```" % kind, text[start:end if end >= 0 else None], re.S)
 
 
 def tour_blocks(kind: str) -> list[str]:
-    """The fenced `kind` blocks of the README's tour (from its heading to the next one)."""
-    text = README.read_text()
-    start = text.index("## Five-minute tour")
-    end = text.index("\n## ", start + 1)
-    return re.findall(r"```%s\n(.*?)```" % kind, text[start:end], re.S)
+    return section_blocks(README, "Five-minute tour", kind)
+
+
+def run_python(code: str, path: Path, srv, sock: str) -> dict:
+    """Runs a README's Python in one namespace, aimed at `srv`; returns the namespace."""
+    code = (code.replace("port=1974", "port=%d" % srv.port)
+                .replace('"127.0.0.1", 1974)', '"127.0.0.1", %d)' % srv.port)
+                .replace("port=1975", "port=%d" % srv.binary_port)
+                .replace('"/tmp/pion.sock"', repr(sock))
+                .replace('"clients/python"', repr(str(CLIENT_DIR))))
+    namespace: dict = {"__name__": "readme_tour"}
+    exec(compile(code, str(path), "exec"), namespace)  # noqa: S102 - the README's own code
+    return namespace
 
 
 def console_steps(block: str) -> list[tuple[str, str]]:
@@ -63,12 +83,19 @@ def test_readme_tour_runs_as_written(pion_factory, tmp_path):
 
     code = "\n".join(tour_blocks("python"))
     assert "redis.Redis(port=1974)" in code and "/tmp/pion.sock" in code
-    code = (code.replace("port=1974", "port=%d" % srv.port)
-                .replace("port=1975", "port=%d" % srv.binary_port)
-                .replace('"/tmp/pion.sock"', repr(sock))
-                .replace('"clients/python"', repr(str(CLIENT_DIR))))
-    namespace: dict = {"__name__": "readme_tour"}
-    exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 - the README's own code
+    namespace = run_python(code, README, srv, sock)
     # What the blocks left behind is what they say.
     assert namespace["c"].last_fetch_path == "shm"
     assert namespace["hit"] is not None
+
+
+def test_client_readme_runs_as_written(pion_factory, tmp_path):
+    sock = str(tmp_path / "pion.sock")
+    srv = pion_factory("--workers", "2", "--unixsocket", sock)
+    sections = ("Five minutes", "Same-host shared memory", "Binary protocol (port 1975)")
+    blocks = [b for h in sections for b in section_blocks(CLIENT_README, h, "python")]
+    assert len(blocks) == 3, "a section's Python block was not found"
+    namespace = run_python("import sys\nsys.path.insert(0, %r)\n" % str(CLIENT_DIR)
+                           + "\n".join(blocks), CLIENT_README, srv, sock)
+    assert namespace["c"].last_fetch_path == "shm"
+    assert namespace["res"].receipt["exact"]
