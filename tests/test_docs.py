@@ -1,4 +1,9 @@
-"""The READMEs' tours, run as a reader runs them, against a real server.
+"""The documentation against the server it documents.
+
+Every command the server has (COMMAND LIST) is in docs/PROTOCOL.md, and every flag of
+`pion-server --help` is in docs/OPERATIONS.md.
+
+The READMEs' tours run as a reader runs them, against a real server.
 
 README.md's five-minute tour: the console block's commands run in a shell as written
 (redis-cli prints as it would in a terminal unless its output goes into a pipe, as there) and
@@ -17,9 +22,30 @@ from pathlib import Path
 
 import pytest
 
+from pionlib import SERVER_BIN
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 CLIENT_DIR = README.parent / "clients" / "python"
 CLIENT_README = CLIENT_DIR / "README.md"
+DOCS = README.parent / "docs"
+
+
+def test_every_command_is_in_protocol_md(shared_pion):
+    with shared_pion.raw() as c:
+        names = sorted(n.decode().upper() for n in c.call("COMMAND", "LIST"))
+    assert len(names) > 40, names
+    protocol = (DOCS / "PROTOCOL.md").read_text()
+    missing = [n for n in names if not re.search(r"(?<![\w.])%s(?![\w.])" % re.escape(n), protocol)]
+    assert not missing, "commands missing from docs/PROTOCOL.md: %s" % missing
+
+
+def test_every_flag_is_in_operations_md():
+    out = subprocess.run([SERVER_BIN, "--help"], capture_output=True, text=True, timeout=10).stdout
+    flags = sorted(set(re.findall(r"^\s+(?:-\w,)?(--[a-z0-9-]+)", out, re.M)) - {"--help", "--version"})
+    assert len(flags) > 20, out
+    operations = (DOCS / "OPERATIONS.md").read_text()
+    missing = [f for f in flags if not re.search(r"%s(?![a-z0-9-])" % re.escape(f), operations)]
+    assert not missing, "flags missing from docs/OPERATIONS.md: %s" % missing
 
 
 def section_blocks(path: Path, heading: str, kind: str) -> list[str]:
