@@ -9,7 +9,8 @@
 //   pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>
 //                       (comparisons, same binary: PION_BENCH_SPLITS=<n> a split count,
 //                       PION_BENCH_INTERLEAVE=0 decode warps on quarters, PION_BENCH_UNIFORM=0
-//                       items loaded as for any grouping, PION_BENCH_SKIP_COMBINE=1 the split-K
+//                       items loaded as for any grouping, PION_BENCH_F32TC=0 fp32 decode on
+//                       the SIMT kernel, PION_BENCH_SKIP_COMBINE=1 the split-K
 //                       launch alone, PION_BENCH_FINISH=1 the launch merging its own splits)
 //   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top> [shared|fused]
 //                       (shared: SHARED selection — one block set per K/V head; fused: SHARED,
@@ -202,7 +203,8 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   AttendArgs a = Base(t, hq, hkv, m, n, d);
   auto map = Contiguous(hq, hkv);
   a.dense_items = true;
-  const bool tc = kernels::cuda::UsesTensorCores(a);
+  if (const char* f = std::getenv("PION_BENCH_F32TC")) a.f32_tensor = f[0] == '1';
+  bool tc = kernels::cuda::UsesTensorCores(a);
   const int pad = tc ? kernels::cuda::FlashRowGroups(a) : 1;
   auto items = kernels::cuda::DenseItems(hq, m, map.data(), pad);
   auto* di = DevAlloc<kernels::cuda::Item>(items.size());
@@ -211,6 +213,7 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   a.n_items = static_cast<uint32_t>(items.size());
   a.item_rows = kernels::cuda::MaxRows(items);
   a.uniform_group = kernels::cuda::UniformGroup(items, m);
+  tc = kernels::cuda::UsesTensorCores(a);  // fp32 decides on the items' rows
   a.splits = kernels::cuda::PlanSplits(a, n);
   // Comparisons: a split count, quarters instead of interleaved tiles (=0), the items loaded
   // as for any grouping (PION_BENCH_UNIFORM=0).

@@ -83,6 +83,10 @@ struct AttendArgs {
   // 128K 138.2 -> 135.5 µs, 32K 41.8 -> 41.1; at 8K (16 tiles a block) 14.08 vs 14.15, so not
   // there. false: always quarters (the bench's PION_BENCH_INTERLEAVE=0, for comparison).
   bool interleave = true;
+  // fp32 decode (4 to 8 query rows per K/V head, d = 64..128) on tensor cores: tf32 MMAs with
+  // every operand split hi + lo (about fp32's accuracy); false: the SIMT kernel (the bench's
+  // PION_BENCH_F32TC=0, for comparison).
+  bool f32_tensor = true;
   // Partial outputs: part p, row r at [p*nrows + r] (o: times d).
   float* part_m = nullptr;
   float* part_l = nullptr;
@@ -100,7 +104,8 @@ struct AttendArgs {
 uint32_t GridBlocks(const AttendArgs& a);
 
 // Whether LaunchAttend runs these args on tensor cores (fp16, dense items — with or without
-// shared lists — d <= 256, sm_80+; per-row sparse lists measure faster on the SIMT kernel), and how
+// shared lists — d <= 256, sm_80+; fp32 for 4 to 8 query rows per K/V head, d = 64..128; per-row
+// sparse lists measure faster on the SIMT kernel), and how
 // many 16-row groups one such block holds (8 when a K/V head has >= 128 query rows at d = 128 or
 // >= 512 at smaller d, else 4 from 64 rows, else 1).
 // Call before building items: DenseItems(..., FlashRowGroups(a)) when UsesTensorCores(a).

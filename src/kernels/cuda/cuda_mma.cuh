@@ -1,6 +1,6 @@
 // Tensor-core building blocks shared by the mma.sync kernels (flash.cu, flash_batched.cu): not a
-// public interface. Fragments follow the PTX m16n8k16 layouts; lane l holds rows g = l / 4 and
-// g + 8, columns 2·(l % 4) and + 1 of its accumulator tile.
+// public interface. Fragments follow the PTX m16n8k16 (fp16) and m16n8k8 (tf32) layouts; lane l
+// holds rows g = l / 4 and g + 8, columns 2·(l % 4) and + 1 of its accumulator tile.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -32,6 +32,28 @@ __device__ inline void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, u
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// tf32 m16n8k8 (fp32 K/V): A rows g, g + 8 at columns t, t + 4 (a0 = (g, t), a1 = (g + 8, t),
+// a2 = (g, t + 4), a3 = (g + 8, t + 4)); B rows t, t + 4 at column g; C as m16n8k16's.
+__device__ inline void MmaTf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// x rounded to tf32 (round to nearest, ties away: 10 mantissa bits), as the MMA's operand bits.
+__device__ inline uint32_t Tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+// An fp32 (its bits) as tf32 hi + lo: hi = tf32(x), lo = x − hi exactly in fp32, which the MMA
+// reads to tf32 precision (it ignores the low 13 mantissa bits) — |x − hi − tf32(lo)| <=
+// 2^-21·|x|, about fp32's own rounding.
+__device__ inline void SplitTf32(uint32_t x, uint32_t& hi, uint32_t& lo) {
+  hi = Tf32(__uint_as_float(x));
+  lo = __float_as_uint(__uint_as_float(x) - __uint_as_float(hi));
 }
 __device__ inline uint32_t Pack(float x, float y) {
   __half2 h = __floats2half2_rn(x, y);

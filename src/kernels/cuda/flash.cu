@@ -21,6 +21,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <string>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_common.cuh"
@@ -30,15 +32,23 @@ namespace pion::kernels::cuda {
 namespace {
 
 constexpr int kBk = 64;  // keys per tile
-template <int D, int WR, bool kSplit, bool kPack>
+template <typename T, int D, int WR, bool kSplit, bool kPack>
 struct Flash {
-  static constexpr int kStr = D + 8;  // padded smem row (halves): ldmatrix rows hit distinct banks
+  static constexpr bool kF32 = std::is_same_v<T, float>;
+  static_assert(!kF32 || (WR == 1 && kPack && !kSplit && D % 32 == 0 && D <= 128),
+                "fp32 K/V: the packed decode shape only, d a multiple of 32 up to 128");
+  // Padded smem row (elements, 16 bytes of padding): ldmatrix rows hit distinct banks, and for
+  // fp32 the V loads of rows 2t and 2t + 1 too (row stride ≡ 16 bytes mod 128).
+  static constexpr int kStr = D + 16 / int(sizeof(T));
   static constexpr int kRows = 16 * WR;
   static constexpr int kKw = kBk * WR / 4;  // keys per warp per tile
   // Decode keeps three tiles in flight (it is bound by reading K/V); batched two.
   static constexpr int kStages = WR == 1 ? 3 : 2;
-  static constexpr size_t kQ = size_t{kRows} * kStr * 2 * (kSplit ? 2 : 1);
-  static constexpr size_t kTile = size_t{kBk} * kStr * 2;
+  // Q: fp16 rows (hi, and lo parts when split), or fp32's tf32 A fragments in lane order
+  // (D/8 k-steps × 32 lanes × 16 bytes).
+  static constexpr size_t kQ =
+      kF32 ? size_t{D / 8} * 32 * 16 : size_t{kRows} * kStr * 2 * (kSplit ? 2 : 1);
+  static constexpr size_t kTile = size_t{kBk} * kStr * sizeof(T);
   // Decode merge: the warps' outputs [4][16][kOs] (rows padded by 8 floats: a quad's float2
   // stores of 8 rows then hit distinct banks — unpadded they were 8-way conflicts) and their
   // m, l and weights (64 floats each).
@@ -47,15 +57,16 @@ struct Flash {
   static constexpr size_t kBytes = std::max(kQ + 2 * kStages * kTile, kQ + kMerge);
 };
 
-template <int D, int WR, bool kSplit, bool kPack>
+template <typename T, int D, int WR, bool kSplit, bool kPack>
 __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
-  using C = Flash<D, WR, kSplit, kPack>;
+  using C = Flash<T, D, WR, kSplit, kPack>;
   constexpr int kStr = C::kStr, kKw = C::kKw, kNt = kKw / 8, kS = C::kStages;
   extern __shared__ __align__(16) uint8_t smem[];
   __half* qh = reinterpret_cast<__half*>(smem);
   __half* ql = qh + C::kRows * kStr;
-  __half* kt = reinterpret_cast<__half*>(smem + C::kQ);  // [kS][kBk][kStr]
-  __half* vt = kt + kS * kBk * kStr;                     // [kS][kBk][kStr]
+  const uint4* qf = reinterpret_cast<const uint4*>(smem);  // fp32: [D/8][32] A fragments
+  T* kt = reinterpret_cast<T*>(smem + C::kQ);              // [kS][kBk][kStr]
+  T* vt = kt + kS * kBk * kStr;                            // [kS][kBk][kStr]
   __shared__ int64_t qpos[C::kRows];
   __shared__ int32_t rowid[C::kRows];
   __shared__ uint32_t range[2];
@@ -130,18 +141,20 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   if (inter) k0 = Min<uint32_t>(k1, k0 + warp * kTileRows);
   const uint32_t step = inter ? 4 * kTileRows : kTileRows;  // rows from one tile to the next
   const int ntiles = static_cast<int>((k1 - k0 + step - 1) / step);
-  const __half* kbase = static_cast<const __half*>(a.k) + size_t(kv) * a.rows * D;
-  const __half* vbase = static_cast<const __half*>(a.v) + size_t(kv) * a.rows * D;
+  const T* kbase = static_cast<const T*>(a.k) + size_t(kv) * a.rows * D;
+  const T* vbase = static_cast<const T*>(a.v) + size_t(kv) * a.rows * D;
   const int32_t* list = sparse && rowid[0] >= 0 ? a.list + size_t(rowid[0]) * a.stride : nullptr;
   // Buffer `buf` of this warp's (decode) or the block's (batched) ring, and its key indices.
   auto tile_k = [&](int buf) { return kt + (kIndep ? (warp * kS + buf) * 16 : buf * kBk) * kStr; };
   auto tile_v = [&](int buf) { return vt + (kIndep ? (warp * kS + buf) * 16 : buf * kBk) * kStr; };
   const int kidx0 = kIndep ? warp * 16 : 0;
-  // Each loader copies 16-byte chunks of kTileRows × D/8; when the loaders cover whole rows
-  // (D = 32, 64, 128, 256) every chunk of a loader sits in the same column.
-  constexpr int kCpr = D / 8;
+  // Each loader copies 16-byte chunks (kEl elements) of kTileRows × kCpr; when the loaders cover
+  // whole rows (fp16 D = 32, 64, 128, 256; fp32 D = 32, 64, 128) every chunk of a loader sits in
+  // the same column.
+  constexpr int kEl = 16 / int(sizeof(T)), kCpr = D / kEl;
+  constexpr int kChunks = kTileRows * kCpr / kLoaders;  // per loader and tile
   constexpr bool kLaneCols = kLoaders % kCpr == 0;
-  const int lrow = ltid / kCpr, lcol = (ltid % kCpr) * 8;
+  const int lrow = ltid / kCpr, lcol = (ltid % kCpr) * kEl;
 
   // Tile t into buffer t % kS; always one commit group per call (empty past the end) so that
   // wait_prior(kS − 1) means "tile t has landed".
@@ -150,29 +163,30 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       const int buf = t % kS;
       const uint32_t first = k0 + t * step;
       const int tk = Min<int>(kTileRows, k1 - first);
-      const __half* kg = kbase + size_t(first) * D;  // dense: rows first.. are contiguous
-      const __half* vg = vbase + size_t(first) * D;
-      __half* ks = tile_k(buf);
-      __half* vs = tile_v(buf);
+      const T* kg = kbase + size_t(first) * D;  // dense: rows first.. are contiguous
+      const T* vg = vbase + size_t(first) * D;
+      T* ks = tile_k(buf);
+      T* vs = tile_v(buf);
       if constexpr (kLaneCols) {
         if (list == nullptr && tk == kTileRows) {  // a full dense tile: offsets fixed per loader
           const uint32_t kd = SmemAddr(ks + lrow * kStr + lcol);
           const uint32_t vd = SmemAddr(vs + lrow * kStr + lcol);
-          const __half* kgl = kg + lrow * D + lcol;
-          const __half* vgl = vg + lrow * D + lcol;
-          Unroll<0, D / 16>([&](auto I) {
+          const T* kgl = kg + lrow * D + lcol;
+          const T* vgl = vg + lrow * D + lcol;
+          Unroll<0, kChunks>([&](auto I) {
             constexpr int kRow = decltype(I)::value * (kLoaders / kCpr);
-            CpAsync16At<kRow * kStr * 2, kRow * D * 2>(kd, kgl);
-            CpAsync16At<kRow * kStr * 2, kRow * D * 2>(vd, vgl);
+            constexpr int kSo = kRow * kStr * int(sizeof(T)), kGo = kRow * D * int(sizeof(T));
+            CpAsync16At<kSo, kGo>(kd, kgl);
+            CpAsync16At<kSo, kGo>(vd, vgl);
           });
           __pipeline_commit();
           return;
         }
       }
 #pragma unroll
-      for (int i = 0; i < D / 16; ++i) {  // kTileRows × D/8 chunks of 16 bytes over the loaders
+      for (int i = 0; i < kChunks; ++i) {  // kTileRows × kCpr chunks of 16 bytes over the loaders
         const int e = ltid + kLoaders * i;
-        const int j = e / (D / 8), c = (e % (D / 8)) * 8;
+        const int j = e / kCpr, c = (e % kCpr) * kEl;
         const int so = j * kStr + c;
         if (j < tk) {
           ptrdiff_t go;
@@ -214,25 +228,44 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   for (int t = 0; t < kS - 1; ++t) prefetch(t);
   // Q (fp16, and its low part) into shared memory while the first tiles are on their way.
   constexpr int kQRows = kPack ? 8 : C::kRows;  // packed: rows 8..15 are built from 0..7
-  // Decode unrolls the loads (they are all in flight at once); batched keeps its registers.
-#pragma unroll(WR == 1 ? (kQRows * D / 4 + 127) / 128 : 1)
-  for (int i = 0; i < (kQRows * D / 4 + 127) / 128; ++i) {
-    const int e = tid + 128 * i;
-    if (e >= kQRows * D / 4) break;
-    const int r = e / (D / 4), c = (e % (D / 4)) * 4;
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (rowid[r] >= 0) x = *reinterpret_cast<const float4*>(a.q + size_t(rowid[r]) * D + c);
-    uint2 hi{Pack(x.x, x.y), Pack(x.z, x.w)};
-    if constexpr (kPack) {  // rows 0..7 hold the rows' high parts, rows 8..15 their low parts
-      uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
-      *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
-      *reinterpret_cast<uint2*>(qh + (r + 8) * kStr + c) = lo;
-      continue;
+  if constexpr (C::kF32) {
+    // fp32: the tf32 A fragments of m16n8k8, in lane order (one 16-byte load a lane and k-step).
+    // Lane (g, t) of k-step ks holds row g's columns 8ks + t and 8ks + t + 4, as the MMA's rows
+    // g (the high part, tf32-rounded) and g + 8 (the low part, x − hi).
+    uint4* qw = reinterpret_cast<uint4*>(smem);
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {  // D/8 × 32 fragments over 128 threads
+      const int e = tid + 128 * i, l = e % 32, r = l >> 2, c = (e / 32) * 8 + (l & 3);
+      float x0 = 0.f, x1 = 0.f;
+      if (rowid[r] >= 0) {
+        const float* q = a.q + size_t(rowid[r]) * D + c;
+        x0 = q[0];
+        x1 = q[4];
+      }
+      const uint32_t h0 = Tf32(x0), h1 = Tf32(x1);
+      qw[e] = make_uint4(h0, Tf32(x0 - __uint_as_float(h0)), h1, Tf32(x1 - __uint_as_float(h1)));
     }
-    *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
-    if constexpr (kSplit) {
-      uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
-      *reinterpret_cast<uint2*>(ql + r * kStr + c) = lo;
+  } else {
+    // Decode unrolls the loads (they are all in flight at once); batched keeps its registers.
+#pragma unroll(WR == 1 ? (kQRows * D / 4 + 127) / 128 : 1)
+    for (int i = 0; i < (kQRows * D / 4 + 127) / 128; ++i) {
+      const int e = tid + 128 * i;
+      if (e >= kQRows * D / 4) break;
+      const int r = e / (D / 4), c = (e % (D / 4)) * 4;
+      float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (rowid[r] >= 0) x = *reinterpret_cast<const float4*>(a.q + size_t(rowid[r]) * D + c);
+      uint2 hi{Pack(x.x, x.y), Pack(x.z, x.w)};
+      if constexpr (kPack) {  // rows 0..7 hold the rows' high parts, rows 8..15 their low parts
+        uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
+        *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
+        *reinterpret_cast<uint2*>(qh + (r + 8) * kStr + c) = lo;
+        continue;
+      }
+      *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
+      if constexpr (kSplit) {
+        uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
+        *reinterpret_cast<uint2*>(ql + r * kStr + c) = lo;
+      }
     }
   }
   __syncthreads();
@@ -245,47 +278,73 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
     } else {
       __syncthreads();
     }
-    const __half* kb = tile_k(buf);
-    const __half* vb = tile_v(buf);
+    const T* kb = tile_k(buf);
+    const T* vb = tile_v(buf);
     float s[kNt][4], s2[kNt][4];  // s2: the odd k-steps' chain (packed)
 #pragma unroll
     for (int n = 0; n < kNt; ++n) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
       s2[n][0] = s2[n][1] = s2[n][2] = s2[n][3] = 0.f;
     }
-    // D <= 128: every K fragment of the tile is loaded before the first MMA, so the ldmatrix
-    // latencies overlap instead of each MMA waiting on its own (larger D: one at a time).
-    constexpr int kPre = D <= 128 ? D / 16 : 1;
-    uint32_t kf[kPre][kNt / 2][4];
-    if constexpr (kPre > 1) {
+    if constexpr (C::kF32) {
+      // fp32 (tf32 m16n8k8, K as B: b0 = K[key g][8ks + t], b1 = [8ks + t + 4]): one ldmatrix
+      // x4 (fp32 words as pairs of b16) brings an 8-key tile's fragments for k-steps 2kp and
+      // 2kp + 1. K splits into tf32 hi + lo in two MMA chains (s: hi, s2: lo); the A rows g + 8
+      // carry Q's low parts, so the four products hi·hi, hi·lo, lo·hi, lo·lo all land.
 #pragma unroll
-      for (int ks = 0; ks < kPre; ++ks)
+      for (int kp = 0; kp < D / 16; ++kp) {
+        uint32_t kf[kNt][4];
 #pragma unroll
-        for (int j = 0; j < kNt / 2; ++j)
-          Ldm4(kf[ks][j], kb + (j * 16 + (lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
-    }
+        for (int n = 0; n < kNt; ++n) Ldm4(kf[n], kb + (n * 8 + lr) * kStr + kp * 16 + lm * 4);
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t ah[4], al[4];
-      const int qr = rg * 16 + (lm & 1) * 8 + lr, qc = ks * 16 + (lm >> 1) * 8;
-      Ldm4(ah, qh + qr * kStr + qc);
-      if constexpr (kSplit) Ldm4(al, ql + qr * kStr + qc);
+        for (int h = 0; h < 2; ++h) {
+          const uint4 q = qf[(2 * kp + h) * 32 + lane];
+          const uint32_t aq[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-      for (int j = 0; j < kNt / 2; ++j) {
-        uint32_t bb[4];
-        if constexpr (kPre == 1)
-          Ldm4(bb, kb + (j * 16 + (lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
-        const uint32_t(&b)[4] = kPre > 1 ? kf[ks % kPre][j] : bb;
-        if constexpr (kPack) {
-          Mma(ks % 2 ? s2[2 * j] : s[2 * j], ah, b[0], b[1]);
-          Mma(ks % 2 ? s2[2 * j + 1] : s[2 * j + 1], ah, b[2], b[3]);
-        } else {
-          Mma(s[2 * j], ah, b[0], b[1]);
-          Mma(s[2 * j + 1], ah, b[2], b[3]);
+          for (int n = 0; n < kNt; ++n) {
+            uint32_t hi[2], lo[2];
+            SplitTf32(kf[n][2 * h], hi[0], lo[0]);
+            SplitTf32(kf[n][2 * h + 1], hi[1], lo[1]);
+            MmaTf32(s[n], aq, hi[0], hi[1]);
+            MmaTf32(s2[n], aq, lo[0], lo[1]);
+          }
         }
-        if constexpr (kSplit) {
-          Mma(s[2 * j], al, b[0], b[1]);
-          Mma(s[2 * j + 1], al, b[2], b[3]);
+      }
+    } else {
+      // D <= 128: every K fragment of the tile is loaded before the first MMA, so the ldmatrix
+      // latencies overlap instead of each MMA waiting on its own (larger D: one at a time).
+      constexpr int kPre = D <= 128 ? D / 16 : 1;
+      uint32_t kf[kPre][kNt / 2][4];
+      if constexpr (kPre > 1) {
+#pragma unroll
+        for (int ks = 0; ks < kPre; ++ks)
+#pragma unroll
+          for (int j = 0; j < kNt / 2; ++j)
+            Ldm4(kf[ks][j], kb + (j * 16 + (lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
+      }
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t ah[4], al[4];
+        const int qr = rg * 16 + (lm & 1) * 8 + lr, qc = ks * 16 + (lm >> 1) * 8;
+        Ldm4(ah, qh + qr * kStr + qc);
+        if constexpr (kSplit) Ldm4(al, ql + qr * kStr + qc);
+#pragma unroll
+        for (int j = 0; j < kNt / 2; ++j) {
+          uint32_t bb[4];
+          if constexpr (kPre == 1)
+            Ldm4(bb, kb + (j * 16 + (lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
+          const uint32_t(&b)[4] = kPre > 1 ? kf[ks % kPre][j] : bb;
+          if constexpr (kPack) {
+            Mma(ks % 2 ? s2[2 * j] : s[2 * j], ah, b[0], b[1]);
+            Mma(ks % 2 ? s2[2 * j + 1] : s[2 * j + 1], ah, b[2], b[3]);
+          } else {
+            Mma(s[2 * j], ah, b[0], b[1]);
+            Mma(s[2 * j + 1], ah, b[2], b[3]);
+          }
+          if constexpr (kSplit) {
+            Mma(s[2 * j], al, b[0], b[1]);
+            Mma(s[2 * j + 1], al, b[2], b[3]);
+          }
         }
       }
     }
@@ -349,32 +408,63 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
         o[n][3] *= alpha[kRowsPerThread - 1];
       }
     }
-    // o += P·V, 16 keys at a time.
+    if constexpr (C::kF32) {
+      // o += P·V on tf32 m16n8k8, 8 keys a k-step. The MMA's key order is permuted so every
+      // operand is local: its key t is tile key 2t, key t + 4 is 2t + 1 — so A (P: row g's hi
+      // part, row g + 8's lo part) is this thread's s[n][0], s[n][1] as they are, and B (V) is
+      // rows 2t and 2t + 1. Output columns are permuted too: d tile 4q + b's column g is
+      // d = 32q + 4g + b, so one 16-byte load of each V row feeds four d tiles, and its
+      // accumulator holds d = 32q + 8t + b (c0) and 32q + 8t + 4 + b (c1).
+      const int t4 = lane & 3;
 #pragma unroll
-    for (int kk = 0; kk < kKw / 16; ++kk) {
-      uint32_t ph[4] = {Pack(s[2 * kk][0], s[2 * kk][1]), Pack(s[2 * kk][2], s[2 * kk][3]),
-                        Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                        Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      if constexpr (kPack) {  // P's rows g + 8: the low parts of rows g
-        ph[1] = PackLo(s[2 * kk][0], s[2 * kk][1]);
-        ph[3] = PackLo(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      }
-      uint32_t pl[4];
-      if constexpr (kSplit) {
-        pl[0] = PackLo(s[2 * kk][0], s[2 * kk][1]);
-        pl[1] = PackLo(s[2 * kk][2], s[2 * kk][3]);
-        pl[2] = PackLo(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pl[3] = PackLo(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      }
+      for (int n = 0; n < kNt; ++n) {
+        uint32_t ap[4];
+        SplitTf32(__float_as_uint(s[n][0]), ap[0], ap[1]);
+        SplitTf32(__float_as_uint(s[n][1]), ap[2], ap[3]);
+        const T* vr = vb + (n * 8 + 2 * t4) * kStr + 4 * g;
 #pragma unroll
-      for (int dn = 0; dn < D / 16; ++dn) {
-        uint32_t b[4];
-        Ldm4T(b, vb + (kk * 16 + (lm & 1) * 8 + lr) * kStr + dn * 16 + (lm >> 1) * 8);
-        Mma(o[2 * dn], ph, b[0], b[1]);
-        Mma(o[2 * dn + 1], ph, b[2], b[3]);
+        for (int q = 0; q < D / 32; ++q) {
+          const float4 x = *reinterpret_cast<const float4*>(vr + 32 * q);
+          const float4 y = *reinterpret_cast<const float4*>(vr + kStr + 32 * q);
+          const float xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            uint32_t hi[2], lo[2];
+            SplitTf32(__float_as_uint(xs[b]), hi[0], lo[0]);
+            SplitTf32(__float_as_uint(ys[b]), hi[1], lo[1]);
+            MmaTf32(o[4 * q + b], ap, hi[0], hi[1]);
+            MmaTf32(o[4 * q + b], ap, lo[0], lo[1]);
+          }
+        }
+      }
+    } else {
+      // o += P·V, 16 keys at a time.
+#pragma unroll
+      for (int kk = 0; kk < kKw / 16; ++kk) {
+        uint32_t ph[4] = {Pack(s[2 * kk][0], s[2 * kk][1]), Pack(s[2 * kk][2], s[2 * kk][3]),
+                          Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                          Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        if constexpr (kPack) {  // P's rows g + 8: the low parts of rows g
+          ph[1] = PackLo(s[2 * kk][0], s[2 * kk][1]);
+          ph[3] = PackLo(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        }
+        uint32_t pl[4];
         if constexpr (kSplit) {
-          Mma(o[2 * dn], pl, b[0], b[1]);
-          Mma(o[2 * dn + 1], pl, b[2], b[3]);
+          pl[0] = PackLo(s[2 * kk][0], s[2 * kk][1]);
+          pl[1] = PackLo(s[2 * kk][2], s[2 * kk][3]);
+          pl[2] = PackLo(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          pl[3] = PackLo(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dn = 0; dn < D / 16; ++dn) {
+          uint32_t b[4];
+          Ldm4T(b, vb + (kk * 16 + (lm & 1) * 8 + lr) * kStr + dn * 16 + (lm >> 1) * 8);
+          Mma(o[2 * dn], ph, b[0], b[1]);
+          Mma(o[2 * dn + 1], ph, b[2], b[3]);
+          if constexpr (kSplit) {
+            Mma(o[2 * dn], pl, b[0], b[1]);
+            Mma(o[2 * dn + 1], pl, b[2], b[3]);
+          }
         }
       }
     }
@@ -430,10 +520,21 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
         ms[warp * 16 + row] = m_run[i];
         ls[warp * 16 + row] = l_run[i];
       }
+      if constexpr (C::kF32) {  // the permuted columns (P·V above): 8 consecutive d a quad lane
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        *reinterpret_cast<float2*>(os + (warp * 16 + row) * C::kOs + n * 8 + c2) =
-            make_float2(o[n][2 * i], o[n][2 * i + 1]);
+        for (int q = 0; q < D / 32; ++q) {
+          float* dst = os + (warp * 16 + row) * C::kOs + 32 * q + 4 * c2;
+          *reinterpret_cast<float4*>(dst) =
+              make_float4(o[4 * q][0], o[4 * q + 1][0], o[4 * q + 2][0], o[4 * q + 3][0]);
+          *reinterpret_cast<float4*>(dst + 4) =
+              make_float4(o[4 * q][1], o[4 * q + 1][1], o[4 * q + 2][1], o[4 * q + 3][1]);
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          *reinterpret_cast<float2*>(os + (warp * 16 + row) * C::kOs + n * 8 + c2) =
+              make_float2(o[n][2 * i], o[n][2 * i + 1]);
+        }
       }
     }
     __syncthreads();
@@ -481,56 +582,65 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   FinishSplits(a, rowid, C::kRows);
 }
 
-template <int D, int WR, bool kSplit, bool kPack>
+template <typename T, int D, int WR, bool kSplit, bool kPack>
 Status Launch(const AttendArgs& a, cudaStream_t stream) {
-  using C = Flash<D, WR, kSplit, kPack>;
-  static const cudaError_t attr = cudaFuncSetAttribute(FlashKernel<D, WR, kSplit, kPack>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       static_cast<int>(C::kBytes));
+  using C = Flash<T, D, WR, kSplit, kPack>;
+  auto* kernel = FlashKernel<T, D, WR, kSplit, kPack>;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kBytes));
   if (attr != cudaSuccess) return gpu::CudaError(attr, "tensor-core kernel shared memory");
   dim3 grid((a.n_items + WR - 1) / WR, a.splits);
-  return LaunchDependent(FlashKernel<D, WR, kSplit, kPack>, grid, dim3(128), C::kBytes, stream,
-                         "tensor-core attention kernel", a);
+  return LaunchDependent(kernel, grid, dim3(128), C::kBytes, stream, "tensor-core attention kernel",
+                         a);
 }
 
-template <int WR, bool kSplit, bool kPack>
-size_t BytesD(uint32_t d) {
+// Per head dim: f(integral_constant<int, D>) for the supported D (fp32: up to 128).
+template <typename T, typename F>
+auto WithD(uint32_t d, F&& f) {
+  using I = std::integral_constant<int, 0>;
   switch (d) {
     case 32:
-      return Flash<32, WR, kSplit, kPack>::kBytes;
+      return f(std::integral_constant<int, 32>{});
     case 64:
-      return Flash<64, WR, kSplit, kPack>::kBytes;
+      return f(std::integral_constant<int, 64>{});
     case 96:
-      return Flash<96, WR, kSplit, kPack>::kBytes;
+      return f(std::integral_constant<int, 96>{});
     case 128:
-      return Flash<128, WR, kSplit, kPack>::kBytes;
-    case 160:
-      return Flash<160, WR, kSplit, kPack>::kBytes;
-    case 192:
-      return Flash<192, WR, kSplit, kPack>::kBytes;
+      return f(std::integral_constant<int, 128>{});
   }
-  return Flash<256, WR, kSplit, kPack>::kBytes;
+  if constexpr (std::is_same_v<T, __half>) {
+    switch (d) {
+      case 160:
+        return f(std::integral_constant<int, 160>{});
+      case 192:
+        return f(std::integral_constant<int, 192>{});
+      case 256:
+        return f(std::integral_constant<int, 256>{});
+    }
+  }
+  return f(I{});  // no kernel: the caller's D = 0 case
 }
 
-template <int WR, bool kSplit, bool kPack>
+template <typename T, int WR, bool kSplit, bool kPack>
+size_t BytesD(uint32_t d) {
+  return WithD<T>(d, [](auto D) -> size_t {
+    if constexpr (decltype(D)::value == 0) {
+      return 0;
+    } else {
+      return Flash<T, decltype(D)::value, WR, kSplit, kPack>::kBytes;
+    }
+  });
+}
+
+template <typename T, int WR, bool kSplit, bool kPack>
 Status LaunchD(const AttendArgs& a, cudaStream_t stream) {
-  switch (a.d) {
-    case 32:
-      return Launch<32, WR, kSplit, kPack>(a, stream);
-    case 64:
-      return Launch<64, WR, kSplit, kPack>(a, stream);
-    case 96:
-      return Launch<96, WR, kSplit, kPack>(a, stream);
-    case 128:
-      return Launch<128, WR, kSplit, kPack>(a, stream);
-    case 160:
-      return Launch<160, WR, kSplit, kPack>(a, stream);
-    case 192:
-      return Launch<192, WR, kSplit, kPack>(a, stream);
-    case 256:
-      return Launch<256, WR, kSplit, kPack>(a, stream);
-  }
-  return Status(ErrorKind::kErr, "no tensor-core kernel for head dim " + std::to_string(a.d));
+  return WithD<T>(a.d, [&](auto D) -> Status {
+    if constexpr (decltype(D)::value == 0) {
+      return Status(ErrorKind::kErr, "no tensor-core kernel for head dim " + std::to_string(a.d));
+    } else {
+      return Launch<T, decltype(D)::value, WR, kSplit, kPack>(a, stream);
+    }
+  });
 }
 
 // The three kernel shapes: batched (fp16 Q and P), decode with hi/lo parts in separate MMAs,
@@ -558,33 +668,51 @@ int FlashRowGroups(const AttendArgs& a) {
 bool UsesTensorCores(const AttendArgs& a) {
   // Dense items, with or without one shared list per item (SHARED sparse-auto). Per-row lists
   // (one row per item) measured faster on the SIMT kernel: they stay there.
-  return a.dtype == DType::kF16 && a.d <= 256 && a.dense_items && gpu::Info().cc_major >= 8;
+  if (!a.dense_items || gpu::Info().cc_major < 8) return false;
+  if (a.dtype == DType::kF16) return a.d <= 256;
+  // fp32: the packed decode on tf32 with hi/lo splits, for 4 to 8 query rows per K/V head
+  // (GQA groups of 4 or 8 at M = 1, or a group of 4 at M = 2; item_rows is MaxRows once the
+  // items exist — before, the padding is 1 either way) and d = 64, 96, 128, where the device
+  // lets a block have its shared memory (210 KB at d = 128: sm_90, not sm_80). Measured on the
+  // H200 against the SIMT kernel (pion-gpu-attn-bench dense f32 with PION_BENCH_F32TC=0, µs):
+  // 32/8 d = 128 2K 11.6 vs 11.7, 8K 26.1 vs 30.0, 32K 76.4 vs 86.0, 128K 273 vs 309; 64/8 2K
+  // 11.9 vs 15.6; 32/4 10.4 vs 12.8; M = 2 12.3 vs 15.8; d = 64 32K 43.2 vs 50.9. Fewer rows
+  // stay on SIMT, which is faster there (8/8 2K 10.2 vs 11.4, 16/8 2K 10.6 vs 11.5, 128K even),
+  // and so does d = 32 (32K 29.0 vs 31.6).
+  if (a.dtype != DType::kF32 || !a.f32_tensor || a.d < 64 || a.d > 128 || a.d % 32 != 0) {
+    return false;
+  }
+  const uint64_t rows = uint64_t{a.heads > 0 ? a.hq / a.heads : 1} * a.m;
+  return FlashRowGroups(a) == 1 && rows >= 4 && a.item_rows <= kItemRows / 2 &&
+         BytesD<float, 1, false, true>(a.d) + 4096 <= gpu::Info().smem_block_optin;
 }
 
 size_t FlashBytes(const AttendArgs& a) {
+  if (a.dtype == DType::kF32) return BytesD<float, 1, false, true>(a.d);
   if (FlashRowGroups(a) == 8) return BatchedBytes(a.d);
   switch (ShapeOf(a)) {
     case Shape::kBatched:
-      return BytesD<4, false, false>(a.d);
+      return BytesD<__half, 4, false, false>(a.d);
     case Shape::kDecodePacked:
-      return BytesD<1, false, true>(a.d);
+      return BytesD<__half, 1, false, true>(a.d);
     case Shape::kDecode:
       break;
   }
-  return BytesD<1, true, false>(a.d);
+  return BytesD<__half, 1, true, false>(a.d);
 }
 
 Status LaunchFlash(const AttendArgs& a, cudaStream_t stream) {
+  if (a.dtype == DType::kF32) return LaunchD<float, 1, false, true>(a, stream);
   if (FlashRowGroups(a) == 8) return LaunchBatched(a, stream);
   switch (ShapeOf(a)) {
     case Shape::kBatched:
-      return LaunchD<4, false, false>(a, stream);
+      return LaunchD<__half, 4, false, false>(a, stream);
     case Shape::kDecodePacked:
-      return LaunchD<1, false, true>(a, stream);
+      return LaunchD<__half, 1, false, true>(a, stream);
     case Shape::kDecode:
       break;
   }
-  return LaunchD<1, true, false>(a, stream);
+  return LaunchD<__half, 1, true, false>(a, stream);
 }
 
 }  // namespace pion::kernels::cuda

@@ -27,6 +27,7 @@ struct DeviceInfo {
   std::string name;
   std::string pci_bus_id;  // e.g. "0000:1B:00.0": which GPU an IPC handle belongs to
   int cc_major = 0, cc_minor = 0, sms = 0;
+  uint64_t smem_block_optin = 0;  // shared memory a block may opt in to (bytes)
   uint64_t total_bytes = 0, free_bytes = 0;
 };
 // Probes device 0 once (thread-safe).

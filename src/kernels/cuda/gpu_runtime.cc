@@ -52,6 +52,7 @@ const DeviceInfo& Info() {
     d.cc_major = p.major;
     d.cc_minor = p.minor;
     d.sms = p.multiProcessorCount;
+    d.smem_block_optin = p.sharedMemPerBlockOptin;
     d.total_bytes = total_b;
     d.free_bytes = free_b;
     return d;
