@@ -17,7 +17,7 @@
 //                       and the one-launch kernel beside it, compared;
 //                       PION_BENCH_CLUSTER=8|16 forces its cluster size,
 //                       PION_BENCH_TRACE=1 adds its phases' mean times: queries, scores,
-//                       gather, radix select, compaction, first tiles + omitted mass,
+//                       gather, radix select, compaction, first tiles requested, omitted mass,
 //                       attention, warp merge, cluster barrier, cluster merge)
 //   pion-gpu-attn-bench stream <bytes>
 //   pion-gpu-attn-bench empty <kernels> <blocks>   (the launch floor: empty kernels per call)
@@ -367,6 +367,8 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
     {
       const char* c = std::getenv("PION_BENCH_CLUSTER");
       f.cluster = kernels::cuda::SparseAutoSharedCluster(d, hkv, c ? U(c) : 0);
+      const char* tt = std::getenv("PION_BENCH_TENSOR");
+      if (tt != nullptr) f.tensor_tiles = tt[0] == '1';
     }
     f.out = DevAlloc<float>(size_t{hq} * d);
     f.lse = DevAlloc<float>(hq);
@@ -407,7 +409,7 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
     // phase's mean over the blocks in µs (at the SM clock the device reports).
     std::string phases;
     if (const char* tr = std::getenv("PION_BENCH_TRACE"); tr != nullptr && tr[0] == '1') {
-      constexpr int kMarks = 11;
+      constexpr int kMarks = 12;
       const size_t blocks_n = size_t{hkv} * f.cluster;
       f.trace = DevAlloc<long long>(blocks_n * kMarks);
       Ok(kernels::cuda::LaunchSparseAutoShared(f, s));

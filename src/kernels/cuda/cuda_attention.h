@@ -142,6 +142,10 @@ inline constexpr int kMaxSharedGroup = 8;
 // largest group, 0 when one exceeds the slots.
 uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads,
                       std::vector<int32_t>* members);
+// A CUtensorMap's bytes (cuda.h stays out of this header).
+struct alignas(64) TensorMapBytes {
+  unsigned char b[128] = {};
+};
 struct FusedSparseArgs {
   const float* q = nullptr;  // [hq][d]
   uint32_t hq = 0, d = 0;
@@ -165,7 +169,14 @@ struct FusedSparseArgs {
   int32_t* nchosen = nullptr;
   int32_t* counts = nullptr;
   float* omitted = nullptr;
-  long long* trace = nullptr;  // bench only: [blocks][11] clock64 marks at the phase boundaries
+  long long* trace = nullptr;  // bench only: [blocks][12] clock64 marks at the phase boundaries
+  // Attention tiles whose 16 rows are contiguous arrive as one 2-D tensor copy (TMA) each for K
+  // and V — a box of d + 8 columns, the 8 past the row zero-filled, so it lands in the padded
+  // tile layout — instead of a bulk copy a row (32 copies a tile, whose issue the copy unit
+  // serializes); false: the per-row copies (the bench's PION_BENCH_TENSOR=0, for comparison).
+  // LaunchSparseAutoShared fills the maps.
+  bool tensor_tiles = true;
+  TensorMapBytes map_k, map_v;
 };
 Status LaunchSparseAutoShared(const FusedSparseArgs& a, void* stream);
 // Whether LaunchSparseAutoShared takes a query of this shape on this device: fp16 K/V, d 64 or

@@ -72,6 +72,16 @@ __device__ inline void MbarWait(uint64_t* bar, uint32_t parity) {
         : "memory");
   }
 }
+// A 2-D tensor copy (TMA): the box at {c0, c1} of the tensor map at `map` (a __grid_constant__
+// kernel parameter) into shared memory (128-byte aligned), counted on `bar`.
+__device__ inline void TensorCopy2d(void* smem_dst, const void* map, int c0, int c1,
+                                    uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3}], [%4];" ::"r"(SmemAddr(smem_dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(SmemAddr(bar))
+      : "memory");
+}
 __device__ inline void BulkCopy(void* smem_dst, const void* gmem_src, uint32_t bytes,
                                 uint64_t* bar) {
   asm volatile(

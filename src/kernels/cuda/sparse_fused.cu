@@ -24,6 +24,7 @@
 //      LSE, omitted fraction and receipts of member head h. Each rank's shared memory stays until
 //      the others are done reading it (a cluster barrier before exit).
 #include <cooperative_groups.h>
+#include <cuda.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -61,7 +62,7 @@ struct Fused {
   static constexpr size_t kSliceKey = size_t{kSlice4} * 4;
   static constexpr size_t kOffChosen = kQh;
   static constexpr size_t kOffSliceKey = kOffChosen + kChosen;
-  static constexpr size_t kOffRings = kOffSliceKey + kSliceKey;
+  static constexpr size_t kOffRings = (kOffSliceKey + kSliceKey + 127) / 128 * 128;
   static constexpr size_t kBytes = kOffRings + kWarps * kRing;
   // Scoring and selection happen before the first tile is loaded, so their buffers share the
   // rings: the gathered keys at the start (dead once the blocks are chosen); head h's scaled
@@ -100,12 +101,13 @@ __device__ inline float ReduceScatter32(float (&v)[32]) {
 #endif
 
 template <int D, int C>
-__global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs a) {
+__global__ void __launch_bounds__(kThreads, 1)
+    SparseAutoShared(const __grid_constant__ FusedSparseArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters; the launch checks the device
   using F = Fused<D, C>;
   constexpr int kStr = F::kStr, kS = F::kStages;
-  constexpr int kMarks = 11;  // trace marks a block
-  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int kMarks = 12;  // trace marks a block
+  extern __shared__ __align__(128) uint8_t smem[];
   __half* qh = reinterpret_cast<__half*>(smem);                               // [16][kStr]
   uint16_t* chosen = reinterpret_cast<uint16_t*>(smem + F::kOffChosen);       // [keep] ascending
   uint32_t* slice_key = reinterpret_cast<uint32_t*>(smem + F::kOffSliceKey);  // [kSlice]
@@ -128,6 +130,10 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   auto mark = [&](int i) {
     if (a.trace != nullptr && tid == 0) a.trace[size_t{blockIdx.x} * kMarks + i] = clock64();
   };
+  if (a.tensor_tiles && threadIdx.x == 0) {  // the descriptors on their way to the copy unit
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&a.map_k) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(&a.map_v) : "memory");
+  }
   WaitForPrimary();
   mark(0);
 
@@ -327,12 +333,28 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   __syncwarp();
   const int pj = lane & 15;
   const __half* src_base = lane < 16 ? kbase : vbase;
+  // Tensor tiles (FusedSparseArgs::tensor_tiles): a full tile of 16 contiguous rows (within one
+  // block) comes as one 2-D copy for K and one for V, issued by lane 0; the rings must be
+  // 128-byte aligned for it (else the per-row copies stay).
+  const bool tensor = a.tensor_tiles && (SmemAddr(rings) & 127u) == 0;
   auto prefetch = [&](int t) {
     if (t >= ntiles) return;
     const int buf = t % kS;
     const uint32_t first = w_first + static_cast<uint32_t>(t * kTk);
     const uint32_t valid = min(static_cast<uint32_t>(kTk), e1 - first);
     __half* dst = (lane < 16 ? tile_k(buf) : tile_v(buf)) + pj * kStr;
+    if (tensor && valid == static_cast<uint32_t>(kTk)) {
+      const uint32_t r0 = row_of(first);
+      if (row_of(first + kTk - 1) == r0 + kTk - 1) {  // warp-uniform
+        if (lane == 0) {
+          MbarArriveExpect(&bars[warp][buf], 2 * kTk * kStr * 2);
+          const int c1 = static_cast<int>(kv * a.rows + r0);
+          TensorCopy2d(tile_k(buf), &a.map_k, 0, c1, &bars[warp][buf]);
+          TensorCopy2d(tile_v(buf), &a.map_v, 0, c1, &bars[warp][buf]);
+        }
+        return;
+      }
+    }
     FenceProxyAsync();  // this lane's zeroing of the row (an earlier fill) before the copy
     if (lane == 0) MbarArriveExpect(&bars[warp][buf], valid * 2 * D * 2);
     __syncwarp();
@@ -345,6 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   };
 #pragma unroll
   for (int t = 0; t < kS - 1; ++t) prefetch(t);  // the last stage fills after the omitted sums
+  mark(6);
 
   // The omitted-mass proxy over this rank's slice, while the first tiles land: block weights
   // count · exp(x − top), summed per head (a warp's sums, then the warps').
@@ -377,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
       part_left[tid] = sl;
     }
   }
-  mark(6);
+  mark(7);
 
   // Lane: row g (head g's high parts) and g + 8 (its low parts), columns c2, c2 + 1.
   const int g = lane >> 2, c2 = (lane & 3) * 2;
@@ -457,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
   __syncthreads();  // every warp is done with the rings: they hold the warps' outputs now
-  mark(7);
+  mark(8);
   float* wo = reinterpret_cast<float*>(rings);  // [kWarps][kG][kWo]
   float* r_o = wo + kWarps * kG * F::kWo;       // [kG][D]: this rank's merged outputs
   __shared__ float r_m[kG], r_l[kG];            // ...and their m (natural log units) and l
@@ -499,12 +522,12 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
     }
     *reinterpret_cast<float4*>(r_o + h * D + c) = acc;
   }
-  mark(8);
+  mark(9);
   // Every rank's state is complete (and the phase-2 gathers long done: that barrier's wait
   // first, the hardware barrier's phases complete in order).
   cluster.barrier_wait(std::move(gathered));
   cluster.sync();
-  mark(9);
+  mark(10);
 
   // 4. The cluster merges over distributed shared memory: rank r merges its share of the member
   // heads' float4 output columns, every rank's part and the head's m and l per rank loaded at
@@ -568,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseAutoShared(FusedSparseArgs 
       }
     }
   }
-  mark(10);
+  mark(11);
   // The other ranks read this one's state: its shared memory stays until they all have.
   cluster.sync();
 #else
@@ -645,8 +668,51 @@ int Active(uint32_t d, uint32_t c) {
              : WithCluster(c, [](auto cc) { return ActiveClusters<128, decltype(cc)::value>(); });
 }
 
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link): fp16 rows
+// [heads·rows][d], boxes of `box_rows` rows × `box_cols` columns (past d: zero-filled).
+Status EncodeRows(TensorMapBytes* map, const void* base, uint32_t heads, uint32_t rows, uint32_t d,
+                  uint32_t box_cols, uint32_t box_rows) {
+  using Encode =
+      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return Status(ErrorKind::kErr, "cuTensorMapEncodeTiled unavailable");
+  static_assert(sizeof(CUtensorMap) == sizeof(TensorMapBytes), "tensor map size");
+  const cuuint64_t dims[2] = {d, uint64_t{heads} * rows};
+  const cuuint64_t strides[1] = {uint64_t{d} * 2};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t steps[2] = {1, 1};
+  const CUresult r = encode(reinterpret_cast<CUtensorMap*>(map->b), CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            2, const_cast<void*>(base), dims, strides, box, steps,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status(ErrorKind::kErr, "cuTensorMapEncodeTiled failed: " + std::to_string(int(r)));
+  }
+  return Status::Ok();
+}
+
 template <int D, int C>
-Status Launch(const FusedSparseArgs& a, cudaStream_t stream) {
+Status Launch(const FusedSparseArgs& a_in, cudaStream_t stream) {
+  FusedSparseArgs a = a_in;
+  if (a.tensor_tiles) {
+    // K and V as 2-D tensors [heads·rows][d] of fp16; boxes of 16 rows × (d + 8) columns, the
+    // last 8 out of bounds (zero-filled): the padded tile row of Fused<D, C>::kStr. Where the
+    // driver cannot encode them, the per-row copies serve.
+    static_assert(Fused<D, C>::kStr == D + 8, "a box row is a padded tile row");
+    a.tensor_tiles = EncodeRows(&a.map_k, a.k, a.heads, a.rows, D, D + 8, kTk).ok() &&
+                     EncodeRows(&a.map_v, a.v, a.heads, a.rows, D, D + 8, kTk).ok();
+  }
   const cudaError_t attr = Prepare<D, C>();
   if (attr != cudaSuccess) return gpu::CudaError(attr, "fused sparse-auto kernel attributes");
   cudaLaunchAttribute cluster;
