@@ -48,6 +48,16 @@ uint32_t MaxRows(const std::vector<Item>& items);
 // i*g .. i*g + g − 1 (unpadded), else 0 (AttendArgs::uniform_group).
 uint32_t UniformGroup(const std::vector<Item>& items, uint32_t m);
 
+// A CUtensorMap's bytes (cuda.h stays out of this header).
+struct alignas(64) TensorMapBytes {
+  unsigned char b[128] = {};
+};
+// A 2-D tensor map over K or V rows [heads·rows][d] of `elem` bytes (2 or 4) for TMA tensor
+// copies of `box_rows` rows × `box_cols` columns (columns past d: zero-filled), through the
+// runtime's driver entry point (no libcuda link). Host; sm_90 devices.
+Status EncodeRows(TensorMapBytes* map, const void* base, uint32_t elem, uint32_t heads,
+                  uint32_t rows, uint32_t d, uint32_t box_cols, uint32_t box_rows);
+
 struct AttendArgs {
   const float* q = nullptr;  // [hq][m][d]
   uint32_t hq = 0, m = 0, d = 0;
@@ -87,6 +97,12 @@ struct AttendArgs {
   // every operand split hi + lo (about fp32's accuracy); false: the SIMT kernel (the bench's
   // PION_BENCH_F32TC=0, for comparison).
   bool f32_tensor = true;
+  // Decode on sm_90 (dense, one row group a block): a full 16-row tile arrives as one 2-D tensor
+  // copy (TMA) each for K and V — a box of one padded tile row's width, its tail past d
+  // zero-filled — instead of 16-byte cp.async pieces; false: cp.async always (the bench's
+  // PION_BENCH_TENSOR=0, for comparison). LaunchAttend fills the maps.
+  bool tensor_tiles = true;
+  TensorMapBytes map_k, map_v;
   // Partial outputs: part p, row r at [p*nrows + r] (o: times d).
   float* part_m = nullptr;
   float* part_l = nullptr;
@@ -142,10 +158,6 @@ inline constexpr int kMaxSharedGroup = 8;
 // largest group, 0 when one exceeds the slots.
 uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads,
                       std::vector<int32_t>* members);
-// A CUtensorMap's bytes (cuda.h stays out of this header).
-struct alignas(64) TensorMapBytes {
-  unsigned char b[128] = {};
-};
 struct FusedSparseArgs {
   const float* q = nullptr;  // [hq][d]
   uint32_t hq = 0, d = 0;

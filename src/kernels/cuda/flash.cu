@@ -16,6 +16,7 @@
 //           MMA's rows 8..15 (rows g + 8 of Q and P are the low parts of rows g), so one MMA
 //           computes both parts and the row's value is the sum of its two accumulator rows —
 //           the same accuracy as the decode shape with half the tensor-core work.
+#include <cuda.h>
 #include <cuda_fp16.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
@@ -58,10 +59,10 @@ struct Flash {
 };
 
 template <typename T, int D, int WR, bool kSplit, bool kPack>
-__global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
+__global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ AttendArgs a) {
   using C = Flash<T, D, WR, kSplit, kPack>;
   constexpr int kStr = C::kStr, kKw = C::kKw, kNt = kKw / 8, kS = C::kStages;
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t smem[];
   __half* qh = reinterpret_cast<__half*>(smem);
   __half* ql = qh + C::kRows * kStr;
   const uint4* qf = reinterpret_cast<const uint4*>(smem);  // fp32: [D/8][32] A fragments
@@ -72,6 +73,9 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   __shared__ uint32_t range[2];
   __shared__ int64_t qspan[2];       // min and max position of the block's rows
   __shared__ int32_t kidx[kS][kBk];  // sparse: the key rows of each buffered tile
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ __align__(8) uint64_t bars[WR == 1 ? 4 : 1][kS];  // decode tensor copies, per warp
+#endif
 
   WaitForPrimary();  // what the kernel before it in the stream wrote (e.g. selection lists)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -156,6 +160,23 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
   constexpr bool kLaneCols = kLoaders % kCpr == 0;
   const int lrow = ltid / kCpr, lcol = (ltid % kCpr) * kEl;
 
+  // Decode on sm_90 (AttendArgs::tensor_tiles): a full dense tile — 16 contiguous rows — comes
+  // as one 2-D tensor copy each for K and V (lane 0), counted on the buffer's mbarrier. Only a
+  // range's last tile can be partial (cp.async), so every earlier fill of a buffer was a tensor
+  // copy: tile t's fill is the buffer's (t / kS)-th, parity (t / kS) & 1. The tiles must sit
+  // 128-byte aligned (they do: every tile is a multiple of 128 bytes from a 128-aligned base).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const bool tensor = kIndep && a.tensor_tiles && list == nullptr && (SmemAddr(kt) & 127u) == 0;
+  if (tensor && lane == 0) {
+#pragma unroll
+    for (int b = 0; b < kS; ++b) MbarInit(&bars[warp][b], 1);
+    FenceMbarInit();
+  }
+  __syncwarp();
+#else
+  constexpr bool tensor = false;
+#endif
+  auto tensor_tile = [&](int t) { return tensor && k0 + t * step + kTileRows <= k1; };
   // Tile t into buffer t % kS; always one commit group per call (empty past the end) so that
   // wait_prior(kS − 1) means "tile t has landed".
   auto prefetch = [&](int t) {
@@ -167,6 +188,18 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
       const T* vg = vbase + size_t(first) * D;
       T* ks = tile_k(buf);
       T* vs = tile_v(buf);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (tensor_tile(t)) {
+        if (lane == 0) {
+          MbarArriveExpect(&bars[warp][buf], 2 * kTileRows * kStr * sizeof(T));
+          const int c1 = static_cast<int>(size_t(kv) * a.rows + first);
+          TensorCopy2d(ks, &a.map_k, 0, c1, &bars[warp][buf]);
+          TensorCopy2d(vs, &a.map_v, 0, c1, &bars[warp][buf]);
+        }
+        __pipeline_commit();
+        return;
+      }
+#endif
       if constexpr (kLaneCols) {
         if (list == nullptr && tk == kTileRows) {  // a full dense tile: offsets fixed per loader
           const uint32_t kd = SmemAddr(ks + lrow * kStr + lcol);
@@ -274,6 +307,9 @@ __global__ void __launch_bounds__(128) FlashKernel(AttendArgs a) {
     prefetch(t + kS - 1);
     __pipeline_wait_prior(kS - 1);
     if constexpr (kIndep) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (tensor_tile(t)) MbarWait(&bars[warp][buf], static_cast<uint32_t>(t / kS) & 1u);
+#endif
       __syncwarp();
     } else {
       __syncthreads();
@@ -653,6 +689,40 @@ Shape ShapeOf(const AttendArgs& a) {
 
 }  // namespace
 
+Status EncodeRows(TensorMapBytes* map, const void* base, uint32_t elem, uint32_t heads,
+                  uint32_t rows, uint32_t d, uint32_t box_cols, uint32_t box_rows) {
+  using Encode =
+      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return Status(ErrorKind::kErr, "cuTensorMapEncodeTiled unavailable");
+  static_assert(sizeof(CUtensorMap) == sizeof(TensorMapBytes), "tensor map size");
+  const cuuint64_t dims[2] = {d, uint64_t{heads} * rows};
+  const cuuint64_t strides[1] = {uint64_t{d} * elem};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t steps[2] = {1, 1};
+  const CUresult r =
+      encode(reinterpret_cast<CUtensorMap*>(map->b),
+             elem == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+             const_cast<void*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status(ErrorKind::kErr, "cuTensorMapEncodeTiled failed: " + std::to_string(int(r)));
+  }
+  return Status::Ok();
+}
+
 int FlashRowGroups(const AttendArgs& a) {
   // Batched when a K/V head has at least 64 query rows: four row groups per block, or eight
   // (two per warp, flash_batched.cu) for d <= 128 from where they measured faster on the H200
@@ -701,7 +771,24 @@ size_t FlashBytes(const AttendArgs& a) {
   return BytesD<__half, 1, true, false>(a.d);
 }
 
-Status LaunchFlash(const AttendArgs& a, cudaStream_t stream) {
+Status LaunchFlash(const AttendArgs& a_in, cudaStream_t stream) {
+  AttendArgs a = a_in;
+  // Decode (one row group a block, dense): the tensor maps for its tile copies, boxes of 16 rows
+  // × one padded tile row (Flash::kStr: d + 16 bytes' worth); per-piece copies where the device
+  // or driver cannot, and for fp16 splits of 2048 keys or more. Measured on the H200 (GQA 32/8,
+  // d = 128, µs, cp.async → tensor copies): fp16 2K 7.88 → 7.24, 8K 13.55 → 12.71, 32K (993 keys
+  // a split) 40.98 → 40.69, but 128K (3972) 134.98 → 136.7; fp32 2K 11.75 → 11.31, 32K 76.9 →
+  // 74.0, 128K 275.2 → 269.2.
+  const uint32_t per_split = (a.end - a.begin) / (a.splits > 0 ? a.splits : 1);
+  if (a.tensor_tiles && (a.dtype == DType::kF32 || per_split < 2048)) {
+    const uint32_t elem = a.dtype == DType::kF32 ? 4 : 2;
+    a.tensor_tiles =
+        gpu::Info().cc_major >= 9 && a.list == nullptr && FlashRowGroups(a) == 1 &&
+        EncodeRows(&a.map_k, a.k, elem, a.heads, a.rows, a.d, a.d + 16 / elem, 16).ok() &&
+        EncodeRows(&a.map_v, a.v, elem, a.heads, a.rows, a.d, a.d + 16 / elem, 16).ok();
+  } else {
+    a.tensor_tiles = false;
+  }
   if (a.dtype == DType::kF32) return LaunchD<float, 1, false, true>(a, stream);
   if (FlashRowGroups(a) == 8) return LaunchBatched(a, stream);
   switch (ShapeOf(a)) {

@@ -24,7 +24,6 @@
 //      LSE, omitted fraction and receipts of member head h. Each rank's shared memory stays until
 //      the others are done reading it (a cluster barrier before exit).
 #include <cooperative_groups.h>
-#include <cuda.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -668,40 +667,6 @@ int Active(uint32_t d, uint32_t c) {
              : WithCluster(c, [](auto cc) { return ActiveClusters<128, decltype(cc)::value>(); });
 }
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link): fp16 rows
-// [heads·rows][d], boxes of `box_rows` rows × `box_cols` columns (past d: zero-filled).
-Status EncodeRows(TensorMapBytes* map, const void* base, uint32_t heads, uint32_t rows, uint32_t d,
-                  uint32_t box_cols, uint32_t box_rows) {
-  using Encode =
-      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static Encode encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      fn = nullptr;
-    }
-    return reinterpret_cast<Encode>(fn);
-  }();
-  if (encode == nullptr) return Status(ErrorKind::kErr, "cuTensorMapEncodeTiled unavailable");
-  static_assert(sizeof(CUtensorMap) == sizeof(TensorMapBytes), "tensor map size");
-  const cuuint64_t dims[2] = {d, uint64_t{heads} * rows};
-  const cuuint64_t strides[1] = {uint64_t{d} * 2};
-  const cuuint32_t box[2] = {box_cols, box_rows};
-  const cuuint32_t steps[2] = {1, 1};
-  const CUresult r = encode(reinterpret_cast<CUtensorMap*>(map->b), CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            2, const_cast<void*>(base), dims, strides, box, steps,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return Status(ErrorKind::kErr, "cuTensorMapEncodeTiled failed: " + std::to_string(int(r)));
-  }
-  return Status::Ok();
-}
-
 template <int D, int C>
 Status Launch(const FusedSparseArgs& a_in, cudaStream_t stream) {
   FusedSparseArgs a = a_in;
@@ -710,8 +675,8 @@ Status Launch(const FusedSparseArgs& a_in, cudaStream_t stream) {
     // last 8 out of bounds (zero-filled): the padded tile row of Fused<D, C>::kStr. Where the
     // driver cannot encode them, the per-row copies serve.
     static_assert(Fused<D, C>::kStr == D + 8, "a box row is a padded tile row");
-    a.tensor_tiles = EncodeRows(&a.map_k, a.k, a.heads, a.rows, D, D + 8, kTk).ok() &&
-                     EncodeRows(&a.map_v, a.v, a.heads, a.rows, D, D + 8, kTk).ok();
+    a.tensor_tiles = EncodeRows(&a.map_k, a.k, 2, a.heads, a.rows, D, D + 8, kTk).ok() &&
+                     EncodeRows(&a.map_v, a.v, 2, a.heads, a.rows, D, D + 8, kTk).ok();
   }
   const cudaError_t attr = Prepare<D, C>();
   if (attr != cudaSuccess) return gpu::CudaError(attr, "fused sparse-auto kernel attributes");
