@@ -54,7 +54,8 @@ struct alignas(64) TensorMapBytes {
 };
 // A 2-D tensor map over K or V rows [heads·rows][d] of `elem` bytes (2 or 4) for TMA tensor
 // copies of `box_rows` rows × `box_cols` columns (columns past d: zero-filled), through the
-// runtime's driver entry point (no libcuda link). Host; sm_90 devices.
+// runtime's driver entry point (no libcuda link; defined in flash.cu, each thread keeping its
+// last few maps). Host; sm_90 devices.
 Status EncodeRows(TensorMapBytes* map, const void* base, uint32_t elem, uint32_t heads,
                   uint32_t rows, uint32_t d, uint32_t box_cols, uint32_t box_rows);
 

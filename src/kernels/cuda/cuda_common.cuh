@@ -42,10 +42,10 @@ __device__ inline uint32_t SmemAddr(const void* p) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Hopper's bulk copies (the TMA unit): global → this block's shared memory, `bytes` (a multiple
-// of 16, both addresses 16-byte aligned) counted against an mbarrier's transaction count. A copy
-// issues as one instruction per row where cp.async takes one per 16 bytes and lane, and it does
-// not hold the SM's load slots while in flight.
+// Hopper's bulk copies (the TMA unit): global → this block's shared memory, counted against an
+// mbarrier's transaction count. The copy unit takes its requests one at a time (on the H200 about
+// one every 10 cycles a multiprocessor), so a tile comes best as one tensor copy (TensorCopy2d),
+// not as a bulk copy a row (BulkCopy: for rows that are not contiguous).
 __device__ inline void MbarInit(uint64_t* bar, uint32_t arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(arrivals)
                : "memory");
@@ -74,6 +74,10 @@ __device__ inline void MbarWait(uint64_t* bar, uint32_t parity) {
 }
 // A 2-D tensor copy (TMA): the box at {c0, c1} of the tensor map at `map` (a __grid_constant__
 // kernel parameter) into shared memory (128-byte aligned), counted on `bar`.
+// PrefetchTensorMap: the map's descriptor on its way to the copy unit ahead of its first use.
+__device__ inline void PrefetchTensorMap(const void* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+}
 __device__ inline void TensorCopy2d(void* smem_dst, const void* map, int c0, int c1,
                                     uint64_t* bar) {
   asm volatile(
@@ -82,6 +86,7 @@ __device__ inline void TensorCopy2d(void* smem_dst, const void* map, int c0, int
       "l"(map), "r"(c0), "r"(c1), "r"(SmemAddr(bar))
       : "memory");
 }
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from gmem_src.
 __device__ inline void BulkCopy(void* smem_dst, const void* gmem_src, uint32_t bytes,
                                 uint64_t* bar) {
   asm volatile(

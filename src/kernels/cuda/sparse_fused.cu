@@ -130,8 +130,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (a.trace != nullptr && tid == 0) a.trace[size_t{blockIdx.x} * kMarks + i] = clock64();
   };
   if (a.tensor_tiles && threadIdx.x == 0) {  // the descriptors on their way to the copy unit
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&a.map_k) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(&a.map_v) : "memory");
+    PrefetchTensorMap(&a.map_k);
+    PrefetchTensorMap(&a.map_v);
   }
   WaitForPrimary();
   mark(0);
