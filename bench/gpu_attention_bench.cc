@@ -16,9 +16,11 @@
 //                       (shared: SHARED selection — one block set per K/V head; fused: SHARED,
 //                       and the one-launch kernel beside it, compared;
 //                       PION_BENCH_CLUSTER=8|16 forces its cluster size,
-//                       PION_BENCH_TRACE=1 adds its phases' mean times: queries, scores,
-//                       gather, radix select, compaction, first tiles requested, omitted mass,
-//                       attention, warp merge, cluster barrier, cluster merge)
+//                       PION_BENCH_TRACE=1 adds its phases' mean times: queries, scores
+//                       (block 0's warp 0), scores (all warps; every rank started), key
+//                       exchange, cluster barrier, selection, compaction, first tiles
+//                       requested, omitted mass, first tile landed (warp 0), attention, warp
+//                       merge, cluster barrier, cluster merge, exit barrier)
 //   pion-gpu-attn-bench stream <bytes>
 //   pion-gpu-attn-bench empty <kernels> <blocks>   (the launch floor: empty kernels per call)
 //
@@ -339,19 +341,15 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   // with theirs (output, LSE, chosen blocks, counts, omitted mass).
   std::string fused_json;
   if (fused) {
-    std::vector<int32_t> members;
-    if (kernels::cuda::GroupMembers(hq, map.data(), hkv, &members) == 0) {
-      std::fprintf(stderr, "fused: more than %d query heads per K/V head\n",
-                   kernels::cuda::kMaxSharedGroup);
+    kernels::cuda::FusedSparseArgs f;
+    if (kernels::cuda::GroupMembers(hq, map.data(), hkv, &f) == 0) {
+      std::fprintf(stderr, "fused: more than %d query heads per K/V head or %d K/V heads\n",
+                   kernels::cuda::kMaxSharedGroup, kernels::cuda::kMaxFusedHeads);
       return 2;
     }
-    kernels::cuda::FusedSparseArgs f;
     f.q = a.q;
     f.hq = hq;
     f.d = d;
-    f.members = DevAlloc<int32_t>(members.size());
-    CK(cudaMemcpy(const_cast<int32_t*>(f.members), members.data(), members.size() * 4,
-                  cudaMemcpyHostToDevice));
     f.k = a.k;
     f.v = a.v;
     f.heads = hkv;
@@ -410,7 +408,7 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
     // phase's mean over the blocks in µs (at the SM clock the device reports).
     std::string phases;
     if (const char* tr = std::getenv("PION_BENCH_TRACE"); tr != nullptr && tr[0] == '1') {
-      constexpr int kMarks = 12;
+      constexpr int kMarks = kernels::cuda::kFusedTraceMarks;
       const size_t blocks_n = size_t{hkv} * f.cluster;
       f.trace = DevAlloc<long long>(blocks_n * kMarks);
       Ok(kernels::cuda::LaunchSparseAutoShared(f, s));

@@ -352,20 +352,17 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       // SHARED without a suffix, where the one-launch kernel takes the shape: score, select,
       // attend and merge in the thread-block clusters of each K/V head (sparse_fused.cu). With
       // one query head per K/V head, choosing per head is choosing per group: the same launch.
-      std::vector<int32_t> members;
+      kernels::cuda::FusedSparseArgs f;
       const uint32_t group =
-          q.m == 1 ? kernels::cuda::GroupMembers(q.hq, q.head_map, slot.heads, &members) : 0;
+          q.m == 1 ? kernels::cuda::GroupMembers(q.hq, q.head_map, slot.heads, &f) : 0;
       const bool one_launch =
           vis_lo < vis_hi && (plan.shared_blocks || group == 1) && fin != nullptr &&
           kernels::cuda::SparseAutoSharedFits(slot.dtype, q.d, group,
                                               static_cast<uint32_t>(b_hi - b_lo + 1), slot.heads);
       if (one_launch) {
-        PION_ASSIGN(dmembers, job.Up(members.data(), members.size()));
-        kernels::cuda::FusedSparseArgs f;
         f.q = dq;
         f.hq = q.hq;
         f.d = q.d;
-        f.members = dmembers;
         f.k = copy.k();
         f.v = copy.v();
         f.heads = slot.heads;

@@ -53,8 +53,16 @@ GpuSlots& Slots() {
   return slots;
 }
 
+// How a test slot's keys are laid out: random, or made so that block scores tie or crowd.
+enum class Keys {
+  kRandom,
+  kRepeat,   // block b's keys are block b % 3's: three distinct block scores, many ties
+  kOutlier,  // keys × 0.1, block 1's + 60: one block score far from the rest, which crowd
+};
+
 std::unique_ptr<TestSlot> MakeSlot(uint32_t heads, uint32_t rows, uint32_t d, DType dtype,
-                                   std::mt19937& rng) {
+                                   std::mt19937& rng, Keys keys = Keys::kRandom,
+                                   uint32_t block = 0) {
   auto t = std::make_unique<TestSlot>();
   t->slot.heads = heads;
   t->slot.rows = rows;
@@ -63,6 +71,17 @@ std::unique_ptr<TestSlot> MakeSlot(uint32_t heads, uint32_t rows, uint32_t d, DT
   const size_t elems = size_t{heads} * rows * d;
   for (auto* dst : {&t->k, &t->v}) {
     auto src = Randn(elems, rng);
+    if (dst == &t->k && keys != Keys::kRandom) {
+      for (size_t i = 0; i < elems; ++i) {
+        const size_t head = i / (size_t{rows} * d), row = i / d % rows, col = i % d;
+        const size_t b = row / block;
+        if (keys == Keys::kRepeat) {
+          if (b >= 3) src[i] = src[(head * rows + (b % 3) * block + row % block) * d + col];
+        } else {
+          src[i] = src[i] * 0.1f + (b == 1 ? 60.f : 0.f);
+        }
+      }
+    }
     dst->resize(elems * kernels::DTypeSize(dtype));
     if (dtype == DType::kF32) {
       std::memcpy(dst->data(), src.data(), elems * 4);
@@ -94,6 +113,7 @@ struct Case {
   uint32_t top_k = 0, block = 32, k_top = 4, suffix = 0;
   kernels::BlockSelector selector = kernels::BlockSelector::kMean;
   bool shared = false;  // SHARED sparse-auto
+  Keys keys = Keys::kRandom;
 };
 
 std::string Describe(const Case& c) {
@@ -109,7 +129,7 @@ std::string Describe(const Case& c) {
 void Check(const Case& c, uint32_t seed = 1, Receipt* receipt = nullptr) {
   SCOPED_TRACE(Describe(c));
   std::mt19937 rng(seed);
-  auto ts = MakeSlot(c.heads, c.n, c.d, c.dtype, rng);
+  auto ts = MakeSlot(c.heads, c.n, c.d, c.dtype, rng, c.keys, c.block);
   auto q = Randn(size_t{c.hq} * c.m * c.d, rng);
   std::vector<int32_t> map(c.hq);
   for (uint32_t h = 0; h < c.hq; ++h) map[h] = static_cast<int32_t>(h / (c.hq / c.heads));
@@ -471,6 +491,32 @@ TEST(GpuExecutor, SparseAutoSharedOneLaunch) {
     }
     if (clusters && sh.one_launch) {  // a one-launch receipt reports the cluster size as splits
       EXPECT_EQ(r.splits, kernels::cuda::SparseAutoSharedCluster(sh.d, sh.heads)) << Describe(c);
+    }
+  }
+}
+
+// Block scores that tie or crowd into a few values: the selection's one-pass histogram either
+// ranks a few equal keys (ties to the lower block, as the CPU) or hands over to the radix select
+// (a bin of more than 32 keys); the chosen blocks must be the CPU's either way.
+TEST(GpuExecutor, SparseAutoTiedAndCrowdedScores) {
+  SKIP_WITHOUT_GPU();
+  for (Keys keys : {Keys::kRepeat, Keys::kOutlier}) {
+    for (uint32_t n : {4000u, 2050u * 16}) {
+      for (bool shared : {true, false}) {
+        Case c;
+        c.form = Form::kSparseAuto;
+        c.dtype = DType::kF16;
+        c.hq = 8;
+        c.heads = 2;
+        c.n = n;
+        c.d = 64;
+        c.block = n > 4000 ? 16 : 64;
+        c.k_top = n > 4000 ? 100 : 20;
+        c.shared = shared;
+        c.keys = keys;
+        SCOPED_TRACE(keys == Keys::kRepeat ? "repeated blocks" : "one outlying block");
+        Check(c);
+      }
     }
   }
 }

@@ -150,20 +150,18 @@ Status LaunchSelectRows(const AttendArgs& a, uint32_t row0, uint32_t n, const fl
 // SHARED sparse-auto in one launch (sparse_fused.cu): per K/V head one thread-block cluster of
 // `cluster` blocks scores the head's blocks, selects the top k_top (plus the first and last
 // visible blocks, as LaunchSelectBlocks with shared), attends its share of the chosen rows on the
-// tensor cores, and the head's last block to finish merges them into out/lse; the receipts as
-// LaunchSelectBlocks writes them, without the row lists. fp16 K/V, d ∈ {64, 128}, M = 1, at most
-// kMaxSharedGroup query heads per K/V head, sm_90+.
+// tensor cores, and the cluster merges them into out/lse over distributed shared memory; the
+// receipts as LaunchSelectBlocks writes them, without the row lists. fp16 K/V, d ∈ {64, 128},
+// M = 1, at most kMaxSharedGroup query heads per K/V head and kMaxFusedHeads K/V heads, sm_90+.
 inline constexpr int kMaxSharedGroup = 8;
-// Host: FusedSparseArgs::members for hq query heads on `heads` K/V heads (head_map host memory):
-// each K/V head's query heads, kMaxSharedGroup slots a head, −1 past the last. Returns the
-// largest group, 0 when one exceeds the slots.
-uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads,
-                      std::vector<int32_t>* members);
+inline constexpr int kMaxFusedHeads = 32;
+inline constexpr int kFusedTraceMarks = 16;  // FusedSparseArgs::trace: marks a block
 struct FusedSparseArgs {
   const float* q = nullptr;  // [hq][d]
   uint32_t hq = 0, d = 0;
-  // [heads][kMaxSharedGroup]: the query heads of each K/V head, −1 past the last.
-  const int32_t* members = nullptr;
+  // [heads][kMaxSharedGroup]: the query heads of each K/V head, −1 past the last (GroupMembers).
+  // In the launch's parameters, so the kernel's first loads are the queries themselves.
+  int16_t members[kMaxFusedHeads * kMaxSharedGroup] = {};
   const void* k = nullptr;  // fp16 [heads][rows][d]
   const void* v = nullptr;
   uint32_t heads = 0, rows = 0;
@@ -182,7 +180,7 @@ struct FusedSparseArgs {
   int32_t* nchosen = nullptr;
   int32_t* counts = nullptr;
   float* omitted = nullptr;
-  long long* trace = nullptr;  // bench only: [blocks][12] clock64 marks at the phase boundaries
+  long long* trace = nullptr;  // bench only: [blocks][kFusedTraceMarks] clock64 phase marks
   // Attention tiles whose 16 rows are contiguous arrive as one 2-D tensor copy (TMA) each for K
   // and V — a box of d + 8 columns, the 8 past the row zero-filled, so it lands in the padded
   // tile layout — instead of a bulk copy a row (32 copies a tile, whose issue the copy unit
@@ -191,6 +189,10 @@ struct FusedSparseArgs {
   bool tensor_tiles = true;
   TensorMapBytes map_k, map_v;
 };
+// Host: FusedSparseArgs::members for hq query heads on `heads` K/V heads (head_map host memory):
+// each K/V head's query heads, kMaxSharedGroup slots a head, −1 past the last. Returns the
+// largest group, 0 when one exceeds the slots or there are more than kMaxFusedHeads K/V heads.
+uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads, FusedSparseArgs* f);
 Status LaunchSparseAutoShared(const FusedSparseArgs& a, void* stream);
 // Whether LaunchSparseAutoShared takes a query of this shape on this device: fp16 K/V, d 64 or
 // 128, at most kMaxSharedGroup query heads per K/V head (`group`), `visible_blocks` within its

@@ -112,6 +112,106 @@ __device__ inline Threshold RadixSelect(const KeyFn& key, int n, int k) {
   return t;
 }
 
+// The float a SortKey came from.
+__device__ inline float FromSortKey(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
+}
+
+// Shared memory of RangeSelect: the histogram, the threshold bin's keys, the warps' sums.
+template <int kBins>
+struct RangeScratch {
+  int hist[kBins];
+  uint32_t list[32];
+  int warp_sum[32];
+  int count, bin, above, in_bin;
+};
+
+// Before the barrier that precedes RangeSelect: the histogram and the list emptied.
+template <int kThreads, int kBins>
+__device__ inline void RangeSelectClear(RangeScratch<kBins>& s) {
+  for (int i = static_cast<int>(threadIdx.x); i < kBins; i += kThreads) s.hist[i] = 0;
+  if (threadIdx.x == 0) s.count = 0;
+}
+
+// The threshold of the top k among n keys (1 <= k < n) in one histogram pass where it can,
+// where RadixSelect takes a pass per 8-bit digit (three or four for block scores, whose keys
+// share their high bits). Thread t holds `mine` of the keys in registers (u[0..mine), any
+// partition of the n); lo and hi are the smallest and largest of all n. The keys' floats are
+// binned linearly over [lo, hi] into kBins bins — bin(x) = ⌊(x − lo)·(kBins / (hi − lo))⌋ rounded
+// the same way in every thread, so monotone in the key — a block scan from the top finds the bin
+// holding the k-th largest, and where that bin holds at most 32 keys every warp ranks them for
+// the exact key (ties then go to the lower index in CompactAscending, as with RadixSelect).
+// Returns false, the same in every thread, where it cannot (the range empty or not finite, or
+// more than 32 keys in the bin): the caller runs RadixSelect. Four block barriers; the caller's
+// barrier after RangeSelectClear must also publish the keys.
+template <int kThreads, int kPer, int kBins>
+__device__ inline bool RangeSelect(RangeScratch<kBins>& s, const uint32_t (&u)[kPer], int mine,
+                                   uint32_t lo, uint32_t hi, int k, Threshold* th) {
+  static_assert(kBins % (4 * kThreads) == 0, "a thread scans whole int4s of bins");
+  constexpr int kP = kBins / kThreads;
+  const float xlo = FromSortKey(lo), width = __fsub_rn(FromSortKey(hi), xlo);
+  const float inv = __fdiv_rn(static_cast<float>(kBins), width);
+  if (!(width > 0.f) || !isfinite(width) || !isfinite(inv)) return false;
+  auto bin_of = [&](uint32_t key) {
+    return Min(kBins - 1, __float2int_rz(__fmul_rn(__fsub_rn(FromSortKey(key), xlo), inv)));
+  };
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (j < mine) atomicAdd(&s.hist[bin_of(u[j])], 1);
+  }
+  __syncthreads();
+  // Thread t owns the kP bins kBins − 1 − t·kP downwards; `above` counts the keys in higher bins.
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int top = kBins - 1 - static_cast<int>(threadIdx.x) * kP;
+  int h[kP];
+#pragma unroll
+  for (int j = 0; j < kP; j += 4) {
+    const int4 x = *reinterpret_cast<const int4*>(&s.hist[top - j - 3]);
+    h[j] = x.w, h[j + 1] = x.z, h[j + 2] = x.y, h[j + 3] = x.x;
+  }
+  int sum = 0;
+#pragma unroll
+  for (int j = 0; j < kP; ++j) sum += h[j];
+  int incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) s.warp_sum[warp] = incl;
+  __syncthreads();
+  int above = incl - sum;
+  for (int w = 0; w < warp; ++w) above += s.warp_sum[w];
+#pragma unroll
+  for (int j = 0; j < kP; ++j) {
+    if (above < k && k <= above + h[j]) s.bin = top - j, s.above = above, s.in_bin = h[j];
+    above += h[j];
+  }
+  __syncthreads();
+  const int b = s.bin, in_bin = s.in_bin, want = k - s.above;
+  if (in_bin > 32) return false;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (j < mine && bin_of(u[j]) == b) s.list[atomicAdd(&s.count, 1)] = u[j];
+  }
+  __syncthreads();
+  // Every warp ranks the bin's keys: the k-th largest is the key with fewer than `want` keys
+  // above it and at least `want` at or above it.
+  const uint32_t mk = lane < in_bin ? s.list[lane] : 0u;
+  int gt = 0, eq = 0;
+  for (int j = 0; j < in_bin; ++j) {
+    const uint32_t x = __shfl_sync(0xffffffffu, mk, j);
+    gt += x > mk;
+    eq += x == mk;
+  }
+  const unsigned hit = __ballot_sync(0xffffffffu, lane < in_bin && gt < want && want <= gt + eq);
+  const int src = __ffs(hit) - 1;
+  th->prefix = __shfl_sync(0xffffffffu, mk, src);
+  th->mask = 0xffffffffu;
+  th->need = want - __shfl_sync(0xffffffffu, gt, src);
+  return true;
+}
+
 // Visits i = 0..n-1 in index order: visit(i, taken, rank) with rank the position of i among
 // the taken ones (ascending), taken as `th` says. One block scan per kThreads · kPer keys (a
 // thread a run of kPer consecutive keys: keys in shared memory, where kPer > 1 saves scans): it
@@ -148,6 +248,42 @@ __device__ inline void CompactAscending(const KeyFn& key, int n, const Threshold
     }
     gt_before += total & 0xffff;
     eq_before += total >> 16;
+  }
+}
+
+// CompactAscending for keys already in registers: thread t holds keys i0 = t·kPer ..
+// i0 + kPer − 1 (those ≥ n absent). One warp scan and one block barrier.
+template <int kThreads, int kPer, typename Visit>
+__device__ inline void CompactRegisters(const uint32_t (&u)[kPer], int n, const Threshold& th,
+                                        const Visit& visit) {
+  __shared__ int warp_total[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int i0 = static_cast<int>(threadIdx.x) * kPer;
+  int count = 0;  // keys above the threshold, and (<< 16) at it
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const uint32_t x = u[j] & th.mask;
+    count += i0 + j < n ? (x > th.prefix) | ((x == th.prefix) << 16) : 0;
+  }
+  int incl = count;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  int excl = incl - count;
+  for (int w = 0; w < warp; ++w) excl += warp_total[w];
+  int gts = excl & 0xffff, eqs = excl >> 16;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (i0 + j >= n) break;
+    const uint32_t x = u[j] & th.mask;
+    const bool gt = x > th.prefix, eq = x == th.prefix;
+    visit(i0 + j, gt || (eq && eqs < th.need), gts + Min(eqs, th.need));
+    gts += gt;
+    eqs += eq;
   }
 }
 

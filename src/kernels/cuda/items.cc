@@ -1,6 +1,7 @@
 // Host-side grouping of query rows into kernel work items (cuda_attention.h); plain C++, built
 // with or without CUDA.
 #include <algorithm>
+#include <iterator>
 
 #include "kernels/cuda/cuda_attention.h"
 
@@ -66,15 +67,15 @@ uint32_t UniformGroup(const std::vector<Item>& items, uint32_t m) {
   return static_cast<uint32_t>(g);
 }
 
-uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads,
-                      std::vector<int32_t>* members) {
-  members->assign(size_t{heads} * kMaxSharedGroup, -1);
+uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads, FusedSparseArgs* f) {
+  if (heads > static_cast<uint32_t>(kMaxFusedHeads) || hq > 32767) return 0;
+  std::fill(std::begin(f->members), std::end(f->members), int16_t{-1});
   std::vector<uint32_t> size(heads, 0);
   uint32_t most = 0;
   for (uint32_t h = 0; h < hq; ++h) {
     const auto kv = static_cast<uint32_t>(head_map[h]);
     if (size[kv] == kMaxSharedGroup) return 0;
-    (*members)[size_t{kv} * kMaxSharedGroup + size[kv]++] = static_cast<int32_t>(h);
+    f->members[size_t{kv} * kMaxSharedGroup + size[kv]++] = static_cast<int16_t>(h);
     most = std::max(most, size[kv]);
   }
   return most;

@@ -8,21 +8,23 @@
 //   1. rank r scores its slice of the visible blocks b_lo..b_hi for every member head (q·mean,
 //      and Quest's bound when asked: the same arithmetic as ScoreBlocks); a candidate's key is
 //      the highest selection score of the members (SHARED);
-//   2. cluster barrier; every rank gathers all candidates' keys from the others' shared memory
-//      and runs the same radix select (so every rank knows the chosen blocks without another
-//      exchange);
+//   2. every rank sends its slice's keys (and the heads' top mean scores, the keys' range) to
+//      every rank's shared memory; cluster barrier; every rank runs the same selection over the
+//      keys (one histogram pass over the keys' range, RangeSelect, or the radix select where that
+//      cannot decide), so every rank knows the chosen blocks without another exchange;
 //   3. rank r attends its share of the chosen rows (first block, chosen middle blocks,
 //      last block, ascending). Each warp streams its own run of 16-row tiles through its own
-//      ring (bulk copies, TMA, a row per lane, on an mbarrier per stage) to the tensor cores:
-//      the member heads' queries are the MMA's rows 0..7 (fp16 high parts) and 8..15 (their low
-//      parts), so one m16n8k16 computes both parts of every head's scores and weights
-//      (fp32-level accuracy, as flash.cu's packed decode); while the first tiles land, the rank
-//      sums the omitted-mass weights of its own slice; the eight warps' states merge in shared
-//      memory;
-//   4. cluster barrier; the ranks merge over distributed shared memory: rank r reads every
-//      rank's state (m, l, o) for its share of the output columns and writes them, rank h the
-//      LSE, omitted fraction and receipts of member head h. Each rank's shared memory stays until
-//      the others are done reading it (a cluster barrier before exit).
+//      ring (TMA: a 2-D tensor copy each for K and V where the tile's rows are contiguous, else
+//      a bulk copy a row, on an mbarrier per stage) to the tensor cores: the member heads'
+//      queries are the MMA's rows 0..7 (fp16 high parts) and 8..15 (their low parts), so one
+//      m16n8k16 computes both parts of every head's scores and weights (fp32-level accuracy, as
+//      flash.cu's packed decode); while the first tiles land, the rank sums the omitted-mass
+//      weights of its own slice; the eight warps' states merge in shared memory;
+//   4. every rank sends its state where it is merged: (m, l) of every head to every rank, its
+//      output columns to the rank whose share holds them, its omitted sums of head h to rank h;
+//      cluster barrier; rank r merges its share of the output columns, rank h writes the LSE,
+//      omitted fraction and receipts of member head h, and each exits (every access to another
+//      rank's shared memory is a store before the last cluster barrier).
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -45,6 +47,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxCand = 2048;  // candidate blocks (visible blocks − 2) a cluster can select from
 constexpr int kTk = 16;         // rows per warp tile
 constexpr int kG = kMaxSharedGroup;
+constexpr int kBins = 2048;  // the selection's histogram (RangeSelect)
 
 template <int D, int C>
 struct Fused {
@@ -72,11 +75,12 @@ struct Fused {
   static_assert(size_t{kMaxCand} * 4 <= kLast, "keys > a ring's first stages");
   static_assert(size_t{kSlice4} * 5 <= kStage, "a head's slice scores and flags > a stage");
   static_assert(kWarps >= kG, "a warp's last stage a member head");
+  static_assert(sizeof(RangeScratch<kBins>) <= kLast,
+                "the selection's histogram > a ring's first stages");
   // ...and so do the warps' final outputs [kWarps][kG][kWo] (rows padded by 8 floats: a quad's
-  // float2 stores of 8 rows hit distinct banks) and the rank's merged outputs [kG][D].
+  // float2 stores of 8 rows hit distinct banks).
   static constexpr int kWo = D + 8;
-  static_assert((size_t{kWarps} * kG * kWo + size_t{kG} * D) * 4 <= kWarps * kRing,
-                "outputs > rings");
+  static_assert(size_t{kWarps} * kG * kWo * 4 <= kWarps * kRing, "outputs > rings");
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -105,7 +109,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters; the launch checks the device
   using F = Fused<D, C>;
   constexpr int kStr = F::kStr, kS = F::kStages;
-  constexpr int kMarks = 12;  // trace marks a block
+  constexpr int kMarks = kFusedTraceMarks;
   extern __shared__ __align__(128) uint8_t smem[];
   __half* qh = reinterpret_cast<__half*>(smem);                               // [16][kStr]
   uint16_t* chosen = reinterpret_cast<uint16_t*>(smem + F::kOffChosen);       // [keep] ascending
@@ -117,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return reinterpret_cast<float*>(rings + h * F::kRing + F::kLast);
   };
   uint8_t* taken = rings + F::kLast + F::kSlice4 * 4;  // [kSlice]
-  __shared__ float part_top[kG], part_all[kG], part_left[kG];
+  __shared__ float part_all[kG], part_left[kG];
   __shared__ float warp_a[kWarps][kG], warp_b[kWarps][kG];
   __shared__ float s_top[kG];
   __shared__ int32_t heads[kG];
@@ -133,17 +137,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     PrefetchTensorMap(&a.map_k);
     PrefetchTensorMap(&a.map_v);
   }
+  // Each warp's ring barriers, initialized now so the cluster-scope init fence runs while the
+  // scores load (where it was, the "first tiles requested" phase measured 1.3 µs; not yet
+  // measured here).
+  __shared__ __align__(8) uint64_t bars[kWarps][kS];
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < kS; ++b) MbarInit(&bars[warp][b], 1);
+    FenceMbarInit();
+  }
+  __syncwarp();
+  auto started = cluster.barrier_arrive();
   WaitForPrimary();
   mark(0);
 
-  // The member heads (packed, −1 past the last) in every thread's registers — the same
-  // addresses in every thread (broadcast loads), no barrier before the queries' loads; heads[]
-  // keeps them for the merge and the receipts.
+  // The member heads (packed, −1 past the last) in every thread's registers, from the launch's
+  // parameters (no load before the queries' loads); heads[] keeps them for the merge and the
+  // receipts.
   int32_t hd[kG];
   int G = 0;
 #pragma unroll
   for (int g = 0; g < kG; ++g) {
-    hd[g] = __ldg(a.members + kv * kG + g);
+    hd[g] = a.members[kv * kG + g];
     G += hd[g] >= 0;
     if (tid == g) heads[g] = hd[g];
   }
@@ -173,7 +188,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float4* mx4 = reinterpret_cast<const float4*>(a.max);
   constexpr int kRun = 32 / kG;  // blocks a warp scores together (ReduceScatter32: kRun × kG sums)
   const int my_g = lane % kG, my_r = lane / kG;
-  float top = -INFINITY;  // of head my_g over this lane's blocks
+  float top = -INFINITY;                   // of head my_g over this lane's blocks
+  uint32_t s_lo = 0xffffffffu, s_hi = 0u;  // this lane's candidates' keys: least, greatest
   // A warp loads kBatch runs at once (every load in flight together), then scores them run by run.
   auto score = [&](auto quest_c, auto batch_c) {
     constexpr bool kQuest = decltype(quest_c)::value;
@@ -218,7 +234,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           top = fmaxf(top, x);
           slice_ms(my_g)[i - s0] = x;
         }
-        if (my_g == 0 && i < s1) slice_key[i - s0] = SortKey(key);
+        if (my_g == 0 && i < s1) {
+          const uint32_t sk = SortKey(key);
+          slice_key[i - s0] = sk;
+          if (i >= 1 && i <= ncand) s_lo = min(s_lo, sk), s_hi = max(s_hi, sk);
+        }
       }
     }
   };
@@ -237,68 +257,93 @@ __global__ void __launch_bounds__(kThreads, 1)
           make_uint2(PackLo(x.x, x.y), PackLo(x.z, x.w));
     }
   }
+  mark(2);
 #pragma unroll
   for (int o = kG; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
   if (lane < kG) warp_a[warp][lane] = top;
+  constexpr int kPer = kMaxCand / kThreads;
+  uint32_t mine[kPer];
+  int nmine = 0;
+  auto& range = *reinterpret_cast<RangeScratch<kBins>*>(rings + F::kRing);  // warp 1's ring
+  __shared__ uint32_t warp_lo[kWarps], warp_hi[kWarps];
+  s_lo = __reduce_min_sync(0xffffffffu, s_lo);
+  s_hi = __reduce_max_sync(0xffffffffu, s_hi);
+  if (lane == 0) warp_lo[warp] = s_lo, warp_hi[warp] = s_hi;
+  RangeSelectClear<kThreads>(range);
+  __shared__ float all_top[C][kG];
+  __shared__ uint32_t all_lo[C], all_hi[C];
+  cluster.barrier_wait(std::move(started));  // every rank is running: its memory may be written
   __syncthreads();
+  mark(3);
   if (tid < G) {
     float t = -INFINITY;
     for (int w = 0; w < kWarps; ++w) t = fmaxf(t, warp_a[w][tid]);
-    part_top[tid] = t;
+#pragma unroll
+    for (int r = 0; r < C; ++r) *cluster.map_shared_rank(&all_top[rank][tid], r) = t;
+  } else if (tid == kG) {
+    uint32_t l = 0xffffffffu, h = 0u;
+    for (int w = 0; w < kWarps; ++w) l = min(l, warp_lo[w]), h = max(h, warp_hi[w]);
+#pragma unroll
+    for (int r = 0; r < C; ++r) {
+      *cluster.map_shared_rank(&all_lo[rank], r) = l;
+      *cluster.map_shared_rank(&all_hi[rank], r) = h;
+    }
   }
-  mark(2);
+  {
+    const int len = s1 - s0;
+    const int lg = len <= 1 ? 0 : 32 - __clz(len - 1);
+    for (int p = tid; p < (C << lg); p += kThreads) {
+      const int r = p >> lg, j = p & ((1 << lg) - 1), v = s0 + j;
+      if (j < len && v >= 1 && v <= ncand) *cluster.map_shared_rank(keys + v - 1, r) = slice_key[j];
+    }
+  }
+  mark(4);
   cluster.sync();
-
-  // 2. Every rank gathers the candidates' keys (visible blocks 1..nvis−2) and the heads' top
-  // mean scores (all of a pass's remote loads in flight before any store), then selects.
-  for (int j = tid; j < F::kSlice; j += kThreads) {
-    uint32_t got[C];
-#pragma unroll
-    for (int r = 0; r < C; ++r) {
-      const int r0 = nvis * r / C, r1 = nvis * (r + 1) / C;
-      got[r] = r0 + j < r1 ? cluster.map_shared_rank(slice_key, r)[j] : 0u;
-    }
-#pragma unroll
-    for (int r = 0; r < C; ++r) {
-      const int i = nvis * r / C + j;
-      if (i < nvis * (r + 1) / C && i >= 1 && i <= ncand) keys[i - 1] = got[r];
-    }
-  }
   if (tid < G) {
-    float t[C];
-#pragma unroll
-    for (int r = 0; r < C; ++r) t[r] = *cluster.map_shared_rank(part_top + tid, r);
     float m = -INFINITY;
 #pragma unroll
-    for (int r = 0; r < C; ++r) m = fmaxf(m, t[r]);
+    for (int r = 0; r < C; ++r) m = fmaxf(m, all_top[r][tid]);
     s_top[tid] = m;
   }
-  __syncthreads();
-  auto gathered = cluster.barrier_arrive();  // done reading the other ranks' shared memory
-  mark(3);
+  uint32_t k_lo = 0xffffffffu, k_hi = 0u;
+#pragma unroll
+  for (int r = 0; r < C; ++r) k_lo = min(k_lo, all_lo[r]), k_hi = max(k_hi, all_hi[r]);
+  // Thread t's keys: candidates t·kPer .. t·kPer + kPer − 1 (the compaction's order).
+  static_assert(kPer % 4 == 0, "whole uint4s of keys");
+#pragma unroll
+  for (int j = 0; j < kPer; j += 4) {
+    const uint4 x = reinterpret_cast<const uint4*>(keys + tid * kPer)[j / 4];
+    mine[j] = x.x, mine[j + 1] = x.y, mine[j + 2] = x.z, mine[j + 3] = x.w;
+  }
+  nmine = max(0, min(kPer, ncand - tid * kPer));
+  mark(5);
   const int keep = Min<int>(static_cast<int>(a.k_top), ncand);
   // Candidate i is visible block 1 + i; the flags are kept for this rank's slice only.
   auto flag = [&](int i, bool t) {
     if (1 + i >= s0 && 1 + i < s1) taken[1 + i - s0] = t;
   };
   if (keep == ncand || keep == 0) {
-    mark(4);
+    mark(6);
     for (int i = tid; i < ncand; i += kThreads) {
       flag(i, keep > 0);
       if (keep > 0) chosen[i] = static_cast<uint16_t>(1 + i);
     }
   } else {
     auto key = [keys](int i) { return keys[i]; };
-    const Threshold th = RadixSelect<kThreads>(key, ncand, keep);
-    mark(4);
-    CompactAscending<kThreads, kMaxCand / kThreads>(key, ncand, th, [&](int i, bool t, int r) {
+    Threshold th;
+    if (!RangeSelect<kThreads>(range, mine, nmine, k_lo, k_hi, keep, &th)) {
+      th = RadixSelect<kThreads>(key, ncand, keep);
+    }
+    mark(6);
+    auto visit = [&](int i, bool t, int r) {
       flag(i, t);
       if (t) chosen[r] = static_cast<uint16_t>(1 + i);
-    });
+    };
+    CompactRegisters<kThreads, kPer>(mine, ncand, th, visit);
   }
   FenceProxyAsync();  // the keys' plain accesses before the first tiles' bulk copies
   __syncthreads();
-  mark(5);
+  mark(7);
   // 3. Attention over this block's share of the chosen rows; each warp its own run of tiles.
   const uint32_t len0 = min((b_lo + 1) * B, hi) - lo;
   const uint32_t mid = static_cast<uint32_t>(keep) * B;
@@ -323,13 +368,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Tile t into buffer t % kS with bulk copies: lane j < 16 copies K row j, lane 16 + j V row
   // j, counted on the buffer's mbarrier (its k-th fill completes phase k, parity k & 1); rows
   // past the share are zeroed instead, so p = 0 never meets garbage (0 · NaN).
-  __shared__ __align__(8) uint64_t bars[kWarps][kS];
-  if (lane == 0) {
-#pragma unroll
-    for (int b = 0; b < kS; ++b) MbarInit(&bars[warp][b], 1);
-    FenceMbarInit();
-  }
-  __syncwarp();
   const int pj = lane & 15;
   const __half* src_base = lane < 16 ? kbase : vbase;
   // Tensor tiles (FusedSparseArgs::tensor_tiles): a full tile of 16 contiguous rows (within one
@@ -366,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 #pragma unroll
   for (int t = 0; t < kS - 1; ++t) prefetch(t);  // the last stage fills after the omitted sums
-  mark(6);
+  mark(8);
 
   // The omitted-mass proxy over this rank's slice, while the first tiles land: block weights
   // count · exp(x − top), summed per head (a warp's sums, then the warps').
@@ -399,7 +437,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       part_left[tid] = sl;
     }
   }
-  mark(7);
+  mark(9);
 
   // Lane: row g (head g's high parts) and g + 8 (its low parts), columns c2, c2 + 1.
   const int g = lane >> 2, c2 = (lane & 3) * 2;
@@ -418,6 +456,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     prefetch(t + kS - 1);
     MbarWait(&bars[warp][buf], static_cast<uint32_t>(t / kS) & 1u);
     __syncwarp();
+    if (t == 0) mark(10);
     const __half* kb = tile_k(buf);
     const __half* vb = tile_v(buf);
     // Scores: even and odd k-steps in two chains; rows g + 8 hold the low parts' products.
@@ -475,14 +514,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncwarp();  // the buffer is refilled next iteration: all lanes are done with it
   }
+  if (ntiles == 0) mark(10);
   // The warp's state for head g: the quad's row sums, rows g + 8's products added to rows g.
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
   __syncthreads();  // every warp is done with the rings: they hold the warps' outputs now
-  mark(8);
+  mark(11);
   float* wo = reinterpret_cast<float*>(rings);  // [kWarps][kG][kWo]
-  float* r_o = wo + kWarps * kG * F::kWo;       // [kG][D]: this rank's merged outputs
-  __shared__ float r_m[kG], r_l[kG];            // ...and their m (natural log units) and l
+  // What the other ranks send this one: their (m, l) of every member head, their output
+  // columns of this rank's share, and (rank h < G) their omitted-mass sums of head h.
+  constexpr int kShare = (kG * D / 4 + C - 1) / C;  // float4 output columns a rank merges
+  __shared__ float4 recv_o[C][kShare];
+  __shared__ float recv_m[C][kG], recv_l[C][kG], recv_all[C], recv_left[C];
+  const int ncol = G * (D / 4);  // the member heads' float4 output columns
   if (g < G) {
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
@@ -492,8 +536,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if ((lane & 3) == 0) warp_a[warp][g] = m_run, warp_b[warp][g] = l_run;
   }
   __syncthreads();
-  // Merge the warps into this rank's state, kept in its shared memory for the cluster's merge:
-  // per head its weights (warp_a becomes them), then a float4 column a thread.
+  // Merge the warps into this rank's state and send it where it is merged (stores to the other
+  // ranks' shared memory: nothing waits on them until the cluster barrier): per head its m and
+  // l to every rank, its omitted sums to rank h, the warps' weights (warp_a becomes them); then
+  // a float4 column a thread to the rank whose share holds it.
   if (tid < G) {
     float m = -INFINITY;
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_a[w][tid]);
@@ -503,11 +549,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       warp_a[w][tid] = f;
       l += f * warp_b[w][tid];
     }
-    r_m[tid] = m == -INFINITY ? -INFINITY : m * kLn2;
-    r_l[tid] = l;
+    const float mn = m == -INFINITY ? -INFINITY : m * kLn2;
+#pragma unroll
+    for (int r = 0; r < C; ++r) {
+      *cluster.map_shared_rank(&recv_m[rank][tid], r) = mn;
+      *cluster.map_shared_rank(&recv_l[rank][tid], r) = l;
+    }
+    *cluster.map_shared_rank(&recv_all[rank], tid) = part_all[tid];
+    *cluster.map_shared_rank(&recv_left[rank], tid) = part_left[tid];
   }
   __syncthreads();
-  for (int e = tid; e < G * D / 4; e += kThreads) {
+  for (int e = tid; e < ncol; e += kThreads) {
     const int h = e / (D / 4), c = (e % (D / 4)) * 4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -519,44 +571,35 @@ __global__ void __launch_bounds__(kThreads, 1)
       acc.z += f * x.z;
       acc.w += f * x.w;
     }
-    *reinterpret_cast<float4*>(r_o + h * D + c) = acc;
+    const int owner = ((e + 1) * C - 1) / ncol;  // the last rank whose share starts at or before e
+    *cluster.map_shared_rank(&recv_o[rank][e - ncol * owner / C], owner) = acc;
   }
-  mark(9);
-  // Every rank's state is complete (and the phase-2 gathers long done: that barrier's wait
-  // first, the hardware barrier's phases complete in order).
-  cluster.barrier_wait(std::move(gathered));
+  mark(12);
+  // Every rank's state has arrived (release and acquire at cluster scope); after this barrier
+  // no rank touches another's shared memory, so each exits when its merge is done.
   cluster.sync();
-  mark(10);
+  mark(13);
 
-  // 4. The cluster merges over distributed shared memory: rank r merges its share of the member
-  // heads' float4 output columns, every rank's part and the head's m and l per rank loaded at
-  // once; rank h (< G) writes head h's LSE, omitted fraction and receipts.
+  // 4. Rank r merges its share of the member heads' float4 output columns from every rank's
+  // part; rank h (< G) writes head h's LSE, omitted fraction and receipts.
   {
-    const int ncol = G * (D / 4);
     const int e = ncol * rank / C + tid;
-    if (e < ncol * (rank + 1) / C) {  // ≤ kG·D/4/C columns a rank: one pass
+    if (e < ncol * (rank + 1) / C) {  // ≤ kShare columns a rank: one pass
       const int h = e / (D / 4), c = (e % (D / 4)) * 4;
-      float mr[C], lr[C];
-      float4 ov[C];
-#pragma unroll
-      for (int r = 0; r < C; ++r) {
-        mr[r] = *cluster.map_shared_rank(r_m + h, r);
-        lr[r] = *cluster.map_shared_rank(r_l + h, r);
-        ov[r] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(r_o + h * D + c, r));
-      }
       float mx = -INFINITY;
 #pragma unroll
-      for (int r = 0; r < C; ++r) mx = fmaxf(mx, mr[r]);
+      for (int r = 0; r < C; ++r) mx = fmaxf(mx, recv_m[r][h]);
       float l = 0.f;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int r = 0; r < C; ++r) {
-        const float f = mx == -INFINITY ? 0.f : expf(mr[r] - mx);
-        l += f * lr[r];
-        acc.x += f * ov[r].x;
-        acc.y += f * ov[r].y;
-        acc.z += f * ov[r].z;
-        acc.w += f * ov[r].w;
+        const float f = mx == -INFINITY ? 0.f : expf(recv_m[r][h] - mx);
+        const float4 x = recv_o[r][tid];
+        l += f * recv_l[r][h];
+        acc.x += f * x.x;
+        acc.y += f * x.y;
+        acc.z += f * x.z;
+        acc.w += f * x.w;
       }
       *reinterpret_cast<float4*>(a.out + size_t(heads[h]) * D + c) =
           mx == -INFINITY ? make_float4(0.f, 0.f, 0.f, 0.f)
@@ -565,12 +608,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (rank < G) {
       const int h = rank;
       const int32_t head = heads[h];
-      if (warp == 1) {  // lane r: rank r's m, l and omitted sums (warp 0 merges columns)
+      if (warp == kWarps - 1) {  // lane r: rank r's m, l and omitted sums (warp 0 merges columns)
         const bool in = lane < C;
-        const float m = in ? *cluster.map_shared_rank(r_m + h, lane) : -INFINITY;
-        const float l = in ? *cluster.map_shared_rank(r_l + h, lane) : 0.f;
-        const float all = in ? *cluster.map_shared_rank(part_all + h, lane) : 0.f;
-        const float left = in ? *cluster.map_shared_rank(part_left + h, lane) : 0.f;
+        const float m = in ? recv_m[lane][h] : -INFINITY;
+        const float l = in ? recv_l[lane][h] : 0.f;
+        const float all = in ? recv_all[lane] : 0.f;
+        const float left = in ? recv_left[lane] : 0.f;
         const float mx = WarpMax(m);
         const float sl = WarpSum(mx == -INFINITY || !in ? 0.f : expf(m - mx) * l);
         const float sa = WarpSum(all), sf = WarpSum(left);
@@ -590,9 +633,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  mark(11);
-  // The other ranks read this one's state: its shared memory stays until they all have.
-  cluster.sync();
+  mark(14);
+  mark(15);  // (the phase after the merge: none — no exit barrier)
 #else
   __trap();  // built without clusters: never launched (ActiveClusters checks the loaded code)
 #endif
@@ -692,6 +734,7 @@ Status Launch(const FusedSparseArgs& a_in, cudaStream_t stream) {
 bool SparseAutoSharedFits(DType dtype, uint32_t d, uint32_t group, uint32_t visible_blocks,
                           uint32_t heads) {
   if (dtype != DType::kF16 || (d != 64 && d != 128) || group < 1 || heads == 0 ||
+      heads > static_cast<uint32_t>(kMaxFusedHeads) ||
       group > static_cast<uint32_t>(kMaxSharedGroup) ||
       visible_blocks > static_cast<uint32_t>(kMaxCand) + 2 || gpu::Info().cc_major < 9) {
     return false;
