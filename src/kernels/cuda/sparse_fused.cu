@@ -67,9 +67,10 @@ struct Fused {
   static constexpr size_t kOffRings = (kOffSliceKey + kSliceKey + 127) / 128 * 128;
   static constexpr size_t kBytes = kOffRings + kWarps * kRing;
   // Scoring and selection happen before the first tile is loaded, so their buffers share the
-  // rings: the gathered keys at the start (dead once the blocks are chosen); head h's scaled
-  // q·mean over this rank's slice in warp h's last stage, and the slice's taken flags after head
-  // 0's — read while the warps' first tiles (the other stages) are already in flight.
+  // rings: every candidate's key at the start (stored there by the rank that scored it; dead
+  // once the blocks are chosen) and the selection's histogram in warp 1's first stages; head h's
+  // scaled q·mean over this rank's slice in warp h's last stage, and the slice's taken flags
+  // after head 0's — read while the warps' first tiles (the other stages) are already in flight.
   static constexpr size_t kStage = size_t{2} * kTk * kStr * 2;  // a stage's K and V tiles
   static constexpr size_t kLast = (kStages - 1) * kStage;       // the last stage in a ring
   static_assert(size_t{kMaxCand} * 4 <= kLast, "keys > a ring's first stages");
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint16_t* chosen = reinterpret_cast<uint16_t*>(smem + F::kOffChosen);       // [keep] ascending
   uint32_t* slice_key = reinterpret_cast<uint32_t*>(smem + F::kOffSliceKey);  // [kSlice]
   uint8_t* rings = smem + F::kOffRings;
-  uint32_t* keys = reinterpret_cast<uint32_t*>(rings);  // [ncand], gathered
+  uint32_t* keys = reinterpret_cast<uint32_t*>(rings);  // [ncand], from every rank
   // Head h's scale·q·mean over the slice, and the slice's taken flags.
   auto slice_ms = [rings](int h) {
     return reinterpret_cast<float*>(rings + h * F::kRing + F::kLast);
@@ -138,8 +139,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     PrefetchTensorMap(&a.map_v);
   }
   // Each warp's ring barriers, initialized now so the cluster-scope init fence runs while the
-  // scores load (where it was, the "first tiles requested" phase measured 1.3 µs; not yet
-  // measured here).
+  // scores load instead of after the selection. Then this rank's arrival on the cluster barrier
+  // whose wait, before the first store to another rank's shared memory, means every rank runs.
   __shared__ __align__(8) uint64_t bars[kWarps][kS];
   if (lane == 0) {
 #pragma unroll
