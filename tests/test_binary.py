@@ -138,6 +138,22 @@ def test_attend_index_over_frames_equals_resp(shared_pion):
         b.attend_drop("bin:c")
 
 
+def test_finalize_waits_past_the_socket_timeout(shared_pion):
+    # A graph build takes as long as its rows need; a client whose socket timeout is shorter
+    # still gets FINALIZE's reply, and its timeout holds again for the calls after it.
+    rng = np.random.default_rng(2)
+    keys = rng.standard_normal((20_000, 64)).astype(np.float32)
+    with pion.BinaryClient(HOST, shared_pion.binary_port, timeout=0.05) as b:
+        b.attend_create("bin:slow", 64, 8)
+        b.sock.settimeout(30)
+        b.attend_store("bin:slow", keys, np.zeros((20_000, 8), np.float32))
+        b.sock.settimeout(0.05)
+        fin = b.attend_finalize("bin:slow")
+        assert fin["rows"] == 20_000 and fin["generation"] == 1
+        assert b.sock.gettimeout() == 0.05
+        assert b.attend_drop("bin:slow") == 1
+
+
 def test_error_replies_carry_their_kind(pion_factory):
     srv = pion_factory("--workers", "2", "--maxmemory", "8mb")
     with bclient(srv) as b:

@@ -213,7 +213,14 @@ class BinaryClient:
         return self.call(ATTEND_STORE, _str(sid) + struct.pack("<qQ", start_pos, k.nbytes), k, v)
 
     def attend_finalize(self, sid: str) -> dict:
-        return self.call(ATTEND_FINALIZE, _str(sid))
+        """Builds the index's graph. Its time grows with the rows (seconds for 50K on two
+        cores, more on a busy machine), so it waits for the reply without the socket timeout."""
+        saved = self.sock.gettimeout()
+        self.sock.settimeout(None)
+        try:
+            return self.call(ATTEND_FINALIZE, _str(sid))
+        finally:
+            self.sock.settimeout(saved)
 
     def attend_query(self, sid: str, k: int, q, ef: int = 0, attend: bool = False) -> dict:
         """Top-k rows for each query (float32 [M, key_dim]): a dict with `ids` (uint32
