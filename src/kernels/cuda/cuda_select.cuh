@@ -112,6 +112,24 @@ __device__ inline Threshold RadixSelect(const KeyFn& key, int n, int k) {
   return t;
 }
 
+// The exclusive prefix sum of x over the block's threads in thread order: a warp scan, the
+// warps' totals in warp_total (kThreads / 32 shared ints) and one block barrier.
+template <int kThreads>
+__device__ inline int BlockExclusiveSum(int x, int* warp_total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = x;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  int excl = incl - x;
+  for (int w = 0; w < warp; ++w) excl += warp_total[w];
+  return excl;
+}
+
 // The float a SortKey came from.
 __device__ inline float FromSortKey(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
@@ -161,7 +179,7 @@ __device__ inline bool RangeSelect(RangeScratch<kBins>& s, const uint32_t (&u)[k
   }
   __syncthreads();
   // Thread t owns the kP bins kBins − 1 − t·kP downwards; `above` counts the keys in higher bins.
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int top = kBins - 1 - static_cast<int>(threadIdx.x) * kP;
   int h[kP];
 #pragma unroll
@@ -172,16 +190,7 @@ __device__ inline bool RangeSelect(RangeScratch<kBins>& s, const uint32_t (&u)[k
   int sum = 0;
 #pragma unroll
   for (int j = 0; j < kP; ++j) sum += h[j];
-  int incl = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) s.warp_sum[warp] = incl;
-  __syncthreads();
-  int above = incl - sum;
-  for (int w = 0; w < warp; ++w) above += s.warp_sum[w];
+  int above = BlockExclusiveSum<kThreads>(sum, s.warp_sum);
 #pragma unroll
   for (int j = 0; j < kP; ++j) {
     if (above < k && k <= above + h[j]) s.bin = top - j, s.above = above, s.in_bin = h[j];
@@ -212,6 +221,36 @@ __device__ inline bool RangeSelect(RangeScratch<kBins>& s, const uint32_t (&u)[k
   return true;
 }
 
+// A run of kPer keys from index i0 (those at n or past it absent) against the threshold: the
+// keys above it plus (<< 16) the keys at it.
+template <int kPer>
+__device__ inline int ThresholdCount(const uint32_t (&u)[kPer], int i0, int n,
+                                     const Threshold& th) {
+  int count = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const uint32_t x = u[j] & th.mask;
+    count += i0 + j < n ? (x > th.prefix) | ((x == th.prefix) << 16) : 0;
+  }
+  return count;
+}
+// visit(i, taken, rank) for the run's keys, gts and eqs the keys above and at the threshold
+// before it: a key at the threshold is taken while fewer than th.need came before (the lower
+// index wins a tie).
+template <int kPer, typename Visit>
+__device__ inline void VisitRun(const uint32_t (&u)[kPer], int i0, int n, const Threshold& th,
+                                int gts, int eqs, const Visit& visit) {
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (i0 + j >= n) break;
+    const uint32_t x = u[j] & th.mask;
+    const bool gt = x > th.prefix, eq = x == th.prefix;
+    visit(i0 + j, gt || (eq && eqs < th.need), gts + Min(eqs, th.need));
+    gts += gt;
+    eqs += eq;
+  }
+}
+
 // Visits i = 0..n-1 in index order: visit(i, taken, rank) with rank the position of i among
 // the taken ones (ascending), taken as `th` says. One block scan per kThreads · kPer keys (a
 // thread a run of kPer consecutive keys: keys in shared memory, where kPer > 1 saves scans): it
@@ -226,65 +265,26 @@ __device__ inline void CompactAscending(const KeyFn& key, int n, const Threshold
   for (int base = 0; base < n; base += kThreads * kPer) {
     const int i0 = base + static_cast<int>(threadIdx.x) * kPer;
     uint32_t u[kPer];
-    int count = 0;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      u[j] = i0 + j < n ? key(i0 + j) & th.mask : 0u;
-      const int gt = i0 + j < n && u[j] > th.prefix, eq = i0 + j < n && u[j] == th.prefix;
-      count += gt | (eq << 16);
-    }
+    for (int j = 0; j < kPer; ++j) u[j] = i0 + j < n ? key(i0 + j) : 0u;
     int excl, total;
-    Scan(tmp).ExclusiveSum(count, excl, total);
+    Scan(tmp).ExclusiveSum(ThresholdCount(u, i0, n, th), excl, total);
     __syncthreads();
-    int gts = gt_before + (excl & 0xffff), eqs = eq_before + (excl >> 16);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      if (i0 + j >= n) break;
-      const bool gt = u[j] > th.prefix, eq = u[j] == th.prefix;
-      const bool take = gt || (eq && eqs < th.need);
-      visit(i0 + j, take, gts + Min(eqs, th.need));
-      gts += gt;
-      eqs += eq;
-    }
+    VisitRun(u, i0, n, th, gt_before + (excl & 0xffff), eq_before + (excl >> 16), visit);
     gt_before += total & 0xffff;
     eq_before += total >> 16;
   }
 }
 
 // CompactAscending for keys already in registers: thread t holds keys i0 = t·kPer ..
-// i0 + kPer − 1 (those ≥ n absent). One warp scan and one block barrier.
+// i0 + kPer − 1 (those ≥ n absent). One block barrier.
 template <int kThreads, int kPer, typename Visit>
 __device__ inline void CompactRegisters(const uint32_t (&u)[kPer], int n, const Threshold& th,
                                         const Visit& visit) {
   __shared__ int warp_total[kThreads / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int i0 = static_cast<int>(threadIdx.x) * kPer;
-  int count = 0;  // keys above the threshold, and (<< 16) at it
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const uint32_t x = u[j] & th.mask;
-    count += i0 + j < n ? (x > th.prefix) | ((x == th.prefix) << 16) : 0;
-  }
-  int incl = count;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) warp_total[warp] = incl;
-  __syncthreads();
-  int excl = incl - count;
-  for (int w = 0; w < warp; ++w) excl += warp_total[w];
-  int gts = excl & 0xffff, eqs = excl >> 16;
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    if (i0 + j >= n) break;
-    const uint32_t x = u[j] & th.mask;
-    const bool gt = x > th.prefix, eq = x == th.prefix;
-    visit(i0 + j, gt || (eq && eqs < th.need), gts + Min(eqs, th.need));
-    gts += gt;
-    eqs += eq;
-  }
+  const int excl = BlockExclusiveSum<kThreads>(ThresholdCount(u, i0, n, th), warp_total);
+  VisitRun(u, i0, n, th, excl & 0xffff, excl >> 16, visit);
 }
 
 }  // namespace pion::kernels::cuda
