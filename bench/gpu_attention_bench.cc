@@ -254,12 +254,60 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
         }
       },
       Iters(bytes), &us_launches);
+  const char* path = tc ? (pad >= 4 ? "tensor-core batched" : "tensor-core decode") : "simt";
+  // M = 1 over a short range: the one launch of a cluster a K/V head (decode_cluster.cu), as the
+  // executor takes it, timed beside the split-K launches above (PION_BENCH_CLUSTER_DECODE=1: at
+  // any range it takes; =0: never), and its output checked against theirs.
+  std::string cluster;
+  double best = us, best_launches = us_launches;
+  kernels::cuda::DecodeClusterArgs c;
+  c.group = m == 1 ? kernels::cuda::GroupMembers(hq, map.data(), hkv, c.members) : 0;
+  const char* cd = std::getenv("PION_BENCH_CLUSTER_DECODE");
+  const bool can = c.group > 0 && kernels::cuda::DecodeClusterFits(t, d, c.group, hkv, 1);
+  const bool take = cd != nullptr ? cd[0] == '1' && can
+                                  : can && kernels::cuda::DecodeClusterFits(t, d, c.group, hkv, n);
+  if (take && !skip_combine) {
+    c.q = a.q;
+    c.hq = hq;
+    c.d = d;
+    c.k = a.k;
+    c.v = a.v;
+    c.dtype = t;
+    c.heads = hkv;
+    c.rows = n;
+    c.lo = 0;
+    c.hi = n;
+    c.scale = a.scale;
+    c.out = DevAlloc<float>(size_t{a.nrows} * d);
+    c.lse = DevAlloc<float>(a.nrows);
+    if (const char* w = std::getenv("PION_BENCH_CLUSTER_WARPS")) c.warps = U(w);
+    double c_launches = 0;
+    const double c_us = TimeUs(
+        s, [&] { Ok(kernels::cuda::LaunchDecodeCluster(c, s)); }, Iters(bytes), &c_launches);
+    CK(cudaStreamSynchronize(s));
+    std::vector<float> o1(size_t{a.nrows} * d), o2(o1.size()), l1(a.nrows), l2(a.nrows);
+    CK(cudaMemcpy(o1.data(), a.out, o1.size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(o2.data(), c.out, o2.size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(l1.data(), a.lse, l1.size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(l2.data(), c.lse, l2.size() * 4, cudaMemcpyDeviceToHost));
+    double err = 0;
+    for (size_t i = 0; i < o1.size(); ++i) err = std::max(err, double(std::fabs(o1[i] - o2[i])));
+    for (size_t i = 0; i < l1.size(); ++i) err = std::max(err, double(std::fabs(l1[i] - l2[i])));
+    char buf[200];
+    std::snprintf(buf, sizeof buf,
+                  ", \"splitk_us\": %.2f, \"cluster_us\": %.2f, \"cluster_max_abs_diff\": %.2e", us,
+                  c_us, err);
+    cluster = buf;
+    best = c_us;
+    best_launches = c_launches;
+    path = "cluster decode";
+  }
   std::printf(
       "{\"kind\": \"dense\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": %u, \"n\": %u, "
       "\"d\": %u, \"us\": %.2f, \"us_launches\": %.2f, \"bytes\": %.0f, \"gbps\": %.1f, "
-      "\"splits\": %u, \"path\": \"%s\"}\n",
-      t == DType::kF16 ? "f16" : "f32", hq, hkv, m, n, d, us, us_launches, bytes, bytes / us / 1e3,
-      a.splits, tc ? (pad >= 4 ? "tensor-core batched" : "tensor-core decode") : "simt");
+      "\"splits\": %u, \"path\": \"%s\"%s}\n",
+      t == DType::kF16 ? "f16" : "f32", hq, hkv, m, n, d, best, best_launches, bytes,
+      bytes / best / 1e3, a.splits, path, cluster.c_str());
   return 0;
 }
 
@@ -342,7 +390,7 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   std::string fused_json;
   if (fused) {
     kernels::cuda::FusedSparseArgs f;
-    if (kernels::cuda::GroupMembers(hq, map.data(), hkv, &f) == 0) {
+    if (kernels::cuda::GroupMembers(hq, map.data(), hkv, f.members) == 0) {
       std::fprintf(stderr, "fused: more than %d query heads per K/V head or %d K/V heads\n",
                    kernels::cuda::kMaxSharedGroup, kernels::cuda::kMaxFusedHeads);
       return 2;

@@ -282,6 +282,46 @@ TEST(GpuExecutor, DenseEveryHeadDimAndDtype) {
   }
 }
 
+// M = 1 over short ranges: the one launch of a thread-block cluster a K/V head
+// (decode_cluster.cu) where the device takes it — every group size up to 8 query heads a K/V
+// head, both of its head dims and dtypes, ranges shorter than its 64 warps, a tile's tail, a
+// window and a query inside the prefix; the receipt names the cluster's 8 blocks.
+TEST(GpuExecutor, DecodeClusterGroupsAndRanges) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kF16}) {
+    for (uint32_t d : {64u, 128u}) {
+      for (auto [hq, heads] :
+           {std::pair{8u, 8u}, {8u, 4u}, {12u, 4u}, {32u, 8u}, {40u, 8u}, {64u, 8u}, {3u, 1u}}) {
+        for (uint32_t n : {5u, 61u, 1000u, 2048u}) {
+          Case c;
+          c.hq = hq;
+          c.heads = heads;
+          c.d = d;
+          c.dtype = t;
+          c.n = n;
+          Receipt r;
+          Check(c, 1, &r);
+          const bool one = kernels::cuda::DecodeClusterFits(t, d, hq / heads, heads, n);
+          EXPECT_EQ(r.splits, one ? uint32_t{kernels::cuda::kDecodeCluster} : r.splits);
+          if (n > 61) {
+            c.window = 37;
+            c.qpos = n / 2;
+            Check(c, 2);
+            c.window = 0;
+          }
+        }
+      }
+    }
+  }
+  if (gpu::Info().cc_major >= 9) {
+    EXPECT_TRUE(kernels::cuda::DecodeClusterFits(DType::kF32, 128, 4, 8, 2048));
+    EXPECT_FALSE(kernels::cuda::DecodeClusterFits(DType::kF32, 128, 9, 8, 2048));
+    EXPECT_FALSE(kernels::cuda::DecodeClusterFits(DType::kBF16, 128, 4, 8, 2048));
+    EXPECT_FALSE(kernels::cuda::DecodeClusterFits(
+        DType::kF32, 128, 4, 8, kernels::cuda::DecodeClusterMaxKeys(DType::kF32, 128) + 1));
+  }
+}
+
 TEST(GpuExecutor, GqaWindowsAndPositions) {
   SKIP_WITHOUT_GPU();
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {

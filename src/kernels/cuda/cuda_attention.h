@@ -189,10 +189,12 @@ struct FusedSparseArgs {
   bool tensor_tiles = true;
   TensorMapBytes map_k, map_v;
 };
-// Host: FusedSparseArgs::members for hq query heads on `heads` K/V heads (head_map host memory):
-// each K/V head's query heads, kMaxSharedGroup slots a head, −1 past the last. Returns the
-// largest group, 0 when one exceeds the slots or there are more than kMaxFusedHeads K/V heads.
-uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads, FusedSparseArgs* f);
+// Host: the member heads of FusedSparseArgs / DecodeClusterArgs for hq query heads on `heads`
+// K/V heads (head_map host memory): each K/V head's query heads, kMaxSharedGroup slots a head,
+// −1 past the last. Returns the largest group, 0 when one exceeds the slots or there are more
+// than kMaxFusedHeads K/V heads.
+uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads,
+                      int16_t (&members)[kMaxFusedHeads * kMaxSharedGroup]);
 Status LaunchSparseAutoShared(const FusedSparseArgs& a, void* stream);
 // Whether LaunchSparseAutoShared takes a query of this shape on this device: fp16 K/V, d 64 or
 // 128, at most kMaxSharedGroup query heads per K/V head (`group`), `visible_blocks` within its
@@ -207,6 +209,36 @@ bool SparseAutoSharedFits(DType dtype, uint32_t d, uint32_t group, uint32_t visi
 uint32_t SparseAutoSharedCluster(uint32_t d, uint32_t heads, uint32_t want = 0);
 // How many clusters of `cluster` (8 or 16) blocks of the kernel the device runs at once.
 int SparseAutoSharedActiveClusters(uint32_t d, uint32_t cluster);
+
+// Dense M = 1 decode over a short visible range in one launch (decode_cluster.cu): per K/V
+// head one thread-block cluster of 8 blocks splits the range, each warp streams its run of keys
+// through its own ring of bulk copies, the math is fp32 (SIMT), and the cluster merges over
+// distributed shared memory into out/lse — no partials and no combine launch. fp32 or fp16 K/V,
+// d 64 or 128, at most 4 query heads per K/V head, sm_90+.
+inline constexpr int kDecodeCluster = 8;  // blocks a K/V head
+struct DecodeClusterArgs {
+  const float* q = nullptr;  // [hq][d]
+  uint32_t hq = 0, d = 0;
+  int16_t members[kMaxFusedHeads * kMaxSharedGroup] = {};  // GroupMembers
+  uint32_t group = 0;                                      // the largest group (GroupMembers)
+  const void* k = nullptr;                                 // [heads][rows][d] of dtype
+  const void* v = nullptr;
+  DType dtype = DType::kF32;
+  uint32_t heads = 0, rows = 0;
+  uint32_t lo = 0, hi = 0;  // the visible rows [lo, hi) of every query (hi > lo)
+  float scale = 0;
+  float* out = nullptr;  // [hq][d]
+  float* lse = nullptr;  // [hq]
+  uint32_t warps = 0;    // a block's warps, 8 or 16; 0: chosen by the range
+};
+// Whether LaunchDecodeCluster takes `keys` visible keys of this shape on this device: the
+// dtypes and head dims above, 1..4 query heads a K/V head (`group`), every K/V head's cluster
+// resident at once, and a range short enough that 8 blocks a head beat the split-K launch and its
+// combine (DecodeClusterMaxKeys).
+bool DecodeClusterFits(DType dtype, uint32_t d, uint32_t group, uint32_t heads, uint64_t keys);
+// The longest visible range (keys) the one launch takes for this dtype and head dim.
+uint64_t DecodeClusterMaxKeys(DType dtype, uint32_t d);
+Status LaunchDecodeCluster(const DecodeClusterArgs& a, void* stream);
 
 Status LaunchSummarize(const void* k, DType dtype, uint32_t heads, uint32_t rows, uint32_t d,
                        uint32_t block, uint32_t nblocks, float* mean, float* min, float* max,

@@ -84,5 +84,34 @@ __device__ inline void Unroll(F&& f) {
     Unroll<I + 1, N>(f);
   }
 }
+// Sums 32 values across the warp and scatters the totals: afterwards lane l's v[0] is the warp's
+// sum of every lane's v[l]. 31 shuffles for 32 sums (32 WarpSums take 160), and each total is
+// added in WarpSum's order, so bit for bit the same value.
+__device__ inline float ReduceScatter32(float (&v)[32]) {
+  const int lane = threadIdx.x & 31;
+  Unroll<0, 5>([&](auto S) {
+    constexpr int kHalf = 16 >> decltype(S)::value;  // values left after this step
+    const bool upper = lane & kHalf;
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const float keep = upper ? v[i + kHalf] : v[i];
+      const float send = upper ? v[i] : v[i + kHalf];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kHalf);
+    }
+  });
+  return v[0];
+}
+// ReduceScatter32 for values stored lane-permuted: lane l keeps value j at v[j ^ l]. Each step
+// then keeps the low half and sends the high half with no selects (31 shuffles and 31 adds);
+// the same pairs are added as by ReduceScatter32, so the same sums bit for bit. Afterwards lane
+// l's v[0] is the warp's sum of value l.
+__device__ inline float ReduceScatter32Xor(float (&v)[32]) {
+  Unroll<0, 5>([&](auto S) {
+    constexpr int kHalf = 16 >> decltype(S)::value;
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i + kHalf], kHalf);
+  });
+  return v[0];
+}
 
 }  // namespace pion::kernels::cuda

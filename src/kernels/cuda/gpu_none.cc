@@ -92,5 +92,8 @@ Status LaunchSparseAutoShared(const FusedSparseArgs&, void*) { return NoCuda(); 
 bool SparseAutoSharedFits(DType, uint32_t, uint32_t, uint32_t, uint32_t) { return false; }
 uint32_t SparseAutoSharedCluster(uint32_t, uint32_t, uint32_t) { return 8; }
 int SparseAutoSharedActiveClusters(uint32_t, uint32_t) { return 0; }
+bool DecodeClusterFits(DType, uint32_t, uint32_t, uint32_t, uint64_t) { return false; }
+uint64_t DecodeClusterMaxKeys(DType, uint32_t) { return 0; }
+Status LaunchDecodeCluster(const DecodeClusterArgs&, void*) { return NoCuda(); }
 
 }  // namespace pion::kernels::cuda

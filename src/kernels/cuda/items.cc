@@ -67,15 +67,16 @@ uint32_t UniformGroup(const std::vector<Item>& items, uint32_t m) {
   return static_cast<uint32_t>(g);
 }
 
-uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads, FusedSparseArgs* f) {
+uint32_t GroupMembers(uint32_t hq, const int32_t* head_map, uint32_t heads,
+                      int16_t (&members)[kMaxFusedHeads * kMaxSharedGroup]) {
   if (heads > static_cast<uint32_t>(kMaxFusedHeads) || hq > 32767) return 0;
-  std::fill(std::begin(f->members), std::end(f->members), int16_t{-1});
+  std::fill(std::begin(members), std::end(members), int16_t{-1});
   std::vector<uint32_t> size(heads, 0);
   uint32_t most = 0;
   for (uint32_t h = 0; h < hq; ++h) {
     const auto kv = static_cast<uint32_t>(head_map[h]);
     if (size[kv] == kMaxSharedGroup) return 0;
-    f->members[size_t{kv} * kMaxSharedGroup + size[kv]++] = static_cast<int16_t>(h);
+    members[size_t{kv} * kMaxSharedGroup + size[kv]++] = static_cast<int16_t>(h);
     most = std::max(most, size[kv]);
   }
   return most;

@@ -84,26 +84,6 @@ struct Fused {
   static_assert(size_t{kWarps} * kG * kWo * 4 <= kWarps * kRing, "outputs > rings");
 };
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Sums 32 values across the warp and scatters the totals: afterwards lane l's v[0] is the warp's
-// sum of every lane's v[l]. 31 shuffles for 32 sums (32 WarpSums take 160), and each total is
-// added in WarpSum's order, so bit for bit the same value.
-__device__ inline float ReduceScatter32(float (&v)[32]) {
-  const int lane = threadIdx.x & 31;
-  Unroll<0, 5>([&](auto S) {
-    constexpr int kHalf = 16 >> decltype(S)::value;  // values left after this step
-    const bool upper = lane & kHalf;
-#pragma unroll
-    for (int i = 0; i < kHalf; ++i) {
-      const float keep = upper ? v[i + kHalf] : v[i];
-      const float send = upper ? v[i] : v[i + kHalf];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kHalf);
-    }
-  });
-  return v[0];
-}
-#endif
-
 template <int D, int C>
 __global__ void __launch_bounds__(kThreads, 1)
     SparseAutoShared(const __grid_constant__ FusedSparseArgs a) {

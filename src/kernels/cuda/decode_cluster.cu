@@ -1,0 +1,540 @@
+// Dense M = 1 decode over a short visible range in one launch, fp32 or fp16 K/V (d 64 or 128),
+// up to kG = 4 query heads a K/V head.
+//
+// Per K/V head one thread-block cluster of kCluster blocks (8 or 16 warps each): rank r takes
+// the r-th part of the visible keys and each of its warps a contiguous run of them. A warp's K
+// tiles stream through its own ring of bulk copies (a tile's rows are contiguous in the slot:
+// one copy), its V rows straight into registers while the tile's scores are computed. The math
+// is fp32 on the CUDA cores, lane l owning columns l·D/32 ..:
+//   scores   a run of 32/kG keys' dot products with the kG member heads' queries is one
+//            ReduceScatter32Xor (31 shuffles and 31 adds for 32 sums; the values sit
+//            lane-permuted — each lane's queries and K rows in its own order — so no selects),
+//            leaving lane l key l / kG of head l % kG
+//   softmax  online, in the log2 domain, per head over the lanes of that head
+//   p·V      every lane's columns of every head; a key's weights by one broadcast read of the
+//            warp's weights in shared memory
+// Then the warps merge in shared memory, each rank stores its merged (m, l, o) where it is
+// merged — its m and l into every rank, its output columns into the rank that owns them
+// (distributed shared memory) — one cluster barrier, and every rank writes its columns of the
+// output; rank h writes head h's LSE.
+//
+// Against the split-K launch and its combine (flash.cu, attend.cu) this leaves out the partials'
+// round trip through global memory and the second launch, and runs 8 or 16 warps a
+// multiprocessor where the fp32 decode runs four (whose hi/lo tf32 MMA chains then wait on each
+// other) — on 64 multiprocessors for 8 K/V heads, so it pays only while a range is short
+// (DecodeClusterMaxKeys).
+#include <cooperative_groups.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <type_traits>
+
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_mma.cuh"
+
+namespace pion::kernels::cuda {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kCluster = kDecodeCluster;
+constexpr int kStages = 3;  // tiles in each warp's ring
+
+template <typename T, int D, int kG, int W>
+struct Dc {
+  // Warps a block: 8, or 16 for groups of up to 4 heads (registers: at most 128 a thread).
+  static constexpr int kWarps = W;
+  static_assert(W == 8 || (W == 16 && kG == 4), "8 warps, or 16 for up to 4 heads");
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kCols = D / 32;  // columns a lane owns
+  static_assert(kCols * 32 == D && (kCols == 2 || kCols == 4), "d 64 or 128");
+  static constexpr int kRowBytes = D * int(sizeof(T));
+  static constexpr int kRun = 32 / kG;  // keys one ReduceScatter32 scores
+  // Keys a tile: 4 KB of K a stage (at most 16 keys: their V rows are registers), a whole
+  // number of runs. V comes straight into registers.
+  static constexpr int kFit = 4096 / kRowBytes < 16 ? 4096 / kRowBytes : 16;
+  static constexpr int kTk = kFit > kRun ? kFit : kRun;
+  static_assert(kTk % kRun == 0, "a tile is whole runs");
+  static constexpr int kRuns = kTk / kRun;
+  static constexpr int kWords = kCols * int(sizeof(T)) / 4;  // 32-bit words of a lane's columns
+  static_assert(kRuns >= 1 && kWords >= 1, "a tile is a run or more; a lane loads a word or more");
+  static constexpr size_t kTile = size_t{kTk} * kRowBytes;  // K bytes of a tile
+  static constexpr size_t kRing = kStages * kTile;
+  // The warps' outputs [kWarps][kG][D] floats, in the rings once every warp is done with them.
+  static constexpr size_t kOut = size_t{kWarps} * kG * D * 4;
+  static constexpr size_t kBytes = kWarps * kRing > kOut ? kWarps* kRing : kOut;
+  static constexpr int kShare = (kG * D / 4 + kCluster - 1) / kCluster;  // float4 columns a rank
+  static_assert(kShare <= kThreads, "a rank merges its share in one pass");
+};
+
+// A lane's columns of a row as loaded (W 32-bit words), and as floats.
+template <int W>
+__device__ inline void LoadWords(const void* p, uint32_t (&w)[W]) {
+  if constexpr (W == 4) {
+    const uint4 u = __ldg(static_cast<const uint4*>(p));
+    w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+  } else if constexpr (W == 2) {
+    const uint2 u = __ldg(static_cast<const uint2*>(p));
+    w[0] = u.x, w[1] = u.y;
+  } else {
+    w[0] = __ldg(static_cast<const unsigned int*>(p));
+  }
+}
+template <typename T, int N, int W>
+__device__ inline void ToFloats(const uint32_t (&w)[W], float (&x)[N]) {
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = __uint_as_float(w[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      x[2 * i] = f.x, x[2 * i + 1] = f.y;
+    }
+  }
+}
+// A lane's kCols columns of a row as floats.
+template <int N>
+__device__ inline void LoadCols(const float* p, float (&x)[N]) {
+  if constexpr (N == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else {
+    const float2 v = *reinterpret_cast<const float2*>(p);
+    x[0] = v.x, x[1] = v.y;
+  }
+}
+template <int N>
+__device__ inline void LoadCols(const __half* p, float (&x)[N]) {
+  if constexpr (N == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+    x[0] = a.x, x[1] = a.y, x[2] = b.x, x[3] = b.y;
+  } else {
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(p));
+    x[0] = a.x, x[1] = a.y;
+  }
+}
+
+template <typename T, int D, int kG, int W>
+__global__ void __launch_bounds__(Dc<T, D, kG, W>::kThreads, 1)
+    DecodeCluster(const __grid_constant__ DecodeClusterArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters; the launch checks the device
+  using F = Dc<T, D, kG, W>;
+  constexpr int kCols = F::kCols, kRun = F::kRun, kTk = F::kTk, kRuns = F::kRuns;
+  constexpr int kShare = F::kShare, kWarps = F::kWarps, kThreads = F::kThreads;
+  constexpr int kWords = F::kWords;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ __align__(8) uint64_t bars[kWarps][kStages];
+  __shared__ float warp_m[kWarps][kG], warp_l[kWarps][kG];
+  __shared__ int32_t heads[kG];
+  __shared__ __align__(
+      16) float pw[kWarps][kRuns * 32];  // each warp's tile weights, as lanes hold them
+  // What the other ranks send this one: their (m, l) of every member head and their output
+  // columns of this rank's share.
+  __shared__ float4 recv_o[kCluster][kShare];
+  __shared__ float recv_m[kCluster][kG], recv_l[kCluster][kG];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const uint32_t kv = blockIdx.x / kCluster;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (lane == 0) {
+#pragma unroll
+    for (int b = 0; b < kStages; ++b) MbarInit(&bars[warp][b], 1);
+    FenceMbarInit();
+  }
+  __syncwarp();
+  // This rank's arrival on the cluster barrier whose wait, before the first store to another
+  // rank's shared memory, means every rank runs.
+  auto started = cluster.barrier_arrive();
+
+  // This warp's keys: the rank's part of [lo, hi), split evenly over the warps.
+  const uint32_t total = a.hi - a.lo;
+  const uint32_t r0 = a.lo + SplitPoint(total, rank, kCluster);
+  const uint32_t r1 = a.lo + SplitPoint(total, rank + 1, kCluster);
+  const uint32_t w0 = r0 + SplitPoint(r1 - r0, warp, kWarps);
+  const uint32_t w1 = r0 + SplitPoint(r1 - r0, warp + 1, kWarps);
+  const int ntiles = static_cast<int>((w1 - w0 + kTk - 1) / kTk);
+  const size_t head_off = size_t{kv} * a.rows * F::kRowBytes;
+  const uint8_t* kbase = static_cast<const uint8_t*>(a.k) + head_off;
+  const uint8_t* vbase = static_cast<const uint8_t*>(a.v) + head_off;
+  uint8_t* ring = smem + warp * F::kRing;
+  auto tile_k = [&](int buf) { return reinterpret_cast<const T*>(ring + buf * F::kTile); };
+  // Tile t's K into buffer t % kStages: its valid rows, one bulk copy, counted on the buffer's
+  // mbarrier (its k-th fill completes phase k, parity k & 1). Lane 0 issues.
+  auto prefetch = [&](int t) {
+    if (t >= ntiles || lane != 0) return;
+    const int buf = t % kStages;
+    const uint32_t first = w0 + static_cast<uint32_t>(t * kTk);
+    const uint32_t bytes = Min<uint32_t>(kTk, w1 - first) * F::kRowBytes;
+    MbarArriveExpect(&bars[warp][buf], bytes);
+    BulkCopy(ring + buf * F::kTile, kbase + size_t{first} * F::kRowBytes, bytes, &bars[warp][buf]);
+  };
+#pragma unroll
+  for (int t = 0; t < kStages; ++t) prefetch(t);
+
+  // The member heads' queries, this lane's columns of each (zero past the group), lane-permuted
+  // for ReduceScatter32Xor: the scores' value j = key·kG + head sits at v[j ^ lane], so lane l's
+  // q[g] is head g ^ (l mod kG)'s and its key r row r ^ (l / kG) (the same banks either way).
+  float q[kG][kCols];
+  int G = 0;
+  const int xg = lane % kG, xr = lane / kG;
+#pragma unroll
+  for (int g = 0; g < kG; ++g) {
+    G += a.members[kv * kMaxSharedGroup + g] >= 0;
+    if (tid == g) heads[g] = a.members[kv * kMaxSharedGroup + g];
+    const int32_t h = a.members[kv * kMaxSharedGroup + (g ^ xg)];
+    if (h >= 0) {
+      LoadCols(a.q + size_t(h) * D + lane * kCols, q[g]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) q[g][c] = 0.f;
+    }
+  }
+  const float sl2 = a.scale * kLog2e;
+  // Head (lane % kG)'s running max (log2 domain, alike in its lanes) and this lane's share of
+  // its running sum; every head's output over this lane's columns.
+  float m_h = -INFINITY, l_part = 0.f;
+  float o[kG][kCols];
+#pragma unroll
+  for (int g = 0; g < kG; ++g)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) o[g][c] = 0.f;
+
+  // One tile: its V rows (this lane's columns) straight into registers, in flight while the
+  // scores are computed; scores (−inf past the valid rows, whose bytes are a previous tile's or
+  // never written); online softmax; p·V. kFull: every row valid (no per-row bounds).
+  auto tile = [&](int t, auto full_c) {
+    constexpr bool kFull = decltype(full_c)::value;
+    const int buf = t % kStages;
+    const uint32_t first = w0 + static_cast<uint32_t>(t * kTk);
+    const int valid = kFull ? kTk : static_cast<int>(Min<uint32_t>(kTk, w1 - first));
+    const uint8_t* vt = vbase + size_t{first} * F::kRowBytes + lane * kCols * sizeof(T);
+    uint32_t vw[kTk][kWords];
+#pragma unroll
+    for (int j = 0; j < kTk; ++j) {
+      if (kFull || j < valid) LoadWords(vt + j * F::kRowBytes, vw[j]);
+    }
+    MbarWait(&bars[warp][buf], static_cast<uint32_t>(t / kStages) & 1u);
+    const T* kt = tile_k(buf);
+    // Lane l ends with key run·kRun + l / kG of head l % kG.
+    float s[kRuns];
+#pragma unroll
+    for (int run = 0; run < kRuns; ++run) {
+      float v[32];
+#pragma unroll
+      for (int r = 0; r < kRun; ++r) {
+        float k[kCols];
+        LoadCols(kt + (run * kRun + (r ^ xr)) * D + lane * kCols, k);
+#pragma unroll
+        for (int g = 0; g < kG; ++g) {
+          float dot = 0.f;
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) dot = fmaf(q[g][c], k[c], dot);
+          v[r * kG + g] = dot;
+        }
+      }
+      const float dot = ReduceScatter32Xor(v);
+      s[run] = kFull || run * kRun + lane / kG < valid ? dot * sl2 : -INFINITY;
+    }
+    // Online softmax per head: the tile's max over the head's lanes (lanes ≡ head mod kG).
+    float mx = s[0];
+#pragma unroll
+    for (int run = 1; run < kRuns; ++run) mx = fmaxf(mx, s[run]);
+#pragma unroll
+    for (int x = kG; x < 32; x <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+    const float m_new = fmaxf(m_h, mx);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = exp2f(m_h - m_use);
+    m_h = m_new;
+    float ps = 0.f;
+#pragma unroll
+    for (int run = 0; run < kRuns; ++run) {
+      const float p = exp2f(s[run] - m_use);
+      ps += p;
+      pw[warp][run * 32 + lane] = p;
+    }
+    l_part = l_part * alpha + ps;
+    __syncwarp();
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      const float ag = __shfl_sync(0xffffffffu, alpha, g);
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) o[g][c] *= ag;
+    }
+#pragma unroll
+    for (int j = 0; j < kTk; ++j) {
+      if (kFull || j < valid) {
+        float x[kCols];
+        ToFloats<T>(vw[j], x);
+        float pg[kG];  // key j's weights, every head (a broadcast read)
+#pragma unroll
+        for (int g4 = 0; g4 < kG; g4 += 4) {
+          const float4 w4 = *reinterpret_cast<const float4*>(&pw[warp][j * kG + g4]);
+          pg[g4] = w4.x, pg[g4 + 1] = w4.y, pg[g4 + 2] = w4.z, pg[g4 + 3] = w4.w;
+        }
+#pragma unroll
+        for (int g = 0; g < kG; ++g) {
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) o[g][c] = fmaf(pg[g], x[c], o[g][c]);
+        }
+      }
+    }
+    // Every lane is done with the buffer (and the weights) before they refill: its reads are
+    // ordered before the bulk copy's writes.
+    FenceProxyAsync();
+    __syncwarp();
+    prefetch(t + kStages);
+  };
+  for (int t = 0; t < ntiles; ++t) {
+    if (w1 - w0 - static_cast<uint32_t>(t * kTk) >= static_cast<uint32_t>(kTk)) {
+      tile(t, std::true_type{});
+    } else {
+      tile(t, std::false_type{});
+    }
+  }
+  // Head g's sum over its lanes; lane g (< kG) then holds head g's (m, l).
+#pragma unroll
+  for (int x = kG; x < 32; x <<= 1) l_part += __shfl_xor_sync(0xffffffffu, l_part, x);
+
+  __syncthreads();  // every warp is done with the rings: they hold the warps' outputs now
+  float* wo = reinterpret_cast<float*>(smem);  // [kWarps][kG][D]
+#pragma unroll
+  for (int g = 0; g < kG; ++g) {
+    if (g < G) {
+      float* dst = wo + (warp * kG + g) * D + lane * kCols;
+      if constexpr (kCols == 4) {
+        *reinterpret_cast<float4*>(dst) = make_float4(o[g][0], o[g][1], o[g][2], o[g][3]);
+      } else {
+        *reinterpret_cast<float2*>(dst) = make_float2(o[g][0], o[g][1]);
+      }
+    }
+  }
+  if (lane < G) warp_m[warp][lane] = m_h, warp_l[warp][lane] = l_part;
+  __syncthreads();
+
+  // Merge the warps into this rank's state and send it where it is merged: per head its m and
+  // l to every rank (warp_m becomes the warps' weights), then a float4 column a thread to the
+  // rank whose share holds it.
+  cluster.barrier_wait(std::move(started));  // every rank runs: its memory may be written
+  if (tid < G) {
+    float m = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_m[w][tid]);
+    float l = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = m == -INFINITY ? 0.f : exp2f(warp_m[w][tid] - m);
+      warp_m[w][tid] = f;
+      l += f * warp_l[w][tid];
+    }
+    const float mn = m == -INFINITY ? -INFINITY : m * kLn2;
+#pragma unroll
+    for (int r = 0; r < kCluster; ++r) {
+      *cluster.map_shared_rank(&recv_m[rank][tid], r) = mn;
+      *cluster.map_shared_rank(&recv_l[rank][tid], r) = l;
+    }
+  }
+  __syncthreads();
+  const int ncol = G * (D / 4);  // the member heads' float4 output columns
+  for (int e = tid; e < ncol; e += kThreads) {
+    const int h = e / (D / 4), c = (e % (D / 4)) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = warp_m[w][h];
+      const float4 x = *reinterpret_cast<const float4*>(wo + (w * kG + h) * D + c);
+      acc.x += f * x.x;
+      acc.y += f * x.y;
+      acc.z += f * x.z;
+      acc.w += f * x.w;
+    }
+    const int owner = ((e + 1) * kCluster - 1) / ncol;  // the last rank whose share starts ≤ e
+    *cluster.map_shared_rank(&recv_o[rank][e - ncol * owner / kCluster], owner) = acc;
+  }
+  // Every rank's state has arrived (release and acquire at cluster scope); after this barrier
+  // no rank touches another's shared memory, so each exits when its merge is done.
+  cluster.sync();
+
+  // Rank r merges its share of the float4 output columns; rank h (< G) writes head h's LSE.
+  const int e = ncol * rank / kCluster + tid;
+  if (e < ncol * (rank + 1) / kCluster) {
+    const int h = e / (D / 4), c = (e % (D / 4)) * 4;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < kCluster; ++r) mx = fmaxf(mx, recv_m[r][h]);
+    float l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int r = 0; r < kCluster; ++r) {
+      const float f = mx == -INFINITY ? 0.f : expf(recv_m[r][h] - mx);
+      const float4 x = recv_o[r][tid];
+      l += f * recv_l[r][h];
+      acc.x += f * x.x;
+      acc.y += f * x.y;
+      acc.z += f * x.z;
+      acc.w += f * x.w;
+    }
+    *reinterpret_cast<float4*>(a.out + size_t(heads[h]) * D + c) =
+        mx == -INFINITY ? make_float4(0.f, 0.f, 0.f, 0.f)
+                        : make_float4(acc.x / l, acc.y / l, acc.z / l, acc.w / l);
+  }
+  if (rank < G && warp == kWarps - 1) {  // lane r: rank r's m and l of head `rank`
+    const int h = rank;
+    const bool in = lane < kCluster;
+    const float m = in ? recv_m[lane][h] : -INFINITY;
+    const float l = in ? recv_l[lane][h] : 0.f;
+    const float mx = WarpMax(m);
+    const float sl = WarpSum(mx == -INFINITY || !in ? 0.f : expf(m - mx) * l);
+    if (lane == 0) a.lse[heads[h]] = mx == -INFINITY ? -INFINITY : mx + logf(sl);
+  }
+#else
+  __trap();  // built without clusters: never launched (Active checks the loaded code)
+#endif
+}
+
+template <typename T, int D, int kG, int W>
+cudaLaunchConfig_t Config(uint32_t blocks, cudaStream_t stream, cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(Dc<T, D, kG, W>::kThreads);
+  cfg.dynamicSmemBytes = Dc<T, D, kG, W>::kBytes;
+  cfg.stream = stream;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = kCluster;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// How many clusters of the kernel the device runs at once (0: none, or the loaded code is not
+// the sm_90 build — a newer GPU JIT-compiling the portable PTX gets a body that only traps).
+// Sets the kernel's shared-memory attribute first (once).
+template <typename T, int D, int kG, int W>
+int ActiveClusters() {
+  static const int n = [] {
+    if (cudaFuncSetAttribute(DecodeCluster<T, D, kG, W>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(Dc<T, D, kG, W>::kBytes)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, DecodeCluster<T, D, kG, W>) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    if (fa.ptxVersion < 90) return 0;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = Config<T, D, kG, W>(kCluster, nullptr, &attr);
+    int clusters = 0;
+    const cudaError_t e =
+        cudaOccupancyMaxActiveClusters(&clusters, DecodeCluster<T, D, kG, W>, &cfg);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return e == cudaSuccess ? clusters : 0;
+  }();
+  return n;
+}
+
+// Calls f with (T, D, kG, W) as a type and constants for a supported shape (groups of up to 4
+// heads: kG = 4; `warps` 8 or 16); false otherwise.
+template <typename Fn>
+bool WithShape(DType dtype, uint32_t d, uint32_t group, uint32_t warps, Fn&& f) {
+  using I4 = std::integral_constant<int, 4>;
+  auto by_group = [&](auto t, auto dc) {
+    if (warps == 16) {
+      f(t, dc, I4{}, std::integral_constant<int, 16>{});
+    } else {
+      f(t, dc, I4{}, std::integral_constant<int, 8>{});
+    }
+    return true;
+  };
+  auto by_d = [&](auto t) {
+    if (d == 64) return by_group(t, std::integral_constant<int, 64>{});
+    if (d == 128) return by_group(t, std::integral_constant<int, 128>{});
+    return false;
+  };
+  if (group < 1 || group > 4) return false;
+  if (warps != 8 && warps != 16) return false;
+  if (dtype == DType::kF32) return by_d(float{});
+  if (dtype == DType::kF16) return by_d(__half{});
+  return false;
+}
+
+}  // namespace
+
+// Measured on the H200 (GQA 32/8, d = 128; bench/results/attention-gpu-2026-12-02.md), µs, one
+// launch against the split-K launch and its combine: fp32 512 4.5 vs 9.1, 2K 7.6 vs 11.4, 4K
+// 11.6 vs 14.9; fp16 1K 5.2 vs 6.4, 2K 6.8 vs 7.3 (at 4K the split-K launch's more
+// multiprocessors win: 10.9 vs 8.9). Groups of up to 4 query heads a K/V head: with 8, twice
+// the per-key work (32/4 at 2K: 10.9 vs 9.9), so the kernel is built for up to 4.
+uint64_t DecodeClusterMaxKeys(DType dtype, uint32_t d) {
+  (void)d;
+  return dtype == DType::kF32 ? 4096 : dtype == DType::kF16 ? 2048 : 0;
+}
+
+namespace {
+// 16 warps a block once a block's K and V reach 256 KB (their per-key work hides better), else 8
+// (less to merge): fp32 2K 7.56 vs 7.87 µs, 4K 11.6 vs 12.0; fp32 1K 5.54 vs 5.71, 512 4.48 vs
+// 5.56; fp16 2K 6.81 vs 6.91.
+uint32_t Warps(const DecodeClusterArgs& a) {
+  if (a.warps == 8 || a.warps == 16) return a.warps;
+  const uint64_t bytes = uint64_t{a.hi - a.lo} * 2 * a.d * DTypeSize(a.dtype) / kCluster;
+  return bytes >= (256u << 10) ? 16 : 8;
+}
+}  // namespace
+
+bool DecodeClusterFits(DType dtype, uint32_t d, uint32_t group, uint32_t heads, uint64_t keys) {
+  if (heads == 0 || heads > static_cast<uint32_t>(kMaxFusedHeads) || group < 1 || group > 4 ||
+      keys == 0 || keys > DecodeClusterMaxKeys(dtype, d) || gpu::Info().cc_major < 9) {
+    return false;
+  }
+  // Every K/V head's cluster at once, for either block shape.
+  int active = 1 << 30;
+  for (uint32_t w : {8u, 16u}) {
+    const bool shape = WithShape(dtype, d, group, w, [&](auto t, auto dc, auto gc, auto wc) {
+      active = std::min(active, ActiveClusters<decltype(t), decltype(dc)::value,
+                                               decltype(gc)::value, decltype(wc)::value>());
+    });
+    if (!shape) return false;
+  }
+  return active >= static_cast<int>(heads);
+}
+
+Status LaunchDecodeCluster(const DecodeClusterArgs& a, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  if (a.heads == 0 || a.hi <= a.lo) return Status::Ok();
+  if (a.heads > static_cast<uint32_t>(kMaxFusedHeads) || a.hi > a.rows) {
+    return Status(ErrorKind::kErr, "cluster decode: bad heads or visible range");
+  }
+  Status st = Status::Ok();
+  const bool shape =
+      WithShape(a.dtype, a.d, a.group, Warps(a), [&](auto t, auto dc, auto gc, auto wc) {
+        using T = decltype(t);
+        constexpr int D = decltype(dc)::value, G = decltype(gc)::value, W = decltype(wc)::value;
+        if (gpu::Info().cc_major < 9 || ActiveClusters<T, D, G, W>() == 0) {
+          (void)(st = Status(
+                     ErrorKind::kErr,
+                     "cluster decode needs thread-block clusters and this binary's sm_90 code"));
+          return;
+        }
+        cudaLaunchAttribute cluster;
+        const cudaLaunchConfig_t cfg = Config<T, D, G, W>(a.heads * kCluster, s, &cluster);
+        const cudaError_t e = cudaLaunchKernelEx(&cfg, DecodeCluster<T, D, G, W>, a);
+        (void)(st = e == cudaSuccess ? KernelStatus("cluster decode kernel")
+                                     : gpu::CudaError(e, "cluster decode kernel"));
+      });
+  if (!shape) {
+    return Status(ErrorKind::kErr, "cluster decode has no kernel for this dtype, head dim (" +
+                                       std::to_string(a.d) + ") or group (" +
+                                       std::to_string(a.group) + ")");
+  }
+  return st;
+}
+
+}  // namespace pion::kernels::cuda
