@@ -240,6 +240,15 @@ TEST(GpuExecutor, Smoke) {
         Check(c);
       }
     }
+    if (t != DType::kBF16) {  // M = 1 over 2K keys: the cluster decode's larger blocks
+      Case c;
+      c.hq = 32;
+      c.heads = 8;
+      c.n = 2048;
+      c.d = 128;
+      c.dtype = t;
+      Check(c);
+    }
     for (Form f : {Form::kSparse, Form::kSparseAuto, Form::kSparseAutoFused}) {
       Case c;
       c.form = f;
