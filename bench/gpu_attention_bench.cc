@@ -11,7 +11,11 @@
 //                       PION_BENCH_INTERLEAVE=0 decode warps on quarters, PION_BENCH_UNIFORM=0
 //                       items loaded as for any grouping, PION_BENCH_F32TC=0 fp32 decode on
 //                       the SIMT kernel, PION_BENCH_SKIP_COMBINE=1 the split-K
-//                       launch alone, PION_BENCH_FINISH=1 the launch merging its own splits)
+//                       launch alone, PION_BENCH_FINISH=1 the launch merging its own splits;
+//                       M = 1 over a short range: the cluster decode's one launch where the
+//                       executor takes it, with the split-K time beside it and the outputs
+//                       compared — PION_BENCH_CLUSTER_DECODE=1 at any range it takes, =0
+//                       never; PION_BENCH_CLUSTER_WARPS=8|16 its block's warps)
 //   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top> [shared|fused]
 //                       (shared: SHARED selection — one block set per K/V head; fused: SHARED,
 //                       and the one-launch kernel beside it, compared;
