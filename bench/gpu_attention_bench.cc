@@ -78,6 +78,22 @@ T* DevAlloc(size_t n) {
   return static_cast<T*>(p);
 }
 
+// n elements of device memory, on the host.
+template <typename T>
+std::vector<std::remove_cv_t<T>> Down(const T* p, size_t n) {
+  std::vector<std::remove_cv_t<T>> h(n);
+  CK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// The largest |x[i] − y[i]| (x and y the same length).
+template <typename T>
+double MaxAbsDiff(const std::vector<T>& x, const std::vector<T>& y) {
+  double err = 0;
+  for (size_t i = 0; i < x.size(); ++i) err = std::max(err, std::fabs(double(x[i]) - y[i]));
+  return err;
+}
+
 // Random device values: fp32 normal-ish (sum of uniforms), or their fp16 bits.
 void* RandomTensor(size_t elems, DType t, uint32_t seed) {
   std::vector<float> f(elems);
@@ -289,14 +305,9 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
     const double c_us = TimeUs(
         s, [&] { Ok(kernels::cuda::LaunchDecodeCluster(c, s)); }, Iters(bytes), &c_launches);
     CK(cudaStreamSynchronize(s));
-    std::vector<float> o1(size_t{a.nrows} * d), o2(o1.size()), l1(a.nrows), l2(a.nrows);
-    CK(cudaMemcpy(o1.data(), a.out, o1.size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(o2.data(), c.out, o2.size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(l1.data(), a.lse, l1.size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(l2.data(), c.lse, l2.size() * 4, cudaMemcpyDeviceToHost));
-    double err = 0;
-    for (size_t i = 0; i < o1.size(); ++i) err = std::max(err, double(std::fabs(o1[i] - o2[i])));
-    for (size_t i = 0; i < l1.size(); ++i) err = std::max(err, double(std::fabs(l1[i] - l2[i])));
+    const size_t on = size_t{a.nrows} * d;
+    const double err = std::max(MaxAbsDiff(Down(a.out, on), Down(c.out, on)),
+                                MaxAbsDiff(Down(a.lse, a.nrows), Down(c.lse, a.nrows)));
     char buf[200];
     std::snprintf(buf, sizeof buf,
                   ", \"splitk_us\": %.2f, \"cluster_us\": %.2f, \"cluster_max_abs_diff\": %.2e", us,
@@ -430,24 +441,14 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
     run(4);
     Ok(kernels::cuda::LaunchSparseAutoShared(f, s));
     CK(cudaStreamSynchronize(s));
-    auto down = [](const auto* p, size_t n) {
-      std::vector<std::remove_cv_t<std::remove_pointer_t<decltype(p)>>> h(n);
-      CK(cudaMemcpy(h.data(), p, n * sizeof(h[0]), cudaMemcpyDeviceToHost));
-      return h;
-    };
-    const auto o1 = down(a.out, size_t{hq} * d), o2 = down(f.out, size_t{hq} * d);
-    const auto l1 = down(a.lse, hq), l2 = down(f.lse, hq);
-    const auto b1 = down(blocks, size_t{hq} * (k_top + 2)),
-               b2 = down(f.blocks, size_t{hq} * (k_top + 2));
-    const auto n1 = down(nchosen, hq), n2 = down(f.nchosen, hq);
-    const auto c1 = down(counts, hq), c2 = down(f.counts, hq);
-    const auto m1 = down(omitted, hq), m2 = down(f.omitted, hq);
-    double err = 0, om_err = 0;
-    for (size_t i = 0; i < o1.size(); ++i) err = std::max(err, std::fabs(double(o1[i]) - o2[i]));
-    for (uint32_t h = 0; h < hq; ++h) {
-      err = std::max(err, std::fabs(double(l1[h]) - l2[h]));
-      om_err = std::max(om_err, std::fabs(double(m1[h]) - m2[h]));
-    }
+    const auto b1 = Down(blocks, size_t{hq} * (k_top + 2)),
+               b2 = Down(f.blocks, size_t{hq} * (k_top + 2));
+    const auto n1 = Down(nchosen, hq), n2 = Down(f.nchosen, hq);
+    const auto c1 = Down(counts, hq), c2 = Down(f.counts, hq);
+    const double err =
+        std::max(MaxAbsDiff(Down(a.out, size_t{hq} * d), Down(f.out, size_t{hq} * d)),
+                 MaxAbsDiff(Down(a.lse, hq), Down(f.lse, hq)));
+    const double om_err = MaxAbsDiff(Down(omitted, hq), Down(f.omitted, hq));
     bool same = n1 == n2 && c1 == c2;
     for (uint32_t h = 0; same && h < hq; ++h) {
       for (int32_t j = 0; j < n1[h]; ++j)
@@ -465,7 +466,7 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
       f.trace = DevAlloc<long long>(blocks_n * kMarks);
       Ok(kernels::cuda::LaunchSparseAutoShared(f, s));
       CK(cudaStreamSynchronize(s));
-      const auto tr_h = down(f.trace, blocks_n * kMarks);
+      const auto tr_h = Down(f.trace, blocks_n * kMarks);
       int khz = 0;
       CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
       for (int i = 1; i < kMarks; ++i) {

@@ -277,37 +277,35 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
     case Form::kFused: {
       // A decode step over a short range (no suffix): one launch, a thread-block cluster per
       // K/V head that attends and merges (decode_cluster.cu), where the device takes it.
+      kernels::cuda::DecodeClusterArgs c;
       if (q.m == 1 && !fused && vis_lo < vis_hi) {
-        kernels::cuda::DecodeClusterArgs c;
         c.group = kernels::cuda::GroupMembers(q.hq, q.head_map, slot.heads, c.members);
-        if (c.group > 0 && kernels::cuda::DecodeClusterFits(slot.dtype, q.d, c.group, slot.heads,
-                                                            vis_hi - vis_lo)) {
-          c.q = dq;
-          c.hq = q.hq;
-          c.d = q.d;
-          c.k = copy.k();
-          c.v = copy.v();
-          c.dtype = slot.dtype;
-          c.heads = slot.heads;
-          c.rows = slot.rows;
-          c.lo = static_cast<uint32_t>(vis_lo);
-          c.hi = static_cast<uint32_t>(vis_hi);
-          c.scale = scale;
-          c.out = dout;
-          c.lse = dout + out_n;
-          PION_TRY(job.Flush());
-          PION_TRY(kernels::cuda::LaunchDecodeCluster(c, job.stream()));
-          finish.done = true;
-          r->splits = kernels::cuda::kDecodeCluster;
-          r->rows_attended = r->visible_rows;
-          for (uint32_t row = 0; row < nrows; ++row) r->support[row / q.m] += visible[row];
-          break;
-        }
       }
-      const DensePass pass = PlanDense(base, q.head_map, vis_hi - vis_lo);
-      PION_TRY(AllocParts(job, pass.splits + suf_pass.splits, nrows, q.d, &parts));
-      PION_TRY(DenseLaunch(job, base, pass, &parts, fin));
-      r->splits = std::max<uint32_t>(pass.splits, 1);
+      if (c.group > 0 &&
+          kernels::cuda::DecodeClusterFits(slot.dtype, q.d, c.group, slot.heads, vis_hi - vis_lo)) {
+        c.q = dq;
+        c.hq = q.hq;
+        c.d = q.d;
+        c.k = copy.k();
+        c.v = copy.v();
+        c.dtype = slot.dtype;
+        c.heads = slot.heads;
+        c.rows = slot.rows;
+        c.lo = static_cast<uint32_t>(vis_lo);
+        c.hi = static_cast<uint32_t>(vis_hi);
+        c.scale = scale;
+        c.out = dout;
+        c.lse = dout + out_n;
+        PION_TRY(job.Flush());
+        PION_TRY(kernels::cuda::LaunchDecodeCluster(c, job.stream()));
+        finish.done = true;
+        r->splits = kernels::cuda::kDecodeCluster;
+      } else {
+        const DensePass pass = PlanDense(base, q.head_map, vis_hi - vis_lo);
+        PION_TRY(AllocParts(job, pass.splits + suf_pass.splits, nrows, q.d, &parts));
+        PION_TRY(DenseLaunch(job, base, pass, &parts, fin));
+        r->splits = std::max<uint32_t>(pass.splits, 1);
+      }
       r->rows_attended = r->visible_rows;
       for (uint32_t row = 0; row < nrows; ++row) r->support[row / q.m] += visible[row];
       break;

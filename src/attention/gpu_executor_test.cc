@@ -327,7 +327,7 @@ TEST(GpuExecutor, DecodeClusterGroupsAndRanges) {
     EXPECT_FALSE(kernels::cuda::DecodeClusterFits(DType::kF32, 128, 9, 8, 2048));
     EXPECT_FALSE(kernels::cuda::DecodeClusterFits(DType::kBF16, 128, 4, 8, 2048));
     EXPECT_FALSE(kernels::cuda::DecodeClusterFits(
-        DType::kF32, 128, 4, 8, kernels::cuda::DecodeClusterMaxKeys(DType::kF32, 128) + 1));
+        DType::kF32, 128, 4, 8, kernels::cuda::DecodeClusterMaxKeys(DType::kF32) + 1));
   }
 }
 

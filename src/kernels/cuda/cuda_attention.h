@@ -236,8 +236,8 @@ struct DecodeClusterArgs {
 // resident at once, and a range short enough that 8 blocks a head beat the split-K launch and its
 // combine (DecodeClusterMaxKeys).
 bool DecodeClusterFits(DType dtype, uint32_t d, uint32_t group, uint32_t heads, uint64_t keys);
-// The longest visible range (keys) the one launch takes for this dtype and head dim.
-uint64_t DecodeClusterMaxKeys(DType dtype, uint32_t d);
+// The longest visible range (keys) the one launch takes for this dtype (any head dim it has).
+uint64_t DecodeClusterMaxKeys(DType dtype);
 Status LaunchDecodeCluster(const DecodeClusterArgs& a, void* stream);
 
 Status LaunchSummarize(const void* k, DType dtype, uint32_t heads, uint32_t rows, uint32_t d,

@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_cluster.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_mma.cuh"
 
@@ -323,73 +324,21 @@ __global__ void __launch_bounds__(Dc<T, D, kG, W>::kThreads, 1)
   // rank whose share holds it.
   cluster.barrier_wait(std::move(started));  // every rank runs: its memory may be written
   if (tid < G) {
-    float m = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_m[w][tid]);
-    float l = 0.f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = m == -INFINITY ? 0.f : exp2f(warp_m[w][tid] - m);
-      warp_m[w][tid] = f;
-      l += f * warp_l[w][tid];
-    }
-    const float mn = m == -INFINITY ? -INFINITY : m * kLn2;
-#pragma unroll
-    for (int r = 0; r < kCluster; ++r) {
-      *cluster.map_shared_rank(&recv_m[rank][tid], r) = mn;
-      *cluster.map_shared_rank(&recv_l[rank][tid], r) = l;
-    }
+    SendHeadState(cluster, rank, tid, MergeWarpStates(warp_m, warp_l, tid), recv_m, recv_l);
   }
   __syncthreads();
   const int ncol = G * (D / 4);  // the member heads' float4 output columns
-  for (int e = tid; e < ncol; e += kThreads) {
-    const int h = e / (D / 4), c = (e % (D / 4)) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = warp_m[w][h];
-      const float4 x = *reinterpret_cast<const float4*>(wo + (w * kG + h) * D + c);
-      acc.x += f * x.x;
-      acc.y += f * x.y;
-      acc.z += f * x.z;
-      acc.w += f * x.w;
-    }
-    const int owner = ((e + 1) * kCluster - 1) / ncol;  // the last rank whose share starts ≤ e
-    *cluster.map_shared_rank(&recv_o[rank][e - ncol * owner / kCluster], owner) = acc;
-  }
+  SendColumns<kCluster, kWarps, kG, kShare, D>(cluster, rank, wo, warp_m, recv_o, ncol, D, tid,
+                                               kThreads);
   // Every rank's state has arrived (release and acquire at cluster scope); after this barrier
   // no rank touches another's shared memory, so each exits when its merge is done.
   cluster.sync();
 
   // Rank r merges its share of the float4 output columns; rank h (< G) writes head h's LSE.
-  const int e = ncol * rank / kCluster + tid;
-  if (e < ncol * (rank + 1) / kCluster) {
-    const int h = e / (D / 4), c = (e % (D / 4)) * 4;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int r = 0; r < kCluster; ++r) mx = fmaxf(mx, recv_m[r][h]);
-    float l = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int r = 0; r < kCluster; ++r) {
-      const float f = mx == -INFINITY ? 0.f : expf(recv_m[r][h] - mx);
-      const float4 x = recv_o[r][tid];
-      l += f * recv_l[r][h];
-      acc.x += f * x.x;
-      acc.y += f * x.y;
-      acc.z += f * x.z;
-      acc.w += f * x.w;
-    }
-    *reinterpret_cast<float4*>(a.out + size_t(heads[h]) * D + c) =
-        mx == -INFINITY ? make_float4(0.f, 0.f, 0.f, 0.f)
-                        : make_float4(acc.x / l, acc.y / l, acc.z / l, acc.w / l);
-  }
-  if (rank < G && warp == kWarps - 1) {  // lane r: rank r's m and l of head `rank`
-    const int h = rank;
-    const bool in = lane < kCluster;
-    const float m = in ? recv_m[lane][h] : -INFINITY;
-    const float l = in ? recv_l[lane][h] : 0.f;
-    const float mx = WarpMax(m);
-    const float sl = WarpSum(mx == -INFINITY || !in ? 0.f : expf(m - mx) * l);
-    if (lane == 0) a.lse[heads[h]] = mx == -INFINITY ? -INFINITY : mx + logf(sl);
+  MergeShare(recv_m, recv_l, recv_o, heads, ncol, D, rank, tid, a.out);
+  if (rank < G && warp == kWarps - 1) {
+    const float lse = ClusterLse(recv_m, recv_l, rank, lane);
+    if (lane == 0) a.lse[heads[rank]] = lse;
   }
 #else
   __trap();  // built without clusters: never launched (Active checks the loaded code)
@@ -473,8 +422,7 @@ bool WithShape(DType dtype, uint32_t d, uint32_t group, uint32_t warps, Fn&& f) 
 // 11.6 vs 14.9; fp16 1K 5.2 vs 6.4, 2K 6.8 vs 7.3 (at 4K the split-K launch's more
 // multiprocessors win: 10.9 vs 8.9). Groups of up to 4 query heads a K/V head: with 8, twice
 // the per-key work (32/4 at 2K: 10.9 vs 9.9), so the kernel is built for up to 4.
-uint64_t DecodeClusterMaxKeys(DType dtype, uint32_t d) {
-  (void)d;
+uint64_t DecodeClusterMaxKeys(DType dtype) {
   return dtype == DType::kF32 ? 4096 : dtype == DType::kF16 ? 2048 : 0;
 }
 
@@ -491,7 +439,7 @@ uint32_t Warps(const DecodeClusterArgs& a) {
 
 bool DecodeClusterFits(DType dtype, uint32_t d, uint32_t group, uint32_t heads, uint64_t keys) {
   if (heads == 0 || heads > static_cast<uint32_t>(kMaxFusedHeads) || group < 1 || group > 4 ||
-      keys == 0 || keys > DecodeClusterMaxKeys(dtype, d) || gpu::Info().cc_major < 9) {
+      keys == 0 || keys > DecodeClusterMaxKeys(dtype) || gpu::Info().cc_major < 9) {
     return false;
   }
   // Every K/V head's cluster at once, for either block shape.

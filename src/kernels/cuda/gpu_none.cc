@@ -93,7 +93,7 @@ bool SparseAutoSharedFits(DType, uint32_t, uint32_t, uint32_t, uint32_t) { retur
 uint32_t SparseAutoSharedCluster(uint32_t, uint32_t, uint32_t) { return 8; }
 int SparseAutoSharedActiveClusters(uint32_t, uint32_t) { return 0; }
 bool DecodeClusterFits(DType, uint32_t, uint32_t, uint32_t, uint64_t) { return false; }
-uint64_t DecodeClusterMaxKeys(DType, uint32_t) { return 0; }
+uint64_t DecodeClusterMaxKeys(DType) { return 0; }
 Status LaunchDecodeCluster(const DecodeClusterArgs&, void*) { return NoCuda(); }
 
 }  // namespace pion::kernels::cuda

@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_cluster.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_mma.cuh"
 #include "kernels/cuda/cuda_select.cuh"
@@ -522,39 +523,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // l to every rank, its omitted sums to rank h, the warps' weights (warp_a becomes them); then
   // a float4 column a thread to the rank whose share holds it.
   if (tid < G) {
-    float m = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_a[w][tid]);
-    float l = 0.f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = m == -INFINITY ? 0.f : exp2f(warp_a[w][tid] - m);
-      warp_a[w][tid] = f;
-      l += f * warp_b[w][tid];
-    }
-    const float mn = m == -INFINITY ? -INFINITY : m * kLn2;
-#pragma unroll
-    for (int r = 0; r < C; ++r) {
-      *cluster.map_shared_rank(&recv_m[rank][tid], r) = mn;
-      *cluster.map_shared_rank(&recv_l[rank][tid], r) = l;
-    }
+    SendHeadState(cluster, rank, tid, MergeWarpStates(warp_a, warp_b, tid), recv_m, recv_l);
     *cluster.map_shared_rank(&recv_all[rank], tid) = part_all[tid];
     *cluster.map_shared_rank(&recv_left[rank], tid) = part_left[tid];
   }
   __syncthreads();
-  for (int e = tid; e < ncol; e += kThreads) {
-    const int h = e / (D / 4), c = (e % (D / 4)) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = warp_a[w][h];
-      const float4 x = *reinterpret_cast<const float4*>(wo + (w * kG + h) * F::kWo + c);
-      acc.x += f * x.x;
-      acc.y += f * x.y;
-      acc.z += f * x.z;
-      acc.w += f * x.w;
-    }
-    const int owner = ((e + 1) * C - 1) / ncol;  // the last rank whose share starts at or before e
-    *cluster.map_shared_rank(&recv_o[rank][e - ncol * owner / C], owner) = acc;
-  }
+  SendColumns<C, kWarps, kG, kShare, F::kWo>(cluster, rank, wo, warp_a, recv_o, ncol, D, tid,
+                                             kThreads);
   mark(12);
   // Every rank's state has arrived (release and acquire at cluster scope); after this barrier
   // no rank touches another's shared memory, so each exits when its merge is done.
@@ -564,42 +539,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   // 4. Rank r merges its share of the member heads' float4 output columns from every rank's
   // part; rank h (< G) writes head h's LSE, omitted fraction and receipts.
   {
-    const int e = ncol * rank / C + tid;
-    if (e < ncol * (rank + 1) / C) {  // ≤ kShare columns a rank: one pass
-      const int h = e / (D / 4), c = (e % (D / 4)) * 4;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int r = 0; r < C; ++r) mx = fmaxf(mx, recv_m[r][h]);
-      float l = 0.f;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int r = 0; r < C; ++r) {
-        const float f = mx == -INFINITY ? 0.f : expf(recv_m[r][h] - mx);
-        const float4 x = recv_o[r][tid];
-        l += f * recv_l[r][h];
-        acc.x += f * x.x;
-        acc.y += f * x.y;
-        acc.z += f * x.z;
-        acc.w += f * x.w;
-      }
-      *reinterpret_cast<float4*>(a.out + size_t(heads[h]) * D + c) =
-          mx == -INFINITY ? make_float4(0.f, 0.f, 0.f, 0.f)
-                          : make_float4(acc.x / l, acc.y / l, acc.z / l, acc.w / l);
-    }
+    MergeShare(recv_m, recv_l, recv_o, heads, ncol, D, rank, tid, a.out);
     if (rank < G) {
       const int h = rank;
       const int32_t head = heads[h];
       if (warp == kWarps - 1) {  // lane r: rank r's m, l and omitted sums (warp 0 merges columns)
         const bool in = lane < C;
-        const float m = in ? recv_m[lane][h] : -INFINITY;
-        const float l = in ? recv_l[lane][h] : 0.f;
         const float all = in ? recv_all[lane] : 0.f;
         const float left = in ? recv_left[lane] : 0.f;
-        const float mx = WarpMax(m);
-        const float sl = WarpSum(mx == -INFINITY || !in ? 0.f : expf(m - mx) * l);
+        const float lse = ClusterLse(recv_m, recv_l, h, lane);
         const float sa = WarpSum(all), sf = WarpSum(left);
         if (lane == 0) {
-          a.lse[head] = mx == -INFINITY ? -INFINITY : mx + logf(sl);
+          a.lse[head] = lse;
           a.omitted[head] = sa > 0.f ? sf / sa : 0.f;
           int32_t* hb = a.blocks + size_t(head) * (a.k_top + 2);
           const bool two = b_hi != b_lo;

@@ -1,0 +1,111 @@
+// The merge both one-launch kernels end with (sparse_fused.cu, decode_cluster.cu): per K/V head
+// a thread-block cluster of C blocks, each holding its warps' (m, l, o) of the head's G member
+// query heads. Each block merges its warps, stores its state where it is merged — (m, l) of
+// every head into every rank, float4 output column e into the rank whose share holds it — and
+// after one cluster barrier rank r merges columns [ncol·r/C, ncol·(r+1)/C) (ncol = G·D/4) from
+// every rank's state. Stores, not loads, cross the cluster, so no rank waits at the end.
+#pragma once
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_mma.cuh"
+
+namespace pion::kernels::cuda {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Head h's state over a block's warps (m_w in the log2 domain): m_w[w][h] becomes warp w's
+// weight; returns (m in the natural-log domain, l).
+template <int kWarps, int kG>
+__device__ inline float2 MergeWarpStates(float (&m_w)[kWarps][kG], const float (&l_w)[kWarps][kG],
+                                         int h) {
+  float m = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, m_w[w][h]);
+  float l = 0.f;
+  for (int w = 0; w < kWarps; ++w) {
+    const float f = m == -INFINITY ? 0.f : exp2f(m_w[w][h] - m);
+    m_w[w][h] = f;
+    l += f * l_w[w][h];
+  }
+  return make_float2(m == -INFINITY ? -INFINITY : m * kLn2, l);
+}
+
+// Head h's merged (m, l) into every rank's recv_m / recv_l, at this rank's row.
+template <int C, int kG>
+__device__ inline void SendHeadState(cooperative_groups::cluster_group& cluster, int rank, int h,
+                                     float2 ml, float (&recv_m)[C][kG], float (&recv_l)[C][kG]) {
+#pragma unroll
+  for (int r = 0; r < C; ++r) {
+    *cluster.map_shared_rank(&recv_m[rank][h], r) = ml.x;
+    *cluster.map_shared_rank(&recv_l[rank][h], r) = ml.y;
+  }
+}
+
+// The block's output columns, its warps' outputs `wo` (row w·kG + h, kStride floats apart)
+// weighted by `weight[w][h]`, each into recv_o of the rank whose share holds it.
+template <int C, int kWarps, int kG, int kShare, int kStride>
+__device__ inline void SendColumns(cooperative_groups::cluster_group& cluster, int rank,
+                                   const float* wo, const float (&weight)[kWarps][kG],
+                                   float4 (&recv_o)[C][kShare], int ncol, int d, int tid,
+                                   int threads) {
+  for (int e = tid; e < ncol; e += threads) {
+    const int h = e / (d / 4), c = (e % (d / 4)) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = weight[w][h];
+      const float4 x = *reinterpret_cast<const float4*>(wo + (w * kG + h) * kStride + c);
+      acc.x += f * x.x;
+      acc.y += f * x.y;
+      acc.z += f * x.z;
+      acc.w += f * x.w;
+    }
+    const int owner = ((e + 1) * C - 1) / ncol;  // the last rank whose share starts at or before e
+    *cluster.map_shared_rank(&recv_o[rank][e - ncol * owner / C], owner) = acc;
+  }
+}
+
+// After the cluster barrier: this rank's share of the output columns (≤ kShare: one pass),
+// merged from every rank's state, into out (head h's row heads[h], d floats).
+template <int C, int kG, int kShare>
+__device__ inline void MergeShare(const float (&recv_m)[C][kG], const float (&recv_l)[C][kG],
+                                  const float4 (&recv_o)[C][kShare], const int32_t* heads, int ncol,
+                                  int d, int rank, int tid, float* out) {
+  const int e = ncol * rank / C + tid;
+  if (e >= ncol * (rank + 1) / C) return;
+  const int h = e / (d / 4), c = (e % (d / 4)) * 4;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int r = 0; r < C; ++r) mx = fmaxf(mx, recv_m[r][h]);
+  float l = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int r = 0; r < C; ++r) {
+    const float f = mx == -INFINITY ? 0.f : expf(recv_m[r][h] - mx);
+    const float4 x = recv_o[r][tid];
+    l += f * recv_l[r][h];
+    acc.x += f * x.x;
+    acc.y += f * x.y;
+    acc.z += f * x.z;
+    acc.w += f * x.w;
+  }
+  *reinterpret_cast<float4*>(out + size_t(heads[h]) * d + c) =
+      mx == -INFINITY ? make_float4(0.f, 0.f, 0.f, 0.f)
+                      : make_float4(acc.x / l, acc.y / l, acc.z / l, acc.w / l);
+}
+
+// After the cluster barrier, on one warp: head h's LSE from every rank's (m, l) (lane r < C
+// takes rank r's); every lane gets it.
+template <int C, int kG>
+__device__ inline float ClusterLse(const float (&recv_m)[C][kG], const float (&recv_l)[C][kG],
+                                   int h, int lane) {
+  const bool in = lane < C;
+  const float m = in ? recv_m[lane][h] : -INFINITY;
+  const float l = in ? recv_l[lane][h] : 0.f;
+  const float mx = WarpMax(m);
+  const float sl = WarpSum(mx == -INFINITY || !in ? 0.f : expf(m - mx) * l);
+  return mx == -INFINITY ? -INFINITY : mx + logf(sl);
+}
+#endif
+
+}  // namespace pion::kernels::cuda
