@@ -2,7 +2,9 @@
 # The GPU tests (make test-gpu), on a machine with an NVIDIA GPU:
 #   1. gpu_attention_test: every CUDA kernel and form against the scalar reference, plus GPU
 #      slot residency;
-#   2. the same test's Smoke cases under compute-sanitizer memcheck and racecheck;
+#   2. compute-sanitizer: memcheck and synccheck on the Smoke cases (every kernel, the cluster
+#      decode's 8- and 16-warp blocks), racecheck on them and on the one-launch SHARED
+#      sparse-auto's test;
 #   3. the Stage 2 end-to-end suites against a real pion-server with --attention-backend cuda;
 #   4. the transformers integration (tests/test_hf.py: Stage 1 over TCP, shm and CUDA IPC; Stage 2).
 # PION_GPU_BIN names the directory with pion-server and gpu_attention_test (default: build).
@@ -16,12 +18,18 @@ fi
 "$BIN/gpu_attention_test"
 if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
   CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  for tool in memcheck racecheck; do
-    "$CS" --tool "$tool" --error-exitcode 1 "$BIN/gpu_attention_test" \
-      --gtest_filter='GpuExecutor.Smoke:GpuSlotsTest.*'
-  done
+  # --num-cuda-barriers: room to track every mbarrier of a test's launches (the default table
+  # overflows over the cluster kernels' many launches: synccheck then fails the launch, and
+  # racecheck reports hazards against barriers it no longer tracks).
+  smoke='GpuExecutor.Smoke:GpuSlotsTest.*'
+  run() { "$CS" --tool "$1" --num-cuda-barriers 65536 --error-exitcode 1 \
+    "$BIN/gpu_attention_test" --gtest_filter="$2"; }
+  run memcheck "$smoke"
+  run synccheck "$smoke"
+  run racecheck "$smoke"
+  run racecheck GpuExecutor.SparseAutoSharedOneLaunch
 else
-  echo "compute-sanitizer not found: skipping memcheck/racecheck" >&2
+  echo "compute-sanitizer not found: the sanitizer runs need it" >&2
   exit 1
 fi
 PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda" \

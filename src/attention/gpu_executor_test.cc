@@ -240,9 +240,12 @@ TEST(GpuExecutor, Smoke) {
         Check(c);
       }
     }
-    if (t != DType::kBF16) {  // M = 1 over 2K keys: the cluster decode's larger blocks
+    // M = 1 over 2K keys: the cluster decode's larger shapes — fp32 GQA 32/8 in 8-warp blocks
+    // of 16-key tiles, fp32 MHA 8/8 in 16-warp blocks, fp16 GQA.
+    for (uint32_t hq : {32u, 8u}) {
+      if (t == DType::kBF16 || (t == DType::kF16 && hq == 8)) continue;
       Case c;
-      c.hq = 32;
+      c.hq = hq;
       c.heads = 8;
       c.n = 2048;
       c.d = 128;

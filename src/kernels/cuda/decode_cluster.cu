@@ -54,9 +54,13 @@ struct Dc {
   static_assert(kCols * 32 == D && (kCols == 2 || kCols == 4), "d 64 or 128");
   static constexpr int kRowBytes = D * int(sizeof(T));
   static constexpr int kRun = 32 / kG;  // keys one ReduceScatter32 scores
-  // Keys a tile: 4 KB of K a stage (at most 16 keys: their V rows are registers), a whole
-  // number of runs. V comes straight into registers.
-  static constexpr int kFit = 4096 / kRowBytes < 16 ? 4096 / kRowBytes : 16;
+  // Keys a tile: 8 KB of K a stage with 8 warps, 4 KB with 16 (the rings fill the shared
+  // memory either way), at most 16 keys (their V rows are registers: 16 warps allow 128 a
+  // thread), a whole number of runs. V comes straight into registers. fp32 at d = 128 is the
+  // shape where the two differ: 16 keys a tile with 8 warps — two runs whose shuffle chains
+  // overlap — against 8 (H200, GQA 32/8: 2K 7.87 -> 7.48 µs, 1K 5.58 -> 5.30, 4K 12.0 -> 11.4).
+  static constexpr int kStageBytes = W == 8 ? 8192 : 4096;
+  static constexpr int kFit = kStageBytes / kRowBytes < 16 ? kStageBytes / kRowBytes : 16;
   static constexpr int kTk = kFit > kRun ? kFit : kRun;
   static_assert(kTk % kRun == 0, "a tile is whole runs");
   static constexpr int kRuns = kTk / kRun;
@@ -429,9 +433,13 @@ uint64_t DecodeClusterMaxKeys(DType dtype) {
 namespace {
 // 16 warps a block once a block's K and V reach 256 KB (their per-key work hides better), else 8
 // (less to merge): fp32 2K 7.56 vs 7.87 µs, 4K 11.6 vs 12.0; fp32 1K 5.54 vs 5.71, 512 4.48 vs
-// 5.56; fp16 2K 6.81 vs 6.91.
+// 5.56; fp16 2K 6.81 vs 6.91. Except fp32 at d = 128 with groups of 3 or 4 heads, where the 8
+// warps' 16-key tiles (Dc::kStageBytes) win at every range: 32/8 2K 7.48 vs 7.54, 4K 11.40 vs
+// 11.57, 24/8 2K 7.50 vs 7.56; with less work a key 16 warps still win (16/8: 7.42 vs 7.47,
+// 8/8: 7.33 vs 7.43).
 uint32_t Warps(const DecodeClusterArgs& a) {
   if (a.warps == 8 || a.warps == 16) return a.warps;
+  if (a.dtype == DType::kF32 && a.d == 128 && a.group >= 3) return 8;
   const uint64_t bytes = uint64_t{a.hi - a.lo} * 2 * a.d * DTypeSize(a.dtype) / kCluster;
   return bytes >= (256u << 10) ? 16 : 8;
 }
