@@ -54,6 +54,14 @@ __device__ inline void MbarInit(uint64_t* bar, uint32_t arrivals) {
 __device__ inline void FenceMbarInit() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
+// A ring of copy barriers, one arrival each (the lane that issues the copies), fenced for the
+// copy unit: one lane sets up its warp's ring, then the warp syncs before using it.
+template <int S>
+__device__ inline void MbarInitRing(uint64_t (&ring)[S]) {
+#pragma unroll
+  for (int b = 0; b < S; ++b) MbarInit(&ring[b], 1);
+  FenceMbarInit();
+}
 // One arrival that also expects `bytes` more to land before the phase completes.
 __device__ inline void MbarArriveExpect(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)),

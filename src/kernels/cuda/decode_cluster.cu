@@ -148,11 +148,7 @@ __global__ void __launch_bounds__(Dc<T, D, kG, W>::kThreads, 1)
   const int rank = static_cast<int>(cluster.block_rank());
   const uint32_t kv = blockIdx.x / kCluster;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (lane == 0) {
-#pragma unroll
-    for (int b = 0; b < kStages; ++b) MbarInit(&bars[warp][b], 1);
-    FenceMbarInit();
-  }
+  if (lane == 0) MbarInitRing(bars[warp]);
   __syncwarp();
   // This rank's arrival on the cluster barrier whose wait, before the first store to another
   // rank's shared memory, means every rank runs.

@@ -167,11 +167,7 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
   // 128-byte aligned (they do: every tile is a multiple of 128 bytes from a 128-aligned base).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const bool tensor = kIndep && a.tensor_tiles && list == nullptr && (SmemAddr(kt) & 127u) == 0;
-  if (tensor && lane == 0) {
-#pragma unroll
-    for (int b = 0; b < kS; ++b) MbarInit(&bars[warp][b], 1);
-    FenceMbarInit();
-  }
+  if (tensor && lane == 0) MbarInitRing(bars[warp]);
   __syncwarp();
 #else
   constexpr bool tensor = false;

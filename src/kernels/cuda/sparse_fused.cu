@@ -123,11 +123,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // scores load instead of after the selection. Then this rank's arrival on the cluster barrier
   // whose wait, before the first store to another rank's shared memory, means every rank runs.
   __shared__ __align__(8) uint64_t bars[kWarps][kS];
-  if (lane == 0) {
-#pragma unroll
-    for (int b = 0; b < kS; ++b) MbarInit(&bars[warp][b], 1);
-    FenceMbarInit();
-  }
+  if (lane == 0) MbarInitRing(bars[warp]);
   __syncwarp();
   auto started = cluster.barrier_arrive();
   WaitForPrimary();
