@@ -304,7 +304,8 @@ TEST(GpuExecutor, DecodeClusterGroupsAndRanges) {
     for (uint32_t d : {64u, 128u}) {
       for (auto [hq, heads] :
            {std::pair{8u, 8u}, {8u, 4u}, {12u, 4u}, {32u, 8u}, {40u, 8u}, {64u, 8u}, {3u, 1u}}) {
-        for (uint32_t n : {5u, 61u, 1000u, 2048u}) {
+        // 2048 and up: 32-key tiles (8-warp blocks), whole or with a partial last run.
+        for (uint32_t n : {5u, 61u, 1000u, 2048u, 2049u, 3001u, 4096u}) {
           Case c;
           c.hq = hq;
           c.heads = heads;
@@ -320,6 +321,13 @@ TEST(GpuExecutor, DecodeClusterGroupsAndRanges) {
             c.qpos = n / 2;
             Check(c, 2);
             c.window = 0;
+          }
+          if (n > 2048) {  // a window of 2100 keys, not from row 0
+            c.window = 2100;
+            c.qpos = n - 3;
+            Check(c, 3);
+            c.window = 0;
+            c.qpos = -1;
           }
         }
       }

@@ -230,6 +230,7 @@ struct DecodeClusterArgs {
   float* out = nullptr;  // [hq][d]
   float* lse = nullptr;  // [hq]
   uint32_t warps = 0;    // a block's warps, 8 or 16; 0: chosen by the range
+  uint32_t tile = 0;     // keys a tile, 16 or 32 (with 8 warps); 0: chosen by the range
 };
 // Whether LaunchDecodeCluster takes `keys` visible keys of this shape on this device: the
 // dtypes and head dims above, 1..4 query heads a K/V head (`group`), every K/V head's cluster

@@ -1,10 +1,11 @@
 // Dense M = 1 decode over a short visible range in one launch, fp32 or fp16 K/V (d 64 or 128),
 // up to kG = 4 query heads a K/V head.
 //
-// Per K/V head one thread-block cluster of kCluster blocks (8 or 16 warps each): rank r takes
-// the r-th part of the visible keys and each of its warps a contiguous run of them. A warp's K
-// tiles stream through its own ring of bulk copies (a tile's rows are contiguous in the slot:
-// one copy), its V rows straight into registers while the tile's scores are computed. The math
+// Per K/V head one thread-block cluster of kCluster blocks (8 or 16 warps each): the visible
+// keys split evenly over the cluster's warps in whole runs of 32/kG keys, rank-major, each warp
+// a contiguous run. A warp's K tiles (16 or 32 keys) stream through its own ring of bulk copies
+// (a tile's rows are contiguous in the slot: one copy), its V rows straight into registers while
+// the tile's scores are computed. The math
 // is fp32 on the CUDA cores, lane l owning columns l·D/32 ..:
 //   scores   a run of 32/kG keys' dot products with the kG member heads' queries is one
 //            ReduceScatter32Xor (31 shuffles and 31 adds for 32 sums; the values sit
@@ -42,31 +43,38 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kCluster = kDecodeCluster;
-constexpr int kStages = 3;  // tiles in each warp's ring
 
-template <typename T, int D, int kG, int W>
+template <typename T, int D, int kG, int W, int Tk>
 struct Dc {
   // Warps a block: 8, or 16 for groups of up to 4 heads (registers: at most 128 a thread).
   static constexpr int kWarps = W;
   static_assert(W == 8 || (W == 16 && kG == 4), "8 warps, or 16 for up to 4 heads");
+  static_assert(Tk == 16 || (Tk == 32 && W == 8), "16-key tiles, or 32 with 8 warps");
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kCols = D / 32;  // columns a lane owns
   static_assert(kCols * 32 == D && (kCols == 2 || kCols == 4), "d 64 or 128");
   static constexpr int kRowBytes = D * int(sizeof(T));
   static constexpr int kRun = 32 / kG;  // keys one ReduceScatter32 scores
-  // Keys a tile: 8 KB of K a stage with 8 warps, 4 KB with 16 (the rings fill the shared
-  // memory either way), at most 16 keys (their V rows are registers: 16 warps allow 128 a
-  // thread), a whole number of runs. V comes straight into registers. fp32 at d = 128 is the
-  // shape where the two differ: 16 keys a tile with 8 warps — two runs whose shuffle chains
-  // overlap — against 8 (H200, GQA 32/8: 2K 7.87 -> 7.48 µs, 1K 5.58 -> 5.30, 4K 12.0 -> 11.4).
-  static constexpr int kStageBytes = W == 8 ? 8192 : 4096;
-  static constexpr int kFit = kStageBytes / kRowBytes < 16 ? kStageBytes / kRowBytes : 16;
+  // Keys a tile (at most Tk: their V rows are registers — 16 warps allow 128 a thread, 8
+  // warps 255) and the K bytes of a ring stage: 16-key tiles of 8 KB a stage with 8 warps, 4 KB
+  // with 16 (the rings fill the shared memory either way), a whole number of runs; fp32 at
+  // d = 128 is the shape where the two differ: 16 keys a tile with 8 warps — two runs whose
+  // shuffle chains overlap — against 8 (H200, GQA 32/8: 2K 7.87 -> 7.48 µs, 1K 5.58 -> 5.30,
+  // 4K 12.0 -> 11.4). 32-key tiles (8 warps) take a warp's 32 keys at 2K in one tile, every V
+  // row's load in flight at once, where 16-key tiles wait on the second tile's V loads: fp32 2K
+  // 7.50 -> 7.05 µs, 4K 11.39 -> 10.98 (one ring stage of 16 KB), fp16 2K 6.82 -> 6.58.
+  static constexpr int kStageBytes = Tk == 32 ? 16384 : W == 8 ? 8192 : 4096;
+  static constexpr int kFit = kStageBytes / kRowBytes < Tk ? kStageBytes / kRowBytes : Tk;
   static constexpr int kTk = kFit > kRun ? kFit : kRun;
   static_assert(kTk % kRun == 0, "a tile is whole runs");
   static constexpr int kRuns = kTk / kRun;
   static constexpr int kWords = kCols * int(sizeof(T)) / 4;  // 32-bit words of a lane's columns
   static_assert(kRuns >= 1 && kWords >= 1, "a tile is a run or more; a lane loads a word or more");
   static constexpr size_t kTile = size_t{kTk} * kRowBytes;  // K bytes of a tile
+  // Tiles in each warp's ring: up to 3, within 192 KB of rings a block.
+  static constexpr int kStages = kWarps * 3 * kTile <= (192u << 10)   ? 3
+                                 : kWarps * 2 * kTile <= (192u << 10) ? 2
+                                                                      : 1;
   static constexpr size_t kRing = kStages * kTile;
   // The warps' outputs [kWarps][kG][D] floats, in the rings once every warp is done with them.
   static constexpr size_t kOut = size_t{kWarps} * kG * D * 4;
@@ -125,14 +133,14 @@ __device__ inline void LoadCols(const __half* p, float (&x)[N]) {
   }
 }
 
-template <typename T, int D, int kG, int W>
-__global__ void __launch_bounds__(Dc<T, D, kG, W>::kThreads, 1)
+template <typename T, int D, int kG, int W, int Tk>
+__global__ void __launch_bounds__(Dc<T, D, kG, W, Tk>::kThreads, 1)
     DecodeCluster(const __grid_constant__ DecodeClusterArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters; the launch checks the device
-  using F = Dc<T, D, kG, W>;
+  using F = Dc<T, D, kG, W, Tk>;
   constexpr int kCols = F::kCols, kRun = F::kRun, kTk = F::kTk, kRuns = F::kRuns;
   constexpr int kShare = F::kShare, kWarps = F::kWarps, kThreads = F::kThreads;
-  constexpr int kWords = F::kWords;
+  constexpr int kWords = F::kWords, kStages = F::kStages;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ __align__(8) uint64_t bars[kWarps][kStages];
   __shared__ float warp_m[kWarps][kG], warp_l[kWarps][kG];
@@ -154,12 +162,13 @@ __global__ void __launch_bounds__(Dc<T, D, kG, W>::kThreads, 1)
   // rank's shared memory, means every rank runs.
   auto started = cluster.barrier_arrive();
 
-  // This warp's keys: the rank's part of [lo, hi), split evenly over the warps.
-  const uint32_t total = a.hi - a.lo;
-  const uint32_t r0 = a.lo + SplitPoint(total, rank, kCluster);
-  const uint32_t r1 = a.lo + SplitPoint(total, rank + 1, kCluster);
-  const uint32_t w0 = r0 + SplitPoint(r1 - r0, warp, kWarps);
-  const uint32_t w1 = r0 + SplitPoint(r1 - r0, warp + 1, kWarps);
+  // This warp's keys: [lo, hi) split evenly over the cluster's warps (rank-major) in whole runs
+  // of kRun keys, so only the range's last run is partial (a warp's tiles past its full ones
+  // skip the runs they lack).
+  const uint32_t total = a.hi - a.lo, runs = (total + kRun - 1) / kRun;
+  const uint32_t gw = static_cast<uint32_t>(rank * kWarps + warp);
+  const uint32_t w0 = a.lo + Min(total, SplitPoint(runs, gw, kCluster * kWarps) * kRun);
+  const uint32_t w1 = a.lo + Min(total, SplitPoint(runs, gw + 1, kCluster * kWarps) * kRun);
   const int ntiles = static_cast<int>((w1 - w0 + kTk - 1) / kTk);
   const size_t head_off = size_t{kv} * a.rows * F::kRowBytes;
   const uint8_t* kbase = static_cast<const uint8_t*>(a.k) + head_off;
@@ -223,10 +232,15 @@ __global__ void __launch_bounds__(Dc<T, D, kG, W>::kThreads, 1)
     }
     MbarWait(&bars[warp][buf], static_cast<uint32_t>(t / kStages) & 1u);
     const T* kt = tile_k(buf);
-    // Lane l ends with key run·kRun + l / kG of head l % kG.
+    // Lane l ends with key run·kRun + l / kG of head l % kG; a partial tile's runs past its
+    // valid rows are skipped (warp-uniform).
     float s[kRuns];
 #pragma unroll
     for (int run = 0; run < kRuns; ++run) {
+      if (!kFull && run * kRun >= valid) {
+        s[run] = -INFINITY;
+        continue;
+      }
       float v[32];
 #pragma unroll
       for (int r = 0; r < kRun; ++r) {
@@ -270,6 +284,7 @@ __global__ void __launch_bounds__(Dc<T, D, kG, W>::kThreads, 1)
     }
 #pragma unroll
     for (int j = 0; j < kTk; ++j) {
+      if (!kFull && j % kRun == 0 && j >= valid) break;  // warp-uniform: the runs past the rows
       if (kFull || j < valid) {
         float x[kCols];
         ToFloats<T>(vw[j], x);
@@ -345,12 +360,12 @@ __global__ void __launch_bounds__(Dc<T, D, kG, W>::kThreads, 1)
 #endif
 }
 
-template <typename T, int D, int kG, int W>
+template <typename T, int D, int kG, int W, int Tk>
 cudaLaunchConfig_t Config(uint32_t blocks, cudaStream_t stream, cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(Dc<T, D, kG, W>::kThreads);
-  cfg.dynamicSmemBytes = Dc<T, D, kG, W>::kBytes;
+  cfg.blockDim = dim3(Dc<T, D, kG, W, Tk>::kThreads);
+  cfg.dynamicSmemBytes = Dc<T, D, kG, W, Tk>::kBytes;
   cfg.stream = stream;
   attr->id = cudaLaunchAttributeClusterDimension;
   attr->val.clusterDim.x = kCluster;
@@ -364,42 +379,45 @@ cudaLaunchConfig_t Config(uint32_t blocks, cudaStream_t stream, cudaLaunchAttrib
 // How many clusters of the kernel the device runs at once (0: none, or the loaded code is not
 // the sm_90 build — a newer GPU JIT-compiling the portable PTX gets a body that only traps).
 // Sets the kernel's shared-memory attribute first (once).
-template <typename T, int D, int kG, int W>
+template <typename T, int D, int kG, int W, int Tk>
 int ActiveClusters() {
   static const int n = [] {
-    if (cudaFuncSetAttribute(DecodeCluster<T, D, kG, W>,
+    if (cudaFuncSetAttribute(DecodeCluster<T, D, kG, W, Tk>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(Dc<T, D, kG, W>::kBytes)) != cudaSuccess) {
+                             static_cast<int>(Dc<T, D, kG, W, Tk>::kBytes)) != cudaSuccess) {
       (void)cudaGetLastError();
       return 0;
     }
     cudaFuncAttributes fa{};
-    if (cudaFuncGetAttributes(&fa, DecodeCluster<T, D, kG, W>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&fa, DecodeCluster<T, D, kG, W, Tk>) != cudaSuccess) {
       (void)cudaGetLastError();
       return 0;
     }
     if (fa.ptxVersion < 90) return 0;
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = Config<T, D, kG, W>(kCluster, nullptr, &attr);
+    const cudaLaunchConfig_t cfg = Config<T, D, kG, W, Tk>(kCluster, nullptr, &attr);
     int clusters = 0;
     const cudaError_t e =
-        cudaOccupancyMaxActiveClusters(&clusters, DecodeCluster<T, D, kG, W>, &cfg);
+        cudaOccupancyMaxActiveClusters(&clusters, DecodeCluster<T, D, kG, W, Tk>, &cfg);
     if (e != cudaSuccess) (void)cudaGetLastError();
     return e == cudaSuccess ? clusters : 0;
   }();
   return n;
 }
 
-// Calls f with (T, D, kG, W) as a type and constants for a supported shape (groups of up to 4
-// heads: kG = 4; `warps` 8 or 16); false otherwise.
+// Calls f with (T, D, kG, W, Tk) as a type and constants for a supported shape (groups of up
+// to 4 heads: kG = 4; `warps` 8 or 16; `tile` 16 or 32 keys, 32 with 8 warps); false otherwise.
 template <typename Fn>
-bool WithShape(DType dtype, uint32_t d, uint32_t group, uint32_t warps, Fn&& f) {
+bool WithShape(DType dtype, uint32_t d, uint32_t group, uint32_t warps, uint32_t tile, Fn&& f) {
   using I4 = std::integral_constant<int, 4>;
+  using I16 = std::integral_constant<int, 16>;
   auto by_group = [&](auto t, auto dc) {
     if (warps == 16) {
-      f(t, dc, I4{}, std::integral_constant<int, 16>{});
+      f(t, dc, I4{}, I16{}, I16{});
+    } else if (tile == 32) {
+      f(t, dc, I4{}, std::integral_constant<int, 8>{}, std::integral_constant<int, 32>{});
     } else {
-      f(t, dc, I4{}, std::integral_constant<int, 8>{});
+      f(t, dc, I4{}, std::integral_constant<int, 8>{}, I16{});
     }
     return true;
   };
@@ -410,10 +428,14 @@ bool WithShape(DType dtype, uint32_t d, uint32_t group, uint32_t warps, Fn&& f) 
   };
   if (group < 1 || group > 4) return false;
   if (warps != 8 && warps != 16) return false;
+  if (tile != 16 && !(tile == 32 && warps == 8)) return false;
   if (dtype == DType::kF32) return by_d(float{});
   if (dtype == DType::kF16) return by_d(__half{});
   return false;
 }
+
+// The block shapes a launch may take: (warps, keys a tile).
+constexpr uint32_t kShapes[][2] = {{8, 16}, {8, 32}, {16, 16}};
 
 }  // namespace
 
@@ -439,6 +461,13 @@ uint32_t Warps(const DecodeClusterArgs& a) {
   const uint64_t bytes = uint64_t{a.hi - a.lo} * 2 * a.d * DTypeSize(a.dtype) / kCluster;
   return bytes >= (256u << 10) ? 16 : 8;
 }
+// Keys a tile: 32 where 8 warps a block each have 32 keys or more (a whole 32-key tile; fewer
+// would compute a partial tile's skipped runs' V loads for nothing), else 16.
+uint32_t Tile(const DecodeClusterArgs& a, uint32_t warps) {
+  if (warps != 8) return 16;
+  if (a.tile == 16 || a.tile == 32) return a.tile;
+  return a.hi - a.lo >= 32u * kCluster * 8 ? 32 : 16;
+}
 }  // namespace
 
 bool DecodeClusterFits(DType dtype, uint32_t d, uint32_t group, uint32_t heads, uint64_t keys) {
@@ -446,14 +475,16 @@ bool DecodeClusterFits(DType dtype, uint32_t d, uint32_t group, uint32_t heads, 
       keys == 0 || keys > DecodeClusterMaxKeys(dtype) || gpu::Info().cc_major < 9) {
     return false;
   }
-  // Every K/V head's cluster at once, for either block shape.
+  // Every K/V head's cluster at once, for every block shape.
   int active = 1 << 30;
-  for (uint32_t w : {8u, 16u}) {
-    const bool shape = WithShape(dtype, d, group, w, [&](auto t, auto dc, auto gc, auto wc) {
-      active = std::min(active, ActiveClusters<decltype(t), decltype(dc)::value,
-                                               decltype(gc)::value, decltype(wc)::value>());
-    });
-    if (!shape) return false;
+  for (const auto& shape : kShapes) {
+    const bool ok = WithShape(
+        dtype, d, group, shape[0], shape[1], [&](auto t, auto dc, auto gc, auto wc, auto tc) {
+          active =
+              std::min(active, ActiveClusters<decltype(t), decltype(dc)::value, decltype(gc)::value,
+                                              decltype(wc)::value, decltype(tc)::value>());
+        });
+    if (!ok) return false;
   }
   return active >= static_cast<int>(heads);
 }
@@ -465,19 +496,22 @@ Status LaunchDecodeCluster(const DecodeClusterArgs& a, void* stream) {
     return Status(ErrorKind::kErr, "cluster decode: bad heads or visible range");
   }
   Status st = Status::Ok();
-  const bool shape =
-      WithShape(a.dtype, a.d, a.group, Warps(a), [&](auto t, auto dc, auto gc, auto wc) {
+  const uint32_t warps = Warps(a);
+  const bool shape = WithShape(
+      a.dtype, a.d, a.group, warps, Tile(a, warps),
+      [&](auto t, auto dc, auto gc, auto wc, auto tc) {
         using T = decltype(t);
         constexpr int D = decltype(dc)::value, G = decltype(gc)::value, W = decltype(wc)::value;
-        if (gpu::Info().cc_major < 9 || ActiveClusters<T, D, G, W>() == 0) {
+        constexpr int Tk = decltype(tc)::value;
+        if (gpu::Info().cc_major < 9 || ActiveClusters<T, D, G, W, Tk>() == 0) {
           (void)(st = Status(
                      ErrorKind::kErr,
                      "cluster decode needs thread-block clusters and this binary's sm_90 code"));
           return;
         }
         cudaLaunchAttribute cluster;
-        const cudaLaunchConfig_t cfg = Config<T, D, G, W>(a.heads * kCluster, s, &cluster);
-        const cudaError_t e = cudaLaunchKernelEx(&cfg, DecodeCluster<T, D, G, W>, a);
+        const cudaLaunchConfig_t cfg = Config<T, D, G, W, Tk>(a.heads * kCluster, s, &cluster);
+        const cudaError_t e = cudaLaunchKernelEx(&cfg, DecodeCluster<T, D, G, W, Tk>, a);
         (void)(st = e == cudaSuccess ? KernelStatus("cluster decode kernel")
                                      : gpu::CudaError(e, "cluster decode kernel"));
       });
