@@ -15,8 +15,7 @@
 //                       M = 1 over a short range: the cluster decode's one launch where the
 //                       executor takes it, with the split-K time beside it and the outputs
 //                       compared — PION_BENCH_CLUSTER_DECODE=1 at any range it takes, =0
-//                       never; PION_BENCH_CLUSTER_WARPS=8|16 its block's warps,
-//                       PION_BENCH_CLUSTER_TILE=16|32 its keys a tile)
+//                       never; PION_BENCH_CLUSTER_TILE=16|32 its keys a tile)
 //   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top> [shared|fused]
 //                       (shared: SHARED selection — one block set per K/V head; fused: SHARED,
 //                       and the one-launch kernel beside it, compared;
@@ -301,7 +300,6 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
     c.scale = a.scale;
     c.out = DevAlloc<float>(size_t{a.nrows} * d);
     c.lse = DevAlloc<float>(a.nrows);
-    if (const char* w = std::getenv("PION_BENCH_CLUSTER_WARPS")) c.warps = U(w);
     if (const char* w = std::getenv("PION_BENCH_CLUSTER_TILE")) c.tile = U(w);
     double c_launches = 0;
     const double c_us = TimeUs(

@@ -3,7 +3,7 @@
 #   1. gpu_attention_test: every CUDA kernel and form against the scalar reference, plus GPU
 #      slot residency;
 #   2. compute-sanitizer: memcheck and synccheck on the Smoke cases (every kernel, the cluster
-#      decode's 8- and 16-warp blocks), racecheck on them and on the one-launch SHARED
+#      decode's 16- and 32-key tiles), racecheck on them and on the one-launch SHARED
 #      sparse-auto's test;
 #   3. the Stage 2 end-to-end suites against a real pion-server with --attention-backend cuda;
 #   4. the transformers integration (tests/test_hf.py: Stage 1 over TCP, shm and CUDA IPC; Stage 2).

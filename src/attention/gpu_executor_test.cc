@@ -240,17 +240,19 @@ TEST(GpuExecutor, Smoke) {
         Check(c);
       }
     }
-    // M = 1 over 2K keys: the cluster decode's larger shapes — fp32 GQA 32/8 in 8-warp blocks
-    // of 16-key tiles, fp32 MHA 8/8 in 16-warp blocks, fp16 GQA.
-    for (uint32_t hq : {32u, 8u}) {
-      if (t == DType::kBF16 || (t == DType::kF16 && hq == 8)) continue;
-      Case c;
-      c.hq = hq;
-      c.heads = 8;
-      c.n = 2048;
-      c.d = 128;
-      c.dtype = t;
-      Check(c);
+    // M = 1 over 1001 and 2048 keys: the cluster decode's 16-key tiles (a partial last run)
+    // and 32-key tiles — fp32 GQA 32/8 and MHA 8/8, fp16 GQA.
+    for (uint32_t n : {1001u, 2048u}) {
+      for (uint32_t hq : {32u, 8u}) {
+        if (t == DType::kBF16 || (t == DType::kF16 && hq == 8)) continue;
+        Case c;
+        c.hq = hq;
+        c.heads = 8;
+        c.n = n;
+        c.d = 128;
+        c.dtype = t;
+        Check(c);
+      }
     }
     for (Form f : {Form::kSparse, Form::kSparseAuto, Form::kSparseAutoFused}) {
       Case c;

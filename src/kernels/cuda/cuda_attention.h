@@ -229,7 +229,6 @@ struct DecodeClusterArgs {
   float scale = 0;
   float* out = nullptr;  // [hq][d]
   float* lse = nullptr;  // [hq]
-  uint32_t warps = 0;    // a block's warps, 8 or 16; 0: chosen by the range
   uint32_t tile = 0;     // keys a tile, 16 or 32 (with 8 warps); 0: chosen by the range
 };
 // Whether LaunchDecodeCluster takes `keys` visible keys of this shape on this device: the

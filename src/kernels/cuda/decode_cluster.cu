@@ -1,7 +1,7 @@
 // Dense M = 1 decode over a short visible range in one launch, fp32 or fp16 K/V (d 64 or 128),
 // up to kG = 4 query heads a K/V head.
 //
-// Per K/V head one thread-block cluster of kCluster blocks (8 or 16 warps each): the visible
+// Per K/V head one thread-block cluster of kCluster blocks of 8 warps: the visible
 // keys split evenly over the cluster's warps in whole runs of 32/kG keys, rank-major, each warp
 // a contiguous run. A warp's K tiles (16 or 32 keys) stream through its own ring of bulk copies
 // (a tile's rows are contiguous in the slot: one copy), its V rows straight into registers while
@@ -20,7 +20,7 @@
 // output; rank h writes head h's LSE.
 //
 // Against the split-K launch and its combine (flash.cu, attend.cu) this leaves out the partials'
-// round trip through global memory and the second launch, and runs 8 or 16 warps a
+// round trip through global memory and the second launch, and runs 8 warps a
 // multiprocessor where the fp32 decode runs four (whose hi/lo tf32 MMA chains then wait on each
 // other) — on 64 multiprocessors for 8 K/V heads, so it pays only while a range is short
 // (DecodeClusterMaxKeys).
@@ -44,26 +44,26 @@ namespace cg = cooperative_groups;
 
 constexpr int kCluster = kDecodeCluster;
 
-template <typename T, int D, int kG, int W, int Tk>
+template <typename T, int D, int kG, int Tk>
 struct Dc {
-  // Warps a block: 8, or 16 for groups of up to 4 heads (registers: at most 128 a thread).
-  static constexpr int kWarps = W;
-  static_assert(W == 8 || (W == 16 && kG == 4), "8 warps, or 16 for up to 4 heads");
-  static_assert(Tk == 16 || (Tk == 32 && W == 8), "16-key tiles, or 32 with 8 warps");
+  // Warps a block: 8 (up to 255 registers a thread). 16-warp blocks (128 registers, 8-key fp32
+  // tiles) measured slower once 8 warps had 16- and 32-key tiles — H200, fp32 MHA 8/8 2K 7.42
+  // vs 7.02 µs, 16/8 2K 7.44 vs 7.04, 8/8 4K 11.26 vs 10.94, 16/8 1K 5.48 vs 5.33, fp16 8/8 2K
+  // 6.73 vs 6.58 — so the kernel has 8.
+  static constexpr int kWarps = 8;
+  static_assert(Tk == 16 || Tk == 32, "16- or 32-key tiles");
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kCols = D / 32;  // columns a lane owns
   static_assert(kCols * 32 == D && (kCols == 2 || kCols == 4), "d 64 or 128");
   static constexpr int kRowBytes = D * int(sizeof(T));
   static constexpr int kRun = 32 / kG;  // keys one ReduceScatter32 scores
-  // Keys a tile (at most Tk: their V rows are registers — 16 warps allow 128 a thread, 8
-  // warps 255) and the K bytes of a ring stage: 16-key tiles of 8 KB a stage with 8 warps, 4 KB
-  // with 16 (the rings fill the shared memory either way), a whole number of runs; fp32 at
-  // d = 128 is the shape where the two differ: 16 keys a tile with 8 warps — two runs whose
-  // shuffle chains overlap — against 8 (H200, GQA 32/8: 2K 7.87 -> 7.48 µs, 1K 5.58 -> 5.30,
-  // 4K 12.0 -> 11.4). 32-key tiles (8 warps) take a warp's 32 keys at 2K in one tile, every V
-  // row's load in flight at once, where 16-key tiles wait on the second tile's V loads: fp32 2K
-  // 7.50 -> 7.05 µs, 4K 11.39 -> 10.98 (one ring stage of 16 KB), fp16 2K 6.82 -> 6.58.
-  static constexpr int kStageBytes = Tk == 32 ? 16384 : W == 8 ? 8192 : 4096;
+  // Keys a tile (at most Tk: their V rows are registers) and the K bytes of a ring stage:
+  // 16-key tiles in 8 KB stages — at fp32 d = 128 two runs whose shuffle chains overlap, against
+  // 8-key tiles (H200, GQA 32/8: 2K 7.87 -> 7.48 µs, 1K 5.58 -> 5.30, 4K 12.0 -> 11.4) — or
+  // 32-key tiles in 16 KB stages, which take a warp's 32 keys at 2K in one tile, every V row's
+  // load in flight at once, where 16-key tiles wait on the second tile's V loads: fp32 2K
+  // 7.50 -> 7.05 µs, 4K 11.39 -> 10.98 (one ring stage a warp), fp16 2K 6.82 -> 6.58.
+  static constexpr int kStageBytes = Tk == 32 ? 16384 : 8192;
   static constexpr int kFit = kStageBytes / kRowBytes < Tk ? kStageBytes / kRowBytes : Tk;
   static constexpr int kTk = kFit > kRun ? kFit : kRun;
   static_assert(kTk % kRun == 0, "a tile is whole runs");
@@ -133,11 +133,11 @@ __device__ inline void LoadCols(const __half* p, float (&x)[N]) {
   }
 }
 
-template <typename T, int D, int kG, int W, int Tk>
-__global__ void __launch_bounds__(Dc<T, D, kG, W, Tk>::kThreads, 1)
+template <typename T, int D, int kG, int Tk>
+__global__ void __launch_bounds__(Dc<T, D, kG, Tk>::kThreads, 1)
     DecodeCluster(const __grid_constant__ DecodeClusterArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters; the launch checks the device
-  using F = Dc<T, D, kG, W, Tk>;
+  using F = Dc<T, D, kG, Tk>;
   constexpr int kCols = F::kCols, kRun = F::kRun, kTk = F::kTk, kRuns = F::kRuns;
   constexpr int kShare = F::kShare, kWarps = F::kWarps, kThreads = F::kThreads;
   constexpr int kWords = F::kWords, kStages = F::kStages;
@@ -360,12 +360,12 @@ __global__ void __launch_bounds__(Dc<T, D, kG, W, Tk>::kThreads, 1)
 #endif
 }
 
-template <typename T, int D, int kG, int W, int Tk>
+template <typename T, int D, int kG, int Tk>
 cudaLaunchConfig_t Config(uint32_t blocks, cudaStream_t stream, cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(Dc<T, D, kG, W, Tk>::kThreads);
-  cfg.dynamicSmemBytes = Dc<T, D, kG, W, Tk>::kBytes;
+  cfg.blockDim = dim3(Dc<T, D, kG, Tk>::kThreads);
+  cfg.dynamicSmemBytes = Dc<T, D, kG, Tk>::kBytes;
   cfg.stream = stream;
   attr->id = cudaLaunchAttributeClusterDimension;
   attr->val.clusterDim.x = kCluster;
@@ -379,63 +379,55 @@ cudaLaunchConfig_t Config(uint32_t blocks, cudaStream_t stream, cudaLaunchAttrib
 // How many clusters of the kernel the device runs at once (0: none, or the loaded code is not
 // the sm_90 build — a newer GPU JIT-compiling the portable PTX gets a body that only traps).
 // Sets the kernel's shared-memory attribute first (once).
-template <typename T, int D, int kG, int W, int Tk>
+template <typename T, int D, int kG, int Tk>
 int ActiveClusters() {
   static const int n = [] {
-    if (cudaFuncSetAttribute(DecodeCluster<T, D, kG, W, Tk>,
+    if (cudaFuncSetAttribute(DecodeCluster<T, D, kG, Tk>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(Dc<T, D, kG, W, Tk>::kBytes)) != cudaSuccess) {
+                             static_cast<int>(Dc<T, D, kG, Tk>::kBytes)) != cudaSuccess) {
       (void)cudaGetLastError();
       return 0;
     }
     cudaFuncAttributes fa{};
-    if (cudaFuncGetAttributes(&fa, DecodeCluster<T, D, kG, W, Tk>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&fa, DecodeCluster<T, D, kG, Tk>) != cudaSuccess) {
       (void)cudaGetLastError();
       return 0;
     }
     if (fa.ptxVersion < 90) return 0;
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = Config<T, D, kG, W, Tk>(kCluster, nullptr, &attr);
+    const cudaLaunchConfig_t cfg = Config<T, D, kG, Tk>(kCluster, nullptr, &attr);
     int clusters = 0;
     const cudaError_t e =
-        cudaOccupancyMaxActiveClusters(&clusters, DecodeCluster<T, D, kG, W, Tk>, &cfg);
+        cudaOccupancyMaxActiveClusters(&clusters, DecodeCluster<T, D, kG, Tk>, &cfg);
     if (e != cudaSuccess) (void)cudaGetLastError();
     return e == cudaSuccess ? clusters : 0;
   }();
   return n;
 }
 
-// Calls f with (T, D, kG, W, Tk) as a type and constants for a supported shape (groups of up
-// to 4 heads: kG = 4; `warps` 8 or 16; `tile` 16 or 32 keys, 32 with 8 warps); false otherwise.
+// Calls f with (T, D, kG, Tk) as a type and constants for a supported shape (groups of up to
+// 4 heads: kG = 4; `tile` 16 or 32 keys); false otherwise.
 template <typename Fn>
-bool WithShape(DType dtype, uint32_t d, uint32_t group, uint32_t warps, uint32_t tile, Fn&& f) {
+bool WithShape(DType dtype, uint32_t d, uint32_t group, uint32_t tile, Fn&& f) {
   using I4 = std::integral_constant<int, 4>;
-  using I16 = std::integral_constant<int, 16>;
-  auto by_group = [&](auto t, auto dc) {
-    if (warps == 16) {
-      f(t, dc, I4{}, I16{}, I16{});
-    } else if (tile == 32) {
-      f(t, dc, I4{}, std::integral_constant<int, 8>{}, std::integral_constant<int, 32>{});
+  auto by_tile = [&](auto t, auto dc) {
+    if (tile == 32) {
+      f(t, dc, I4{}, std::integral_constant<int, 32>{});
     } else {
-      f(t, dc, I4{}, std::integral_constant<int, 8>{}, I16{});
+      f(t, dc, I4{}, std::integral_constant<int, 16>{});
     }
     return true;
   };
   auto by_d = [&](auto t) {
-    if (d == 64) return by_group(t, std::integral_constant<int, 64>{});
-    if (d == 128) return by_group(t, std::integral_constant<int, 128>{});
+    if (d == 64) return by_tile(t, std::integral_constant<int, 64>{});
+    if (d == 128) return by_tile(t, std::integral_constant<int, 128>{});
     return false;
   };
-  if (group < 1 || group > 4) return false;
-  if (warps != 8 && warps != 16) return false;
-  if (tile != 16 && !(tile == 32 && warps == 8)) return false;
+  if (group < 1 || group > 4 || (tile != 16 && tile != 32)) return false;
   if (dtype == DType::kF32) return by_d(float{});
   if (dtype == DType::kF16) return by_d(__half{});
   return false;
 }
-
-// The block shapes a launch may take: (warps, keys a tile).
-constexpr uint32_t kShapes[][2] = {{8, 16}, {8, 32}, {16, 16}};
 
 }  // namespace
 
@@ -449,22 +441,9 @@ uint64_t DecodeClusterMaxKeys(DType dtype) {
 }
 
 namespace {
-// 16 warps a block once a block's K and V reach 256 KB (their per-key work hides better), else 8
-// (less to merge): fp32 2K 7.56 vs 7.87 µs, 4K 11.6 vs 12.0; fp32 1K 5.54 vs 5.71, 512 4.48 vs
-// 5.56; fp16 2K 6.81 vs 6.91. Except fp32 at d = 128 with groups of 3 or 4 heads, where the 8
-// warps' 16-key tiles (Dc::kStageBytes) win at every range: 32/8 2K 7.48 vs 7.54, 4K 11.40 vs
-// 11.57, 24/8 2K 7.50 vs 7.56; with less work a key 16 warps still win (16/8: 7.42 vs 7.47,
-// 8/8: 7.33 vs 7.43).
-uint32_t Warps(const DecodeClusterArgs& a) {
-  if (a.warps == 8 || a.warps == 16) return a.warps;
-  if (a.dtype == DType::kF32 && a.d == 128 && a.group >= 3) return 8;
-  const uint64_t bytes = uint64_t{a.hi - a.lo} * 2 * a.d * DTypeSize(a.dtype) / kCluster;
-  return bytes >= (256u << 10) ? 16 : 8;
-}
-// Keys a tile: 32 where 8 warps a block each have 32 keys or more (a whole 32-key tile; fewer
-// would compute a partial tile's skipped runs' V loads for nothing), else 16.
-uint32_t Tile(const DecodeClusterArgs& a, uint32_t warps) {
-  if (warps != 8) return 16;
+// Keys a tile: 32 where each of a block's 8 warps has 32 keys or more (a whole 32-key tile;
+// fewer would wait on V loads for rows a partial tile lacks), else 16.
+uint32_t Tile(const DecodeClusterArgs& a) {
   if (a.tile == 16 || a.tile == 32) return a.tile;
   return a.hi - a.lo >= 32u * kCluster * 8 ? 32 : 16;
 }
@@ -475,15 +454,13 @@ bool DecodeClusterFits(DType dtype, uint32_t d, uint32_t group, uint32_t heads, 
       keys == 0 || keys > DecodeClusterMaxKeys(dtype) || gpu::Info().cc_major < 9) {
     return false;
   }
-  // Every K/V head's cluster at once, for every block shape.
+  // Every K/V head's cluster at once, for either tile.
   int active = 1 << 30;
-  for (const auto& shape : kShapes) {
-    const bool ok = WithShape(
-        dtype, d, group, shape[0], shape[1], [&](auto t, auto dc, auto gc, auto wc, auto tc) {
-          active =
-              std::min(active, ActiveClusters<decltype(t), decltype(dc)::value, decltype(gc)::value,
-                                              decltype(wc)::value, decltype(tc)::value>());
-        });
+  for (uint32_t tile : {16u, 32u}) {
+    const bool ok = WithShape(dtype, d, group, tile, [&](auto t, auto dc, auto gc, auto tc) {
+      active = std::min(active, ActiveClusters<decltype(t), decltype(dc)::value,
+                                               decltype(gc)::value, decltype(tc)::value>());
+    });
     if (!ok) return false;
   }
   return active >= static_cast<int>(heads);
@@ -496,22 +473,20 @@ Status LaunchDecodeCluster(const DecodeClusterArgs& a, void* stream) {
     return Status(ErrorKind::kErr, "cluster decode: bad heads or visible range");
   }
   Status st = Status::Ok();
-  const uint32_t warps = Warps(a);
-  const bool shape = WithShape(
-      a.dtype, a.d, a.group, warps, Tile(a, warps),
-      [&](auto t, auto dc, auto gc, auto wc, auto tc) {
+  const bool shape =
+      WithShape(a.dtype, a.d, a.group, Tile(a), [&](auto t, auto dc, auto gc, auto tc) {
         using T = decltype(t);
-        constexpr int D = decltype(dc)::value, G = decltype(gc)::value, W = decltype(wc)::value;
+        constexpr int D = decltype(dc)::value, G = decltype(gc)::value;
         constexpr int Tk = decltype(tc)::value;
-        if (gpu::Info().cc_major < 9 || ActiveClusters<T, D, G, W, Tk>() == 0) {
+        if (gpu::Info().cc_major < 9 || ActiveClusters<T, D, G, Tk>() == 0) {
           (void)(st = Status(
                      ErrorKind::kErr,
                      "cluster decode needs thread-block clusters and this binary's sm_90 code"));
           return;
         }
         cudaLaunchAttribute cluster;
-        const cudaLaunchConfig_t cfg = Config<T, D, G, W, Tk>(a.heads * kCluster, s, &cluster);
-        const cudaError_t e = cudaLaunchKernelEx(&cfg, DecodeCluster<T, D, G, W, Tk>, a);
+        const cudaLaunchConfig_t cfg = Config<T, D, G, Tk>(a.heads * kCluster, s, &cluster);
+        const cudaError_t e = cudaLaunchKernelEx(&cfg, DecodeCluster<T, D, G, Tk>, a);
         (void)(st = e == cudaSuccess ? KernelStatus("cluster decode kernel")
                                      : gpu::CudaError(e, "cluster decode kernel"));
       });
