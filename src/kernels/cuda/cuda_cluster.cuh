@@ -3,7 +3,9 @@
 // query heads. Each block merges its warps, stores its state where it is merged — (m, l) of
 // every head into every rank, float4 output column e into the rank whose share holds it — and
 // after one cluster barrier rank r merges columns [ncol·r/C, ncol·(r+1)/C) (ncol = G·D/4) from
-// every rank's state. Stores, not loads, cross the cluster, so no rank waits at the end.
+// every rank's state. Stores, not loads, cross the cluster, so no rank waits at the end. The
+// *Async forms send the same stores as st.async, each counted on the receiver's mbarrier, so
+// the receiver waits on its own barrier instead of the cluster barrier (decode_cluster.cu).
 #pragma once
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -62,6 +64,64 @@ __device__ inline void SendColumns(cooperative_groups::cluster_group& cluster, i
     }
     const int owner = ((e + 1) * C - 1) / ncol;  // the last rank whose share starts at or before e
     *cluster.map_shared_rank(&recv_o[rank][e - ncol * owner / C], owner) = acc;
+  }
+}
+
+// The same stores as SendHeadState / SendColumns, as st.async: each completes its bytes on the
+// receiving rank's mbarrier `bar` (the same offset in every rank), so the receiver waits on its
+// own barrier instead of a cluster barrier. RecvBytes: what a rank receives of both.
+__device__ inline uint32_t MapaShared(const void* p, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(SmemAddr(p)), "r"(rank));
+  return r;
+}
+__device__ inline void StAsync(const void* dst, float v, const uint64_t* bar, int rank) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                   MapaShared(dst, rank)),
+               "r"(__float_as_uint(v)), "r"(MapaShared(bar, rank))
+               : "memory");
+}
+__device__ inline void StAsync(const void* dst, float4 v, const uint64_t* bar, int rank) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
+      "[%5];" ::"r"(MapaShared(dst, rank)),
+      "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+      "r"(__float_as_uint(v.w)), "r"(MapaShared(bar, rank))
+      : "memory");
+}
+template <int C>
+__device__ inline uint32_t RecvBytes(int g, int ncol, int rank) {
+  const int share = ncol * (rank + 1) / C - ncol * rank / C;
+  return static_cast<uint32_t>(C * (g * 8 + share * 16));
+}
+template <int C, int kG>
+__device__ inline void SendHeadStateAsync(int rank, int h, float2 ml, float (&recv_m)[C][kG],
+                                          float (&recv_l)[C][kG], const uint64_t* bar) {
+#pragma unroll
+  for (int r = 0; r < C; ++r) {
+    StAsync(&recv_m[rank][h], ml.x, bar, r);
+    StAsync(&recv_l[rank][h], ml.y, bar, r);
+  }
+}
+template <int C, int kWarps, int kG, int kShare, int kStride>
+__device__ inline void SendColumnsAsync(int rank, const float* wo,
+                                        const float (&weight)[kWarps][kG],
+                                        float4 (&recv_o)[C][kShare], int ncol, int d, int tid,
+                                        int threads, const uint64_t* bar) {
+  for (int e = tid; e < ncol; e += threads) {
+    const int h = e / (d / 4), c = (e % (d / 4)) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = weight[w][h];
+      const float4 x = *reinterpret_cast<const float4*>(wo + (w * kG + h) * kStride + c);
+      acc.x += f * x.x;
+      acc.y += f * x.y;
+      acc.z += f * x.z;
+      acc.w += f * x.w;
+    }
+    const int owner = ((e + 1) * C - 1) / ncol;
+    StAsync(&recv_o[rank][e - ncol * owner / C], acc, bar, owner);
   }
 }
 
