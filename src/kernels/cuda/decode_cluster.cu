@@ -1,12 +1,12 @@
 // Dense M = 1 decode over a short visible range in one launch, fp32 or fp16 K/V (d 64 or 128),
 // up to kG = 4 query heads a K/V head.
 //
-// Per K/V head one thread-block cluster of kCluster blocks of 8 warps: the visible
-// keys split evenly over the cluster's warps in whole runs of 32/kG keys, rank-major, each warp
-// a contiguous run. A warp's K tiles (16 or 32 keys) stream through its own ring of bulk copies
-// (a tile's rows are contiguous in the slot: one copy), its V rows straight into registers while
-// the tile's scores are computed. The math
-// is fp32 on the CUDA cores, lane l owning columns l·D/32 ..:
+// Per K/V head one thread-block cluster of kCluster blocks of 8 warps: the visible keys split
+// evenly over the cluster's warps in whole runs of 32/kG keys, rank-major, each warp a
+// contiguous run. A warp's K tiles (16 or 32 keys) stream through its own ring of bulk copies (a
+// tile's rows are contiguous in the slot: one copy), its V rows straight into registers while
+// the tile's scores are computed. The math is fp32 on the CUDA cores, lane l owning columns
+// l·D/32 ..:
 //   scores   a run of 32/kG keys' dot products with the kG member heads' queries is one
 //            ReduceScatter32Xor (31 shuffles and 31 adds for 32 sums; the values sit
 //            lane-permuted — each lane's queries and K rows in its own order — so no selects),
