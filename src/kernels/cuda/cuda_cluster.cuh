@@ -44,12 +44,12 @@ __device__ inline void SendHeadState(cooperative_groups::cluster_group& cluster,
 }
 
 // The block's output columns, its warps' outputs `wo` (row w·kG + h, kStride floats apart)
-// weighted by `weight[w][h]`, each into recv_o of the rank whose share holds it.
-template <int C, int kWarps, int kG, int kShare, int kStride>
-__device__ inline void SendColumns(cooperative_groups::cluster_group& cluster, int rank,
-                                   const float* wo, const float (&weight)[kWarps][kG],
-                                   float4 (&recv_o)[C][kShare], int ncol, int d, int tid,
-                                   int threads) {
+// weighted by `weight[w][h]`: store(slot, column, rank) for each, slot its place in recv_o of
+// the rank whose share holds it. SendColumns and SendColumnsAsync differ only in the store.
+template <int C, int kWarps, int kG, int kShare, int kStride, typename Store>
+__device__ inline void ForEachColumn(int rank, const float* wo, const float (&weight)[kWarps][kG],
+                                     float4 (&recv_o)[C][kShare], int ncol, int d, int tid,
+                                     int threads, Store&& store) {
   for (int e = tid; e < ncol; e += threads) {
     const int h = e / (d / 4), c = (e % (d / 4)) * 4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -63,8 +63,18 @@ __device__ inline void SendColumns(cooperative_groups::cluster_group& cluster, i
       acc.w += f * x.w;
     }
     const int owner = ((e + 1) * C - 1) / ncol;  // the last rank whose share starts at or before e
-    *cluster.map_shared_rank(&recv_o[rank][e - ncol * owner / C], owner) = acc;
+    store(&recv_o[rank][e - ncol * owner / C], acc, owner);
   }
+}
+// ForEachColumn with plain stores into the other ranks' shared memory.
+template <int C, int kWarps, int kG, int kShare, int kStride>
+__device__ inline void SendColumns(cooperative_groups::cluster_group& cluster, int rank,
+                                   const float* wo, const float (&weight)[kWarps][kG],
+                                   float4 (&recv_o)[C][kShare], int ncol, int d, int tid,
+                                   int threads) {
+  ForEachColumn<C, kWarps, kG, kShare, kStride>(
+      rank, wo, weight, recv_o, ncol, d, tid, threads,
+      [&](float4* slot, float4 v, int owner) { *cluster.map_shared_rank(slot, owner) = v; });
 }
 
 // The same stores as SendHeadState / SendColumns, as st.async: each completes its bytes on the
@@ -108,21 +118,9 @@ __device__ inline void SendColumnsAsync(int rank, const float* wo,
                                         const float (&weight)[kWarps][kG],
                                         float4 (&recv_o)[C][kShare], int ncol, int d, int tid,
                                         int threads, const uint64_t* bar) {
-  for (int e = tid; e < ncol; e += threads) {
-    const int h = e / (d / 4), c = (e % (d / 4)) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = weight[w][h];
-      const float4 x = *reinterpret_cast<const float4*>(wo + (w * kG + h) * kStride + c);
-      acc.x += f * x.x;
-      acc.y += f * x.y;
-      acc.z += f * x.z;
-      acc.w += f * x.w;
-    }
-    const int owner = ((e + 1) * C - 1) / ncol;
-    StAsync(&recv_o[rank][e - ncol * owner / C], acc, bar, owner);
-  }
+  ForEachColumn<C, kWarps, kG, kShare, kStride>(
+      rank, wo, weight, recv_o, ncol, d, tid, threads,
+      [&](float4* slot, float4 v, int owner) { StAsync(slot, v, bar, owner); });
 }
 
 // After the cluster barrier: this rank's share of the output columns (≤ kShare: one pass),

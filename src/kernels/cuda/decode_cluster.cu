@@ -44,6 +44,7 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kCluster = kDecodeCluster;
+constexpr int kBlockWarps = 8;  // warps a block (Dc::kWarps)
 
 template <typename T, int D, int kG, int Tk>
 struct Dc {
@@ -51,7 +52,7 @@ struct Dc {
   // tiles) measured slower once 8 warps had 16- and 32-key tiles — H200, fp32 MHA 8/8 2K 7.42
   // vs 7.02 µs, 16/8 2K 7.44 vs 7.04, 8/8 4K 11.26 vs 10.94, 16/8 1K 5.48 vs 5.33, fp16 8/8 2K
   // 6.73 vs 6.58 — so the kernel has 8.
-  static constexpr int kWarps = 8;
+  static constexpr int kWarps = kBlockWarps;
   static_assert(Tk == 16 || Tk == 32, "16- or 32-key tiles");
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kCols = D / 32;  // columns a lane owns
@@ -450,7 +451,7 @@ namespace {
 // fewer would wait on V loads for rows a partial tile lacks), else 16.
 uint32_t Tile(const DecodeClusterArgs& a) {
   if (a.tile == 16 || a.tile == 32) return a.tile;
-  return a.hi - a.lo >= 32u * kCluster * 8 ? 32 : 16;
+  return a.hi - a.lo >= 32u * kCluster * kBlockWarps ? 32 : 16;
 }
 }  // namespace
 
