@@ -1,11 +1,11 @@
 // The merge both one-launch kernels end with (sparse_fused.cu, decode_cluster.cu): per K/V head
 // a thread-block cluster of C blocks, each holding its warps' (m, l, o) of the head's G member
-// query heads. Each block merges its warps, stores its state where it is merged — (m, l) of
-// every head into every rank, float4 output column e into the rank whose share holds it — and
-// after one cluster barrier rank r merges columns [ncol·r/C, ncol·(r+1)/C) (ncol = G·D/4) from
-// every rank's state. Stores, not loads, cross the cluster, so no rank waits at the end. The
-// *Async forms send the same stores as st.async, each counted on the receiver's mbarrier, so
-// the receiver waits on its own barrier instead of the cluster barrier (decode_cluster.cu).
+// query heads. Each block merges its warps and sends its state where it is merged — (m, l) of
+// every head to every rank, float4 output column e to the rank whose share holds it — as
+// st.async stores into the receivers' shared memory, each counted on the receiver's mbarrier;
+// once its own barrier completes, rank r merges columns [ncol·r/C, ncol·(r+1)/C) (ncol = G·D/4)
+// from every rank's state. Stores, not loads, cross the cluster, and no rank waits on a cluster
+// barrier at the end: each waits only for what it receives.
 #pragma once
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -32,20 +32,9 @@ __device__ inline float2 MergeWarpStates(float (&m_w)[kWarps][kG], const float (
   return make_float2(m == -INFINITY ? -INFINITY : m * kLn2, l);
 }
 
-// Head h's merged (m, l) into every rank's recv_m / recv_l, at this rank's row.
-template <int C, int kG>
-__device__ inline void SendHeadState(cooperative_groups::cluster_group& cluster, int rank, int h,
-                                     float2 ml, float (&recv_m)[C][kG], float (&recv_l)[C][kG]) {
-#pragma unroll
-  for (int r = 0; r < C; ++r) {
-    *cluster.map_shared_rank(&recv_m[rank][h], r) = ml.x;
-    *cluster.map_shared_rank(&recv_l[rank][h], r) = ml.y;
-  }
-}
-
 // The block's output columns, its warps' outputs `wo` (row w·kG + h, kStride floats apart)
 // weighted by `weight[w][h]`: store(slot, column, rank) for each, slot its place in recv_o of
-// the rank whose share holds it. SendColumns and SendColumnsAsync differ only in the store.
+// the rank whose share holds it.
 template <int C, int kWarps, int kG, int kShare, int kStride, typename Store>
 __device__ inline void ForEachColumn(int rank, const float* wo, const float (&weight)[kWarps][kG],
                                      float4 (&recv_o)[C][kShare], int ncol, int d, int tid,
@@ -66,20 +55,10 @@ __device__ inline void ForEachColumn(int rank, const float* wo, const float (&we
     store(&recv_o[rank][e - ncol * owner / C], acc, owner);
   }
 }
-// ForEachColumn with plain stores into the other ranks' shared memory.
-template <int C, int kWarps, int kG, int kShare, int kStride>
-__device__ inline void SendColumns(cooperative_groups::cluster_group& cluster, int rank,
-                                   const float* wo, const float (&weight)[kWarps][kG],
-                                   float4 (&recv_o)[C][kShare], int ncol, int d, int tid,
-                                   int threads) {
-  ForEachColumn<C, kWarps, kG, kShare, kStride>(
-      rank, wo, weight, recv_o, ncol, d, tid, threads,
-      [&](float4* slot, float4 v, int owner) { *cluster.map_shared_rank(slot, owner) = v; });
-}
-
-// The same stores as SendHeadState / SendColumns, as st.async: each completes its bytes on the
-// receiving rank's mbarrier `bar` (the same offset in every rank), so the receiver waits on its
-// own barrier instead of a cluster barrier. RecvBytes: what a rank receives of both.
+// The stores that cross the cluster are st.async: each completes its bytes on the receiving
+// rank's mbarrier `bar` (the same offset in every rank), so the receiver waits on its own
+// barrier instead of a cluster barrier. RecvBytes: what a rank receives of the merge —
+// SendHeadStateAsync's (m, l) of every head, SendColumnsAsync's columns of its share.
 __device__ inline uint32_t MapaShared(const void* p, int rank) {
   uint32_t r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(SmemAddr(p)), "r"(rank));
@@ -90,6 +69,9 @@ __device__ inline void StAsync(const void* dst, float v, const uint64_t* bar, in
                    MapaShared(dst, rank)),
                "r"(__float_as_uint(v)), "r"(MapaShared(bar, rank))
                : "memory");
+}
+__device__ inline void StAsync(const void* dst, uint32_t v, const uint64_t* bar, int rank) {
+  StAsync(dst, __uint_as_float(v), bar, rank);
 }
 __device__ inline void StAsync(const void* dst, float4 v, const uint64_t* bar, int rank) {
   asm volatile(

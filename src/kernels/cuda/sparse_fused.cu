@@ -9,9 +9,10 @@
 //      and Quest's bound when asked: the same arithmetic as ScoreBlocks); a candidate's key is
 //      the highest selection score of the members (SHARED);
 //   2. every rank sends its slice's keys (and the heads' top mean scores, the keys' range) to
-//      every rank's shared memory; cluster barrier; every rank runs the same selection over the
-//      keys (one histogram pass over the keys' range, RangeSelect, or the radix select where that
-//      cannot decide), so every rank knows the chosen blocks without another exchange;
+//      every rank's shared memory as st.async stores, counted on the receiver's mbarrier; once
+//      its own barrier completes, every rank runs the same selection over the keys (one histogram
+//      pass over the keys' range, RangeSelect, or the radix select where that cannot decide), so
+//      every rank knows the chosen blocks without another exchange;
 //   3. rank r attends its share of the chosen rows (first block, chosen middle blocks,
 //      last block, ascending). Each warp streams its own run of 16-row tiles through its own
 //      ring (TMA: a 2-D tensor copy each for K and V where the tile's rows are contiguous, else
@@ -22,9 +23,12 @@
 //      weights of its own slice; the eight warps' states merge in shared memory;
 //   4. every rank sends its state where it is merged: (m, l) of every head to every rank, its
 //      output columns to the rank whose share holds them, its omitted sums of head h to rank h;
-//      cluster barrier; rank r merges its share of the output columns, rank h writes the LSE,
-//      omitted fraction and receipts of member head h, and each exits (every access to another
-//      rank's shared memory is a store before the last cluster barrier).
+//      st.async again; once its barrier completes, rank r merges its share of the output
+//      columns, rank h writes the LSE, omitted fraction and receipts of member head h, and each
+//      exits. The one cluster barrier is at the start: its wait, before the first store to
+//      another rank, means every rank runs, and each rank expects its bytes before arriving
+//      there; every access to another rank's shared memory is such a counted store, so no rank
+//      exits before everything sent to it has landed.
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -120,12 +124,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     PrefetchTensorMap(&a.map_v);
   }
   // Each warp's ring barriers, initialized now so the cluster-scope init fence runs while the
-  // scores load instead of after the selection. Then this rank's arrival on the cluster barrier
-  // whose wait, before the first store to another rank's shared memory, means every rank runs.
+  // scores load instead of after the selection, and the barriers that count what the other
+  // ranks send this one (the exchange's and the merge's).
   __shared__ __align__(8) uint64_t bars[kWarps][kS];
+  __shared__ __align__(8) uint64_t recv_bar;  // counts the other ranks' stores into recv_*
+  __shared__ __align__(8) uint64_t xbar;      // ... and into keys, all_top, all_lo, all_hi
+  if (tid == 0) MbarInit(&recv_bar, 1), MbarInit(&xbar, 1);
   if (lane == 0) MbarInitRing(bars[warp]);
   __syncwarp();
-  auto started = cluster.barrier_arrive();
   WaitForPrimary();
   mark(0);
 
@@ -140,10 +146,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     G += hd[g] >= 0;
     if (tid == g) heads[g] = hd[g];
   }
+  // What this rank receives in the merge (every send follows the wait of the cluster barrier
+  // this rank arrives at below): the heads' states, its share of the columns and, for rank
+  // h < G, head h's omitted sums.
+  if (tid == 0) {
+    MbarArriveExpect(&recv_bar, RecvBytes<C>(G, G * (D / 4), rank) + (rank < G ? C * 8 : 0));
+  }
   const uint32_t B = a.block, lo = a.lo, hi = a.hi;
   const uint32_t b_lo = lo / B, b_hi = (hi - 1) / B;
   const int nvis = static_cast<int>(b_hi - b_lo + 1);
   const int ncand = nvis > 2 ? nvis - 2 : 0;
+  // What this rank receives in the exchange: every rank's top mean scores and key range, and
+  // every candidate's key. Expected (as the merge's) before this rank's arrival on the cluster
+  // barrier whose wait, before the first store to another rank's shared memory, means every
+  // rank runs.
+  if (tid == 0) MbarArriveExpect(&xbar, static_cast<uint32_t>(C * (4 * G + 8) + 4 * ncand));
+  auto started = cluster.barrier_arrive();
   const int s0 = nvis * rank / C, s1 = nvis * (rank + 1) / C;  // this rank's visible blocks
   // Each lane's 4-column slice of every member's query (zero past the group), in registers: its
   // loads are in flight with the first block summaries'. Warp 0 also stages them as the MMA's
@@ -257,14 +275,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     float t = -INFINITY;
     for (int w = 0; w < kWarps; ++w) t = fmaxf(t, warp_a[w][tid]);
 #pragma unroll
-    for (int r = 0; r < C; ++r) *cluster.map_shared_rank(&all_top[rank][tid], r) = t;
+    for (int r = 0; r < C; ++r) StAsync(&all_top[rank][tid], t, &xbar, r);
   } else if (tid == kG) {
     uint32_t l = 0xffffffffu, h = 0u;
     for (int w = 0; w < kWarps; ++w) l = min(l, warp_lo[w]), h = max(h, warp_hi[w]);
 #pragma unroll
     for (int r = 0; r < C; ++r) {
-      *cluster.map_shared_rank(&all_lo[rank], r) = l;
-      *cluster.map_shared_rank(&all_hi[rank], r) = h;
+      StAsync(&all_lo[rank], l, &xbar, r);
+      StAsync(&all_hi[rank], h, &xbar, r);
     }
   }
   {
@@ -272,11 +290,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int lg = len <= 1 ? 0 : 32 - __clz(len - 1);
     for (int p = tid; p < (C << lg); p += kThreads) {
       const int r = p >> lg, j = p & ((1 << lg) - 1), v = s0 + j;
-      if (j < len && v >= 1 && v <= ncand) *cluster.map_shared_rank(keys + v - 1, r) = slice_key[j];
+      if (j < len && v >= 1 && v <= ncand) StAsync(keys + v - 1, slice_key[j], &xbar, r);
     }
   }
   mark(4);
-  cluster.sync();
+  MbarWait(&xbar, 0);  // every rank's keys, top scores and key range have arrived here
+  __syncthreads();     // (the block barrier the cluster barrier was)
   if (tid < G) {
     float m = -INFINITY;
 #pragma unroll
@@ -519,17 +538,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // l to every rank, its omitted sums to rank h, the warps' weights (warp_a becomes them); then
   // a float4 column a thread to the rank whose share holds it.
   if (tid < G) {
-    SendHeadState(cluster, rank, tid, MergeWarpStates(warp_a, warp_b, tid), recv_m, recv_l);
-    *cluster.map_shared_rank(&recv_all[rank], tid) = part_all[tid];
-    *cluster.map_shared_rank(&recv_left[rank], tid) = part_left[tid];
+    SendHeadStateAsync(rank, tid, MergeWarpStates(warp_a, warp_b, tid), recv_m, recv_l, &recv_bar);
+    StAsync(&recv_all[rank], part_all[tid], &recv_bar, tid);
+    StAsync(&recv_left[rank], part_left[tid], &recv_bar, tid);
   }
   __syncthreads();
-  SendColumns<C, kWarps, kG, kShare, F::kWo>(cluster, rank, wo, warp_a, recv_o, ncol, D, tid,
-                                             kThreads);
+  SendColumnsAsync<C, kWarps, kG, kShare, F::kWo>(rank, wo, warp_a, recv_o, ncol, D, tid, kThreads,
+                                                  &recv_bar);
   mark(12);
-  // Every rank's state has arrived (release and acquire at cluster scope); after this barrier
-  // no rank touches another's shared memory, so each exits when its merge is done.
-  cluster.sync();
+  MbarWait(&recv_bar, 0);  // every rank's state has arrived here
   mark(13);
 
   // 4. Rank r merges its share of the member heads' float4 output columns from every rank's
