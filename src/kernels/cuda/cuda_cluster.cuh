@@ -55,6 +55,16 @@ __device__ inline void ForEachColumn(int rank, const float* wo, const float (&we
     store(&recv_o[rank][e - ncol * owner / C], acc, owner);
   }
 }
+// The start's cluster barrier, split: every thread arrives early and waits before its first
+// store to another rank, so every rank runs by then. The arrival is relaxed: it publishes
+// nothing — each rank's mbarrier inits are published by their fence.mbarrier_init, and all that
+// crosses the cluster afterwards is counted st.async — and a release arrival would first wait
+// for the thread's memory operations in flight (its loads, its bulk copies).
+__device__ inline void ClusterArriveRelaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ inline void ClusterWait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+
 // The stores that cross the cluster are st.async: each completes its bytes on the receiving
 // rank's mbarrier `bar` (the same offset in every rank), so the receiver waits on its own
 // barrier instead of a cluster barrier. RecvBytes: what a rank receives of the merge —

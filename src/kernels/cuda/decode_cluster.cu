@@ -208,9 +208,10 @@ __global__ void __launch_bounds__(Dc<T, D, kG, Tk>::kThreads, 1)
     }
   }
   // What this rank receives, expected before its arrival on the cluster barrier (every send
-  // follows that barrier's wait), so its tx-count never runs below zero.
+  // follows that barrier's wait). The expectation is the barrier's one arrival, so its phase
+  // cannot complete before it, whatever lands first.
   if (tid == 0) MbarArriveExpect(&recv_bar, RecvBytes<kCluster>(G, G * (D / 4), rank));
-  auto started = cluster.barrier_arrive();
+  ClusterArriveRelaxed();
   const float sl2 = a.scale * kLog2e;
   // Head (lane % kG)'s running max (log2 domain, alike in its lanes) and this lane's share of
   // its running sum; every head's output over this lane's columns.
@@ -345,7 +346,7 @@ __global__ void __launch_bounds__(Dc<T, D, kG, Tk>::kThreads, 1)
   // rank exits only once all of its own inputs have arrived, so no store targets a gone rank).
   // H200, against stores and a cluster barrier: fp32 GQA 32/8 2K 7.10 -> 7.02 µs, 4K 11.04 ->
   // 10.93, MHA 8/8 2K 6.98 -> 6.89, fp16 2K 6.64 -> 6.58; 512 keys 4.71 -> 4.75.
-  cluster.barrier_wait(std::move(started));  // every rank runs: its memory may be written
+  ClusterWait();  // every rank runs: its memory may be written
   if (tid < G) {
     SendHeadStateAsync(rank, tid, MergeWarpStates(warp_m, warp_l, tid), recv_m, recv_l, &recv_bar);
   }

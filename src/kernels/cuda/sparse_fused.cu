@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // barrier whose wait, before the first store to another rank's shared memory, means every
   // rank runs.
   if (tid == 0) MbarArriveExpect(&xbar, static_cast<uint32_t>(C * (4 * G + 8) + 4 * ncand));
-  auto started = cluster.barrier_arrive();
+  ClusterArriveRelaxed();
   const int s0 = nvis * rank / C, s1 = nvis * (rank + 1) / C;  // this rank's visible blocks
   // Each lane's 4-column slice of every member's query (zero past the group), in registers: its
   // loads are in flight with the first block summaries'. Warp 0 also stages them as the MMA's
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   RangeSelectClear<kThreads>(range);
   __shared__ float all_top[C][kG];
   __shared__ uint32_t all_lo[C], all_hi[C];
-  cluster.barrier_wait(std::move(started));  // every rank is running: its memory may be written
+  ClusterWait();  // every rank is running: its memory may be written
   __syncthreads();
   mark(3);
   if (tid < G) {
