@@ -3,14 +3,20 @@
 # numpy but no Debian packages: build/devcarry/{bin,lib,py} with pion-server, the GPU test and
 # bench binaries (xz-compressed: `python3 build/devcarry/unpack.py` there restores them), the
 # shared libraries they link, and the Python packages the tests use.
-#   scripts/gpu-bundle.sh [build-dir]      (default: build)
+#   scripts/gpu-bundle.sh [build-dir [binary ...]]      (default: build)
+# Further binaries (e.g. a pion-gpu-attn-bench of the build before a kernel change, copied to
+# another name, for `scripts/gpu-ab.sh BIN`) travel in bin/ under their file names.
 set -euo pipefail
 BUILD=${1:-build}
+shift $(($# > 0 ? 1 : 0))
 OUT=build/devcarry
 rm -rf "$OUT"
 mkdir -p "$OUT/bin" "$OUT/lib" "$OUT/py" "$OUT/pytest"
 for b in pion-server gpu_attention_test pion-gpu-attn-bench pion-fetch-bench; do
   [ -x "$BUILD/$b" ] && cp "$BUILD/$b" "$OUT/bin/"
+done
+for extra in "$@"; do
+  cp "$extra" "$OUT/bin/"
 done
 ldd "$OUT"/bin/* | awk '$3 ~ /^\// {print $3}' | sort -u | while read -r lib; do
   case "$(basename "$lib")" in
