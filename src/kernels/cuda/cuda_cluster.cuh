@@ -7,7 +7,6 @@
 // from every rank's state. Stores, not loads, cross the cluster, and no rank waits on a cluster
 // barrier at the end: each waits only for what it receives.
 #pragma once
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -32,29 +31,6 @@ __device__ inline float2 MergeWarpStates(float (&m_w)[kWarps][kG], const float (
   return make_float2(m == -INFINITY ? -INFINITY : m * kLn2, l);
 }
 
-// The block's output columns, its warps' outputs `wo` (row w·kG + h, kStride floats apart)
-// weighted by `weight[w][h]`: store(slot, column, rank) for each, slot its place in recv_o of
-// the rank whose share holds it.
-template <int C, int kWarps, int kG, int kShare, int kStride, typename Store>
-__device__ inline void ForEachColumn(int rank, const float* wo, const float (&weight)[kWarps][kG],
-                                     float4 (&recv_o)[C][kShare], int ncol, int d, int tid,
-                                     int threads, Store&& store) {
-  for (int e = tid; e < ncol; e += threads) {
-    const int h = e / (d / 4), c = (e % (d / 4)) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = weight[w][h];
-      const float4 x = *reinterpret_cast<const float4*>(wo + (w * kG + h) * kStride + c);
-      acc.x += f * x.x;
-      acc.y += f * x.y;
-      acc.z += f * x.z;
-      acc.w += f * x.w;
-    }
-    const int owner = ((e + 1) * C - 1) / ncol;  // the last rank whose share starts at or before e
-    store(&recv_o[rank][e - ncol * owner / C], acc, owner);
-  }
-}
 // The start's cluster barrier, split: every thread arrives early and waits before its first
 // store to another rank, so every rank runs by then. The arrival is relaxed: it publishes
 // nothing — each rank's mbarrier inits are published by their fence.mbarrier_init, and all that
@@ -105,18 +81,32 @@ __device__ inline void SendHeadStateAsync(int rank, int h, float2 ml, float (&re
     StAsync(&recv_l[rank][h], ml.y, bar, r);
   }
 }
+// The block's output columns, its warps' outputs `wo` (row w·kG + h, kStride floats apart)
+// weighted by `weight[w][h]`, each into recv_o of the rank whose share holds it.
 template <int C, int kWarps, int kG, int kShare, int kStride>
 __device__ inline void SendColumnsAsync(int rank, const float* wo,
                                         const float (&weight)[kWarps][kG],
                                         float4 (&recv_o)[C][kShare], int ncol, int d, int tid,
                                         int threads, const uint64_t* bar) {
-  ForEachColumn<C, kWarps, kG, kShare, kStride>(
-      rank, wo, weight, recv_o, ncol, d, tid, threads,
-      [&](float4* slot, float4 v, int owner) { StAsync(slot, v, bar, owner); });
+  for (int e = tid; e < ncol; e += threads) {
+    const int h = e / (d / 4), c = (e % (d / 4)) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = weight[w][h];
+      const float4 x = *reinterpret_cast<const float4*>(wo + (w * kG + h) * kStride + c);
+      acc.x += f * x.x;
+      acc.y += f * x.y;
+      acc.z += f * x.z;
+      acc.w += f * x.w;
+    }
+    const int owner = ((e + 1) * C - 1) / ncol;  // the last rank whose share starts at or before e
+    StAsync(&recv_o[rank][e - ncol * owner / C], acc, bar, owner);
+  }
 }
 
-// After the cluster barrier: this rank's share of the output columns (≤ kShare: one pass),
-// merged from every rank's state, into out (head h's row heads[h], d floats).
+// Once every rank's state has landed: this rank's share of the output columns (≤ kShare: one
+// pass), merged from every rank's state, into out (head h's row heads[h], d floats).
 template <int C, int kG, int kShare>
 __device__ inline void MergeShare(const float (&recv_m)[C][kG], const float (&recv_l)[C][kG],
                                   const float4 (&recv_o)[C][kShare], const int32_t* heads, int ncol,
@@ -145,8 +135,8 @@ __device__ inline void MergeShare(const float (&recv_m)[C][kG], const float (&re
       make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
 }
 
-// After the cluster barrier, on one warp: head h's LSE from every rank's (m, l) (lane r < C
-// takes rank r's); every lane gets it.
+// Once every rank's state has landed, on one warp: head h's LSE from every rank's (m, l)
+// (lane r < C takes rank r's); every lane gets it.
 template <int C, int kG>
 __device__ inline float ClusterLse(const float (&recv_m)[C][kG], const float (&recv_l)[C][kG],
                                    int h, int lane) {

@@ -208,6 +208,25 @@ Status LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   return e == cudaSuccess ? KernelStatus(what) : gpu::CudaError(e, what);
 }
 
+// The launch of `blocks` blocks of `threads` in thread-block clusters of `cluster` blocks (a
+// 1-D grid); `attr` holds the cluster attribute the config points at.
+inline cudaLaunchConfig_t ClusterLaunch(uint32_t blocks, uint32_t threads, size_t smem,
+                                        uint32_t cluster, cudaStream_t stream,
+                                        cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = cluster;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 // The tensor-core kernels (flash.cu; eight row groups a block: flash_batched.cu) and their
 // shared-memory bytes per block.
 Status LaunchFlash(const AttendArgs& a, cudaStream_t stream);

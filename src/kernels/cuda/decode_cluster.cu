@@ -155,8 +155,7 @@ __global__ void __launch_bounds__(Dc<T, D, kG, Tk>::kThreads, 1)
   __shared__ float recv_m[kCluster][kG], recv_l[kCluster][kG];
   __shared__ __align__(8) uint64_t recv_bar;  // counts the other ranks' stores into recv_*
 
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = static_cast<int>(cluster.block_rank());
+  const int rank = static_cast<int>(cg::this_cluster().block_rank());
   const uint32_t kv = blockIdx.x / kCluster;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) MbarInit(&recv_bar, 1);
@@ -369,18 +368,8 @@ __global__ void __launch_bounds__(Dc<T, D, kG, Tk>::kThreads, 1)
 
 template <typename T, int D, int kG, int Tk>
 cudaLaunchConfig_t Config(uint32_t blocks, cudaStream_t stream, cudaLaunchAttribute* attr) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(Dc<T, D, kG, Tk>::kThreads);
-  cfg.dynamicSmemBytes = Dc<T, D, kG, Tk>::kBytes;
-  cfg.stream = stream;
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = kCluster;
-  attr->val.clusterDim.y = 1;
-  attr->val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
+  using F = Dc<T, D, kG, Tk>;
+  return ClusterLaunch(blocks, F::kThreads, F::kBytes, kCluster, stream, attr);
 }
 
 // How many clusters of the kernel the device runs at once (0: none, or the loaded code is not

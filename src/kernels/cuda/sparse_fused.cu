@@ -112,8 +112,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ float s_top[kG];
   __shared__ int32_t heads[kG];
 
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = static_cast<int>(cluster.block_rank());
+  const int rank = static_cast<int>(cg::this_cluster().block_rank());
   const uint32_t kv = blockIdx.x / C, me = static_cast<uint32_t>(rank);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   auto mark = [&](int i) {
@@ -603,18 +602,7 @@ cudaError_t Prepare() {
 
 template <int D, int C>
 cudaLaunchConfig_t Config(uint32_t blocks, cudaStream_t stream, cudaLaunchAttribute* attr) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = Fused<D, C>::kBytes;
-  cfg.stream = stream;
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = C;
-  attr->val.clusterDim.y = 1;
-  attr->val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
+  return ClusterLaunch(blocks, kThreads, Fused<D, C>::kBytes, C, stream, attr);
 }
 
 // How many clusters of the (D, C) kernel the device runs at once (0: none; clusters of 16 need
