@@ -175,72 +175,90 @@ __global__ void __launch_bounds__(kThreads, 1)
   mark(1);
 
   // 1. Scores of this rank's slice (the same sums in the same order as ScoreBlocks, so the same
-  // choices): a warp scores kRun blocks at a time, lanes over 4-column slices, every member
-  // head (zero queries past the group); ReduceScatter32 leaves lane l the sum of block l / 8,
-  // head l % 8.
+  // choices): a warp scores a run of blocks at a time — kGs member heads (8, or 4 where the group
+  // has at most 4: no work on zero queries) × 32 / kGs blocks, lanes over 4-column slices, and
+  // ReduceScatter32 leaves lane l the sum of block l / kGs, head l % kGs (each sum in WarpSum's
+  // order whatever the layout). The loop is rolled, the next run's summaries loading while this
+  // one is scored: the code is one run's (a launch runs it cold, so its length costs time).
   const float4* mean4 = reinterpret_cast<const float4*>(a.mean);
   const float4* mn4 = reinterpret_cast<const float4*>(a.min);
   const float4* mx4 = reinterpret_cast<const float4*>(a.max);
-  constexpr int kRun = 32 / kG;  // blocks a warp scores together (ReduceScatter32: kRun × kG sums)
-  const int my_g = lane % kG, my_r = lane / kG;
+  const int gs = G <= 4 ? 4 : kG;          // the head slots a run scores
+  const int my_g = lane % gs;              // this lane's head after the reduce-scatter
   float top = -INFINITY;                   // of head my_g over this lane's blocks
   uint32_t s_lo = 0xffffffffu, s_hi = 0u;  // this lane's candidates' keys: least, greatest
-  // A warp loads kBatch runs at once (every load in flight together), then scores them run by run.
-  auto score = [&](auto quest_c, auto batch_c) {
+  auto score = [&](auto quest_c, auto slots_c) {
     constexpr bool kQuest = decltype(quest_c)::value;
-    constexpr int kBatch = decltype(batch_c)::value, kStep = kRun * kBatch;
-    for (int i0 = s0 + warp * kStep; i0 < s1; i0 += kWarps * kStep) {
-      float4 mv[kStep], lov[kQuest ? kStep : 1], hiv[kQuest ? kStep : 1];
+    constexpr int kGs = decltype(slots_c)::value, kRun = 32 / kGs;
+    constexpr int kQ = kQuest ? kRun : 1;
+    constexpr int kStride = kWarps * kRun;
+    const int my_r = lane / kGs;
+    float4 mv[kRun], lov[kQ], hiv[kQ];
+    auto load = [&](int i0, float4(&m)[kRun], float4(&l)[kQ], float4(&h)[kQ]) {
 #pragma unroll
-      for (int r = 0; r < kStep; ++r) {
+      for (int r = 0; r < kRun; ++r) {
         const int i = Min(i0 + r, s1 - 1);
         const size_t row = (size_t{kv} * a.nb + b_lo + static_cast<uint32_t>(i)) * (D / 4);
-        mv[r] = __ldg(mean4 + row + x4);
-        if constexpr (kQuest) lov[r] = __ldg(mn4 + row + x4), hiv[r] = __ldg(mx4 + row + x4);
+        m[r] = __ldg(mean4 + row + x4);
+        if constexpr (kQuest) l[r] = __ldg(mn4 + row + x4), h[r] = __ldg(mx4 + row + x4);
       }
+    };
+    int i0 = s0 + warp * kRun;
+    if (i0 < s1) load(i0, mv, lov, hiv);
+#pragma unroll 1
+    for (; i0 < s1; i0 += kStride) {
+      float4 nm[kRun], nl[kQ], nh[kQ];
+      if (i0 + kStride < s1) load(i0 + kStride, nm, nl, nh);  // warp-uniform
+      float v[32];
 #pragma unroll
-      for (int run = 0; run < kBatch; ++run) {
-        if (i0 + run * kRun >= s1) break;  // warp-uniform
-        float v[32];
+      for (int r = 0; r < kRun; ++r)
+#pragma unroll
+        for (int g = 0; g < kGs; ++g) v[r * kGs + g] = lane < D / 4 ? Dot4(q4[g], mv[r]) : 0.f;
+      const float dot = ReduceScatter32(v);
+      float sel = dot;
+      if constexpr (kQuest) {
 #pragma unroll
         for (int r = 0; r < kRun; ++r)
 #pragma unroll
-          for (int g = 0; g < kG; ++g)
-            v[r * kG + g] = lane < D / 4 ? Dot4(q4[g], mv[run * kRun + r]) : 0.f;
-        const float dot = ReduceScatter32(v);
-        float sel = dot;
-        if constexpr (kQuest) {
+          for (int g = 0; g < kGs; ++g)
+            v[r * kGs + g] = lane < D / 4 ? Bound4(q4[g], lov[r], hiv[r]) : 0.f;
+        sel = ReduceScatter32(v);
+      }
+      const int i = i0 + my_r;
+      const bool mine = i < s1 && my_g < G;
+      // A candidate's key: the highest selection score of the member heads (one block's lanes).
+      float key = mine ? sel : -INFINITY;
 #pragma unroll
-          for (int r = 0; r < kRun; ++r)
+      for (int o = 1; o < kGs; o <<= 1) key = fmaxf(key, __shfl_xor_sync(0xffffffffu, key, o));
+      const float x = dot * a.scale;
+      if (mine) {
+        top = fmaxf(top, x);
+        slice_ms(my_g)[i - s0] = x;
+      }
+      if (my_g == 0 && i < s1) {
+        const uint32_t sk = SortKey(key);
+        slice_key[i - s0] = sk;
+        if (i >= 1 && i <= ncand) s_lo = min(s_lo, sk), s_hi = max(s_hi, sk);
+      }
 #pragma unroll
-            for (int g = 0; g < kG; ++g)
-              v[r * kG + g] =
-                  lane < D / 4 ? Bound4(q4[g], lov[run * kRun + r], hiv[run * kRun + r]) : 0.f;
-          sel = ReduceScatter32(v);
-        }
-        const int i = i0 + run * kRun + my_r;
-        const bool mine = i < s1 && my_g < G;
-        // A candidate's key: the highest selection score of the member heads (one block's lanes).
-        float key = mine ? sel : -INFINITY;
-#pragma unroll
-        for (int o = 1; o < kG; o <<= 1) key = fmaxf(key, __shfl_xor_sync(0xffffffffu, key, o));
-        const float x = dot * a.scale;
-        if (mine) {
-          top = fmaxf(top, x);
-          slice_ms(my_g)[i - s0] = x;
-        }
-        if (my_g == 0 && i < s1) {
-          const uint32_t sk = SortKey(key);
-          slice_key[i - s0] = sk;
-          if (i >= 1 && i <= ncand) s_lo = min(s_lo, sk), s_hi = max(s_hi, sk);
-        }
+      for (int r = 0; r < kRun; ++r) {
+        mv[r] = nm[r];
+        if constexpr (kQuest) lov[r] = nl[r], hiv[r] = nh[r];
       }
     }
   };
-  if (a.quest) {  // three summaries a block: two runs at once
-    score(std::true_type{}, std::integral_constant<int, 2>{});
+  using Four = std::integral_constant<int, 4>;
+  using Eight = std::integral_constant<int, kG>;
+  if (a.quest) {
+    if (gs == 4) {
+      score(std::true_type{}, Four{});
+    } else {
+      score(std::true_type{}, Eight{});
+    }
+  } else if (gs == 4) {
+    score(std::false_type{}, Four{});
   } else {
-    score(std::false_type{}, std::integral_constant<int, 4>{});
+    score(std::false_type{}, Eight{});
   }
   if (warp == 0 && lane < D / 4) {
 #pragma unroll
@@ -253,12 +271,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   mark(2);
-#pragma unroll
-  for (int o = kG; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-  if (lane < kG) warp_a[warp][lane] = top;
+  for (int o = gs; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+  if (lane < kG) warp_a[warp][lane] = top;  // head lane % gs: read for the heads < G only
   constexpr int kPer = kMaxCand / kThreads;
   uint32_t mine[kPer];
-  int nmine = 0;
   auto& range = *reinterpret_cast<RangeScratch<kBins>*>(rings + F::kRing);  // warp 1's ring
   __shared__ uint32_t warp_lo[kWarps], warp_hi[kWarps];
   s_lo = __reduce_min_sync(0xffffffffu, s_lo);
@@ -311,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint4 x = reinterpret_cast<const uint4*>(keys + tid * kPer)[j / 4];
     mine[j] = x.x, mine[j + 1] = x.y, mine[j + 2] = x.z, mine[j + 3] = x.w;
   }
-  nmine = max(0, min(kPer, ncand - tid * kPer));
+  const int nmine = max(0, min(kPer, ncand - tid * kPer));
   mark(5);
   const int keep = Min<int>(static_cast<int>(a.k_top), ncand);
   // Candidate i is visible block 1 + i; the flags are kept for this rank's slice only.
@@ -351,9 +367,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t w_first = e0 + SplitPoint(tiles, warp, kWarps) * kTk;
   const int ntiles =
       static_cast<int>(SplitPoint(tiles, warp + 1, kWarps) - SplitPoint(tiles, warp, kWarps));
+  // Block sizes are powers of two in practice: shifts then, not a division's ~20 dependent
+  // instructions on the way to every tile request.
+  const bool pow2 = (B & (B - 1)) == 0;
+  const uint32_t lg_b = static_cast<uint32_t>(__ffs(static_cast<int>(B)) - 1);
   auto row_of = [&](uint32_t e) -> uint32_t {
     if (e < len0) return lo + e;
-    if (e < len0 + mid) return (b_lo + chosen[(e - len0) / B]) * B + (e - len0) % B;
+    if (e < len0 + mid) {
+      const uint32_t x = e - len0, q = pow2 ? x >> lg_b : x / B;
+      return (b_lo + chosen[q]) * B + (x - q * B);
+    }
     return b_hi * B + (e - len0 - mid);
   };
   const __half* kbase = static_cast<const __half*>(a.k) + size_t{kv} * a.rows * D;
@@ -398,32 +421,35 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int x = 0; x < D / 8; ++x) reinterpret_cast<uint4*>(dst)[x] = make_uint4(0, 0, 0, 0);
     }
   };
-#pragma unroll
-  for (int t = 0; t < kS - 1; ++t) prefetch(t);  // the last stage fills after the omitted sums
+  // Tile 0 now; the other stages but the last after the omitted sums, so the copy unit's queue
+  // (every warp's requests) holds each warp's first tile first.
+  prefetch(0);
   mark(8);
 
   // The omitted-mass proxy over this rank's slice, while the first tiles land: block weights
   // count · exp(x − top), summed per head (a warp's sums, then the warps').
   {
-    float all[kG] = {}, left[kG] = {};
-    for (int i = s0 + tid; i < s1; i += kThreads) {
-      const uint32_t b = b_lo + static_cast<uint32_t>(i);
-      const float rows = static_cast<float>(min((b + 1) * B, hi) - max(b * B, lo));
-      const bool out = i >= 1 && i <= ncand && !taken[i - s0];
-#pragma unroll
-      for (int h = 0; h < kG; ++h) {
-        if (h >= G) break;
-        const float w = rows * expf(slice_ms(h)[i - s0] - s_top[h]);
-        all[h] += w;
-        if (out) left[h] += w;
+    // Thread t weighs head t % kG's blocks s0 + t / kG, + kThreads / kG, …: the lanes of a head
+    // are lane % kG, summed by two shuffles.
+    const int h = tid % kG;
+    float all = 0.f, left = 0.f;
+    if (h < G) {
+      const float tp = s_top[h];
+      const float* ms = slice_ms(h);
+      for (int i = s0 + tid / kG; i < s1; i += kThreads / kG) {
+        const uint32_t b = b_lo + static_cast<uint32_t>(i);
+        const float rows = static_cast<float>(min((b + 1) * B, hi) - max(b * B, lo));
+        const float w = rows * expf(ms[i - s0] - tp);
+        all += w;
+        if (i >= 1 && i <= ncand && !taken[i - s0]) left += w;
       }
     }
-#pragma unroll
-    for (int h = 0; h < kG; ++h) {
-      if (h >= G) break;
-      const float sa = WarpSum(all[h]), sl = WarpSum(left[h]);
-      if (lane == 0) warp_a[warp][h] = sa, warp_b[warp][h] = sl;
-    }
+    static_assert(kG == 8, "a head's lanes are 8 apart");
+    all += __shfl_xor_sync(0xffffffffu, all, 8);
+    left += __shfl_xor_sync(0xffffffffu, left, 8);
+    all += __shfl_xor_sync(0xffffffffu, all, 16);
+    left += __shfl_xor_sync(0xffffffffu, left, 16);
+    if (lane < kG) warp_a[warp][lane] = all, warp_b[warp][lane] = left;
     FenceProxyAsync();  // reads of the last stages before their bulk copies
     __syncthreads();    // also: the last stages may fill
     if (tid < G) {
@@ -433,6 +459,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       part_left[tid] = sl;
     }
   }
+#pragma unroll 1
+  for (int t = 1; t < kS - 1; ++t) prefetch(t);  // the last stage fills in the loop
   mark(9);
 
   // Lane: row g (head g's high parts) and g + 8 (its low parts), columns c2, c2 + 1.
