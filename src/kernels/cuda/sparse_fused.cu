@@ -247,18 +247,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   };
-  using Four = std::integral_constant<int, 4>;
-  using Eight = std::integral_constant<int, kG>;
-  if (a.quest) {
+  auto score_slots = [&](auto quest_c) {
     if (gs == 4) {
-      score(std::true_type{}, Four{});
+      score(quest_c, std::integral_constant<int, 4>{});
     } else {
-      score(std::true_type{}, Eight{});
+      score(quest_c, std::integral_constant<int, kG>{});
     }
-  } else if (gs == 4) {
-    score(std::false_type{}, Four{});
+  };
+  if (a.quest) {
+    score_slots(std::true_type{});
   } else {
-    score(std::false_type{}, Eight{});
+    score_slots(std::false_type{});
   }
   if (warp == 0 && lane < D / 4) {
 #pragma unroll
@@ -429,8 +428,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The omitted-mass proxy over this rank's slice, while the first tiles land: block weights
   // count · exp(x − top), summed per head (a warp's sums, then the warps').
   {
-    // Thread t weighs head t % kG's blocks s0 + t / kG, + kThreads / kG, …: the lanes of a head
-    // are lane % kG, summed by two shuffles.
+    // Thread t weighs head t % kG's blocks s0 + t / kG, + kThreads / kG, …: a head's lanes are
+    // kG apart, summed by shuffles over the lane bits above kG.
     const int h = tid % kG;
     float all = 0.f, left = 0.f;
     if (h < G) {
@@ -444,11 +443,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (i >= 1 && i <= ncand && !taken[i - s0]) left += w;
       }
     }
-    static_assert(kG == 8, "a head's lanes are 8 apart");
-    all += __shfl_xor_sync(0xffffffffu, all, 8);
-    left += __shfl_xor_sync(0xffffffffu, left, 8);
-    all += __shfl_xor_sync(0xffffffffu, all, 16);
-    left += __shfl_xor_sync(0xffffffffu, left, 16);
+#pragma unroll
+    for (int o = kG; o < 32; o <<= 1) {
+      all += __shfl_xor_sync(0xffffffffu, all, o);
+      left += __shfl_xor_sync(0xffffffffu, left, o);
+    }
     if (lane < kG) warp_a[warp][lane] = all, warp_b[warp][lane] = left;
     FenceProxyAsync();  // reads of the last stages before their bulk copies
     __syncthreads();    // also: the last stages may fill
