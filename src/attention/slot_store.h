@@ -25,28 +25,14 @@
 
 #include "attention/gpu_slots.h"
 #include "common/buffer.h"
+#include "common/byte_budget.h"
 #include "common/status.h"
 #include "kernels/attention.h"
-#include "store/byte_budget.h"
 #include "store/tenant_key.h"
 
 namespace pion::attention {
 
-// Memory charged to a budget for as long as the holder lives (released on any thread).
-class Charge {
- public:
-  Charge(const store::ByteBudget* budget, uint64_t bytes) : budget_(budget), bytes_(bytes) {}
-  ~Charge() {
-    if (budget_ != nullptr && bytes_ > 0) budget_->release(bytes_);
-  }
-  Charge(const Charge&) = delete;
-  Charge& operator=(const Charge&) = delete;
-  uint64_t bytes() const { return bytes_; }
-
- private:
-  const store::ByteBudget* budget_;
-  uint64_t bytes_;
-};
+using pion::Charge;
 
 struct Summaries {
   uint32_t block = 0;

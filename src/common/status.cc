@@ -32,6 +32,8 @@ std::string_view ErrorPrefix(ErrorKind kind) {
       return "MISS";
     case ErrorKind::kDevice:
       return "DEVERR";
+    case ErrorKind::kTimeout:
+      return "TIMEOUT";
   }
   return "ERR";
 }

@@ -28,6 +28,7 @@ enum class ErrorKind : unsigned char {
   kCorrupt,    // -CORRUPT: stored bytes failed validation and are not served
   kMiss,       // -MISS: the object a computation needs is not resident (store it first)
   kDevice,     // -DEVERR: the accelerator (CUDA) failed a copy or a kernel
+  kTimeout,    // -TIMEOUT: the request's deadline cannot be (or was not) met; nothing changed
 };
 
 // The RESP prefix for an error kind, e.g. "ERR", "OOM".

@@ -13,8 +13,8 @@
 #include <functional>
 #include <string_view>
 
+#include "common/byte_budget.h"
 #include "common/status.h"
-#include "store/byte_budget.h"
 
 namespace pion::server {
 

@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "common/buffer.h"
+#include "common/byte_budget.h"
 #include "common/status.h"
-#include "store/byte_budget.h"
 #include "store/tenant_key.h"
 
 namespace pion::store {

@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "common/buffer.h"
+#include "common/byte_budget.h"
 #include "common/status.h"
-#include "store/byte_budget.h"
 
 namespace pion::store {
 

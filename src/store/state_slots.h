@@ -12,8 +12,8 @@
 #include <unordered_map>
 
 #include "common/buffer.h"
+#include "common/byte_budget.h"
 #include "common/status.h"
-#include "store/byte_budget.h"
 #include "store/tenant_key.h"
 
 namespace pion::store {

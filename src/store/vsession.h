@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "common/buffer.h"
+#include "common/byte_budget.h"
 #include "common/status.h"
-#include "store/byte_budget.h"
 #include "store/codec/codec.h"
 
 namespace pion::store {

@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <map>
 
+#include "common/faults.h"
+
 namespace pion::store::disk {
 namespace {
 
@@ -66,8 +68,37 @@ bool UnHexName(std::string_view hex, std::string* out) {
   return true;
 }
 
-Status WriteAll(int fd, const void* data, size_t len, const std::string& path) {
+// The last component of a directory path: what a fault-injection rule targets.
+std::string_view TargetOf(std::string_view dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.remove_suffix(1);
+  auto slash = dir.rfind('/');
+  return slash == std::string_view::npos ? dir : dir.substr(slash + 1);
+}
+
+std::string_view TargetOfFile(std::string_view path) {
+  auto slash = path.rfind('/');
+  return slash == std::string_view::npos ? std::string_view() : TargetOf(path.substr(0, slash));
+}
+
+Status WriteAll(int fd, const void* data, size_t len, const std::string& path,
+                std::string_view target) {
   const auto* p = static_cast<const uint8_t*>(data);
+  const faults::Fault f = faults::CheckAndDelay(faults::Point::kDiskWrite, target);
+  if (f.action == faults::Action::kError || f.action == faults::Action::kNoSpace) {
+    errno = f.action == faults::Action::kError ? EIO : ENOSPC;
+    return IoError("cannot write", path);
+  }
+  if (f.action == faults::Action::kShort) {
+    len /= 2;  // the device takes half, then fails
+    while (len > 0) {
+      ssize_t n = write(fd, p, len);
+      if (n <= 0) break;
+      p += n;
+      len -= static_cast<size_t>(n);
+    }
+    errno = EIO;
+    return IoError("short write to", path);
+  }
   while (len > 0) {
     ssize_t n = write(fd, p, len);
     if (n < 0 && errno == EINTR) continue;
@@ -92,10 +123,20 @@ Status ReadAt(int fd, void* out, size_t len, uint64_t off, const std::string& pa
   return Status::Ok();
 }
 
+// fsync(2) through the fault-injection point.
+int CheckedFsync(int fd, std::string_view target) {
+  const faults::Fault f = faults::CheckAndDelay(faults::Point::kDiskFsync, target);
+  if (f.action != faults::Action::kNone) {
+    errno = f.action == faults::Action::kNoSpace ? ENOSPC : EIO;
+    return -1;
+  }
+  return fsync(fd);
+}
+
 Status FsyncDir(const std::string& dir) {
   int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return IoError("cannot open directory", dir);
-  int rc = fsync(fd);
+  int rc = CheckedFsync(fd, TargetOf(dir));
   close(fd);
   if (rc != 0) return IoError("cannot fsync directory", dir);
   return Status::Ok();
@@ -127,10 +168,19 @@ std::string ObjectPath(const std::string& dir, std::string_view name, uint64_t v
   return dir + "/" + HexName(name) + "." + std::to_string(version) + kSuffix;
 }
 
+uint64_t ObjectFileBytes(std::string_view meta,
+                         const std::vector<std::span<const uint8_t>>& blocks) {
+  uint64_t n = 28 + meta.size() + 16 * blocks.size() + 8 + 8;
+  for (const auto& b : blocks) n += b.size();
+  return n;
+}
+
 Status WriteObject(const std::string& dir, std::string_view name, uint64_t version,
-                   std::string_view meta, const std::vector<std::span<const uint8_t>>& blocks) {
+                   std::string_view meta, const std::vector<std::span<const uint8_t>>& blocks,
+                   WriteOptions options) {
   Status s = EnsureDir(dir);
   if (!s.ok()) return s;
+  const std::string_view target = TargetOf(dir);
   const std::string base = dir + "/" + HexName(name) + "." + std::to_string(version);
   const std::string final_path = base + kSuffix;
   const std::string tmp_path = base + ".tmp";
@@ -149,21 +199,25 @@ Status WriteObject(const std::string& dir, std::string_view name, uint64_t versi
 
   int fd = open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return IoError("cannot create", tmp_path);
-  s = WriteAll(fd, head.data(), head.size(), tmp_path);
+  s = WriteAll(fd, head.data(), head.size(), tmp_path, target);
   for (size_t i = 0; s.ok() && i < blocks.size(); ++i) {
-    s = WriteAll(fd, blocks[i].data(), blocks[i].size(), tmp_path);
+    s = WriteAll(fd, blocks[i].data(), blocks[i].size(), tmp_path, target);
   }
-  if (s.ok()) s = WriteAll(fd, kEndMagic, 8, tmp_path);
-  if (s.ok() && fsync(fd) != 0) s = IoError("cannot fsync", tmp_path);
+  if (s.ok()) s = WriteAll(fd, kEndMagic, 8, tmp_path, target);
+  if (s.ok() && options.durable && CheckedFsync(fd, target) != 0) {
+    s = IoError("cannot fsync", tmp_path);
+  }
   close(fd);
   if (s.ok() && rename(tmp_path.c_str(), final_path.c_str()) != 0) {
     s = IoError("cannot rename into", final_path);
   }
-  if (s.ok()) s = FsyncDir(dir);
+  if (s.ok() && options.durable) s = FsyncDir(dir);
   if (!s.ok()) {
     unlink(tmp_path.c_str());
+    unlink(final_path.c_str());  // renamed but not durable: never report it as saved
     return s;
   }
+  if (!options.remove_older) return Status::Ok();
   // The new version is durable: older versions may go now.
   DIR* d = opendir(dir.c_str());
   if (d != nullptr) {
@@ -181,8 +235,10 @@ Status WriteObject(const std::string& dir, std::string_view name, uint64_t versi
 
 ObjectFile::ObjectFile(ObjectFile&& o) noexcept
     : path_(std::move(o.path_)),
+      target_(std::move(o.target_)),
       fd_(o.fd_),
       version_(o.version_),
+      file_bytes_(o.file_bytes_),
       meta_(std::move(o.meta_)),
       blocks_(std::move(o.blocks_)) {
   o.fd_ = -1;
@@ -192,8 +248,10 @@ ObjectFile& ObjectFile::operator=(ObjectFile&& o) noexcept {
   if (this != &o) {
     if (fd_ >= 0) close(fd_);
     path_ = std::move(o.path_);
+    target_ = std::move(o.target_);
     fd_ = o.fd_;
     version_ = o.version_;
+    file_bytes_ = o.file_bytes_;
     meta_ = std::move(o.meta_);
     blocks_ = std::move(o.blocks_);
     o.fd_ = -1;
@@ -211,14 +269,16 @@ uint64_t ObjectFile::data_bytes() const {
   return n;
 }
 
-StatusOr<ObjectFile> ObjectFile::Open(const std::string& path) {
+StatusOr<ObjectFile> ObjectFile::Open(const std::string& path, bool writable) {
   ObjectFile f;
   f.path_ = path;
-  f.fd_ = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  f.target_ = std::string(TargetOfFile(path));
+  f.fd_ = open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
   if (f.fd_ < 0) return IoError("cannot open", path);
   struct stat st {};
   if (fstat(f.fd_, &st) != 0) return IoError("cannot stat", path);
   const uint64_t size = static_cast<uint64_t>(st.st_size);
+  f.file_bytes_ = size;
   uint8_t fixed[28];
   if (size < sizeof(fixed) + 16) return Status(ErrorKind::kCorrupt, path + " is truncated");
   Status s = ReadAt(f.fd_, fixed, sizeof(fixed), 0, path);
@@ -263,11 +323,29 @@ StatusOr<ObjectFile> ObjectFile::Open(const std::string& path) {
 
 Status ObjectFile::ReadBlock(size_t i, uint8_t* out) const {
   const Block& b = blocks_[i];
-  Status s = ReadAt(fd_, out, b.length, b.offset, path_);
-  if (!s.ok()) return s;
-  if (XXH3_64bits(out, b.length) != b.hash) {
-    return Status(ErrorKind::kCorrupt,
-                  path_ + ": block " + std::to_string(i) + " checksum mismatch");
+  for (int attempt = 0;; ++attempt) {
+    const faults::Fault f = faults::CheckAndDelay(faults::Point::kDiskRead, target_);
+    if (f.action == faults::Action::kError || f.action == faults::Action::kNoSpace) {
+      errno = EIO;
+      return IoError("cannot read", path_);
+    }
+    Status s = ReadAt(fd_, out, b.length, b.offset, path_);
+    if (!s.ok()) return s;
+    if (f.action == faults::Action::kCorrupt && b.length > 0) out[b.length / 2] ^= 0x5a;
+    if (XXH3_64bits(out, b.length) == b.hash) return Status::Ok();
+    if (attempt == 1) {
+      return Status(ErrorKind::kCorrupt,
+                    path_ + ": block " + std::to_string(i) + " checksum mismatch");
+    }
+  }
+}
+
+Status ObjectFile::PunchBlock(size_t i) const {
+  const Block& b = blocks_[i];
+  if (b.length == 0) return Status::Ok();
+  if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(b.offset),
+                static_cast<off_t>(b.length)) != 0) {
+    return IoError("cannot punch a hole in", path_);
   }
   return Status::Ok();
 }

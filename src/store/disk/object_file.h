@@ -30,15 +30,30 @@ namespace pion::store::disk {
 // The file that holds version `version` of object `name`.
 std::string ObjectPath(const std::string& dir, std::string_view name, uint64_t version);
 
-// Writes version `version` of object `name` durably, then removes older versions of it.
+struct WriteOptions {
+  // fsync the file before the rename and the directory after it (saved objects). Spill files
+  // (residency demotions, which never outlive the process) skip both.
+  bool durable = true;
+  // Delete older versions of the object once the new one is in place.
+  bool remove_older = true;
+};
+
+// Writes version `version` of object `name` (durably by default), then removes older versions
+// of it. Every write and fsync passes the fault-injection points (common/faults.h) with the
+// directory's last component as the target.
 Status WriteObject(const std::string& dir, std::string_view name, uint64_t version,
-                   std::string_view meta, const std::vector<std::span<const uint8_t>>& blocks);
+                   std::string_view meta, const std::vector<std::span<const uint8_t>>& blocks,
+                   WriteOptions options = {});
+
+// The bytes WriteObject writes for these blocks and meta (disk quota accounting).
+uint64_t ObjectFileBytes(std::string_view meta,
+                         const std::vector<std::span<const uint8_t>>& blocks);
 
 class ObjectFile {
  public:
   // Opens and validates the header, block table and length. kCorrupt on any mismatch, kIo
-  // when the file cannot be read.
-  static StatusOr<ObjectFile> Open(const std::string& path);
+  // when the file cannot be read. `writable`: opened read-write so PunchBlock can free space.
+  static StatusOr<ObjectFile> Open(const std::string& path, bool writable = false);
 
   ObjectFile(ObjectFile&& o) noexcept;
   ObjectFile& operator=(ObjectFile&& o) noexcept;
@@ -51,9 +66,14 @@ class ObjectFile {
   size_t block_count() const { return blocks_.size(); }
   uint64_t block_length(size_t i) const { return blocks_[i].length; }
   uint64_t data_bytes() const;
+  uint64_t file_bytes() const { return file_bytes_; }
 
-  // Reads block i into out (block_length(i) bytes) and verifies its checksum (kCorrupt).
+  // Reads block i into out (block_length(i) bytes) and verifies its checksum (kCorrupt). A
+  // mismatch is read once more before it is reported: a transient fault (a bad transfer)
+  // heals, a corrupted file stays corrupt. Thread-safe (pread).
   Status ReadBlock(size_t i, uint8_t* out) const;
+  // Frees block i's disk space (a hole; the file keeps its length). Needs a writable open.
+  Status PunchBlock(size_t i) const;
 
  private:
   struct Block {
@@ -64,8 +84,10 @@ class ObjectFile {
   ObjectFile() = default;
 
   std::string path_;
+  std::string target_;  // the directory's last component: the fault-injection target
   int fd_ = -1;
   uint64_t version_ = 0;
+  uint64_t file_bytes_ = 0;
   std::string meta_;
   std::vector<Block> blocks_;
 };
