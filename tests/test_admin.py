@@ -454,7 +454,7 @@ def test_slowlog_does_not_record_passwords(pion_factory, tmp_path):
 # ------------------------------------------------------------------------------------------
 
 SECTIONS = ["Server", "Clients", "Memory", "Persistence", "Stats", "Commandstats", "Keyspace",
-            "Attention"]
+            "Attention", "Residency"]
 
 
 def sections_of(text: bytes) -> list[str]:
@@ -506,8 +506,9 @@ def test_info_sections(pion):
             assert mem["used_memory_" + fam] == "0"
         assert int(mem["used_memory_rss"]) > 0
         assert int(mem["used_memory_peak_rss"]) >= int(mem["used_memory_rss"]) // 2
-        assert mem["maxmemory"] == "0" and mem["maxmemory_human"] == "0B"
-        assert mem["maxmemory_policy"] == "family-lru"
+        # The default (auto): 3/4 of the machine's memory, beyond which objects move to disk.
+        assert int(mem["maxmemory"]) > 0
+        assert mem["maxmemory_policy"] == "demote-lru"
         assert mem["oom_rejections"] == "0"
         assert int(mem["used_memory_clients"]) >= 0
         assert int(mem["buffer_cache_bytes"]) >= 0
@@ -629,7 +630,7 @@ def test_metrics_endpoint(pion):
     assert m['pion_memory_used_bytes{family="state"}'] == 1000
     for fam in ("ssm", "vstore", "attention", "index", "clients"):
         assert 'pion_memory_used_bytes{family="%s"}' % fam in m
-    assert m["pion_memory_max_bytes"] == 0
+    assert m["pion_memory_max_bytes"] == int(pion.info("memory")["maxmemory"]) > 0
     assert m["pion_process_resident_bytes"] > 0
     assert m["pion_connected_clients"] >= 1
     assert m["pion_connections_received_total"] >= 2
@@ -756,7 +757,7 @@ def test_toml_config_file_and_cli_override(tmp_path):
     ("port = [1, 2]\n", "key 'port' must be a string, integer or boolean"),
     ("port = \n", "cannot parse config file"),
     ("no-such-option = 1\n", "no-such-option"),
-    ("maxmemory = \"lots\"\n", "expected a size like 512mb, got lots"),
+    ("maxmemory = \"lots\"\n", "expected a size like 512mb or auto, got lots"),
 ], ids=["array-value", "syntax-error", "unknown-key", "bad-size"])
 def test_bad_toml_config_refuses_to_start(tmp_path, content, message):
     conf = tmp_path / "bad.toml"
@@ -803,7 +804,7 @@ def test_version_flag():
     (["--port", "70000"], "--port"),
     (["--port", "abc"], "--port"),
     (["--workers", "-1"], "--workers"),
-    (["--maxmemory", "10q"], "expected a size like 512mb, got 10q"),
+    (["--maxmemory", "10q"], "expected a size like 512mb or auto, got 10q"),
     (["--client-output-buffer-limit", "big"], "expected a size like 512mb, got big"),
     (["--kvcache", "maybe"], "expected on|off, got maybe"),
     (["--loglevel", "loud"], "--loglevel"),

@@ -73,7 +73,7 @@ def attend_ref(q, k, v, head_map, pos_q, pos_k, window=0, allow=None):
 
 def test_ping_info_and_connection_error(c):
     assert c.ping() is True
-    assert c.info("memory")["maxmemory"] == 0
+    assert c.info("memory")["maxmemory"] > 0  # auto: 3/4 of the machine's memory
     bad = pion.Client(port=1, socket_connect_timeout=2)
     with pytest.raises(pion.PionConnectionError):
         bad.ping()

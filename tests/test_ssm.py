@@ -117,14 +117,23 @@ def test_one_gib_blob_round_trips(pion_factory):
     assert int(srv.info("memory")["used_memory_ssm"]) == size
 
 
-def test_memory_accounting_and_oom(pion_factory):
+def test_memory_pressure_demotes_to_disk_instead_of_refusing(pion_factory):
     srv = pion_factory("--maxmemory", "1mb")
     r = srv.client()
     r.execute_command("SSM.PREFIX.STORE", "m", 0, b"x" * 600_000)
-    with pytest.raises(Exception, match="OOM command not allowed .*ssm write of 600000 bytes"):
-        r.execute_command("SSM.PREFIX.STORE", "m", 1, b"y" * 600_000)
-    assert r.execute_command("SSM.PREFIX.FETCH", "m", 0) == b"x" * 600_000
-    assert int(srv.info("memory")["used_memory_ssm"]) == 600_000
+    # The second blob does not fit beside the first: the first moves to disk, nothing is refused.
+    r.execute_command("SSM.PREFIX.STORE", "m", 1, b"y" * 600_000)
+    assert int(srv.info("memory")["used_memory_ssm"]) <= 1 << 20
+    info = dict(zip(*[iter(r.execute_command("SSM.PREFIX.INFO", "m"))] * 2))
+    assert info[b"layers"] == 2 and info[b"bytes"] == 1_200_000 and info[b"bytes_disk_only"] > 0
+    assert r.execute_command("SSM.PREFIX.FETCH", "m", 0) == b"x" * 600_000  # promoted back
+    assert r.execute_command("SSM.PREFIX.FETCH", "m", 1) == b"y" * 600_000
+    res = srv.info("residency")
+    assert int(res["residency_demotions_host_disk"]) >= 1
+    assert int(res["residency_promotions_disk_host"]) >= 1
+    # One blob larger than all of maxmemory can never fit: refused at once, nothing changes.
+    with pytest.raises(Exception, match="OOM command not allowed .*ssm write of 2000000 bytes"):
+        r.execute_command("SSM.PREFIX.STORE", "m", 2, b"z" * 2_000_000)
     r.execute_command("SSM.PREFIX.DROP", "m")
     assert int(srv.info("memory")["used_memory_ssm"]) == 0
     r.execute_command("SSM.PREFIX.STORE", "m", 1, b"y" * 600_000)

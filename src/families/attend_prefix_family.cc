@@ -656,7 +656,7 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
   srv.AddShardInit([&srv](Shard& shard) {
     shard.store().attention.set_budget(srv.memory().BudgetFor(MemFamily::kAttention));
   });
-  srv.memory().SetReclaimer(MemFamily::kAttention, [](uint64_t need) -> uint64_t {
+  srv.memory().SetReclaimer(MemFamily::kAttention, [](uint64_t need, bool) -> uint64_t {
     Shard* shard = Shard::Current();
     return shard == nullptr ? 0 : shard->store().attention.EvictForRoom(need);
   });

@@ -91,7 +91,7 @@ void MemorySection(server::Server& srv, std::string& out) {
   Kv(out, "used_memory_peak_rss", server::ProcessPeakRssBytes());
   Kv(out, "maxmemory", mem.maxmemory());
   Kv(out, "maxmemory_human", HumanBytes(mem.maxmemory()));
-  Kv(out, "maxmemory_policy", "family-lru");
+  Kv(out, "maxmemory_policy", "demote-lru");  // least recently used objects move to disk
   for (int f = 0; f < static_cast<int>(server::MemFamily::kCount); ++f) {
     auto fam = static_cast<server::MemFamily>(f);
     std::string key = "used_memory_" + std::string(server::MemFamilyName(fam));
@@ -256,16 +256,79 @@ void AttentionSection(server::Server& srv, std::string& out) {
   Kv(out, "compute_rejected", pool ? pool->rejected() : 0);
 }
 
+void ResidencySection(server::Server& srv, std::string& out) {
+  out += "# Residency\r\n";
+  residency::Engine* e = srv.residency();
+  if (e == nullptr) return;
+  const residency::Engine::Stats st = e->stats();
+  using residency::Tier;
+  auto tier = [](Tier t) { return static_cast<int>(t); };
+  auto key = [](const std::string& k) { return k; };
+  const char* names[] = {"gpu", "host", "disk"};
+  for (int t = 0; t < residency::kTierCount; ++t) {
+    Kv(out, key(std::string("residency_") + names[t] + "_objects").c_str(), st.tiers[t].objects);
+    Kv(out, key(std::string("residency_") + names[t] + "_bytes").c_str(), st.tiers[t].bytes);
+  }
+  Kv(out, "residency_gpu_limit", e->gpu_budget().limit());
+  Kv(out, "residency_gpu_used", e->gpu_budget().used());
+  Kv(out, "residency_host_limit", srv.memory().maxmemory());
+  Kv(out, "residency_disk_quota", e->disk_quota().limit());
+  Kv(out, "residency_disk_used", e->disk_quota().used());
+  auto pair = [&](const char* what, const uint64_t(&m)[3][3], int a, int b) {
+    Kv(out, (std::string("residency_") + what + "_" + names[a] + "_" + names[b]).c_str(), m[a][b]);
+  };
+  pair("promotions", st.promotions, tier(Tier::kDisk), tier(Tier::kHost));
+  pair("promotions", st.promotions, tier(Tier::kGpu), tier(Tier::kHost));
+  pair("promotions", st.promotions, tier(Tier::kHost), tier(Tier::kGpu));
+  pair("promotion_bytes", st.promotion_bytes, tier(Tier::kDisk), tier(Tier::kHost));
+  pair("promotion_bytes", st.promotion_bytes, tier(Tier::kHost), tier(Tier::kGpu));
+  pair("demotions", st.demotions, tier(Tier::kHost), tier(Tier::kDisk));
+  pair("demotions", st.demotions, tier(Tier::kGpu), tier(Tier::kHost));
+  pair("demotion_bytes", st.demotion_bytes, tier(Tier::kHost), tier(Tier::kDisk));
+  pair("demotion_bytes", st.demotion_bytes, tier(Tier::kGpu), tier(Tier::kHost));
+  for (int t = 0; t < residency::kTierCount; ++t) {
+    Kv(out, (std::string("residency_drops_") + names[t]).c_str(), st.drops[t]);
+  }
+  Kv(out, "residency_backend_reads", st.backend_reads);
+  Kv(out, "residency_coalesced", st.coalesced);
+  Kv(out, "residency_room_waits", st.room_waits);
+  Kv(out, "residency_corrupt_replicas", st.corrupt_replicas);
+  Kv(out, "residency_lost_objects", st.lost_objects);
+  Kv(out, "residency_spill_files", st.spill_files);
+  Kv(out, "residency_promotion_inflight_bytes", st.inflight_promotion_bytes);
+  Kv(out, "residency_promotion_credits", st.promotion_credits);
+  const char* paths[] = {"disk_read", "disk_write", "gpu_upload", "gpu_download"};
+  for (int p = 0; p < 4; ++p) {
+    Kv(out, (std::string("residency_rate_") + paths[p]).c_str(), static_cast<uint64_t>(st.rate[p]));
+  }
+  // Refusals by the stage that refused and why (only those that happened), and their total.
+  uint64_t total = 0;
+  for (int a = 0; a < residency::kStageCount; ++a) {
+    for (int b = 0; b < residency::kRefusalCount; ++b) {
+      if (st.refusals[a][b] == 0) continue;
+      total += st.refusals[a][b];
+      Kv(out,
+         ("residency_refused_" +
+          std::string(residency::StageName(static_cast<residency::Stage>(a))) + "_" +
+          std::string(residency::RefusalName(static_cast<residency::Refusal>(b))))
+             .c_str(),
+         st.refusals[a][b]);
+    }
+  }
+  Kv(out, "residency_refused", total);
+}
+
 struct Section {
   const char* name;
   void (*render)(server::Server&, std::string&);
   bool in_default;
 };
 constexpr Section kSections[] = {
-    {"server", ServerSection, true},     {"clients", ClientsSection, true},
-    {"memory", MemorySection, true},     {"persistence", PersistenceSection, true},
-    {"stats", StatsSection, true},       {"commandstats", CommandStatsSection, false},
-    {"keyspace", KeyspaceSection, true}, {"attention", AttentionSection, true},
+    {"server", ServerSection, true},       {"clients", ClientsSection, true},
+    {"memory", MemorySection, true},       {"persistence", PersistenceSection, true},
+    {"stats", StatsSection, true},         {"commandstats", CommandStatsSection, false},
+    {"keyspace", KeyspaceSection, true},   {"attention", AttentionSection, true},
+    {"residency", ResidencySection, true},
 };
 
 void Info(CommandContext& ctx, CmdArgs& args) {
@@ -345,7 +408,8 @@ void RegisterInfoFamily(server::Server& srv) {
   auto& r = srv.registry();
   r.Register({"INFO", -1, 0, 0, 0, 0, Info, "server",
               "Server information and statistics by section.",
-              "[server|clients|memory|persistence|stats|commandstats|keyspace|all ...]"});
+              "[server|clients|memory|persistence|stats|commandstats|keyspace|attention|residency|"
+              "all ...]"});
   r.Register({"SLOWLOG", -2, kCmdAdmin, 0, 0, 0, Slowlog, "server",
               "Reads or resets the log of slow commands.", "GET [count]|LEN|RESET|HELP"});
 }

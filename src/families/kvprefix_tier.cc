@@ -319,7 +319,7 @@ void RegisterTierCommands(server::Server& srv) {
               "Promotes a saved namespace from disk to memory (verifying checksums).", "<ns>"});
   srv.AddStartupHook(LoadDiskTier);
   srv.memory().SetReclaimer(server::MemFamily::kVStore,
-                            [&srv](uint64_t need) { return DemoteForRoom(srv, need); });
+                            [&srv](uint64_t need, bool) { return DemoteForRoom(srv, need); });
 }
 
 }  // namespace pion::families::kvprefix

@@ -1,35 +1,62 @@
 // SSM.PREFIX.* — recurrent state for hybrid models (seed 002): opaque per-layer blobs keyed by
-// (session, layer), stored as received (no copy) and replied from the stored bytes.
+// (session, layer), each a residency object: stored as received (no copy), replied from the
+// stored bytes, demoted to disk under memory pressure and brought back by FETCH.
+// SSM.PREFIX.SAVE makes a session durable (one object file, crash-safe like KV.PREFIX.SAVE);
+// start-up finds saved sessions again. The disk holds what was last saved: a STORE or a layer
+// DROP after the save changes memory only, until the next SAVE.
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
 #include "families/args.h"
 #include "families/families.h"
+#include "families/tiering.h"
 #include "server/server.h"
+#include "store/disk/object_file.h"
+#include "store/saved_record.h"
 
 namespace pion::families {
 namespace {
 
 using proto::CmdArgs;
+using residency::Family;
+using residency::Tier;
 using server::CommandContext;
 
+constexpr const char* kDirName = "ssm";
+
+std::string ObjectName(server::Server& srv, const store::TenantKey& key) {
+  return store::SavedObjectName("ssm", srv.users().TenantName(key.tenant), key.name);
+}
+
+// SSM.PREFIX.STORE <sid> <layer> <state_blob>
 void Store(CommandContext& ctx, CmdArgs& args) {
+  if (args.size() != 4) return ctx.rb->ErrorLine(server::ArityError("ssm.prefix.store"));
   uint64_t layer;
   Status s = ParseUint(args[2], "layer", &layer);
   if (!s.ok()) return ctx.Error(s);
   auto blob = args.TakeBuffer(3);  // adopts the received buffer when it has its own
   if (!blob.ok()) return ctx.Error(blob.status());
-  s = ctx.shard->store().ssm.Store(ctx.Key(args[1]), layer, std::move(blob).value());
-  if (!s.ok()) return ctx.Error(s);
+  std::unique_ptr<Charge> charge;
+  if (!ChargeHost(ctx, Family::kSsm, blob.value()->size(), &charge)) return;
+  auto obj = ctx.server->residency()->CreateInHost(Family::kSsm, {std::move(blob).value()},
+                                                   std::move(charge));
+  ctx.shard->store().ssm.Put(ctx.Key(args[1]), layer, std::move(obj));
   ctx.rb->Ok();
 }
 
+// SSM.PREFIX.FETCH <sid> <layer>
 void Fetch(CommandContext& ctx, CmdArgs& args) {
+  if (args.size() != 3) return ctx.rb->ErrorLine(server::ArityError("ssm.prefix.fetch"));
   uint64_t layer;
   Status s = ParseUint(args[2], "layer", &layer);
   if (!s.ok()) return ctx.Error(s);
-  BufferRef blob = ctx.shard->store().ssm.Fetch(ctx.Key(args[1]), layer);
-  if (!blob) return ctx.rb->Null();
-  ctx.rb->BulkRef(blob);
+  residency::ObjectRef obj = ctx.shard->store().ssm.Blob(ctx.Key(args[1]), layer);
+  if (!obj) return ctx.rb->Null();
+  if (!ctx.Resident({obj}, Tier::kHost)) return;  // promoted from disk, then run again
+  ctx.rb->BulkRef(obj->HostBlock(0));
 }
 
+// SSM.PREFIX.DROP <sid> [<layer>]
 void Drop(CommandContext& ctx, CmdArgs& args) {
   std::optional<uint64_t> layer;
   if (args.size() == 3) {
@@ -38,8 +65,156 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
     if (!s.ok()) return ctx.Error(s);
     layer = l;
   }
-  ctx.shard->store().ssm.Drop(ctx.Key(args[1]), layer);
+  const store::TenantKey key = ctx.Key(args[1]);
+  auto& ssm = ctx.shard->store().ssm;
+  store::SsmStore::Session* session = ssm.Find(key);
+  if (!layer && session != nullptr && session->saved) {
+    // Gone everywhere, disk included (a few unlinks and one directory fsync).
+    Status s =
+        store::disk::RemoveObject(SavedDir(*ctx.server, kDirName), ObjectName(*ctx.server, key));
+    if (!s.ok()) return ctx.Error(s);
+  }
+  ssm.Drop(key, layer);
   ctx.rb->Ok();
+}
+
+// SSM.PREFIX.SAVE <sid>: every layer of the session into one durable object file.
+void Save(CommandContext& ctx, CmdArgs& args) {
+  const store::TenantKey key = ctx.Key(args[1]);
+  auto& ssm = ctx.shard->store().ssm;
+  store::SsmStore::Session* session = ssm.Find(key);
+  if (session == nullptr) {
+    return ctx.Error(Error("no such SSM session '" + key.name.substr(0, 128) + "'"));
+  }
+  if (!session->dirty()) return ctx.rb->Ok();  // the disk already holds exactly this
+  if (session->layers.empty()) {
+    return ctx.Error(Error("SSM session '" + key.name.substr(0, 128) +
+                           "' has no layers to save (SSM.PREFIX.DROP it instead)"));
+  }
+  std::vector<residency::ObjectRef> objs;
+  std::string layers;
+  for (const auto& [l, obj] : session->layers) {
+    objs.push_back(obj);
+    layers += (layers.empty() ? "" : ",") + std::to_string(l);
+  }
+  if (!ctx.Resident(objs, Tier::kHost)) return;  // every layer in memory first
+  store::SavedRecord rec;
+  rec.kind = "ssm";
+  rec.Set("tenant", ctx.server->users().TenantName(key.tenant));
+  rec.Set("sid", key.name);
+  rec.Set("layers", layers);
+  const uint64_t version = ssm.NextVersion(key);
+  const uint64_t incarnation = session->incarnation, writes = session->writes;
+  const std::string dir = SavedDir(*ctx.server, kDirName);
+  SaveObjects(ctx, dir, ObjectName(*ctx.server, key), version, store::EncodeSavedRecord(rec),
+              std::move(objs),
+              [key, version, incarnation, writes, dir](server::Shard& sh, auto file, auto reply) {
+                store::SsmStore::Session* cur = sh.store().ssm.Find(key);
+                if (cur == nullptr || cur->incarnation != incarnation) {
+                  if (file.ok())
+                    unlink(file.value()->path().c_str());  // dropped meanwhile: the drop wins
+                  return reply([key](proto::ReplyBuilder& rb) {
+                    rb.ErrorLine("ERR SSM session '" + key.name.substr(0, 128) +
+                                 "' was dropped during the save");
+                  });
+                }
+                if (!file.ok()) {
+                  spdlog::error("disk tier: saving SSM session '{}' failed: {}", key.name,
+                                file.status().message());
+                  return reply([st = file.status()](proto::ReplyBuilder& rb) { rb.Error(st); });
+                }
+                if (version > cur->saved_version) {
+                  cur->saved = file.value();
+                  cur->saved_version = version;
+                  cur->saved_writes = writes;
+                }
+                reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
+              });
+}
+
+// SSM.PREFIX.INFO <sid>: layers, bytes and where they are.
+void Info(CommandContext& ctx, CmdArgs& args) {
+  store::SsmStore::Session* session = ctx.shard->store().ssm.Find(ctx.Key(args[1]));
+  if (session == nullptr) {
+    return ctx.Error(Error("no such SSM session '" + std::string(args[1].substr(0, 128)) + "'"));
+  }
+  uint64_t bytes = 0, host = 0, disk_only = 0;
+  for (const auto& [l, obj] : session->layers) {
+    bytes += obj->bytes();
+    const unsigned tiers = obj->Tiers();
+    if (tiers & (1u << static_cast<int>(Tier::kHost))) host += obj->bytes();
+    if (tiers == (1u << static_cast<int>(Tier::kDisk))) disk_only += obj->bytes();
+  }
+  auto& rb = *ctx.rb;
+  rb.Map(6);
+  rb.Bulk("layers");
+  rb.Integer(static_cast<int64_t>(session->layers.size()));
+  rb.Bulk("bytes");
+  rb.Integer(static_cast<int64_t>(bytes));
+  rb.Bulk("bytes_host");
+  rb.Integer(static_cast<int64_t>(host));
+  rb.Bulk("bytes_disk_only");
+  rb.Integer(static_cast<int64_t>(disk_only));
+  rb.Bulk("saved_version");
+  rb.Integer(static_cast<int64_t>(session->saved_version));
+  rb.Bulk("dirty");
+  rb.Integer(session->dirty() ? 1 : 0);
+}
+
+// Start-up: every saved session comes back on its owning shard, its layers known by their
+// disk copies (read on first FETCH).
+Status LoadSaved(server::Server& srv) {
+  const std::string dir = SavedDir(srv, kDirName);
+  auto listed = store::disk::ListObjects(dir);
+  if (!listed.ok()) return listed.status();
+  Status s = store::disk::RemoveLeftoverTemps(dir);
+  if (!s.ok()) return s;
+  size_t found = 0;
+  for (const auto& o : *listed) {
+    auto file = srv.residency()->OpenSaved(o.path);
+    auto rec = file.ok() ? store::DecodeSavedRecord(file.value()->file().meta(), "ssm")
+                         : StatusOr<store::SavedRecord>(file.status());
+    auto tenant = rec.ok() ? rec->Get("tenant") : StatusOr<std::string>(rec.status());
+    auto sid = rec.ok() ? rec->Get("sid") : StatusOr<std::string>(rec.status());
+    auto layers = rec.ok() ? rec->Get("layers") : StatusOr<std::string>(rec.status());
+    std::vector<uint64_t> ids;
+    if (layers.ok()) {
+      for (size_t p = 0; p < layers->size();) {
+        size_t c = layers->find(',', p);
+        if (c == std::string::npos) c = layers->size();
+        ids.push_back(std::strtoull(layers->substr(p, c - p).c_str(), nullptr, 10));
+        p = c + 1;
+      }
+    }
+    if (!tenant.ok() || !sid.ok() || !layers.ok() ||
+        ids.size() != file.value()->file().block_count()) {
+      srv.disk_stats().objects_corrupt.fetch_add(1);
+      spdlog::error("disk tier: saved SSM session file {} is corrupt and will not be served: {}",
+                    o.path,
+                    !tenant.ok()   ? tenant.status().message()
+                    : !sid.ok()    ? sid.status().message()
+                    : !layers.ok() ? layers.status().message()
+                                   : "its layer list does not match its blocks");
+      continue;
+    }
+    const uint32_t tid = srv.users().TenantId(tenant.value());
+    const store::TenantKey key{tid, sid.value()};
+    auto& ssm = srv.shard(srv.OwnerOf(tid, key.name)).store().ssm;
+    ssm.NoteVersion(key, o.version);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      ssm.Put(key, ids[i],
+              srv.residency()->CreateOnDisk(Family::kSsm, {file.value()->file().block_length(i)},
+                                            file.value(), {static_cast<uint32_t>(i)}));
+    }
+    store::SsmStore::Session& session = ssm.Get(key);
+    session.saved = file.value();
+    session.saved_version = o.version;
+    session.saved_writes = session.writes;
+    ++found;
+  }
+  srv.disk_stats().objects_loaded.fetch_add(found);
+  if (found > 0) spdlog::info("disk tier: found {} saved SSM session(s) under {}", found, dir);
+  return Status::Ok();
 }
 
 }  // namespace
@@ -48,16 +223,25 @@ void RegisterSsmFamily(server::Server& srv) {
   using namespace server;
   auto& r = srv.registry();
   constexpr uint32_t kKv = kCmdKvCache;
-  r.Register({"SSM.PREFIX.STORE", 4, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, Store, "ssm",
-              "Stores one layer's recurrent-state blob (opaque; replaces any previous one).",
-              "<sid> <layer> <state_blob>"});
-  r.Register({"SSM.PREFIX.FETCH", 3, kKv | kCmdReadOnly, 1, 1, 1, Fetch, "ssm",
-              "Returns one layer's blob, or null when absent.", "<sid> <layer>"});
+  r.Register({"SSM.PREFIX.STORE", -4, kKv | kCmdWrite | kCmdDenyOom | kCmdDeadline, 1, 1, 1, Store,
+              "ssm", "Stores one layer's recurrent-state blob (opaque; replaces any previous one).",
+              "<sid> <layer> <state_blob> [DEADLINE <ms>]"});
+  r.Register({"SSM.PREFIX.FETCH", -3, kKv | kCmdReadOnly | kCmdDeadline, 1, 1, 1, Fetch, "ssm",
+              "Returns one layer's blob (brought back from disk if it was demoted), or null when "
+              "absent.",
+              "<sid> <layer> [DEADLINE <ms>]"});
   r.Register({"SSM.PREFIX.DROP", -2, kKv | kCmdWrite, 1, 1, 1, Drop, "ssm",
-              "Drops one layer, or every layer of the session; idempotent.", "<sid> [<layer>]"});
-  srv.AddShardInit([&srv](Shard& shard) {
-    shard.store().ssm.set_budget(srv.memory().BudgetFor(MemFamily::kSsm));
-  });
+              "Drops one layer, or every layer of the session (its saved copy too); idempotent.",
+              "<sid> [<layer>]"});
+  r.Register({"SSM.PREFIX.SAVE", 2, kKv | kCmdWrite, 1, 1, 1, Save, "ssm",
+              "Makes the session durable (every layer, one crash-safe object file); replies once "
+              "it is on disk.",
+              "<sid>"});
+  r.Register({"SSM.PREFIX.INFO", 2, kKv | kCmdReadOnly, 1, 1, 1, Info, "ssm",
+              "The session's layers, bytes, bytes in memory and on disk only, saved version and "
+              "whether it changed since.",
+              "<sid>"});
+  srv.AddStartupHook(LoadSaved);
 }
 
 }  // namespace pion::families

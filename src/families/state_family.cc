@@ -1,18 +1,53 @@
 // STATE.* — fixed-size, overwrite-in-place slots (seed 000). Every command is keyed by slot
-// id and runs on the shard that owns the id; slots are scoped by tenant.
+// id and runs on the shard that owns the id; slots are scoped by tenant. A slot's bytes are a
+// residency object: under memory pressure it moves to disk, and READ/WRITE bring it back
+// first. STATE.SAVE makes a slot durable (crash-safe, like KV.PREFIX.SAVE); saved slots come
+// back after a restart with their last saved bytes.
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <cstring>
+
 #include "families/args.h"
 #include "families/families.h"
 #include "families/shard_sum.h"
+#include "families/tiering.h"
 #include "net/connection.h"
 #include "server/server.h"
+#include "store/disk/object_file.h"
+#include "store/saved_record.h"
 
 namespace pion::families {
 namespace {
 
 using proto::CmdArgs;
+using residency::Family;
+using residency::Tier;
 using server::CommandContext;
 
+constexpr const char* kDirName = "state";
+
+std::string ObjectName(server::Server& srv, const store::TenantKey& key) {
+  return store::SavedObjectName("state", srv.users().TenantName(key.tenant), key.name);
+}
+
+// A host-resident object of `size` bytes: zeros, or a copy of `from` (copy on write).
+StatusOr<residency::ObjectRef> NewSlotObject(CommandContext& ctx, uint64_t size,
+                                             std::unique_ptr<Charge> charge,
+                                             const BufferRef& from) {
+  auto buf = BufferAllocator::Default()->Allocate(size);
+  if (!buf.ok()) return buf.status();
+  if (from) {
+    std::memcpy(buf.value()->data(), from->data(), size);
+  } else {
+    std::memset(buf.value()->data(), 0, size);
+  }
+  return ctx.server->residency()->CreateInHost(Family::kState, {std::move(buf).value()},
+                                               std::move(charge));
+}
+
 void Alloc(CommandContext& ctx, CmdArgs& args) {
+  if (args.size() != 3) return ctx.rb->ErrorLine(server::ArityError("state.alloc"));
   uint64_t bytes;
   Status s = ParseUint(args[2], "bytes", &bytes);
   if (s.ok() && bytes == 0) s = Error("bytes must be at least 1");
@@ -20,32 +55,117 @@ void Alloc(CommandContext& ctx, CmdArgs& args) {
     s = Error("bytes " + std::to_string(bytes) + " exceeds proto-max-bulk-len " +
               std::to_string(ctx.server->settings().proto_max_bulk_len.load()));
   }
-  if (s.ok()) s = ctx.shard->store().state.Alloc(ctx.Key(args[1]), bytes);
+  const store::TenantKey key = ctx.Key(args[1]);
+  auto& slots = ctx.shard->store().state;
+  bool exists = false;
+  if (s.ok()) s = slots.CheckAlloc(key, bytes, &exists);
   if (!s.ok()) return ctx.Error(s);
+  if (exists) return ctx.rb->Ok();
+  std::unique_ptr<Charge> charge;
+  if (!ChargeHost(ctx, Family::kState, bytes, &charge)) return;
+  auto obj = NewSlotObject(ctx, bytes, std::move(charge), nullptr);
+  if (!obj.ok()) return ctx.Error(obj.status());
+  slots.Insert(key, std::move(obj).value());
   ctx.rb->Ok();
 }
 
+// STATE.WRITE <id> <offset> <data>
 void Write(CommandContext& ctx, CmdArgs& args) {
+  if (args.size() != 4) return ctx.rb->ErrorLine(server::ArityError("state.write"));
   uint64_t offset;
   Status s = ParseUint(args[2], "offset", &offset);
-  if (s.ok()) s = ctx.shard->store().state.Write(ctx.Key(args[1]), offset, args[3]);
   if (!s.ok()) return ctx.Error(s);
+  const store::TenantKey key = ctx.Key(args[1]);
+  auto slot = ctx.shard->store().state.Find(key);
+  if (!slot.ok()) return ctx.Error(slot.status());
+  store::StateSlots::Slot& sl = *slot.value();
+  s = store::StateSlots::CheckRange(key, sl, offset, args[3].size(), "write");
+  if (!s.ok()) return ctx.Error(s);
+  if (!ctx.Resident({sl.obj}, Tier::kHost)) return;  // back from disk first
+  ctx.pins->Reset();                                 // our own pin would forbid the in-place write
+  if (store::StateSlots::WriteInPlace(sl, offset, args[3])) return ctx.rb->Ok();
+  // Someone holds the bytes (a READ reply in flight, a save, a demotion): copy, then write.
+  BufferRef old = sl.obj->HostBlock(0);
+  if (!old) {  // demoted between the pin's release and now: bring it back again
+    if (!ctx.Resident({sl.obj}, Tier::kHost)) return;
+    old = sl.obj->HostBlock(0);
+  }
+  std::unique_ptr<Charge> charge;
+  if (!ChargeHost(ctx, Family::kState, sl.size, &charge)) return;
+  auto obj = NewSlotObject(ctx, sl.size, std::move(charge), old);
+  if (!obj.ok()) return ctx.Error(obj.status());
+  std::memcpy(obj.value()->HostBlock(0)->data() + offset, args[3].data(), args[3].size());
+  ctx.shard->store().state.Replace(sl, std::move(obj).value());
   ctx.rb->Ok();
 }
 
+// STATE.READ <id> <offset> <len>
 void Read(CommandContext& ctx, CmdArgs& args) {
+  if (args.size() != 4) return ctx.rb->ErrorLine(server::ArityError("state.read"));
   uint64_t offset, len;
   Status s = ParseUint(args[2], "offset", &offset);
   if (s.ok()) s = ParseUint(args[3], "len", &len);
   if (!s.ok()) return ctx.Error(s);
-  const uint8_t* begin = nullptr;
-  auto buf = ctx.shard->store().state.Read(ctx.Key(args[1]), offset, len, &begin);
-  if (!buf.ok()) return ctx.Error(buf.status());
-  ctx.rb->BulkRef(buf.value(), begin, len);
+  const store::TenantKey key = ctx.Key(args[1]);
+  auto slot = ctx.shard->store().state.Find(key);
+  if (!slot.ok()) return ctx.Error(slot.status());
+  s = store::StateSlots::CheckRange(key, *slot.value(), offset, len, "read");
+  if (!s.ok()) return ctx.Error(s);
+  if (!ctx.Resident({slot.value()->obj}, Tier::kHost)) return;
+  BufferRef b = slot.value()->obj->HostBlock(0);
+  ctx.rb->BulkRef(b, b->data() + offset, len);
 }
 
 void Free(CommandContext& ctx, CmdArgs& args) {
-  ctx.rb->Integer(ctx.shard->store().state.Free(ctx.Key(args[1])) ? 1 : 0);
+  const store::TenantKey key = ctx.Key(args[1]);
+  auto slot = ctx.shard->store().state.Find(key);
+  if (slot.ok() && slot.value()->saved) {
+    Status s =
+        store::disk::RemoveObject(SavedDir(*ctx.server, kDirName), ObjectName(*ctx.server, key));
+    if (!s.ok()) return ctx.Error(s);
+  }
+  ctx.rb->Integer(ctx.shard->store().state.Free(key) ? 1 : 0);
+}
+
+// STATE.SAVE <id>: the slot's bytes durably on disk; replies once they are.
+void Save(CommandContext& ctx, CmdArgs& args) {
+  const store::TenantKey key = ctx.Key(args[1]);
+  auto& slots = ctx.shard->store().state;
+  auto slot = slots.Find(key);
+  if (!slot.ok()) return ctx.Error(slot.status());
+  store::StateSlots::Slot& sl = *slot.value();
+  if (!sl.dirty()) return ctx.rb->Ok();  // the disk already holds exactly this
+  if (!ctx.Resident({sl.obj}, Tier::kHost)) return;
+  store::SavedRecord rec;
+  rec.kind = "state";
+  rec.Set("tenant", ctx.server->users().TenantName(key.tenant));
+  rec.Set("id", key.name);
+  rec.SetUint("size", sl.size);
+  const uint64_t version = slots.NextVersion(key);
+  const uint64_t incarnation = sl.incarnation, writes = sl.writes;
+  SaveObjects(ctx, SavedDir(*ctx.server, kDirName), ObjectName(*ctx.server, key), version,
+              store::EncodeSavedRecord(rec), {sl.obj},
+              [key, version, incarnation, writes](server::Shard& sh, auto file, auto reply) {
+                auto cur = sh.store().state.Find(key);
+                if (!cur.ok() || cur.value()->incarnation != incarnation) {
+                  if (file.ok()) unlink(file.value()->path().c_str());  // freed meanwhile
+                  return reply([key](proto::ReplyBuilder& rb) {
+                    rb.ErrorLine("ERR state slot '" + key.name.substr(0, 128) +
+                                 "' was freed during the save");
+                  });
+                }
+                if (!file.ok()) {
+                  spdlog::error("disk tier: saving state slot '{}' failed: {}", key.name,
+                                file.status().message());
+                  return reply([st = file.status()](proto::ReplyBuilder& rb) { rb.Error(st); });
+                }
+                if (version > cur.value()->saved_version) {
+                  cur.value()->saved = file.value();
+                  cur.value()->saved_version = version;
+                  cur.value()->saved_writes = writes;
+                }
+                reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
+              });
 }
 
 void Info(CommandContext& ctx, CmdArgs&) {
@@ -56,26 +176,71 @@ void Info(CommandContext& ctx, CmdArgs&) {
   });
 }
 
+// Start-up: saved slots come back on their owning shards, known by their disk copies.
+Status LoadSaved(server::Server& srv) {
+  const std::string dir = SavedDir(srv, kDirName);
+  auto listed = store::disk::ListObjects(dir);
+  if (!listed.ok()) return listed.status();
+  Status s = store::disk::RemoveLeftoverTemps(dir);
+  if (!s.ok()) return s;
+  size_t found = 0;
+  for (const auto& o : *listed) {
+    auto file = srv.residency()->OpenSaved(o.path);
+    auto rec = file.ok() ? store::DecodeSavedRecord(file.value()->file().meta(), "state")
+                         : StatusOr<store::SavedRecord>(file.status());
+    auto tenant = rec.ok() ? rec->Get("tenant") : StatusOr<std::string>(rec.status());
+    auto id = rec.ok() ? rec->Get("id") : StatusOr<std::string>(rec.status());
+    auto size = rec.ok() ? rec->GetUint("size") : StatusOr<uint64_t>(rec.status());
+    if (!tenant.ok() || !id.ok() || !size.ok() || file.value()->file().block_count() != 1 ||
+        file.value()->file().block_length(0) != size.value()) {
+      srv.disk_stats().objects_corrupt.fetch_add(1);
+      spdlog::error("disk tier: saved state slot file {} is corrupt and will not be served: {}",
+                    o.path,
+                    !tenant.ok() ? tenant.status().message()
+                    : !id.ok()   ? id.status().message()
+                    : !size.ok() ? size.status().message()
+                                 : "its block does not match its size");
+      continue;
+    }
+    const uint32_t tid = srv.users().TenantId(tenant.value());
+    const store::TenantKey key{tid, id.value()};
+    auto& slots = srv.shard(srv.OwnerOf(tid, key.name)).store().state;
+    slots.NoteVersion(key, o.version);
+    store::StateSlots::Slot& sl = slots.Insert(
+        key, srv.residency()->CreateOnDisk(Family::kState, {size.value()}, file.value(), {0}));
+    sl.saved = file.value();
+    sl.saved_version = o.version;
+    sl.saved_writes = sl.writes;
+    ++found;
+  }
+  srv.disk_stats().objects_loaded.fetch_add(found);
+  if (found > 0) spdlog::info("disk tier: found {} saved state slot(s) under {}", found, dir);
+  return Status::Ok();
+}
+
 }  // namespace
 
 void RegisterStateFamily(server::Server& srv) {
   using namespace server;
   auto& r = srv.registry();
   constexpr uint32_t kKv = kCmdKvCache;
-  r.Register({"STATE.ALLOC", 3, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, Alloc, "state",
-              "Reserves a zero-filled fixed-size slot (idempotent for the same size).",
-              "<id> <bytes>"});
-  r.Register({"STATE.WRITE", 4, kKv | kCmdWrite, 1, 1, 1, Write, "state",
-              "Overwrites bytes of a slot in place; never grows it.", "<id> <offset> <data>"});
-  r.Register({"STATE.READ", 4, kKv | kCmdReadOnly, 1, 1, 1, Read, "state",
-              "Reads len bytes at offset.", "<id> <offset> <len>"});
+  r.Register({"STATE.ALLOC", -3, kKv | kCmdWrite | kCmdDenyOom | kCmdDeadline, 1, 1, 1, Alloc,
+              "state", "Reserves a zero-filled fixed-size slot (idempotent for the same size).",
+              "<id> <bytes> [DEADLINE <ms>]"});
+  r.Register({"STATE.WRITE", -4, kKv | kCmdWrite | kCmdDeadline, 1, 1, 1, Write, "state",
+              "Overwrites bytes of a slot in place; never grows it.",
+              "<id> <offset> <data> [DEADLINE <ms>]"});
+  r.Register({"STATE.READ", -4, kKv | kCmdReadOnly | kCmdDeadline, 1, 1, 1, Read, "state",
+              "Reads len bytes at offset (bringing the slot back from disk if it was demoted).",
+              "<id> <offset> <len> [DEADLINE <ms>]"});
   r.Register({"STATE.FREE", 2, kKv | kCmdWrite, 1, 1, 1, Free, "state",
-              "Frees a slot; replies 1 if it existed, 0 otherwise.", "<id>"});
+              "Frees a slot (its saved copy too); replies 1 if it existed, 0 otherwise.", "<id>"});
+  r.Register({"STATE.SAVE", 2, kKv | kCmdWrite, 1, 1, 1, Save, "state",
+              "Makes the slot durable (a crash-safe object file); replies once it is on disk.",
+              "<id>"});
   r.Register({"STATE.INFO", 1, kKv | kCmdReadOnly | kCmdConnection, 0, 0, 0, Info, "state",
               "Slot count and bytes of the caller's tenant.", ""});
-  srv.AddShardInit([&srv](Shard& shard) {
-    shard.store().state.set_budget(srv.memory().BudgetFor(MemFamily::kState));
-  });
+  srv.AddStartupHook(LoadSaved);
 }
 
 }  // namespace pion::families

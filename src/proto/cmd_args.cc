@@ -13,6 +13,13 @@ void CmdArgs::Clear() {
   big_bytes_ = 0;
 }
 
+void CmdArgs::PopBack(size_t n) {
+  for (; n > 0 && !slots_.empty(); --n) {
+    if (slots_.back().big) big_bytes_ -= slots_.back().length;
+    slots_.pop_back();
+  }
+}
+
 void CmdArgs::AppendSmall(std::string_view s) {
   slots_.push_back(Slot{small_.size(), s.size(), {}});
   small_.append(s);

@@ -40,6 +40,8 @@ class CmdArgs {
   uint64_t bytes() const { return small_.size() + big_bytes_; }
 
   void Clear();
+  // Drops the last n arguments (trailing options a dispatcher consumed).
+  void PopBack(size_t n);
   void Reserve(size_t n) { slots_.reserve(n); }
   void AppendSmall(std::string_view s);
   void AppendBuffer(BufferRef buf);

@@ -13,8 +13,8 @@ Status DiskQuota::Reserve(uint64_t bytes) {
     if (limit != 0 && (cur + bytes > limit || cur + bytes < cur)) {
       return Status(ErrorKind::kOom, "tier=disk: " + std::to_string(bytes) +
                                          " bytes do not fit in --disk-quota " +
-                                         std::to_string(limit) + " (" + HumanBytes(limit) +
-                                         "), " + std::to_string(cur) + " in use");
+                                         std::to_string(limit) + " (" + HumanBytes(limit) + "), " +
+                                         std::to_string(cur) + " in use");
     }
   } while (!used_.compare_exchange_weak(cur, cur + bytes, std::memory_order_relaxed));
   return Status::Ok();

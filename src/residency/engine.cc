@@ -114,12 +114,12 @@ Engine::Engine(EngineOptions options)
       meters_{BandwidthMeter(2e9), BandwidthMeter(1e9), BandwidthMeter(20e9),
               BandwidthMeter(10e9)} {
   gpu_extra_.reserve = [this](uint64_t n) {
-    return ReserveGpuExtra(n) ? Status::Ok()
-                              : Status(ErrorKind::kOom,
-                                       "tier=gpu: " + std::to_string(n) +
-                                           " bytes for block summaries do not fit in "
-                                           "--gpu-memory " +
-                                           std::to_string(gpu_.limit()));
+    return ReserveGpuExtra(n)
+               ? Status::Ok()
+               : Status(ErrorKind::kOom, "tier=gpu: " + std::to_string(n) +
+                                             " bytes for block summaries do not fit in "
+                                             "--gpu-memory " +
+                                             std::to_string(gpu_.limit()));
   };
   gpu_extra_.release = [this](uint64_t n) { gpu_.Release(n); };
 }
@@ -396,8 +396,8 @@ void Engine::MakeRoom(Tier tier, Family f, uint64_t bytes, Deadline deadline, Do
       if (auto rr = w.lock()) {
         Refuse(rr->tier == Tier::kGpu ? Stage::kGpuRoom : Stage::kHostRoom, Refusal::kDeadline);
         FinishRoom(rr, Status(ErrorKind::kTimeout,
-                              "deadline passed while demotions made room for " +
-                                  Human(rr->bytes) + " in " + std::string(TierName(rr->tier))));
+                              "deadline passed while demotions made room for " + Human(rr->bytes) +
+                                  " in " + std::string(TierName(rr->tier))));
       }
     });
   }
@@ -429,16 +429,16 @@ void Engine::RoomStep(const std::shared_ptr<RoomRequest>& r) {
                                             : Stage::kDiskRoom;
   if (tier == Tier::kDisk) {
     Refuse(stage, Refusal::kOom);
-    return FinishRoom(r, Status(ErrorKind::kOom, "tier=disk: " + Human(r->bytes) +
-                                                     " do not fit in --disk-quota " +
-                                                     Human(disk_.limit()) + " (" +
-                                                     Human(disk_.used()) + " in use)"));
+    return FinishRoom(
+        r, Status(ErrorKind::kOom, "tier=disk: " + Human(r->bytes) +
+                                       " do not fit in --disk-quota " + Human(disk_.limit()) +
+                                       " (" + Human(disk_.used()) + " in use)"));
   }
   if (++r->rounds > 16) {
     Refuse(stage, Refusal::kOom);
-    return FinishRoom(r, Status(ErrorKind::kOom, "tier=" + std::string(TierName(tier)) +
-                                                     ": demotions could not make room for " +
-                                                     Human(r->bytes)));
+    return FinishRoom(
+        r, Status(ErrorKind::kOom, "tier=" + std::string(TierName(tier)) +
+                                       ": demotions could not make room for " + Human(r->bytes)));
   }
   const uint64_t head = Headroom(tier, r->family);
   const uint64_t need = r->bytes > head ? r->bytes - head : 0;
@@ -465,8 +465,7 @@ void Engine::RoomStep(const std::shared_ptr<RoomRequest>& r) {
     return FinishRoom(
         r, Status(ErrorKind::kOom,
                   "tier=" + std::string(TierName(tier)) + ": " + Human(r->bytes) +
-                      " do not fit and nothing more can be demoted (" + Human(head) +
-                      " free" +
+                      " do not fit and nothing more can be demoted (" + Human(head) + " free" +
                       (tier == Tier::kGpu ? " of --gpu-memory " + Human(limit_hint) : "") +
                       "; the rest is pinned by requests in flight or being written)"));
   }
@@ -475,8 +474,8 @@ void Engine::RoomStep(const std::shared_ptr<RoomRequest>& r) {
   const Path path = tier == Tier::kHost ? kDiskWritePath : kDownloadPath;
   if (r->deadline != kNoDeadline) {
     const double est = meters_[path].Estimate(victim_bytes) * (tier == Tier::kHost ? 2.0 : 1.0);
-    if (Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                           std::chrono::duration<double>(est)) >
+    if (Clock::now() +
+            std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(est)) >
         r->deadline) {
       Unmark(victims);
       Refuse(stage, Refusal::kDeadline);
@@ -509,8 +508,7 @@ void Engine::Spill(std::vector<Victim> victims, std::shared_ptr<RoomRequest> r) 
   for (auto& seg : segments) SpillSegment(std::move(seg), r, left);
 }
 
-void Engine::SpillSegment(std::shared_ptr<std::vector<Victim>> seg,
-                          std::shared_ptr<RoomRequest> r,
+void Engine::SpillSegment(std::shared_ptr<std::vector<Victim>> seg, std::shared_ptr<RoomRequest> r,
                           std::shared_ptr<std::atomic<size_t>> left) {
   uint64_t seg_bytes = 0;
   for (const auto& v : *seg) seg_bytes += v.obj->bytes();
@@ -602,8 +600,7 @@ void Engine::SpillSegment(std::shared_ptr<std::vector<Victim>> seg,
     file.reset();
     if (!s.ok()) {
       FinishRoom(r, Status(s.kind() == ErrorKind::kOom ? ErrorKind::kOom : ErrorKind::kIo,
-                           "tier=host: demotion to disk failed, nothing was lost: " +
-                               s.message()));
+                           "tier=host: demotion to disk failed, nothing was lost: " + s.message()));
     }
     if (left->fetch_sub(1) == 1) RoomStep(r);
     WakeRoomWaiters(Tier::kHost);
@@ -650,9 +647,9 @@ void Engine::DownloadVictims(std::vector<Victim> victims, std::shared_ptr<RoomRe
                if (!room.ok()) return finish_one(room);
                auto charge = ReserveHost(f, bytes);
                if (!charge.ok()) return finish_one(charge.status());
-               auto job = [this, v, finish_one, charge = std::make_shared<
-                                                    std::unique_ptr<Charge>>(
-                                                    std::move(charge).value())]() mutable {
+               auto job = [this, v, finish_one,
+                           charge = std::make_shared<std::unique_ptr<Charge>>(
+                               std::move(charge).value())]() mutable {
                  const auto t0 = Clock::now();
                  auto host = Download(v.obj.get(), *v.gpu, std::move(*charge));
                  if (!host.ok()) {
@@ -728,13 +725,12 @@ double Engine::EstimateSeconds(const std::vector<ObjectRef>& objs, Tier tier) co
   return s;
 }
 
-void Engine::Require(std::vector<ObjectRef> objs, Tier tier, Deadline deadline,
-                     PinnedDone done) {
+void Engine::Require(std::vector<ObjectRef> objs, Tier tier, Deadline deadline, PinnedDone done) {
   RequireImpl(std::move(objs), tier, deadline, std::move(done), /*admission=*/true);
 }
 
-void Engine::RequireImpl(std::vector<ObjectRef> objs, Tier tier, Deadline deadline,
-                         PinnedDone done, bool admission) {
+void Engine::RequireImpl(std::vector<ObjectRef> objs, Tier tier, Deadline deadline, PinnedDone done,
+                         bool admission) {
   PinSet pins;
   std::vector<ObjectRef> missing;
   uint64_t missing_bytes = 0;
@@ -756,14 +752,14 @@ void Engine::RequireImpl(std::vector<ObjectRef> objs, Tier tier, Deadline deadli
           std::chrono::duration<double, std::milli>(deadline - Clock::now()).count();
       char left[32];
       std::snprintf(left, sizeof(left), "%.1f ms", std::max(0.0, left_ms));
-      return done(Status(ErrorKind::kTimeout,
-                         "deadline cannot be met: promoting " + Human(missing_bytes) + " to " +
-                             std::string(TierName(tier)) + " is estimated at " + Ms(est) +
-                             " (" + std::string(StageName(stage)) + " at " +
-                             Rate(meters_[tier == Tier::kGpu ? kUploadPath : kDiskReadPath]
-                                      .rate()) +
-                             "), " + left + " left"),
-                  PinSet());
+      return done(
+          Status(ErrorKind::kTimeout,
+                 "deadline cannot be met: promoting " + Human(missing_bytes) + " to " +
+                     std::string(TierName(tier)) + " is estimated at " + Ms(est) + " (" +
+                     std::string(StageName(stage)) + " at " +
+                     Rate(meters_[tier == Tier::kGpu ? kUploadPath : kDiskReadPath].rate()) +
+                     "), " + left + " left"),
+          PinSet());
     }
   }
   // Credits: bytes of promotions in flight (a promotion's own first hop is not a new request).
@@ -961,10 +957,9 @@ void Engine::HostToGpu(const std::shared_ptr<Transfer>& t, PinSet host_pins, boo
   if (!gpu_.TryReserve(o->bytes_)) {
     if (o->bytes_ > gpu_.limit()) {
       Refuse(Stage::kGpuRoom, Refusal::kOom);
-      return FailTransfer(t, Status(ErrorKind::kOom,
-                                    "tier=gpu: " + Human(o->bytes_) +
-                                        " are more than all of --gpu-memory " +
-                                        Human(gpu_.limit())));
+      return FailTransfer(t, Status(ErrorKind::kOom, "tier=gpu: " + Human(o->bytes_) +
+                                                         " are more than all of --gpu-memory " +
+                                                         Human(gpu_.limit())));
     }
     if (room_made && ++t->attempts > 4) {
       Refuse(Stage::kGpuRoom, Refusal::kOom);
@@ -994,8 +989,8 @@ void Engine::HostToGpu(const std::shared_ptr<Transfer>& t, PinSet host_pins, boo
     pins->Reset();
     if (!g.ok()) {
       gpu_.Release(o->bytes_);
-      Refuse(Stage::kGpuUpload, g.status().kind() == ErrorKind::kOom ? Refusal::kOom
-                                                                      : Refusal::kIo);
+      Refuse(Stage::kGpuUpload,
+             g.status().kind() == ErrorKind::kOom ? Refusal::kOom : Refusal::kIo);
       return FailTransfer(t, g.status());
     }
     meters_[kUploadPath].Record(o->bytes_, Seconds(t0, Clock::now()));
@@ -1029,8 +1024,8 @@ StatusOr<std::shared_ptr<GpuReplica>> Engine::Upload(const Object& o,
       g->memory(), o.bytes_,
       [&](uint8_t* staging, uint64_t at, uint64_t n) {
         while (n > 0) {  // the blocks back to back
-          size_t i = static_cast<size_t>(
-              std::upper_bound(offsets.begin(), offsets.end(), at) - offsets.begin() - 1);
+          size_t i = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), at) -
+                                         offsets.begin() - 1);
           const uint64_t in = at - offsets[i];
           const uint64_t take = std::min(n, o.sizes_[i] - in);
           std::memcpy(staging, src[i]->data() + in, take);
@@ -1171,8 +1166,8 @@ StatusOr<std::shared_ptr<DiskFile>> Engine::WriteSaved(
     return s;
   }
   meters_[kDiskWritePath].Record(bytes, Seconds(t0, Clock::now()));
-  auto f = DiskFile::Open(store::disk::ObjectPath(dir, name, version), DiskFile::Kind::kSaved,
-                          &disk_);
+  auto f =
+      DiskFile::Open(store::disk::ObjectPath(dir, name, version), DiskFile::Kind::kSaved, &disk_);
   disk_.Release(bytes);  // the open file carries the charge now
   return f;
 }

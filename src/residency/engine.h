@@ -124,9 +124,9 @@ class Engine {
   // ---- Disk copies -----------------------------------------------------------------------------
   // Blocking (an I/O thread): writes a durable object file (store/disk WriteObject) under the
   // disk quota and opens it. kOom "tier=disk" over the quota, kIo when the disk fails.
-  StatusOr<std::shared_ptr<DiskFile>> WriteSaved(const std::string& dir, std::string_view name,
-                                                 uint64_t version, std::string_view meta,
-                                                 const std::vector<std::span<const uint8_t>>& blocks);
+  StatusOr<std::shared_ptr<DiskFile>> WriteSaved(
+      const std::string& dir, std::string_view name, uint64_t version, std::string_view meta,
+      const std::vector<std::span<const uint8_t>>& blocks);
   // Opens a saved file found at start-up (charged to the disk quota).
   StatusOr<std::shared_ptr<DiskFile>> OpenSaved(const std::string& path);
   // The object's content at `generation` is in `file` (blocks[i] holds block i): it gains that

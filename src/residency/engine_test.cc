@@ -232,8 +232,8 @@ TEST_F(EngineTest, ConcurrentReadersOfOneColdObjectShareOneReadPerBlock) {
   std::vector<std::span<const uint8_t>> spans(blocks.begin(), blocks.end());
   auto file = engine_->WriteSaved((dir_ / "saved").string(), "obj", 1, "meta", spans);
   ASSERT_TRUE(file.ok()) << file.status().message();
-  ObjectRef o = engine_->CreateOnDisk(Family::kAttention, {100000, 5000, 70000}, file.value(),
-                                      {0, 1, 2});
+  ObjectRef o =
+      engine_->CreateOnDisk(Family::kAttention, {100000, 5000, 70000}, file.value(), {0, 1, 2});
   injector_.Set(faults::Point::kDiskRead, faults::Action::kSlow, 3, 50);  // all join in time
   constexpr int kReaders = 50;
   std::vector<std::future<Status>> got;
@@ -271,8 +271,8 @@ TEST_F(EngineTest, DeadlineThatAPromotionCannotMeetIsRefusedInTime) {
   // The transfer went on: a later reader finds it resident (or joins it) and gets the bytes.
   ASSERT_TRUE(RequireSync({o}, Tier::kHost).ok());
   EXPECT_EQ(0, std::memcmp(o->HostBlock(0)->data(), data.data(), data.size()));
-  EXPECT_GE(engine_->stats().refusals[static_cast<int>(Stage::kDiskRead)]
-                                     [static_cast<int>(Refusal::kDeadline)],
+  EXPECT_GE(engine_->stats()
+                .refusals[static_cast<int>(Stage::kDiskRead)][static_cast<int>(Refusal::kDeadline)],
             1u);
 }
 
@@ -296,8 +296,8 @@ TEST_F(EngineTest, PromotionCreditsRefuseWithBusy) {
   for (int i = 0; i < 2; ++i) {
     auto data = Bytes(768 << 10, i);
     std::vector<std::span<const uint8_t>> spans{{data.data(), data.size()}};
-    auto file = engine_->WriteSaved((dir_ / "saved").string(), "o" + std::to_string(i), 1, "",
-                                    spans);
+    auto file =
+        engine_->WriteSaved((dir_ / "saved").string(), "o" + std::to_string(i), 1, "", spans);
     objs.push_back(engine_->CreateOnDisk(Family::kSsm, {data.size()}, file.value(), {0}));
   }
   injector_.Set(faults::Point::kDiskRead, faults::Action::kSlow, 1, 200);

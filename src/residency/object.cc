@@ -107,8 +107,7 @@ uint8_t* Object::BeginWrite(size_t block) {
     auto eligible = [&] {
       return host_ && host_.use_count() == 1 && host_->blocks[block].use_count() == 1 &&
              !writing_ && !moving_ && pins_[0] == 0 && pins_[1] == 0 && pins_[2] == 0 &&
-             (!gpu_ || gpu_->readers() == 0) && !promoting_[0] && !promoting_[1] &&
-             !promoting_[2];
+             (!gpu_ || gpu_->readers() == 0) && !promoting_[0] && !promoting_[1] && !promoting_[2];
     };
     if (!eligible()) return nullptr;
     if (gpu_ || disk_) {

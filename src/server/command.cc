@@ -10,10 +10,119 @@
 
 namespace pion::server {
 
+namespace {
+
+// A parked command: everything needed to run its handler again on its shard.
+struct Parked {
+  Server* server;
+  const CommandSpec* spec;
+  proto::CmdArgs args;
+  int shard;
+  uint32_t tenant;
+  uint64_t client_id;
+  int origin;
+  int resp;
+  bool unix_socket;
+  residency::Deadline deadline;
+  bool allow_approx;
+  int reruns;
+  std::function<void(CommandContext::ReplyWriter)> reply;
+};
+
+// A command that moved this often found its objects gone again every time: something keeps
+// demoting them (far too little memory for the working set). Say so instead of looping.
+constexpr int kMaxReruns = 8;
+
+void CountRejection(Shard& shard, const Status& status) {
+  if (status.kind() == ErrorKind::kOom) shard.stats().Reject(RejectReason::kOom);
+  if (status.kind() == ErrorKind::kBusy) shard.stats().Reject(RejectReason::kBusy);
+  if (status.kind() == ErrorKind::kTimeout) shard.stats().Reject(RejectReason::kTimeout);
+}
+
+// Runs on the command's shard: the handler again, with the pins the wait took.
+void Rerun(const std::shared_ptr<Parked>& p, Shard& shard, residency::PinSet pins) {
+  proto::ReplyBuffer buf;
+  proto::ReplyBuilder rb(&buf, p->resp);
+  CommandContext ctx{p->server, &shard, &rb, p->tenant, p->client_id, nullptr};
+  ctx.origin_shard = p->origin;
+  ctx.resp = p->resp;
+  ctx.unix_socket = p->unix_socket;
+  ctx.spec = p->spec;
+  ctx.args = &p->args;
+  ctx.deadline = p->deadline;
+  ctx.allow_approx = p->allow_approx;
+  ctx.reruns = p->reruns + 1;
+  ctx.pins = &pins;
+  p->spec->handler(ctx, p->args);
+  if (ctx.deferred) return;  // it replies through its own deferred writer
+  auto out = std::make_shared<proto::ReplyBuffer>(std::move(buf));
+  p->reply([out](proto::ReplyBuilder& target) { target.buffer()->Splice(std::move(*out)); });
+}
+
+}  // namespace
+
 void CommandContext::Error(const Status& status) {
-  if (status.kind() == ErrorKind::kOom) shard->stats().Reject(RejectReason::kOom);
-  if (status.kind() == ErrorKind::kBusy) shard->stats().Reject(RejectReason::kBusy);
+  CountRejection(*shard, status);
   rb->Error(status);
+}
+
+bool CommandContext::Resident(const std::vector<residency::ObjectRef>& objs, residency::Tier tier) {
+  residency::Engine* engine = server->residency();
+  if (engine->TryPinAll(objs, tier, pins)) return true;
+  const residency::Deadline dl = deadline;
+  Park([engine, objs, tier, dl](auto done) { engine->Require(objs, tier, dl, std::move(done)); });
+  return false;
+}
+
+bool CommandContext::Room(residency::Tier tier, residency::Family family, uint64_t bytes) {
+  residency::Engine* engine = server->residency();
+  if (engine->RoomNow(tier, family, bytes)) return true;
+  const residency::Deadline dl = deadline;
+  Park([engine, tier, family, bytes, dl](auto done) {
+    engine->MakeRoom(tier, family, bytes, dl,
+                     [done = std::move(done)](const Status& s) { done(s, residency::PinSet()); });
+  });
+  return false;
+}
+
+residency::PinSet CommandContext::TakePins() {
+  residency::PinSet out;
+  if (pins != nullptr) out = std::move(*pins);
+  return out;
+}
+
+void CommandContext::Park(Wait wait) {
+  if (reruns >= kMaxReruns) {
+    return Error(Status(ErrorKind::kBusy,
+                        "the objects this command needs were demoted again each time they were "
+                        "brought in (" +
+                            std::to_string(reruns) +
+                            " times): the memory budget is far below the working set; retry"));
+  }
+  auto p = std::make_shared<Parked>();
+  p->server = server;
+  p->spec = spec;
+  p->args = std::move(*args);
+  p->shard = shard->id();
+  p->tenant = tenant;
+  p->client_id = client_id;
+  p->origin = origin_shard;
+  p->resp = resp;
+  p->unix_socket = unix_socket;
+  p->deadline = deadline;
+  p->allow_approx = allow_approx;
+  p->reruns = reruns;
+  p->reply = Defer();
+  wait([p](const Status& s, residency::PinSet pins) {
+    auto held = std::make_shared<residency::PinSet>(std::move(pins));
+    p->server->shard(p->shard).PostControl([p, s, held](Shard& sh) {
+      if (!s.ok()) {
+        CountRejection(sh, s);
+        return p->reply([s](proto::ReplyBuilder& rb) { rb.Error(s); });
+      }
+      Rerun(p, sh, std::move(*held));
+    });
+  });
 }
 
 std::function<void(CommandContext::ReplyWriter)> CommandContext::Defer() {

@@ -12,6 +12,8 @@
 
 #include "proto/cmd_args.h"
 #include "proto/reply_builder.h"
+#include "residency/object.h"
+#include "residency/tier.h"
 #include "store/tenant_key.h"
 
 namespace pion::net {
@@ -32,7 +34,11 @@ enum CommandFlag : uint32_t {
   kCmdConnection = 1u << 5,  // runs on the connection's shard with access to the Connection
   kCmdKvCache = 1u << 6,     // part of the K/V cache families, gated by --kvcache
   kCmdDenyOom = 1u << 7,     // may allocate; subject to --maxmemory
+  kCmdDeadline = 1u << 8,    // takes trailing DEADLINE <ms> (or --default-deadline-ms)
+  kCmdApprox = 1u << 9,      // takes trailing ALLOW APPROX (a declared approximate fallback)
 };
+
+struct CommandSpec;
 
 // What a handler gets. Runs on `shard`, which owns the command's key (or is the connection's
 // shard for keyless commands).
@@ -47,6 +53,16 @@ struct CommandContext {
   int resp = 2;              // the client's protocol version
   bool unix_socket = false;  // the client is on --unixsocket (same host): it may get mappings
   bool deferred = false;     // set by Defer()
+  // Set by the dispatcher:
+  const CommandSpec* spec = nullptr;
+  proto::CmdArgs* args = nullptr;
+  // When the request must be answered by (DEADLINE <ms>, --default-deadline-ms), for
+  // kCmdDeadline commands; kNoDeadline otherwise.
+  residency::Deadline deadline = residency::kNoDeadline;
+  bool allow_approx = false;  // ALLOW APPROX was given (kCmdApprox commands)
+  int reruns = 0;             // how often this command was parked and run again
+  // Pins taken by Resident(): held until the handler returns, unless it takes them.
+  residency::PinSet* pins = nullptr;
 
   // Writes an error reply and counts OOM/BUSY rejections in the shard's stats.
   void Error(const Status& status);
@@ -59,6 +75,24 @@ struct CommandContext {
   // The client's later pipelined commands wait, so replies keep their order.
   using ReplyWriter = std::function<void(proto::ReplyBuilder&)>;
   std::function<void(ReplyWriter)> Defer();
+
+  // Residency (seed 004 §0x04B). True when every object is resident in `tier`: they are then
+  // pinned there until the handler returns (or TakePins). Otherwise the command is parked —
+  // the reply is deferred, the engine promotes them (one transfer per object however many
+  // requests wait, under this request's deadline) — and the handler runs again on this shard
+  // once they are in, with the same arguments; a failure (-TIMEOUT, -BUSY, -OOM tier=...,
+  // -CORRUPT) becomes the reply. False then: the handler must return at once, having changed
+  // nothing (so check residency before any side effect).
+  bool Resident(const std::vector<residency::ObjectRef>& objs, residency::Tier tier);
+  // The same for room: true when `bytes` fit in `tier` for `family` now; otherwise parks the
+  // command while demotions make room, then runs it again.
+  bool Room(residency::Tier tier, residency::Family family, uint64_t bytes);
+  // The pins Resident() took, for work that outlives the handler (a compute job).
+  residency::PinSet TakePins();
+
+ private:
+  using Wait = std::function<void(std::function<void(const Status&, residency::PinSet)>)>;
+  void Park(Wait wait);
 };
 
 using CommandHandler = std::function<void(CommandContext&, proto::CmdArgs&)>;

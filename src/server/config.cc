@@ -29,6 +29,52 @@ void AddSize(CLI::App& app, const std::string& name, uint64_t* target, const std
       ->default_str(std::to_string(*target));
 }
 
+// A size that may also be "auto" (*is_auto then, resolved later).
+void AddSizeOrAuto(CLI::App& app, const std::string& name, uint64_t* target, bool* is_auto,
+                   const std::string& help) {
+  app.add_option_function<std::string>(
+         name,
+         [target, is_auto, name](const std::string& v) {
+           if (v == "auto") {
+             *is_auto = true;
+             return;
+           }
+           auto parsed = ParseByteSize(v);
+           if (!parsed) {
+             throw CLI::ValidationError(name, "expected a size like 512mb or auto, got " + v);
+           }
+           *target = *parsed;
+           *is_auto = false;
+         },
+         help + " (bytes; units b/kb/mb/gb/tb; or auto)")
+      ->default_str("auto");
+}
+
+// Physical memory the process may use: MemTotal, or a lower cgroup (v2 or v1) limit.
+uint64_t UsableMemory() {
+  uint64_t total = 0;
+  if (FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char key[64];
+    unsigned long long kb = 0;
+    while (std::fscanf(f, "%63s %llu kB\n", key, &kb) == 2) {
+      if (std::string(key) == "MemTotal:") {
+        total = kb * 1024;
+        break;
+      }
+    }
+    std::fclose(f);
+  }
+  for (const char* path :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    if (FILE* f = std::fopen(path, "r")) {
+      unsigned long long v = 0;
+      if (std::fscanf(f, "%llu", &v) == 1 && v > 0 && (total == 0 || v < total)) total = v;
+      std::fclose(f);
+    }
+  }
+  return total;
+}
+
 // Turns a TOML table into "--key=value" arguments placed before the real ones.
 Status TomlToArgs(const std::string& path, std::vector<std::string>* out) {
   toml::table table;
@@ -101,7 +147,18 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
       ->capture_default_str()
       ->check(CLI::Range(0, 1024));
   app.add_option("--dir", c.dir, "Data directory for the disk tier")->capture_default_str();
-  AddSize(app, "--maxmemory", &c.maxmemory, "Memory limit for stored data; 0 = no limit");
+  AddSizeOrAuto(app, "--maxmemory", &c.maxmemory, &c.maxmemory_auto,
+                "Host memory for stored data; beyond it the least recently used objects move to "
+                "disk; auto = 3/4 of the machine's (or cgroup's) memory, 0 = no limit");
+  AddSizeOrAuto(app, "--disk-quota", &c.disk_quota, &c.disk_quota_auto,
+                "Bytes of saved and spill files under --dir; auto = what is there at start plus "
+                "90% of the free space, 0 = no limit");
+  AddSize(app, "--promotion-credits", &c.promotion_credits,
+          "Bytes of promotions (disk -> host -> GPU) in flight; beyond it new ones get -BUSY");
+  app.add_option("--default-deadline-ms", c.default_deadline_ms,
+                 "Deadline of bulk and attention requests that name no DEADLINE; 0 = none")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{86400000}));
   app.add_option("--metrics-port", c.metrics_port,
                  "Prometheus /metrics HTTP port on --bind; 0 disables")
       ->capture_default_str()
@@ -147,10 +204,11 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
   app.add_flag("--attention-fp16", c.attention_fp16,
                "Store attention slots as fp16 (half the memory; parity with fp16 engines)");
   AddSize(app, "--gpu-memory", &c.gpu_memory,
-          "cuda backend: GPU memory for attention slots (LRU eviction beyond it); 0 = 90% of "
-          "the device memory free at start");
+          "cuda backend: GPU memory for attention slots (the least recently used move to host "
+          "memory beyond it); 0 = 90% of the device memory free at start");
   AddSize(app, "--attention-memory", &c.attention_memory,
-          "Cap on resident attention slots (LRU eviction beyond it); 0 = only --maxmemory");
+          "Cap on attention slots in host memory (the least recently used move to disk beyond "
+          "it); 0 = only --maxmemory");
   app.add_option("--kv-cache-capacity", c.kv_cache_capacity,
                  "KV.STORE entries kept per tenant; beyond it the least recently used go")
       ->capture_default_str()
@@ -215,6 +273,7 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
   if (c.workers == 0) c.workers = hw == 0 ? 1 : static_cast<int>(hw);
   if (c.poll_us < 0) c.poll_us = hw >= 8 ? 100 : 0;
   if (c.compute_threads == 0) c.compute_threads = hw == 0 ? 1 : static_cast<int>(hw);
+  if (c.maxmemory_auto) c.maxmemory = UsableMemory() / 4 * 3;
   return c;
 }
 

@@ -27,8 +27,18 @@ struct Config {
   int shm_max_leases = 4096;  // per client
   int workers = 0;            // 0: number of cores
   std::string dir = "./data";
-  uint64_t maxmemory = 0;   // 0: no limit
-  int metrics_port = 9174;  // 0: disabled
+  // Host memory for stored data (the host tier); beyond it the least recently used objects are
+  // demoted to disk. "auto" (the default): 3/4 of the machine's (or the cgroup's) memory;
+  // 0: no limit.
+  uint64_t maxmemory = 0;
+  bool maxmemory_auto = true;
+  // Bytes of saved and spill files under --dir (the disk tier). "auto" (the default): what is
+  // there at start plus 90 % of the file system's free space; 0: no limit.
+  uint64_t disk_quota = 0;
+  bool disk_quota_auto = true;
+  uint64_t promotion_credits = 2ull << 30;  // bytes of promotions in flight before -BUSY
+  int64_t default_deadline_ms = 0;          // deadline of requests that name none; 0: none
+  int metrics_port = 9174;                  // 0: disabled
   std::string requirepass;
   std::string users_file;
   uint64_t proto_max_bulk_len = 2ull << 30;

@@ -1,5 +1,7 @@
 // The command pipeline (Server::Dispatch / Server::Execute).
+#include <cctype>
 #include <chrono>
+#include <cstdlib>
 
 #include "server/server.h"
 
@@ -24,6 +26,44 @@ struct RemoteCall {
   std::string client_name;
   bool unix_socket = false;
 };
+
+// Strips the trailing admission options of a kCmdDeadline / kCmdApprox command — DEADLINE <ms>
+// and ALLOW APPROX, in any order, after every other argument — as long as the positional
+// arguments the command's arity asks for remain (a value that happens to read "DEADLINE" is
+// never taken for the option).
+Status TakeAdmission(const CommandSpec& spec, proto::CmdArgs& args, int64_t* deadline_ms,
+                     bool* approx) {
+  const size_t positional = static_cast<size_t>(spec.arity < 0 ? -spec.arity : spec.arity);
+  auto upper_eq = [](std::string_view a, std::string_view b) {
+    if (a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (std::toupper(static_cast<unsigned char>(a[i])) != b[i]) return false;
+    }
+    return true;
+  };
+  for (bool again = true; again;) {
+    again = false;
+    const size_t n = args.size();
+    if ((spec.flags & kCmdDeadline) && n >= positional + 2 && upper_eq(args[n - 2], "DEADLINE")) {
+      std::string v(args[n - 1]);
+      char* end = nullptr;
+      const long long ms = std::strtoll(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || ms < 1 || ms > 86400000) {
+        return Error("DEADLINE must be a whole number of milliseconds in [1, 86400000], got '" +
+                     v.substr(0, 32) + "'");
+      }
+      *deadline_ms = ms;
+      args.PopBack(2);
+      again = true;
+    } else if ((spec.flags & kCmdApprox) && n >= positional + 2 && upper_eq(args[n - 2], "ALLOW") &&
+               upper_eq(args[n - 1], "APPROX")) {
+      *approx = true;
+      args.PopBack(2);
+      again = true;
+    }
+  }
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -135,7 +175,22 @@ bool Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* con
   ctx.origin_shard = origin_shard;
   ctx.resp = rb.version();
   ctx.unix_socket = unix_socket;
-  spec.handler(ctx, args);
+  ctx.spec = &spec;
+  ctx.args = &args;
+  residency::PinSet pins;
+  ctx.pins = &pins;
+  Status admission;
+  if (spec.flags & (kCmdDeadline | kCmdApprox)) {
+    int64_t ms = config_.default_deadline_ms;
+    admission = TakeAdmission(spec, args, &ms, &ctx.allow_approx);
+    if (ms > 0) ctx.deadline = t0 + std::chrono::milliseconds(ms);
+  }
+  if (admission.ok()) {
+    spec.handler(ctx, args);
+  } else {
+    ctx.Error(admission);
+  }
+  pins.Reset();
   const Clock::time_point t1 = Clock::now();
   last_end = t1;
   last_epoch = loop.io_epoch();

@@ -30,6 +30,13 @@ uint64_t MemoryAccountant::free_bytes() const {
   return u >= max ? 0 : max - u;
 }
 
+uint64_t MemoryAccountant::Headroom(MemFamily f) const {
+  uint64_t h = free_bytes();
+  const uint64_t cap = family_limit(f), fu = used(f);
+  if (cap != 0) h = std::min(h, fu >= cap ? 0 : cap - fu);
+  return h;
+}
+
 bool MemoryAccountant::TryAdd(MemFamily f, uint64_t bytes) {
   auto& fam = by_family_[static_cast<int>(f)];
   const uint64_t cap = family_limit(f);
@@ -58,11 +65,13 @@ Status MemoryAccountant::Reserve(MemFamily f, uint64_t bytes) {
   const uint64_t cap = family_limit(f);
   if (reclaim) {
     uint64_t max = maxmemory(), u = used();
-    uint64_t need = (max != 0 && u + bytes > max) ? u + bytes - max : 0;
+    const uint64_t need_total = (max != 0 && u + bytes > max) ? u + bytes - max : 0;
+    uint64_t need = need_total;
     const uint64_t fu = used(f);
-    if (cap != 0 && fu + bytes > cap) need = std::max(need, fu + bytes - cap);
+    const bool family_binds = cap != 0 && fu + bytes > cap;
+    if (family_binds) need = std::max(need, fu + bytes - cap);
     if (need == 0) need = bytes;
-    reclaim(need);
+    reclaim(need, family_binds && need_total == 0);
     if (TryAdd(f, bytes)) return Status::Ok();
   }
   oom_rejections_.fetch_add(1, std::memory_order_relaxed);

@@ -30,9 +30,9 @@ std::string_view MemFamilyName(MemFamily f);
 
 class MemoryAccountant {
  public:
-  // Tries to free at least `bytes` of the family's memory on the calling thread's shard.
-  // Returns the bytes actually released.
-  using Reclaimer = std::function<uint64_t(uint64_t bytes)>;
+  // Tries to free at least `bytes`: of the family's own memory when `family_only` (its cap
+  // binds), of any family's otherwise (--maxmemory binds). Returns the bytes actually released.
+  using Reclaimer = std::function<uint64_t(uint64_t bytes, bool family_only)>;
 
   void set_maxmemory(uint64_t bytes) { max_.store(bytes, std::memory_order_relaxed); }
   uint64_t maxmemory() const { return max_.load(std::memory_order_relaxed); }
@@ -41,6 +41,8 @@ class MemoryAccountant {
     return by_family_[static_cast<int>(f)].load(std::memory_order_relaxed);
   }
   uint64_t free_bytes() const;
+  // Bytes family f may still reserve now: the lesser of what maxmemory and its cap leave.
+  uint64_t Headroom(MemFamily f) const;
 
   // A cap on one family's bytes on top of maxmemory (e.g. --attention-memory); 0 = none.
   void set_family_limit(MemFamily f, uint64_t bytes) {

@@ -34,7 +34,7 @@ TEST(MemoryAccountant, OwningFamilyReclaimsFirst) {
   m.set_maxmemory(1000);
   ASSERT_TRUE(m.Reserve(MemFamily::kVStore, 900).ok());
   uint64_t asked = 0;
-  m.SetReclaimer(MemFamily::kVStore, [&](uint64_t need) {
+  m.SetReclaimer(MemFamily::kVStore, [&](uint64_t need, bool) {
     asked = need;
     m.Release(MemFamily::kVStore, 500);
     return uint64_t{500};

@@ -190,6 +190,75 @@ std::string MetricsHttp::Render(Server& server) {
            "STOREs refused at the GPU stage (no room, device error).");
     line("pion_attention_gpu_upload_failures_total", g.failures);
   }
+  if (residency::Engine* e = server.residency()) {
+    const residency::Engine::Stats st = e->stats();
+    const char* tiers[] = {"gpu", "host", "disk"};
+    metric("pion_residency_objects", "gauge", "Objects with a replica in the tier.");
+    for (int t = 0; t < residency::kTierCount; ++t) {
+      line(std::string("pion_residency_objects{tier=\"") + tiers[t] + "\"}", st.tiers[t].objects);
+    }
+    metric("pion_residency_bytes", "gauge", "Bytes of the replicas in the tier.");
+    for (int t = 0; t < residency::kTierCount; ++t) {
+      line(std::string("pion_residency_bytes{tier=\"") + tiers[t] + "\"}", st.tiers[t].bytes);
+    }
+    metric("pion_residency_limit_bytes", "gauge",
+           "The tier's budget: --gpu-memory, --maxmemory, --disk-quota (0 = none).");
+    line("pion_residency_limit_bytes{tier=\"gpu\"}", e->gpu_budget().limit());
+    line("pion_residency_limit_bytes{tier=\"host\"}", server.memory().maxmemory());
+    line("pion_residency_limit_bytes{tier=\"disk\"}", e->disk_quota().limit());
+    metric("pion_residency_disk_used_bytes", "gauge", "Bytes of saved and spill files.");
+    line("pion_residency_disk_used_bytes", e->disk_quota().used());
+    auto moves = [&](const char* name, const char* help, const uint64_t(&m)[3][3]) {
+      metric(name, "counter", help);
+      for (int a = 0; a < residency::kTierCount; ++a) {
+        for (int b = 0; b < residency::kTierCount; ++b) {
+          if (a == b) continue;
+          line(std::string(name) + "{from=\"" + tiers[a] + "\",to=\"" + tiers[b] + "\"}", m[a][b]);
+        }
+      }
+    };
+    moves("pion_residency_promotions_total", "Objects brought up a tier.", st.promotions);
+    moves("pion_residency_promotion_bytes_total", "Bytes brought up a tier.", st.promotion_bytes);
+    moves("pion_residency_demotions_total", "Objects moved down a tier.", st.demotions);
+    moves("pion_residency_demotion_bytes_total", "Bytes moved down a tier.", st.demotion_bytes);
+    metric("pion_residency_drops_total", "counter",
+           "Replicas released because another tier also held the bytes.");
+    for (int t = 0; t < residency::kTierCount; ++t) {
+      line(std::string("pion_residency_drops_total{tier=\"") + tiers[t] + "\"}", st.drops[t]);
+    }
+    metric("pion_residency_backend_reads_total", "counter", "Disk blocks read by promotions.");
+    line("pion_residency_backend_reads_total", st.backend_reads);
+    metric("pion_residency_coalesced_total", "counter",
+           "Requests that joined a promotion already in flight.");
+    line("pion_residency_coalesced_total", st.coalesced);
+    metric("pion_residency_corrupt_replicas_total", "counter",
+           "Disk copies that failed validation (never served).");
+    line("pion_residency_corrupt_replicas_total", st.corrupt_replicas);
+    metric("pion_residency_lost_objects_total", "counter",
+           "Objects whose only copy failed validation.");
+    line("pion_residency_lost_objects_total", st.lost_objects);
+    metric("pion_residency_promotion_inflight_bytes", "gauge",
+           "Bytes of promotions in flight (--promotion-credits bounds them).");
+    line("pion_residency_promotion_inflight_bytes", st.inflight_promotion_bytes);
+    metric("pion_residency_refusals_total", "counter",
+           "Requests refused, by the stage that refused them and why.");
+    for (int a = 0; a < residency::kStageCount; ++a) {
+      for (int b = 0; b < residency::kRefusalCount; ++b) {
+        line("pion_residency_refusals_total{stage=\"" +
+                 std::string(residency::StageName(static_cast<residency::Stage>(a))) +
+                 "\",reason=\"" +
+                 std::string(residency::RefusalName(static_cast<residency::Refusal>(b))) + "\"}",
+             st.refusals[a][b]);
+      }
+    }
+    metric("pion_residency_transfer_rate_bytes_per_second", "gauge",
+           "Measured rate of each transfer path (what deadlines are admitted against).");
+    const char* paths[] = {"disk_read", "disk_write", "gpu_upload", "gpu_download"};
+    for (int p = 0; p < 4; ++p) {
+      line(std::string("pion_residency_transfer_rate_bytes_per_second{path=\"") + paths[p] + "\"}",
+           static_cast<uint64_t>(st.rate[p]));
+    }
+  }
   if (WorkerPool* pool = server.compute()) {
     metric("pion_compute_queued", "gauge", "Queries waiting for a compute thread.");
     line("pion_compute_queued", static_cast<uint64_t>(pool->queued()));

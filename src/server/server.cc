@@ -2,11 +2,13 @@
 
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <cerrno>
 #include <ctime>
+#include <filesystem>
 
 #include "kernels/cuda/gpu.h"
 #include "net/socket.h"
@@ -17,6 +19,42 @@ namespace pion::server {
 Server::Server(Config config) : config_(std::move(config)), settings_(config_) {
   memory_.set_maxmemory(config_.maxmemory);
 }
+
+MemFamily Server::MemFamilyOf(residency::Family f) {
+  switch (f) {
+    case residency::Family::kState:
+      return MemFamily::kState;
+    case residency::Family::kSsm:
+      return MemFamily::kSsm;
+    case residency::Family::kVStore:
+      return MemFamily::kVStore;
+    case residency::Family::kAttention:
+      return MemFamily::kAttention;
+    case residency::Family::kCount:
+      break;
+  }
+  return MemFamily::kState;
+}
+
+namespace {
+
+// --disk-quota auto: what Pion already keeps under `dir` plus 90 % of the file system's free
+// space there.
+uint64_t AutoDiskQuota(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  uint64_t used = 0;
+  for (auto it = std::filesystem::recursive_directory_iterator(dir, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    if (it->is_regular_file(ec)) used += it->file_size(ec);
+  }
+  struct statvfs st {};
+  if (statvfs(dir.c_str(), &st) != 0) return 0;
+  const uint64_t free = static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
+  return used + free / 10 * 9;
+}
+
+}  // namespace
 
 Server::~Server() {
   if (listen_fd_ >= 0) close(listen_fd_);
@@ -87,6 +125,35 @@ Status Server::Init() {
   io_ = std::make_unique<WorkerPool>(config_.io_threads, 1024);
   compute_ = std::make_unique<WorkerPool>(config_.compute_threads,
                                           static_cast<size_t>(config_.compute_queue_depth));
+  if (gpu_slots_) gpu_copy_ = std::make_unique<WorkerPool>(2, 1024);
+
+  // The residency engine: host budgets are the accountant's families; the GPU tier exists
+  // with the cuda backend.
+  residency::EngineOptions eo;
+  eo.gpu_limit = gpu_slots_ ? gpu_slots_->stats().limit : 0;
+  eo.disk_quota = config_.disk_quota_auto ? AutoDiskQuota(config_.dir) : config_.disk_quota;
+  eo.spill_dir = config_.dir + "/spill";
+  eo.promotion_credits = config_.promotion_credits;
+  for (int f = 0; f < residency::kFamilyCount; ++f) {
+    eo.host[f] = memory_.BudgetFor(MemFamilyOf(static_cast<residency::Family>(f)));
+  }
+  eo.host_headroom = [this](residency::Family f) { return memory_.Headroom(MemFamilyOf(f)); };
+  eo.host_headroom_any = [this] { return memory_.free_bytes(); };
+  eo.run_io = [this](std::function<void()> job) { return io_->Submit(std::move(job)); };
+  if (gpu_copy_) {
+    eo.run_gpu = [this](std::function<void()> job) { return gpu_copy_->Submit(std::move(job)); };
+  }
+  engine_ = std::make_unique<residency::Engine>(std::move(eo));
+  {
+    Status s = engine_->Start();
+    if (!s.ok()) return s;
+  }
+  for (residency::Family fam : {residency::Family::kState, residency::Family::kSsm}) {
+    memory_.SetReclaimer(MemFamilyOf(fam), [this, fam](uint64_t need, bool family_only) {
+      return engine_->ReclaimClean(residency::Tier::kHost,
+                                   family_only ? std::optional(fam) : std::nullopt, need);
+    });
+  }
   for (auto& hook : startup_) {
     Status s = hook(*this);
     if (!s.ok()) return s;
@@ -130,6 +197,7 @@ int Server::Run() {
   if (metrics_) metrics_->Stop();  // it reads the pools' counters: stop it before they go
   compute_.reset();                // finishes queued queries (their replies have nowhere to go)
   io_.reset();  // finishes queued disk work (their replies have nowhere to go; the data does)
+  gpu_copy_.reset();
   spdlog::info("Pion is now ready to exit, bye bye");
   return 0;
 }

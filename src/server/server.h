@@ -13,6 +13,7 @@
 
 #include "attention/counters.h"
 #include "attention/gpu_slots.h"
+#include "residency/engine.h"
 #include "server/auth.h"
 #include "server/command.h"
 #include "server/config.h"
@@ -60,6 +61,11 @@ class Server {
 
   // Blocking disk work (--io-threads). Null until Init().
   WorkerPool* io() { return io_.get(); }
+  // The residency engine: every family's objects over the GPU, host and disk tiers. Null
+  // until Init().
+  residency::Engine* residency() { return engine_.get(); }
+  // The MemoryAccountant family an engine family charges.
+  static MemFamily MemFamilyOf(residency::Family f);
   // Attention queries (--compute-threads). Null until Init().
   WorkerPool* compute() { return compute_.get(); }
   attention::Counters& attention_counters() { return attention_counters_; }
@@ -122,6 +128,7 @@ class Server {
   UserTable users_;
   SlowLog slowlog_;
   std::unique_ptr<attention::GpuSlots> gpu_slots_;  // outlives the shards (their slots' copies)
+  std::unique_ptr<residency::Engine> engine_;       // outlives the shards (their objects)
   store::ByteBudget gpu_budget_;
   std::unique_ptr<store::SemanticCache> kv_cache_;
   std::vector<std::unique_ptr<Shard>> shards_;
@@ -129,6 +136,7 @@ class Server {
   std::vector<std::function<Status(Server&)>> startup_;
   std::unique_ptr<WorkerPool> io_;
   std::unique_ptr<WorkerPool> compute_;
+  std::unique_ptr<WorkerPool> gpu_copy_;  // host <-> GPU copies of the residency engine
   std::unique_ptr<ShmPlane> shm_;
   attention::Counters attention_counters_;
   DiskStats disk_stats_;

@@ -26,6 +26,8 @@ std::string_view RejectReasonName(RejectReason r) {
       return "maxclients";
     case RejectReason::kKvCacheDisabled:
       return "kvcache_disabled";
+    case RejectReason::kTimeout:
+      return "timeout";
     case RejectReason::kCount:
       break;
   }

@@ -29,6 +29,7 @@ enum class RejectReason : int {
   kOom,
   kMaxClients,
   kKvCacheDisabled,
+  kTimeout,  // a request's deadline could not be met
   kCount
 };
 std::string_view RejectReasonName(RejectReason r);

@@ -8,53 +8,63 @@ void SsmStore::Publish() {
   bytes_gauge_.store(bytes_, std::memory_order_relaxed);
 }
 
-Status SsmStore::Store(const TenantKey& sid, uint64_t layer, BufferRef blob) {
-  const uint64_t size = blob->size();
-  if (budget_.reserve) {
-    Status s = budget_.reserve(size);
-    if (!s.ok()) return s;
+SsmStore::Session* SsmStore::Find(const TenantKey& sid) {
+  auto it = sessions_.find(sid);
+  return it == sessions_.end() ? nullptr : &it->second;
+}
+
+SsmStore::Session& SsmStore::Get(const TenantKey& sid) {
+  auto [it, inserted] = sessions_.try_emplace(sid);
+  if (inserted) {
+    it->second.incarnation = next_incarnation_++;
+    Publish();
   }
-  auto& layers = sessions_[sid];
-  auto [it, inserted] = layers.try_emplace(layer, blob);
+  return it->second;
+}
+
+void SsmStore::Put(const TenantKey& sid, uint64_t layer, residency::ObjectRef blob) {
+  Session& s = Get(sid);
+  const uint64_t size = blob->bytes();
+  auto [it, inserted] = s.layers.try_emplace(layer, blob);
   if (!inserted) {
-    uint64_t old = it->second->size();
+    bytes_ -= it->second->bytes();
     it->second = std::move(blob);  // a reply still sending the old blob keeps it alive
-    bytes_ -= old;
-    if (budget_.release) budget_.release(old);
   } else {
     ++blobs_;
   }
   bytes_ += size;
+  ++s.writes;
   Publish();
-  return Status::Ok();
 }
 
-BufferRef SsmStore::Fetch(const TenantKey& sid, uint64_t layer) const {
+residency::ObjectRef SsmStore::Blob(const TenantKey& sid, uint64_t layer) const {
   auto it = sessions_.find(sid);
   if (it == sessions_.end()) return nullptr;
-  auto l = it->second.find(layer);
-  return l == it->second.end() ? nullptr : l->second;
+  auto l = it->second.layers.find(layer);
+  return l == it->second.layers.end() ? nullptr : l->second;
 }
 
 size_t SsmStore::Drop(const TenantKey& sid, std::optional<uint64_t> layer) {
   auto it = sessions_.find(sid);
   if (it == sessions_.end()) return 0;
   size_t dropped = 0;
-  auto drop_one = [&](std::map<uint64_t, BufferRef>::iterator l) {
-    uint64_t size = l->second->size();
-    bytes_ -= size;
+  auto drop_one = [&](std::map<uint64_t, residency::ObjectRef>::iterator l) {
+    bytes_ -= l->second->bytes();
     --blobs_;
-    if (budget_.release) budget_.release(size);
     ++dropped;
-    return it->second.erase(l);
+    return it->second.layers.erase(l);
   };
   if (layer) {
-    auto l = it->second.find(*layer);
-    if (l != it->second.end()) drop_one(l);
+    auto l = it->second.layers.find(*layer);
+    if (l != it->second.layers.end()) {
+      drop_one(l);
+      ++it->second.writes;
+    }
+    if (it->second.layers.empty() && !it->second.saved) sessions_.erase(it);
   } else {
-    for (auto l = it->second.begin(); l != it->second.end();) l = drop_one(l);
+    for (auto l = it->second.layers.begin(); l != it->second.layers.end();) l = drop_one(l);
+    sessions_.erase(it);
   }
-  if (it->second.empty()) sessions_.erase(it);
   Publish();
   return dropped;
 }

@@ -1,37 +1,64 @@
-// SsmStore: recurrent-state blobs (seed 002 SSM.PREFIX.*) keyed by (tenant, session, layer).
-//
-// Blobs are opaque and kept as the Buffer the request arrived in (no copy, no size ceiling
-// beyond --proto-max-bulk-len). Each blob's bytes are charged to the budget for as long as it
-// is stored. Runs on the owning shard; Total() is readable from any thread.
+// SsmStore: recurrent-state blobs (seed 002 SSM.PREFIX.*) keyed by (tenant, session, layer),
+// each blob one residency object (residency/object.h) of one block — host-resident when it is
+// stored (the request's own buffer, adopted without a copy), demoted to disk under pressure,
+// brought back on FETCH. A session's SSM.PREFIX.SAVE is one durable object file; its
+// DiskFile is kept here so DROP can delete it and start-up can find it again.
+// Runs on the owning shard; Total() is readable from any thread.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <unordered_map>
 
-#include "common/buffer.h"
+#include "residency/disk_file.h"
+#include "residency/object.h"
 #include "store/tenant_key.h"
-#include "store/vsession.h"
 
 namespace pion::store {
 
 class SsmStore {
  public:
-  void set_budget(ByteBudget b) { budget_ = std::move(b); }
+  struct Session {
+    std::map<uint64_t, residency::ObjectRef> layers;
+    uint64_t incarnation = 0;  // new for every session of this name (a save racing a DROP)
+    uint64_t writes = 0;       // STOREs and layer DROPs so far (dirty tracking)
+    // The newest durable version (SSM.PREFIX.SAVE), if any.
+    std::shared_ptr<residency::DiskFile> saved;
+    uint64_t saved_version = 0;
+    uint64_t saved_writes = 0;  // `writes` when that save was taken
+    bool dirty() const { return saved_version == 0 || writes != saved_writes; }
+  };
 
-  // Stores (or replaces) the blob of one layer. kOom leaves the old blob in place.
-  Status Store(const TenantKey& sid, uint64_t layer, BufferRef blob);
-  // The layer's blob, or nullptr.
-  BufferRef Fetch(const TenantKey& sid, uint64_t layer) const;
-  // Drops one layer, or every layer when layer is nullopt. Returns how many were dropped.
+  Session* Find(const TenantKey& sid);
+  Session& Get(const TenantKey& sid);  // creates an empty session when absent
+  // Stores (or replaces) the layer's blob object.
+  void Put(const TenantKey& sid, uint64_t layer, residency::ObjectRef blob);
+  // The layer's blob object, or null.
+  residency::ObjectRef Blob(const TenantKey& sid, uint64_t layer) const;
+  // Drops one layer, or the whole session (saved copy forgotten too) when layer is nullopt.
+  // Returns how many blobs were dropped.
   size_t Drop(const TenantKey& sid, std::optional<uint64_t> layer);
+  // The version the next save of sid writes: above every version written for the name,
+  // across DROP and restarts (NoteVersion records versions found on disk).
+  uint64_t NextVersion(const TenantKey& sid) { return ++versions_[sid]; }
+  void NoteVersion(const TenantKey& sid, uint64_t v) {
+    if (v > versions_[sid]) versions_[sid] = v;
+  }
+
+  template <typename F>
+  void ForEach(uint32_t tenant, F&& f) const {
+    for (const auto& [k, s] : sessions_) {
+      if (k.tenant == tenant) f(k, s);
+    }
+  }
 
   struct Usage {
     uint64_t sessions = 0;
     uint64_t blobs = 0;
-    uint64_t bytes = 0;
+    uint64_t bytes = 0;  // whichever tier holds them
   };
   Usage Total() const {
     return {sessions_gauge_.load(std::memory_order_relaxed),
@@ -42,8 +69,9 @@ class SsmStore {
  private:
   void Publish();
 
-  ByteBudget budget_;
-  std::unordered_map<TenantKey, std::map<uint64_t, BufferRef>, TenantKeyHash> sessions_;
+  std::unordered_map<TenantKey, Session, TenantKeyHash> sessions_;
+  std::unordered_map<TenantKey, uint64_t, TenantKeyHash> versions_;
+  uint64_t next_incarnation_ = 1;
   uint64_t blobs_ = 0;
   uint64_t bytes_ = 0;
   std::atomic<uint64_t> sessions_gauge_{0};

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "residency/engine.h"
 #include "store/ssm_serialization.h"
 #include "store/ssm_store.h"
 
@@ -40,32 +41,31 @@ TEST(SsmSerialization, MalformedBlobsAreNamed) {
   EXPECT_NE(ParseSsmState(blob + "x").status().message().find("trailing"), std::string::npos);
 }
 
-TEST(SsmStore, StoreReplaceDropAndBudget) {
-  uint64_t used = 0;
-  ByteBudget budget{[&](uint64_t n) {
-                      if (used + n > 100) return Status(ErrorKind::kOom, "full");
-                      used += n;
-                      return Status::Ok();
-                    },
-                    [&](uint64_t n) { used -= n; }};
+TEST(SsmStore, PutReplaceDropAndGauges) {
+  residency::Engine engine({});
+  auto blob = [&](std::string bytes) {
+    return engine.CreateInHost(residency::Family::kSsm, {CopyToBuffer(bytes).value()}, nullptr);
+  };
   SsmStore s;
-  s.set_budget(budget);
   TenantKey sid{0, "seq"};
-  ASSERT_TRUE(s.Store(sid, 0, CopyToBuffer(std::string(40, 'a')).value()).ok());
-  ASSERT_TRUE(s.Store(sid, 1, CopyToBuffer(std::string(40, 'b')).value()).ok());
-  EXPECT_EQ(s.Store(sid, 2, CopyToBuffer(std::string(40, 'c')).value()).kind(), ErrorKind::kOom);
-  BufferRef held = s.Fetch(sid, 0);
-  ASSERT_TRUE(s.Store(sid, 0, CopyToBuffer(std::string(10, 'z')).value()).ok());  // replace
+  s.Put(sid, 0, blob(std::string(40, 'a')));
+  s.Put(sid, 1, blob(std::string(40, 'b')));
+  BufferRef held = s.Blob(sid, 0)->HostBlock(0);
+  s.Put(sid, 0, blob(std::string(10, 'z')));      // replace
   EXPECT_EQ(held->view(), std::string(40, 'a'));  // the old blob lives while referenced
-  EXPECT_EQ(s.Fetch(sid, 0)->view(), std::string(10, 'z'));
-  EXPECT_EQ(used, 50u);
-  EXPECT_EQ(s.Fetch(TenantKey{1, "seq"}, 0), nullptr);  // other tenant
+  EXPECT_EQ(s.Blob(sid, 0)->HostBlock(0)->view(), std::string(10, 'z'));
+  EXPECT_EQ(s.Total().bytes, 50u);
+  EXPECT_EQ(s.Blob(TenantKey{1, "seq"}, 0), nullptr);  // other tenant
   EXPECT_EQ(s.Drop(sid, 7), 0u);
   EXPECT_EQ(s.Drop(sid, 1), 1u);
+  EXPECT_EQ(s.Find(sid)->writes, 4u);  // three puts and a layer drop
   EXPECT_EQ(s.Drop(sid, std::nullopt), 1u);
   EXPECT_EQ(s.Drop(sid, std::nullopt), 0u);
-  EXPECT_EQ(used, 0u);
   EXPECT_EQ(s.Total().blobs, 0u);
+  EXPECT_EQ(s.Total().sessions, 0u);
+  EXPECT_EQ(s.NextVersion(sid), 1u);
+  s.NoteVersion(sid, 7);
+  EXPECT_EQ(s.NextVersion(sid), 8u);
 }
 
 }  // namespace

@@ -2,88 +2,83 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+
+#include "residency/engine.h"
+
 namespace pion::store {
 namespace {
 
 TenantKey K(const char* name, uint32_t tenant = 0) { return TenantKey{tenant, name}; }
 
-TEST(StateSlots, AllocIsZeroFilledAndFixedSize) {
+class StateSlotsTest : public ::testing::Test {
+ protected:
+  residency::ObjectRef Zeros(uint64_t n) {
+    auto b = BufferAllocator::Default()->Allocate(n).value();
+    std::memset(b->data(), 0, n);
+    return engine_.CreateInHost(residency::Family::kState, {b}, nullptr);
+  }
+  std::string Bytes(StateSlots& s, const TenantKey& k) {
+    BufferRef b = s.Find(k).value()->obj->HostBlock(0);
+    return std::string(b->view());
+  }
+  residency::Engine engine_{residency::EngineOptions{}};
+};
+
+TEST_F(StateSlotsTest, AllocIsIdempotentForTheSameSizeOnly) {
   StateSlots s;
-  ASSERT_TRUE(s.Alloc(K("a"), 8).ok());
-  const uint8_t* p = nullptr;
-  auto buf = s.Read(K("a"), 0, 8, &p);
-  ASSERT_TRUE(buf.ok());
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(p), 8), std::string(8, '\0'));
-  EXPECT_TRUE(s.Alloc(K("a"), 8).ok());  // same size: idempotent
-  Status diff = s.Alloc(K("a"), 16);
+  bool exists = true;
+  ASSERT_TRUE(s.CheckAlloc(K("a"), 8, &exists).ok());
+  EXPECT_FALSE(exists);
+  s.Insert(K("a"), Zeros(8));
+  EXPECT_EQ(Bytes(s, K("a")), std::string(8, '\0'));
+  ASSERT_TRUE(s.CheckAlloc(K("a"), 8, &exists).ok());
+  EXPECT_TRUE(exists);
+  Status diff = s.CheckAlloc(K("a"), 16, &exists);
   EXPECT_FALSE(diff.ok());
   EXPECT_NE(diff.message().find("exists with 8 bytes"), std::string::npos);
-  EXPECT_FALSE(s.Alloc(K("z"), 0).ok());
+  EXPECT_FALSE(s.CheckAlloc(K("z"), 0, &exists).ok());
 }
 
-TEST(StateSlots, WritesInPlaceAndChecksBounds) {
+TEST_F(StateSlotsTest, WritesInPlaceAndChecksBounds) {
   StateSlots s;
-  ASSERT_TRUE(s.Alloc(K("a"), 8).ok());
-  ASSERT_TRUE(s.Write(K("a"), 2, "xyz").ok());
-  ASSERT_TRUE(s.Write(K("a"), 5, "123").ok());  // exactly to the end
-  const uint8_t* p = nullptr;
-  ASSERT_TRUE(s.Read(K("a"), 0, 8, &p).ok());
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(p), 8), std::string("\0\0xyz123", 8));
-  Status over = s.Write(K("a"), 6, "abc");
-  EXPECT_FALSE(over.ok());
+  StateSlots::Slot& sl = s.Insert(K("a"), Zeros(8));
+  ASSERT_TRUE(StateSlots::WriteInPlace(sl, 2, "xyz"));
+  ASSERT_TRUE(StateSlots::WriteInPlace(sl, 5, "123"));  // exactly to the end
+  EXPECT_EQ(Bytes(s, K("a")), std::string("\0\0xyz123", 8));
+  EXPECT_EQ(sl.obj->generation(), 3u);
+  Status over = StateSlots::CheckRange(K("a"), sl, 6, 3, "write");
   EXPECT_EQ(over.message(), "write of 3 bytes at offset 6 exceeds slot 'a' of 8 bytes");
-  EXPECT_FALSE(s.Write(K("a"), UINT64_MAX, "a").ok());
-  EXPECT_FALSE(s.Read(K("a"), 9, 0, &p).ok());
-  EXPECT_FALSE(s.Read(K("a"), 4, 5, &p).ok());
-  EXPECT_TRUE(s.Read(K("a"), 8, 0, &p).ok());
-  EXPECT_EQ(s.Write(K("nope"), 0, "a").message(), "no such state slot 'nope'");
+  EXPECT_FALSE(StateSlots::CheckRange(K("a"), sl, UINT64_MAX, 1, "write").ok());
+  EXPECT_FALSE(StateSlots::CheckRange(K("a"), sl, 9, 0, "read").ok());
+  EXPECT_FALSE(StateSlots::CheckRange(K("a"), sl, 4, 5, "read").ok());
+  EXPECT_TRUE(StateSlots::CheckRange(K("a"), sl, 8, 0, "read").ok());
+  EXPECT_EQ(s.Find(K("nope")).status().message(), "no such state slot 'nope'");
 }
 
-TEST(StateSlots, WriteDoesNotChangeBytesAReplyStillHolds) {
+TEST_F(StateSlotsTest, BytesAReplyStillHoldsAreNeverWrittenInPlace) {
   StateSlots s;
-  ASSERT_TRUE(s.Alloc(K("a"), 4).ok());
-  ASSERT_TRUE(s.Write(K("a"), 0, "old!").ok());
-  const uint8_t* p = nullptr;
-  BufferRef held = s.Read(K("a"), 0, 4, &p).value();  // like a reply in flight
-  ASSERT_TRUE(s.Write(K("a"), 0, "new!").ok());
+  StateSlots::Slot& sl = s.Insert(K("a"), Zeros(4));
+  ASSERT_TRUE(StateSlots::WriteInPlace(sl, 0, "old!"));
+  BufferRef held = sl.obj->HostBlock(0);                  // like a reply in flight
+  EXPECT_FALSE(StateSlots::WriteInPlace(sl, 0, "new!"));  // the caller copies instead
   EXPECT_EQ(held->view(), "old!");
-  ASSERT_TRUE(s.Read(K("a"), 0, 4, &p).ok());
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(p), 4), "new!");
+  held.reset();
+  EXPECT_TRUE(StateSlots::WriteInPlace(sl, 0, "new!"));
+  EXPECT_EQ(Bytes(s, K("a")), "new!");
 }
 
-TEST(StateSlots, TenantsAreIsolated) {
+TEST_F(StateSlotsTest, TenantsAreIsolatedAndFreeForgets) {
   StateSlots s;
-  ASSERT_TRUE(s.Alloc(K("same", 1), 4).ok());
-  ASSERT_TRUE(s.Alloc(K("same", 2), 4).ok());
-  ASSERT_TRUE(s.Write(K("same", 1), 0, "AAAA").ok());
-  ASSERT_TRUE(s.Write(K("same", 2), 0, "BBBB").ok());
-  const uint8_t* p = nullptr;
-  ASSERT_TRUE(s.Read(K("same", 1), 0, 4, &p).ok());
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(p), 4), "AAAA");
-  EXPECT_FALSE(s.Read(K("same", 3), 0, 4, &p).ok());
+  s.Insert(K("same", 1), Zeros(4));
+  s.Insert(K("same", 2), Zeros(4));
+  EXPECT_FALSE(s.Find(K("same", 3)).ok());
   EXPECT_EQ(s.UsageOf(1).slots, 1u);
   EXPECT_EQ(s.Total().slots, 2u);
   EXPECT_EQ(s.Total().bytes, 8u);
-}
-
-TEST(StateSlots, BudgetRefusalLeavesNothingBehind) {
-  StateSlots s;
-  uint64_t used = 0;
-  s.set_budget({[&](uint64_t n) {
-                  if (used + n > 10) return Status(ErrorKind::kOom, "full");
-                  used += n;
-                  return Status::Ok();
-                },
-                [&](uint64_t n) { used -= n; }});
-  ASSERT_TRUE(s.Alloc(K("a"), 8).ok());
-  Status oom = s.Alloc(K("b"), 8);
-  EXPECT_EQ(oom.kind(), ErrorKind::kOom);
-  const uint8_t* p = nullptr;
-  EXPECT_FALSE(s.Read(K("b"), 0, 1, &p).ok());
-  EXPECT_TRUE(s.Free(K("a")));
-  EXPECT_FALSE(s.Free(K("a")));
-  EXPECT_EQ(used, 0u);
-  EXPECT_TRUE(s.Alloc(K("b"), 8).ok());
+  EXPECT_TRUE(s.Free(K("same", 1)));
+  EXPECT_FALSE(s.Free(K("same", 1)));
+  EXPECT_EQ(s.Total().bytes, 4u);
 }
 
 }  // namespace

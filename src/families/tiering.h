@@ -1,0 +1,46 @@
+// What every family does with the residency engine (residency/engine.h) on its command path:
+// charge host bytes for a new object (parking the command while demotions make room), and
+// find its saved-object directory. Not a public interface.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+#include <string>
+#include <string_view>
+
+#include "common/byte_budget.h"
+#include "residency/disk_file.h"
+#include "residency/object.h"
+#include "residency/tier.h"
+#include "server/command.h"
+
+namespace pion::families {
+
+// Host bytes for a new object of family f. True with *out set when they are reserved. False
+// when the command was parked (demotions make room first; the handler runs again) or refused
+// (the reply is written: the request alone exceeds the memory limit, or no room can be made).
+bool ChargeHost(server::CommandContext& ctx, residency::Family f, uint64_t bytes,
+                std::unique_ptr<Charge>* out);
+
+// <--dir>/<name>: where a family's saved objects live ("ssm", "state", "attention").
+std::string SavedDir(server::Server& srv, std::string_view name);
+
+// What a save's completion gets on the owning shard: the durable file (or why there is none)
+// and the writer of the command's deferred reply, which it must call once.
+using SaveDone =
+    std::function<void(server::Shard& shard, StatusOr<std::shared_ptr<residency::DiskFile>> file,
+                       std::function<void(server::CommandContext::ReplyWriter)> reply)>;
+
+// Writes the objects' bytes (every block of each, in order) as one durable object file
+// (<dir>/<hex name>.<version>.pobj: temp file, fsync, rename, directory fsync, under the disk
+// quota) on the I/O pool and replies only after that. The objects must be host-resident and
+// pinned (ctx.Resident). On success each object whose content did not change meanwhile gets
+// that file as its durable disk copy (a later demotion then costs no write); then `done` runs
+// on this shard. Counts disk_saves / disk_save_failures.
+void SaveObjects(server::CommandContext& ctx, std::string dir, std::string name,
+                 uint64_t version, std::string meta, std::vector<residency::ObjectRef> objs,
+                 SaveDone done);
+
+}  // namespace pion::families
