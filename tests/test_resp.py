@@ -96,7 +96,7 @@ def test_redis_cli_command_docs(shared_pion):
     assert out == ("ping\nsummary\nReplies PONG, or the message given.\nsince\n0.1.0\n"
                    "group\nconnection\nsyntax\nping [message]\n")
     out = shared_pion.redis_cli("--no-raw", "COMMAND", "DOCS", "state.read", resp3=True).stdout
-    assert '"state.read"' in out and '"syntax" => "state.read <id> <offset> <len>"' in out
+    assert '"state.read"' in out and '"syntax" => "state.read <id> <offset> <len> [DEADLINE <ms>]"' in out
 
 
 def _pty_read_until(fd: int, needle: bytes, timeout: float) -> bytes:

@@ -196,19 +196,25 @@ def test_fetch_larger_than_max_bulk_is_refused(pion_factory):
         r.execute_command("V.FETCH", "m", *range(200), *range(100))
 
 
-def test_maxmemory_refuses_whole_batch(pion_factory):
+def test_maxmemory_moves_cold_chunks_to_disk_and_refuses_only_what_never_fits(pion_factory):
     srv = pion_factory("--maxmemory", "1mb", "-w", "1")
     r = srv.client()
     r.execute_command("V.CREATE", "mm", 1024, "fp32")  # 256 KiB per 64-row chunk
     x = np.ones((192, 1024), np.float32)
+    y = np.full((192, 1024), 2, np.float32)
     assert r.execute_command("V.STOREBATCH", "mm", 0, x.tobytes()) == 192
-    with pytest.raises(Exception, match=r"^OOM command not allowed when used memory > 'maxmemory': vstore write"):
-        r.execute_command("V.STOREBATCH", "mm", 192, x.tobytes())
-    # Nothing of the refused batch is visible; what was stored is intact.
-    with pytest.raises(Exception, match="id 192 was never stored"):
-        r.execute_command("V.FETCH", "mm", 192)
+    # Past maxmemory: the older chunks move to disk instead of the batch being refused.
+    assert r.execute_command("V.STOREBATCH", "mm", 192, y.tobytes()) == 192
+    assert int(srv.info("memory")["used_memory_vstore"]) <= 1 << 20
     np.testing.assert_array_equal(fetch_f32(r, "mm", "RANGE", 0, 192).reshape(192, 1024), x)
-    assert int(srv.info("memory")["used_memory_vstore"]) == 3 * 64 * 1024 * 4
+    np.testing.assert_array_equal(fetch_f32(r, "mm", "RANGE", 192, 384).reshape(192, 1024), y)
+    assert int(srv.info("residency")["residency_promotions_disk_host"]) >= 3
+    # One batch larger than all of maxmemory can never fit: refused whole, nothing visible.
+    big = np.ones((320, 1024), np.float32)
+    with pytest.raises(Exception, match=r"^OOM command not allowed when used memory > 'maxmemory': vstore write"):
+        r.execute_command("V.STOREBATCH", "mm", 384, big.tobytes())
+    with pytest.raises(Exception, match="id 384 was never stored"):
+        r.execute_command("V.FETCH", "mm", 384)
     assert r.execute_command("V.DROP", "mm") == 1
     assert int(srv.info("memory")["used_memory_vstore"]) == 0
 

@@ -278,51 +278,71 @@ struct Source {
   uint64_t publication = 0;
   store::VSession::Snapshot k, v;
   codec::RowCodec codec = codec::RowCodec::Create(codec::Format::kFp32, 1).value();
+  std::shared_ptr<residency::PinSet> pins;  // the layer's chunks, held in host memory
 };
 
-// Runs on the namespace's shard: warms it if it is only on disk, checks identity, completeness
-// and the layer, and snapshots its sessions (copy-on-write, O(chunks)).
+// Runs on the namespace's shard: opens it if it is only on disk, checks identity, completeness
+// and the layer, snapshots its sessions (copy-on-write, O(chunks)) and brings the layer's
+// chunks into host memory (pinned there for the decode); `done` may run on another thread.
 void PrepareSource(server::Server& srv, server::Shard& shard, const store::TenantKey& ns,
                    uint32_t layer, std::optional<std::string> model,
-                   std::optional<std::string> position,
+                   std::optional<std::string> position, residency::Deadline deadline,
                    std::function<void(StatusOr<std::shared_ptr<Source>>)> done) {
   if (shard.store().prefixes.Find(ns) == nullptr) {
     return done(Error("no such prefix namespace '" + ns.name + "'"));
   }
-  kvprefix::Warm(srv, shard, ns, [&shard, ns, layer, model, position, done](const Status& w) {
-    if (!w.ok()) return done(w);
-    store::PrefixEntry* e = shard.store().prefixes.Find(ns);
-    if (e == nullptr) return done(Error("namespace '" + ns.name + "' was dropped meanwhile"));
-    const store::PrefixManifest& m = e->manifest;
-    if ((model && *model != m.model) || (position && *position != m.position)) {
-      return done(Status(ErrorKind::kMismatch, "namespace '" + ns.name + "' holds " + m.Describe() +
-                                                   ", not model '" + model.value_or(m.model) +
-                                                   "' position '" + position.value_or(m.position) +
-                                                   "'"));
-    }
-    if (layer >= m.n_layers) {
-      return done(Error("layer " + std::to_string(layer) + " is out of range: namespace '" +
-                        ns.name + "' has " + std::to_string(m.n_layers) + " layers"));
-    }
-    if (std::find(std::begin(kHeadDims), std::end(kHeadDims), m.head_dim) == std::end(kHeadDims)) {
-      return done(Error("namespace '" + ns.name + "' has head_dim " + std::to_string(m.head_dim) +
-                        "; attention needs one of 32, 64, 96, 128, 160, 192, 256, 512"));
-    }
-    auto sessions = kvprefix::SessionsOf(shard, ns.tenant, ns.name, m);
-    if (!kvprefix::Complete(sessions, m)) {
-      return done(Error("namespace '" + ns.name +
-                        "' is not complete (rows missing in its K or V sessions); a "
-                        "half-written prefix is never bound"));
-    }
-    auto src = std::make_shared<Source>();
-    src->manifest = m;
-    src->publication = shard.store().prefixes.Publish(e);
-    shard.store().prefixes.Touch(e);
-    src->k = sessions.k->TakeSnapshot();
-    src->v = sessions.v->TakeSnapshot();
-    src->codec = sessions.k->codec();
-    done(src);
-  });
+  server::Server* srvp = &srv;
+  kvprefix::Open(
+      srv, shard, ns, [srvp, &shard, ns, layer, model, position, deadline, done](const Status& w) {
+        if (!w.ok()) return done(w);
+        store::PrefixEntry* e = shard.store().prefixes.Find(ns);
+        if (e == nullptr) return done(Error("namespace '" + ns.name + "' was dropped meanwhile"));
+        const store::PrefixManifest& m = e->manifest;
+        if ((model && *model != m.model) || (position && *position != m.position)) {
+          return done(Status(ErrorKind::kMismatch, "namespace '" + ns.name + "' holds " +
+                                                       m.Describe() + ", not model '" +
+                                                       model.value_or(m.model) + "' position '" +
+                                                       position.value_or(m.position) + "'"));
+        }
+        if (layer >= m.n_layers) {
+          return done(Error("layer " + std::to_string(layer) + " is out of range: namespace '" +
+                            ns.name + "' has " + std::to_string(m.n_layers) + " layers"));
+        }
+        if (std::find(std::begin(kHeadDims), std::end(kHeadDims), m.head_dim) ==
+            std::end(kHeadDims)) {
+          return done(Error("namespace '" + ns.name + "' has head_dim " +
+                            std::to_string(m.head_dim) +
+                            "; attention needs one of 32, 64, 96, 128, 160, 192, 256, 512"));
+        }
+        auto sessions = kvprefix::SessionsOf(shard, ns.tenant, ns.name, m);
+        if (!kvprefix::Complete(sessions, m)) {
+          return done(Error("namespace '" + ns.name +
+                            "' is not complete (rows missing in its K or V sessions); a "
+                            "half-written prefix is never bound"));
+        }
+        auto src = std::make_shared<Source>();
+        src->manifest = m;
+        src->publication = shard.store().prefixes.Publish(e);
+        src->k = sessions.k->TakeSnapshot();
+        src->v = sessions.v->TakeSnapshot();
+        src->codec = sessions.k->codec();
+        // The layer's chunks (ids [layer*T, (layer+1)*T) of each session), in memory.
+        std::vector<residency::ObjectRef> objs;
+        const int64_t first = int64_t{layer} * m.n_tokens, last = first + m.n_tokens - 1;
+        for (const auto* snap : {&src->k, &src->v}) {
+          for (int64_t c = first / store::kRowsPerChunk; c <= last / store::kRowsPerChunk; ++c) {
+            auto it = snap->chunks.find(c);
+            if (it != snap->chunks.end()) objs.push_back(it->second->obj);
+          }
+        }
+        srvp->residency()->Require(std::move(objs), residency::Tier::kHost, deadline,
+                                   [src, done](const Status& s, residency::PinSet pins) {
+                                     if (!s.ok()) return done(s);
+                                     src->pins =
+                                         std::make_shared<residency::PinSet>(std::move(pins));
+                                     done(src);
+                                   });
+      });
 }
 
 // Runs on a compute thread: decodes layer `layer` of the source (token-major rows of
@@ -335,6 +355,10 @@ void DecodeLayer(server::WorkerPool& pool, const Source& src, uint32_t layer,
   ks.Restore(src.k);
   vs.Restore(src.v);
   const int64_t base = int64_t{layer} * T;
+  store::VSession::HostView kview, vview;  // pinned in memory by PrepareSource
+  std::vector<residency::ObjectRef> missing;
+  ks.ViewRange(base, base + T, &kview, &missing);
+  vs.ViewRange(base, base + T, &vview, &missing);
   const size_t esize = kernels::DTypeSize(slot.dtype);
   const uint32_t pieces = std::max<uint32_t>(1, std::min<uint32_t>(pool.threads(), T / 256));
   pool.ParallelFor(pieces, [&](size_t p) {
@@ -345,7 +369,8 @@ void DecodeLayer(server::WorkerPool& pool, const Source& src, uint32_t layer,
     for (uint32_t t0 = t_begin; t0 < t_end; t0 += kStep) {
       const uint32_t n = std::min(kStep, t_end - t0);
       for (int kv = 0; kv < 2; ++kv) {
-        (kv == 0 ? ks : vs).DecodeRange(base + t0, base + t0 + n, rows.data());
+        (kv == 0 ? ks : vs)
+            .DecodeRange(kv == 0 ? kview : vview, base + t0, base + t0 + n, rows.data());
         uint8_t* dst = (kv == 0 ? slot.k : slot.v)->data();
         for (uint32_t h = 0; h < H; ++h) {
           for (uint32_t t = 0; t < n; ++t) {
@@ -426,9 +451,11 @@ void StoreFrom(CommandContext& ctx, CmdArgs& args) {
   };
 
   // Step 1, on the namespace's shard.
-  auto prepare = [srv, ns, layer, model, position, sid_shard, build, fail](server::Shard& nss) {
+  const residency::Deadline deadline = ctx.deadline;
+  auto prepare = [srv, ns, layer, model, position, deadline, sid_shard, build,
+                  fail](server::Shard& nss) {
     PrepareSource(
-        *srv, nss, ns, layer, model, position,
+        *srv, nss, ns, layer, model, position, deadline,
         [srv, sid_shard, build, fail](StatusOr<std::shared_ptr<Source>> src) {
           if (!src.ok()) return fail(src.status());
           auto ready = std::move(src).value();

@@ -3,6 +3,8 @@
 // V.STOREBATCH and read them with V.FETCH RANGE. LOOKUP answers HIT only for a complete prefix
 // whose identity matches (a half-written prefix is never a hit); INFO/BLOCKS/MEMBERSHIP/OWNER
 // describe it; DROP deletes it and fences its generation.
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <cstdio>
 
@@ -37,6 +39,27 @@ PrefixSessions SessionsOf(server::Shard& shard, uint32_t tenant, std::string_vie
 bool Complete(const PrefixSessions& s, const store::PrefixManifest& m) {
   int64_t n = static_cast<int64_t>(m.rows());
   return s.ok() && s.k->RangeWritten(0, n) && s.v->RangeWritten(0, n);
+}
+
+Status Intact(server::Server& srv, const store::TenantKey& ns, store::PrefixEntry* e,
+              const PrefixSessions& s) {
+  if (e->corrupt.empty() && s.ok() && (s.k->lost_chunks() > 0 || s.v->lost_chunks() > 0)) {
+    std::string why;  // the first lost chunk's own words (once per namespace)
+    for (const store::VSession* sess : {s.k, s.v}) {
+      for (const auto& [i, c] : sess->chunks()) {
+        if (why.empty()) why = c->obj->lost();
+      }
+    }
+    e->corrupt = "namespace '" + ns.name +
+                 "' has a chunk whose only copy failed validation and is not served: " + why;
+    srv.disk_stats().objects_corrupt.fetch_add(1);
+    spdlog::error(
+        "disk tier: prefix '{}' is corrupt and will not be served: a chunk failed "
+        "validation",
+        ns.name);
+  }
+  if (!e->corrupt.empty()) return Status(ErrorKind::kCorrupt, e->corrupt);
+  return Status::Ok();
 }
 
 }  // namespace kvprefix
@@ -181,16 +204,20 @@ void Lookup(CommandContext& ctx, CmdArgs& args) {
     return ctx.rb->SimpleString("MISS");
   }
   if (!e->resident) {
-    // Saved on disk only: promote it (once, however many clients ask), then answer.
+    // Saved on disk only: open it (its chunk index, read once however many clients ask), then
+    // answer; the chunks come in when they are read.
     if (!e->corrupt.empty() || !e->saved_complete) return ctx.rb->SimpleString("MISS");
     auto reply = ctx.Defer();
     const store::TenantKey key = ctx.Key(args[1]);
     server::Shard* shard = ctx.shard;
-    kvprefix::Warm(*ctx.server, *ctx.shard, key, [reply, key, shard](const Status& s) {
+    server::Server* srv = ctx.server;
+    kvprefix::Open(*ctx.server, *ctx.shard, key, [reply, key, shard, srv](const Status& s) {
       PrefixEntry* cur = shard->store().prefixes.Find(key);
-      bool hit = s.ok() && cur != nullptr &&
-                 Complete(kvprefix::SessionsOf(*shard, key.tenant, key.name, cur->manifest),
-                          cur->manifest);
+      const PrefixSessions ps =
+          cur ? kvprefix::SessionsOf(*shard, key.tenant, key.name, cur->manifest)
+              : PrefixSessions{};
+      bool hit = s.ok() && cur != nullptr && Complete(ps, cur->manifest) &&
+                 kvprefix::Intact(*srv, key, cur, ps).ok();
       if (hit) {
         shard->store().prefixes.Publish(cur);
         ++cur->hits;
@@ -205,8 +232,10 @@ void Lookup(CommandContext& ctx, CmdArgs& args) {
     });
     return;
   }
-  ctx.shard->store().prefixes.Touch(e);
-  if (!Complete(SessionsOf(ctx, args[1], m), m)) return ctx.rb->SimpleString("MISS");
+  const PrefixSessions ps = SessionsOf(ctx, args[1], m);
+  if (!Complete(ps, m) || !kvprefix::Intact(*ctx.server, ctx.Key(args[1]), e, ps).ok()) {
+    return ctx.rb->SimpleString("MISS");  // a corrupt copy is never served: a miss
+  }
   ctx.shard->store().prefixes.Publish(e);
   ++e->hits;
   ctx.rb->SimpleString("HIT");
@@ -219,7 +248,7 @@ void InfoOne(CommandContext& ctx, std::string_view ns) {
   PrefixSessions s = SessionsOf(ctx, ns, m);
   uint64_t frontier =
       e->resident ? (s.ok() ? CommittedFrontier(s, m) : 0) : (e->saved_complete ? m.n_tokens : 0);
-  uint64_t bytes = s.ok() ? s.k->chunk_bytes() + s.v->chunk_bytes() : 0;
+  uint64_t bytes = s.ok() ? s.k->host_bytes() + s.v->host_bytes() : 0;
   auto& rb = *ctx.rb;
   rb.Map(21);
   rb.Bulk("model");
@@ -260,8 +289,8 @@ void InfoOne(CommandContext& ctx, std::string_view ns) {
   rb.Integer(e->resident ? 1 : 0);
   rb.Bulk("corrupt");
   rb.Bulk(e->corrupt);
-  rb.Bulk("warming");
-  rb.Integer(e->warming ? 1 : 0);
+  rb.Bulk("opening");
+  rb.Integer(e->opening ? 1 : 0);
   rb.Bulk("owner");
   rb.Integer(ctx.shard->id());
 }
@@ -288,7 +317,7 @@ void Info(CommandContext& ctx, CmdArgs& args) {
                              t[3] += e.prefill_ms * static_cast<double>(e.hits);
                              for (const char* suffix : {"_pk", "_pv"}) {
                                if (auto* s = vs.Find(store::TenantKey{tenant, k.name + suffix})) {
-                                 t[4] += static_cast<double>(s->session->chunk_bytes());
+                                 t[4] += static_cast<double>(s->session->host_bytes());
                                }
                              }
                              t[5] += static_cast<double>(e.disk_bytes);
@@ -306,6 +335,7 @@ void Blocks(CommandContext& ctx, CmdArgs& args, bool membership_only) {
   PrefixSessions s = SessionsOf(ctx, args[1], m);
   const uint64_t n_blocks = (m.n_tokens + kBlockTokens - 1) / kBlockTokens;
   std::vector<uint64_t> rows(n_blocks, 0), want(n_blocks, 0);
+  std::vector<bool> in_memory(n_blocks, true);
   for (uint64_t b = 0; b < n_blocks; ++b) {
     uint64_t t0 = b * kBlockTokens, t1 = std::min<uint64_t>(t0 + kBlockTokens, m.n_tokens);
     want[b] = 2 * m.n_layers * (t1 - t0);
@@ -314,6 +344,13 @@ void Blocks(CommandContext& ctx, CmdArgs& args, bool membership_only) {
       int64_t a = static_cast<int64_t>(l * m.n_tokens + t0),
               z = static_cast<int64_t>(l * m.n_tokens + t1);
       rows[b] += s.k->CountWritten(a, z) + s.v->CountWritten(a, z);
+      if (!membership_only && in_memory[b]) {
+        for (const store::VSession* sess : {s.k, s.v}) {
+          std::vector<residency::ObjectRef> missing;
+          sess->MissingForRange(a, static_cast<size_t>(z - a), &missing);
+          if (!missing.empty()) in_memory[b] = false;
+        }
+      }
     }
   }
   auto& rb = *ctx.rb;
@@ -336,7 +373,11 @@ void Blocks(CommandContext& ctx, CmdArgs& args, bool membership_only) {
     rb.Bulk("rows");
     rb.Integer(static_cast<int64_t>(rows[b]));
     rb.Bulk("tier");
-    rb.Bulk(!e->resident ? (e->saved_version > 0 ? "disk" : "none") : rows[b] > 0 ? "ram" : "none");
+    // Where its rows are now: all in memory, some or all only on disk (brought back on read).
+    rb.Bulk(!e->resident   ? (e->saved_version > 0 ? "disk" : "none")
+            : rows[b] == 0 ? "none"
+            : in_memory[b] ? "ram"
+                           : "disk");
     // Saved means the disk copy holds this block's current rows; after a write the whole
     // namespace counts as unsaved until the next SAVE (conservative: never claims too much).
     rb.Bulk("saved");
@@ -352,7 +393,7 @@ void Owner(CommandContext& ctx, CmdArgs& args) { ctx.rb->Integer(ctx.shard->id()
 void Drop(CommandContext& ctx, CmdArgs& args) {
   std::string ns(args[1]);
   if (PrefixEntry* e = ctx.shard->store().prefixes.Find(ctx.Key(ns))) {
-    if (e->warming) kvprefix::CancelWarm(e, Error("namespace '" + ns + "' was dropped"));
+    if (e->opening) kvprefix::CancelOpen(e, Error("namespace '" + ns + "' was dropped"));
     if (e->saved_version > 0 || !e->corrupt.empty()) {
       // Delete everywhere, disk included (a few file unlinks and one directory fsync).
       Status s = store::disk::RemoveObject(

@@ -30,7 +30,7 @@ std::string ObjectName(server::Server& srv, const store::TenantKey& key) {
 
 // SSM.PREFIX.STORE <sid> <layer> <state_blob>
 void Store(CommandContext& ctx, CmdArgs& args) {
-  if (args.size() != 4) return ctx.rb->ErrorLine(server::ArityError("ssm.prefix.store"));
+  if (args.size() != 4) return ctx.WrongArity();
   uint64_t layer;
   Status s = ParseUint(args[2], "layer", &layer);
   if (!s.ok()) return ctx.Error(s);
@@ -46,7 +46,7 @@ void Store(CommandContext& ctx, CmdArgs& args) {
 
 // SSM.PREFIX.FETCH <sid> <layer>
 void Fetch(CommandContext& ctx, CmdArgs& args) {
-  if (args.size() != 3) return ctx.rb->ErrorLine(server::ArityError("ssm.prefix.fetch"));
+  if (args.size() != 3) return ctx.WrongArity();
   uint64_t layer;
   Status s = ParseUint(args[2], "layer", &layer);
   if (!s.ok()) return ctx.Error(s);
@@ -91,13 +91,12 @@ void Save(CommandContext& ctx, CmdArgs& args) {
     return ctx.Error(Error("SSM session '" + key.name.substr(0, 128) +
                            "' has no layers to save (SSM.PREFIX.DROP it instead)"));
   }
-  std::vector<residency::ObjectRef> objs;
+  std::vector<residency::Engine::SaveItem> items;
   std::string layers;
   for (const auto& [l, obj] : session->layers) {
-    objs.push_back(obj);
+    items.push_back({"", obj});
     layers += (layers.empty() ? "" : ",") + std::to_string(l);
   }
-  if (!ctx.Resident(objs, Tier::kHost)) return;  // every layer in memory first
   store::SavedRecord rec;
   rec.kind = "ssm";
   rec.Set("tenant", ctx.server->users().TenantName(key.tenant));
@@ -107,7 +106,7 @@ void Save(CommandContext& ctx, CmdArgs& args) {
   const uint64_t incarnation = session->incarnation, writes = session->writes;
   const std::string dir = SavedDir(*ctx.server, kDirName);
   SaveObjects(ctx, dir, ObjectName(*ctx.server, key), version, store::EncodeSavedRecord(rec),
-              std::move(objs),
+              std::move(items),
               [key, version, incarnation, writes, dir](server::Shard& sh, auto file, auto reply) {
                 store::SsmStore::Session* cur = sh.store().ssm.Find(key);
                 if (cur == nullptr || cur->incarnation != incarnation) {

@@ -47,7 +47,7 @@ StatusOr<residency::ObjectRef> NewSlotObject(CommandContext& ctx, uint64_t size,
 }
 
 void Alloc(CommandContext& ctx, CmdArgs& args) {
-  if (args.size() != 3) return ctx.rb->ErrorLine(server::ArityError("state.alloc"));
+  if (args.size() != 3) return ctx.WrongArity();
   uint64_t bytes;
   Status s = ParseUint(args[2], "bytes", &bytes);
   if (s.ok() && bytes == 0) s = Error("bytes must be at least 1");
@@ -71,7 +71,7 @@ void Alloc(CommandContext& ctx, CmdArgs& args) {
 
 // STATE.WRITE <id> <offset> <data>
 void Write(CommandContext& ctx, CmdArgs& args) {
-  if (args.size() != 4) return ctx.rb->ErrorLine(server::ArityError("state.write"));
+  if (args.size() != 4) return ctx.WrongArity();
   uint64_t offset;
   Status s = ParseUint(args[2], "offset", &offset);
   if (!s.ok()) return ctx.Error(s);
@@ -85,11 +85,7 @@ void Write(CommandContext& ctx, CmdArgs& args) {
   ctx.pins->Reset();                                 // our own pin would forbid the in-place write
   if (store::StateSlots::WriteInPlace(sl, offset, args[3])) return ctx.rb->Ok();
   // Someone holds the bytes (a READ reply in flight, a save, a demotion): copy, then write.
-  BufferRef old = sl.obj->HostBlock(0);
-  if (!old) {  // demoted between the pin's release and now: bring it back again
-    if (!ctx.Resident({sl.obj}, Tier::kHost)) return;
-    old = sl.obj->HostBlock(0);
-  }
+  BufferRef old = sl.obj->HostBlock(0);  // pinned: resident
   std::unique_ptr<Charge> charge;
   if (!ChargeHost(ctx, Family::kState, sl.size, &charge)) return;
   auto obj = NewSlotObject(ctx, sl.size, std::move(charge), old);
@@ -101,7 +97,7 @@ void Write(CommandContext& ctx, CmdArgs& args) {
 
 // STATE.READ <id> <offset> <len>
 void Read(CommandContext& ctx, CmdArgs& args) {
-  if (args.size() != 4) return ctx.rb->ErrorLine(server::ArityError("state.read"));
+  if (args.size() != 4) return ctx.WrongArity();
   uint64_t offset, len;
   Status s = ParseUint(args[2], "offset", &offset);
   if (s.ok()) s = ParseUint(args[3], "len", &len);
@@ -135,7 +131,6 @@ void Save(CommandContext& ctx, CmdArgs& args) {
   if (!slot.ok()) return ctx.Error(slot.status());
   store::StateSlots::Slot& sl = *slot.value();
   if (!sl.dirty()) return ctx.rb->Ok();  // the disk already holds exactly this
-  if (!ctx.Resident({sl.obj}, Tier::kHost)) return;
   store::SavedRecord rec;
   rec.kind = "state";
   rec.Set("tenant", ctx.server->users().TenantName(key.tenant));
@@ -144,7 +139,7 @@ void Save(CommandContext& ctx, CmdArgs& args) {
   const uint64_t version = slots.NextVersion(key);
   const uint64_t incarnation = sl.incarnation, writes = sl.writes;
   SaveObjects(ctx, SavedDir(*ctx.server, kDirName), ObjectName(*ctx.server, key), version,
-              store::EncodeSavedRecord(rec), {sl.obj},
+              store::EncodeSavedRecord(rec), {{"", sl.obj}},
               [key, version, incarnation, writes](server::Shard& sh, auto file, auto reply) {
                 auto cur = sh.store().state.Find(key);
                 if (!cur.ok() || cur.value()->incarnation != incarnation) {

@@ -40,37 +40,28 @@ std::string SavedDir(server::Server& srv, std::string_view name) {
   return srv.config().dir + "/" + std::string(name);
 }
 
-void SaveObjects(server::CommandContext& ctx, std::string dir, std::string name,
-                 uint64_t version, std::string meta, std::vector<residency::ObjectRef> objs,
-                 SaveDone done) {
-  // The bytes as of now (the pins keep them host-resident; the refs keep them alive and
-  // make a concurrent write copy instead of changing them under the save).
-  auto blocks = std::make_shared<std::vector<BufferRef>>();
+void SaveObjects(server::CommandContext& ctx, std::string dir, std::string name, uint64_t version,
+                 std::string meta, std::vector<residency::Engine::SaveItem> items, SaveDone done) {
+  // Hold the bytes as of now: host blocks by ref (a write then copies), the objects' own
+  // generations to fence the disk copies attached after.
   std::vector<uint64_t> generations;
-  std::vector<std::vector<uint32_t>> indexes(objs.size());
-  for (size_t i = 0; i < objs.size(); ++i) {
-    std::vector<BufferRef> b;
-    if (!objs[i]->HostBlocks(&b)) {
-      return ctx.Error(Status(ErrorKind::kMiss, "an object went from memory during its save"));
-    }
-    generations.push_back(objs[i]->generation());
-    for (auto& x : b) {
-      indexes[i].push_back(static_cast<uint32_t>(blocks->size()));
-      blocks->push_back(std::move(x));
-    }
+  std::vector<std::vector<BufferRef>> host(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (items[i].obj) items[i].obj->HostBlocks(&host[i]);
+    generations.push_back(items[i].obj ? items[i].obj->generation() : 0);
   }
   server::Server* srv = ctx.server;
   server::Shard* owner = ctx.shard;
   auto reply = ctx.Defer();
-  auto job = [=, objs = std::move(objs), generations = std::move(generations),
-              indexes = std::move(indexes)]() {
-    std::vector<std::span<const uint8_t>> spans;
-    for (const auto& b : *blocks) spans.emplace_back(b->data(), b->size());
-    auto file = srv->residency()->WriteSaved(dir, name, version, meta, spans);
+  auto job = [=, items = std::move(items), generations = std::move(generations),
+              host = std::move(host)]() {
+    std::vector<std::vector<uint32_t>> blocks;
+    auto file = srv->residency()->WriteSaved(dir, name, version, meta, items, &blocks);
     owner->PostControl([=](server::Shard& sh) {
       if (file.ok()) {
-        for (size_t i = 0; i < objs.size(); ++i) {
-          srv->residency()->AttachDisk(objs[i], generations[i], file.value(), indexes[i]);
+        for (size_t i = 0; i < items.size(); ++i) {
+          if (!items[i].obj) continue;
+          srv->residency()->AttachDisk(items[i].obj, generations[i], file.value(), blocks[i]);
         }
         srv->disk_stats().saves.fetch_add(1);
       } else {

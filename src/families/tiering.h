@@ -6,12 +6,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <vector>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/byte_budget.h"
 #include "residency/disk_file.h"
+#include "residency/engine.h"
 #include "residency/object.h"
 #include "residency/tier.h"
 #include "server/command.h"
@@ -33,14 +34,14 @@ using SaveDone =
     std::function<void(server::Shard& shard, StatusOr<std::shared_ptr<residency::DiskFile>> file,
                        std::function<void(server::CommandContext::ReplyWriter)> reply)>;
 
-// Writes the objects' bytes (every block of each, in order) as one durable object file
+// Writes `items` (raw blocks and objects, in order) as one durable object file
 // (<dir>/<hex name>.<version>.pobj: temp file, fsync, rename, directory fsync, under the disk
-// quota) on the I/O pool and replies only after that. The objects must be host-resident and
-// pinned (ctx.Resident). On success each object whose content did not change meanwhile gets
-// that file as its durable disk copy (a later demotion then costs no write); then `done` runs
-// on this shard. Counts disk_saves / disk_save_failures.
-void SaveObjects(server::CommandContext& ctx, std::string dir, std::string name,
-                 uint64_t version, std::string meta, std::vector<residency::ObjectRef> objs,
-                 SaveDone done);
+// quota) on the I/O pool and replies only after that. Each object's bytes are taken from
+// whichever tier holds them as of the call (a later write copies instead of changing them
+// under the save). On success each object whose content did not change meanwhile gets that
+// file as its durable disk copy (a later demotion then costs no write); then `done` runs on
+// this shard. Counts disk_saves / disk_save_failures.
+void SaveObjects(server::CommandContext& ctx, std::string dir, std::string name, uint64_t version,
+                 std::string meta, std::vector<residency::Engine::SaveItem> items, SaveDone done);
 
 }  // namespace pion::families

@@ -12,6 +12,7 @@
 
 #include "families/args.h"
 #include "families/families.h"
+#include "families/kvprefix_internal.h"
 #include "families/shard_sum.h"
 #include "families/vstore_internal.h"
 #include "net/connection.h"
@@ -82,28 +83,40 @@ store::PrefixEntry* PrefixOf(CommandContext& ctx, std::string_view sid) {
   return ctx.shard->store().prefixes.Find(ctx.Key(ns));
 }
 
+// Before a store: the written chunks it touches must be in memory, and its new bytes must fit
+// (demotions make room). False when the command was parked or refused (the reply is written).
+bool ReadyToStore(CommandContext& ctx, const store::VSession& session,
+                  std::vector<residency::ObjectRef> missing, uint64_t bytes) {
+  if (!missing.empty() && !ctx.Resident(missing, residency::Tier::kHost)) return false;
+  server::MemoryAccountant& mem = ctx.server->memory();
+  const uint64_t max = mem.maxmemory(), free = mem.Headroom(server::MemFamily::kVStore);
+  if (free >= bytes) return true;
+  if (max != 0 && bytes > max) {
+    ctx.Error(Status(ErrorKind::kOom,
+                     "command not allowed when used memory > 'maxmemory': vstore write of " +
+                         std::to_string(bytes) + " bytes is more than all of maxmemory " +
+                         std::to_string(max) + " (" + HumanBytes(max) + "); store it in parts"));
+    return false;
+  }
+  return ctx.Room(residency::Tier::kHost, residency::Family::kVStore, bytes);
+}
+
 void StoreBatch(CommandContext& ctx, CmdArgs& args) {
   auto& vs = ctx.shard->store().vstore;
-  auto entry = vs.Get(ctx.Key(args[1]));
-  if (!entry.ok()) return ctx.Error(entry.status());
-  // Before the store: a namespace being written is never demoted to make room for its own
-  // rows, and its saved copy no longer has everything memory has.
+  const store::TenantKey key = ctx.Key(args[1]);
   store::PrefixEntry* prefix = PrefixOf(ctx, args[1]);
-  if (prefix != nullptr) {
-    prefix->dirty = true;
-    prefix->writing = true;  // the reclaimer must not drop the session being written
+  if (prefix != nullptr &&
+      kvprefix::ParkUntilOpen(ctx, {ctx.tenant, std::string(SessionRouteKey(args[1]))})) {
+    return;  // a namespace found on disk: its sessions first
   }
-  struct ClearWriting {
-    store::PrefixEntry* p;
-    ~ClearWriting() {
-      if (p != nullptr) p->writing = false;
-    }
-  } clear_writing{prefix};
+  auto entry = vs.Get(key);
+  if (!entry.ok()) return ctx.Error(entry.status());
   store::VSession& session = *entry.value()->session;
   const size_t row_floats_bytes = size_t{4} * session.dim();
   const uint64_t rows_before = session.rows();
-  Status s;
   std::vector<float> fscratch;
+  std::vector<residency::ObjectRef> missing;
+  Status s;
   if (EqualsIgnoreCase(args[2], "IDS")) {
     if (args.size() != 5)
       return ctx.Error(Error("syntax: V.STOREBATCH <sid> IDS <ids> <fp32_blob>"));
@@ -119,7 +132,11 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
                              " ids * 4*dim = " + std::to_string(n * row_floats_bytes)));
     }
     std::vector<int64_t> iscratch;
-    s = session.StoreIds(BlobAs<int64_t>(ids_blob, &iscratch), BlobAs<float>(data, &fscratch), n);
+    const int64_t* ids = BlobAs<int64_t>(ids_blob, &iscratch);
+    session.MissingForIds(ids, n, &missing);
+    if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreIds(ids, n))) return;
+    if (prefix != nullptr) prefix->dirty = true;
+    s = session.StoreIds(ids, BlobAs<float>(data, &fscratch), n);
   } else if ((args.size() == 5 || args.size() == 7) && EqualsIgnoreCase(args[3], "SHM")) {
     // The rows were written by the client into a SHM.RESERVE region: commit them.
     if (!ctx.unix_socket) {
@@ -130,14 +147,23 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
     s = ParseInt(args[2], "start_id", &start);
     if (s.ok()) s = ParseUint(args[4], "lease", &lease);
     if (!s.ok()) return ctx.Error(s);
+    auto size = ctx.server->shm().PeekSize(ctx.client_id, lease);
+    if (!size.ok()) return ctx.Error(size.status());
+    if (size.value() % row_floats_bytes != 0) {
+      (void)ctx.server->shm().Take(ctx.client_id, lease);  // spent
+      return ctx.Error(Error("reserved region of lease " + std::to_string(lease) + " has " +
+                             std::to_string(size.value()) +
+                             " bytes, expected a multiple of 4*dim = " +
+                             std::to_string(row_floats_bytes) + " (the lease is spent)"));
+    }
+    const size_t n = size.value() / row_floats_bytes;
+    if (start >= 0) session.MissingForRange(start, n, &missing);
+    if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreRange(start, n))) {
+      return;  // the lease stays until the command runs again
+    }
     auto region = ctx.server->shm().Take(ctx.client_id, lease);
     if (!region.ok()) return ctx.Error(region.status());
     const BufferRef& b = region.value();
-    if (b->size() % row_floats_bytes != 0) {
-      return ctx.Error(Error("reserved region of lease " + std::to_string(lease) + " has " +
-                             std::to_string(b->size()) + " bytes, expected a multiple of 4*dim = " +
-                             std::to_string(row_floats_bytes) + " (the lease is spent)"));
-    }
     if (args.size() == 7) {  // CRC32 <value>: the region must hold what the client meant
       if (!EqualsIgnoreCase(args[5], "CRC32")) {
         return ctx.Error(Error("unknown option '" + std::string(args[5].substr(0, 32)) +
@@ -154,7 +180,7 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
                                     "; nothing stored (the lease is spent)"));
       }
     }
-    const size_t n = b->size() / row_floats_bytes;
+    if (prefix != nullptr) prefix->dirty = true;
     s = session.StoreRange(start, reinterpret_cast<const float*>(b->data()), n);
     if (!s.ok()) return ctx.Error(s);
     vs.NoteRows(static_cast<int64_t>(session.rows() - rows_before));
@@ -172,7 +198,13 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
           "fp32_blob has " + std::to_string(data.size()) +
           " bytes, expected a non-zero multiple of 4*dim = " + std::to_string(row_floats_bytes)));
     }
-    s = session.StoreRange(start, BlobAs<float>(data, &fscratch), data.size() / row_floats_bytes);
+    const size_t n = data.size() / row_floats_bytes;
+    if (start >= 0) session.MissingForRange(start, n, &missing);
+    if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreRange(start, n))) {
+      return;
+    }
+    if (prefix != nullptr) prefix->dirty = true;
+    s = session.StoreRange(start, BlobAs<float>(data, &fscratch), n);
   }
   if (!s.ok()) return ctx.Error(s);
   vs.NoteRows(static_cast<int64_t>(session.rows() - rows_before));
@@ -184,7 +216,8 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
 // V.FETCH … RANGE … SHM: the stored bytes as (segment, offset, length) pieces in the tenant's
 // shared-memory arena, under a lease that keeps them unchanged until released. Pieces held
 // outside an arena (a prefix warmed from disk) are copied into one first.
-void ReplyShm(CommandContext& ctx, const store::VSession& session, int64_t start, int64_t end) {
+void ReplyShm(CommandContext& ctx, const store::VSession& session,
+              const store::VSession::HostView& view, int64_t start, int64_t end) {
   server::ShmPlane& plane = ctx.server->shm();
   struct Piece {
     int segment;
@@ -194,7 +227,7 @@ void ReplyShm(CommandContext& ctx, const store::VSession& session, int64_t start
   std::vector<BufferRef> held;
   uint64_t total = 0;
   Status failed;
-  session.RawRange(start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
+  session.RawRange(view, start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
     if (!failed.ok()) return;
     BufferRef src = b;
     uint64_t off = static_cast<uint64_t>(p - b->data());
@@ -245,11 +278,21 @@ void ReplyShm(CommandContext& ctx, const store::VSession& session, int64_t start
 }
 
 void Fetch(CommandContext& ctx, CmdArgs& args) {
+  store::PrefixEntry* prefix = PrefixOf(ctx, args[1]);
+  if (prefix != nullptr &&
+      kvprefix::ParkUntilOpen(ctx, {ctx.tenant, std::string(SessionRouteKey(args[1]))})) {
+    return;  // a namespace found on disk: its sessions first
+  }
   auto entry = ctx.shard->store().vstore.Get(ctx.Key(args[1]));
   if (!entry.ok()) return ctx.Error(entry.status());
   const store::VSession& session = *entry.value()->session;
-  store::PrefixEntry* prefix = PrefixOf(ctx, args[1]);
-  if (prefix != nullptr) ctx.shard->store().prefixes.Touch(prefix);
+  if (prefix != nullptr) {
+    const store::TenantKey ns{ctx.tenant, std::string(SessionRouteKey(args[1]))};
+    Status intact =
+        kvprefix::Intact(*ctx.server, ns, prefix,
+                         kvprefix::SessionsOf(*ctx.shard, ctx.tenant, ns.name, prefix->manifest));
+    if (!intact.ok()) return ctx.Error(intact);
+  }
   // Trailing options (ids are integers, so keywords cannot be mistaken for them):
   // RAW, and for a KV.PREFIX session the identity the reader expects, MODEL <id> and
   // GENERATION <g> — a reader of another model or of a dropped generation is refused.
@@ -327,15 +370,30 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
   const uint64_t n = range ? static_cast<uint64_t>(end - start) : ids.size();
   const uint64_t bytes = n * (raw ? session.codec().row_bytes() : size_t{4} * session.dim());
   const uint64_t max = ctx.server->settings().proto_max_bulk_len.load();
-  if (shm) return ReplyShm(ctx, session, start, end);
-  if (bytes > max) {
+  if (!shm && bytes > max) {
     return ctx.Error(Error("reply of " + std::to_string(n) + " rows is " + std::to_string(bytes) +
                            " bytes, more than proto-max-bulk-len " + std::to_string(max) +
                            "; fetch it in parts"));
   }
+  // The chunks it reads in memory (brought back from disk first when they were demoted).
+  store::VSession::HostView view;
+  std::vector<residency::ObjectRef> missing;
+  auto take_view = [&] {
+    return range ? session.ViewRange(start, end, &view, &missing)
+                 : session.ViewIds(ids.data(), ids.size(), &view, &missing);
+  };
+  if (!take_view()) {
+    if (!ctx.Resident(missing, residency::Tier::kHost)) return;  // runs again once they are in
+    missing.clear();
+    if (!take_view()) {
+      return ctx.Error(Status(ErrorKind::kMiss, "chunks of '" + std::string(args[1]) +
+                                                    "' left memory while being read; retry"));
+    }
+  }
+  if (shm) return ReplyShm(ctx, session, view, start, end);
   if (raw && range) {  // straight from the stored chunks, no copy
     ctx.rb->BulkStart(bytes);
-    session.RawRange(start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
+    session.RawRange(view, start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
       ctx.rb->BulkPiece(b, p, len);
     });
     ctx.rb->BulkEnd();
@@ -345,11 +403,11 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
   if (!out.ok()) return ctx.Error(out.status());
   uint8_t* dst = out.value()->data();
   if (raw) {
-    session.RawIds(ids.data(), ids.size(), dst);
+    session.RawIds(view, ids.data(), ids.size(), dst);
   } else if (range) {
-    session.DecodeRange(start, end, reinterpret_cast<float*>(dst));
+    session.DecodeRange(view, start, end, reinterpret_cast<float*>(dst));
   } else {
-    session.DecodeIds(ids.data(), ids.size(), reinterpret_cast<float*>(dst));
+    session.DecodeIds(view, ids.data(), ids.size(), reinterpret_cast<float*>(dst));
   }
   ctx.rb->BulkRef(out.value());
 }
@@ -472,9 +530,7 @@ void RegisterVStoreFamily(server::Server& srv) {
   reg({"V.INFO", -1, kKv | kCmdReadOnly | kCmdConnection, 1, 1, 1, Info, "vstore",
        "Per-session statistics, or the caller's totals without a sid.", "[<sid>]"});
   srv.AddStartupHook(vstore::LoadSealed);
-  srv.AddShardInit([&srv](Shard& shard) {
-    shard.store().vstore.set_budget(srv.memory().BudgetFor(MemFamily::kVStore));
-  });
+  srv.AddShardInit([&srv](Shard& shard) { shard.store().vstore.set_engine(srv.residency()); });
 }
 
 }  // namespace pion::families

@@ -1,13 +1,16 @@
 // V.COMMIT and restoring V-store sessions from sealed snapshots on disk.
 //
 // V.COMMIT writes an in-memory snapshot (copy-on-write chunks, so the session keeps taking
-// writes) as a disk-tier object on the I/O pool and replies once it is durable. Sealed
-// snapshots are found again at start-up; V.RESTORE of one that is not in memory reads it back
-// on the I/O pool, verifying every block, and replaces the session's content.
+// writes) as a durable disk-tier object on the I/O pool — each chunk from whichever tier holds
+// it — and replies once it is durable; the snapshot's chunks keep it as their disk copy.
+// Sealed snapshots are found again at start-up; V.RESTORE of one that is not in memory reads
+// its chunk index on the I/O pool and replaces the session's content with chunks known by
+// their disk copies (each read, and verified, when it is first used).
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include "families/args.h"
+#include "families/tiering.h"
 #include "families/vstore_internal.h"
 #include "server/server.h"
 #include "store/disk/object_file.h"
@@ -40,32 +43,21 @@ void Commit(server::CommandContext& ctx, proto::CmdArgs& args) {
   rec.format = c.format();
   rec.dim = c.dim();
   rec.block = c.block();
-  auto snapshot = std::make_shared<store::VSession::Snapshot>(it->second);
+  std::vector<residency::ObjectRef> chunks;
+  std::vector<residency::Engine::SaveItem> items(1);
+  items[0].bytes = store::ChunkIndex({&it->second}, &chunks);
+  for (auto& ch : chunks) items.push_back({"", std::move(ch)});
   const std::string dir = SealedDir(srv);
-  const std::string name = store::SealedObjectName(rec);
-  auto reply = ctx.Defer();
-  server::Shard* owner = ctx.shard;
-  server::Server* server = &srv;
-  bool queued = srv.io()->Submit([=]() {
-    std::string index;
-    auto blocks = store::ChunkBlocks({snapshot.get()}, &index);
-    Status st = store::disk::WriteObject(dir, name, 1, store::EncodeSealedMeta(rec), blocks);
-    owner->PostControl([=](server::Shard& sh) {
-      if (!st.ok()) {
-        server->disk_stats().save_failures.fetch_add(1);
-        return reply([st](proto::ReplyBuilder& rb) { rb.Error(st); });
-      }
-      server->disk_stats().saves.fetch_add(1);
-      sh.store().vstore.AddSealed(
-          key, snap, {store::disk::ObjectPath(dir, name, 1), rec.format, rec.dim, rec.block});
-      reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
-    });
-  });
-  if (!queued) {
-    reply([](proto::ReplyBuilder& rb) {
-      rb.ErrorLine("BUSY the disk I/O queue is full; retry later");
-    });
-  }
+  SaveObjects(ctx, dir, store::SealedObjectName(rec), 1, store::EncodeSealedMeta(rec),
+              std::move(items), [key, snap, rec](server::Shard& sh, auto file, auto reply) {
+                if (!file.ok()) {
+                  return reply([st = file.status()](proto::ReplyBuilder& rb) { rb.Error(st); });
+                }
+                sh.store().vstore.AddSealed(
+                    key, snap,
+                    {file.value()->path(), rec.format, rec.dim, rec.block, file.value()});
+                reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
+              });
 }
 
 void RestoreSealed(server::CommandContext& ctx, const std::string& sid, uint64_t snapshot) {
@@ -83,26 +75,25 @@ void RestoreSealed(server::CommandContext& ctx, const std::string& sid, uint64_t
     }
   }
   auto reply = ctx.Defer();
-  const std::string path = sealed->path;
+  const std::shared_ptr<residency::DiskFile> file = sealed->file;
   const codec::RowCodec row_codec = codec.value();
   server::Shard* owner = ctx.shard;
   server::Server* server = ctx.server;
   bool queued = ctx.server->io()->Submit([=]() {
-    auto chunks = std::make_shared<StatusOr<std::vector<store::LoadedChunk>>>(
-        store::ReadChunkObject(path, row_codec));
+    const uint64_t chunk_bytes = uint64_t{store::kRowsPerChunk} * row_codec.row_bytes();
+    auto index = std::make_shared<StatusOr<std::vector<std::vector<store::VSession::DiskChunk>>>>(
+        store::ReadChunkIndex(*file, chunk_bytes, /*parts=*/1));
     owner->PostControl([=](server::Shard& sh) {
-      Status st = chunks->status();
+      Status st = index->status();
       auto& store = sh.store().vstore;
       if (st.ok()) st = store.Create(key, row_codec);
       if (st.ok()) {
         store::VStore::Entry* e = store.Find(key);
-        std::vector<std::tuple<int64_t, BufferRef, uint64_t>> parts;
-        for (auto& c : chunks->value()) parts.emplace_back(c.index, c.bytes, c.written);
         const uint64_t before = e->session->rows();
-        st = e->session->Load(parts);
+        st = e->session->LoadFromDisk(file, index->value()[0]);
         if (st.ok()) {
           store.NoteRows(static_cast<int64_t>(e->session->rows()) - static_cast<int64_t>(before));
-          e->snapshots[snapshot] = e->session->TakeSnapshot();  // shares the loaded chunks
+          e->snapshots[snapshot] = e->session->TakeSnapshot();  // shares the chunks
           if (e->next_snapshot <= snapshot) e->next_snapshot = snapshot + 1;
           server->disk_stats().warms.fetch_add(1);
         }
@@ -136,9 +127,9 @@ Status LoadSealed(server::Server& srv) {
   if (!s.ok()) return s;
   size_t found = 0;
   for (const auto& o : *listed) {
-    auto f = store::disk::ObjectFile::Open(o.path);
-    auto rec =
-        f.ok() ? store::DecodeSealedMeta(f->meta()) : StatusOr<store::SealedRecord>(f.status());
+    auto f = srv.residency()->OpenSaved(o.path);
+    auto rec = f.ok() ? store::DecodeSealedMeta(f.value()->file().meta())
+                      : StatusOr<store::SealedRecord>(f.status());
     if (!rec.ok()) {
       srv.disk_stats().objects_corrupt.fetch_add(1);
       spdlog::error("disk tier: sealed snapshot file {} is corrupt and will not be served: {}",
@@ -147,7 +138,8 @@ Status LoadSealed(server::Server& srv) {
     }
     const uint32_t tid = srv.users().TenantId(rec->tenant);
     auto& vs = srv.shard(srv.OwnerOf(tid, SessionRouteKey(rec->sid))).store().vstore;
-    vs.AddSealed({tid, rec->sid}, rec->snapshot, {o.path, rec->format, rec->dim, rec->block});
+    vs.AddSealed({tid, rec->sid}, rec->snapshot,
+                 {o.path, rec->format, rec->dim, rec->block, f.value()});
     ++found;
   }
   srv.disk_stats().objects_loaded.fetch_add(found);

@@ -903,6 +903,7 @@ void Engine::DiskToHost(const std::shared_ptr<Transfer>& t, bool room_made) {
           if (!o->host_ && !o->gpu_) {
             o->lost_ = s.message();
             lost_.fetch_add(1, std::memory_order_relaxed);
+            if (o->loss_counter_) o->loss_counter_->fetch_add(1, std::memory_order_relaxed);
           }
         }
       } else {
@@ -1147,7 +1148,75 @@ void Engine::FailTransfer(const std::shared_ptr<Transfer>& t, const Status& s) {
 StatusOr<std::shared_ptr<DiskFile>> Engine::WriteSaved(
     const std::string& dir, std::string_view name, uint64_t version, std::string_view meta,
     const std::vector<std::span<const uint8_t>>& blocks) {
-  const uint64_t bytes = store::disk::ObjectFileBytes(meta, blocks);
+  std::vector<SaveItem> items(blocks.size());
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    items[i].bytes.assign(reinterpret_cast<const char*>(blocks[i].data()), blocks[i].size());
+  }
+  std::vector<std::vector<uint32_t>> unused;
+  return WriteSaved(dir, name, version, meta, items, &unused);
+}
+
+StatusOr<std::shared_ptr<DiskFile>> Engine::WriteSaved(
+    const std::string& dir, std::string_view name, uint64_t version, std::string_view meta,
+    const std::vector<SaveItem>& items, std::vector<std::vector<uint32_t>>* object_blocks) {
+  std::vector<store::disk::BlockSource> src;
+  std::vector<BufferRef> held;                                  // host blocks being written
+  std::vector<std::shared_ptr<DiskCopy>> disk_held;             // disk copies being read
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> gpu_held;  // GPU blocks brought down
+  object_blocks->assign(items.size(), {});
+  uint64_t bytes = 28 + meta.size() + 16;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const SaveItem& it = items[i];
+    if (!it.obj) {
+      store::disk::BlockSource b;
+      b.length = it.bytes.size();
+      b.data = reinterpret_cast<const uint8_t*>(it.bytes.data());
+      src.push_back(std::move(b));
+      continue;
+    }
+    Object* o = it.obj.get();
+    std::vector<BufferRef> host;
+    std::shared_ptr<DiskCopy> disk;
+    GpuPin gpu;
+    if (!o->HostBlocks(&host)) {
+      {
+        std::lock_guard lock(o->mu_);
+        disk = o->disk_;
+      }
+      if (!disk) gpu = o->Gpu();
+      if (!disk && !gpu) {
+        const std::string lost = o->lost();
+        return Status(ErrorKind::kCorrupt,
+                      lost.empty() ? "an object has no copy in any tier" : lost);
+      }
+    }
+    for (size_t k = 0; k < o->sizes_.size(); ++k) {
+      (*object_blocks)[i].push_back(static_cast<uint32_t>(src.size()));
+      store::disk::BlockSource b;
+      b.length = o->sizes_[k];
+      if (!host.empty()) {
+        b.data = host[k]->data();
+        held.push_back(host[k]);
+      } else if (disk) {
+        b.hash = disk->file->file().block_hash(disk->blocks[k]);
+        b.hashed = true;
+        b.read = [this, disk, blk = disk->blocks[k]](uint8_t* out) {
+          backend_reads_.fetch_add(1, std::memory_order_relaxed);
+          return disk->file->ReadBlock(blk, out);
+        };
+      } else {
+        auto buf = std::make_shared<std::vector<uint8_t>>(o->sizes_[k]);
+        Status s = gpu::Download(buf->data(), gpu->block(k), o->sizes_[k]);
+        if (!s.ok()) return s;
+        b.data = buf->data();
+        gpu_held.push_back(std::move(buf));
+      }
+      src.push_back(std::move(b));
+    }
+    if (disk) disk_held.push_back(std::move(disk));
+  }
+  for (const auto& b : src) bytes += 16 + b.length;
+  bytes += 8;
   Status s = disk_.Reserve(bytes);
   if (!s.ok()) {
     // Redundant spill copies are the one thing on disk that can go for a save.
@@ -1159,10 +1228,10 @@ StatusOr<std::shared_ptr<DiskFile>> Engine::WriteSaved(
     return s;
   }
   const auto t0 = Clock::now();
-  s = store::disk::WriteObject(dir, name, version, meta, blocks);
+  s = store::disk::WriteObjectFrom(dir, name, version, meta, src);
   if (!s.ok()) {
     disk_.Release(bytes);
-    Refuse(Stage::kDiskWrite, Refusal::kIo);
+    Refuse(Stage::kDiskWrite, s.kind() == ErrorKind::kCorrupt ? Refusal::kCorrupt : Refusal::kIo);
     return s;
   }
   meters_[kDiskWritePath].Record(bytes, Seconds(t0, Clock::now()));

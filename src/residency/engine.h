@@ -122,8 +122,23 @@ class Engine {
   double EstimateSeconds(const std::vector<ObjectRef>& objs, Tier tier) const;
 
   // ---- Disk copies -----------------------------------------------------------------------------
-  // Blocking (an I/O thread): writes a durable object file (store/disk WriteObject) under the
-  // disk quota and opens it. kOom "tier=disk" over the quota, kIo when the disk fails.
+  // What a durable file holds, in order: raw bytes (one block: an index, a table), or every
+  // block of an object, taken from whichever tier holds it — memory, its disk copy (read and
+  // verified while the file is written, so an object larger than memory still saves), or the
+  // GPU.
+  struct SaveItem {
+    std::string bytes;
+    ObjectRef obj;
+  };
+  // Blocking (an I/O thread): writes a durable object file (store/disk: temp, fsync, rename,
+  // directory fsync) under the disk quota and opens it. (*object_blocks)[i] receives the file
+  // blocks of item i's object. kOom "tier=disk" over the quota, kIo when the disk fails,
+  // kCorrupt when an object's only copy fails validation.
+  StatusOr<std::shared_ptr<DiskFile>> WriteSaved(const std::string& dir, std::string_view name,
+                                                 uint64_t version, std::string_view meta,
+                                                 const std::vector<SaveItem>& items,
+                                                 std::vector<std::vector<uint32_t>>* object_blocks);
+  // The same for blocks already in memory.
   StatusOr<std::shared_ptr<DiskFile>> WriteSaved(
       const std::string& dir, std::string_view name, uint64_t version, std::string_view meta,
       const std::vector<std::span<const uint8_t>>& blocks);

@@ -69,11 +69,15 @@ class Object : public std::enable_shared_from_this<Object> {
   bool Durable() const;
   // Why the bytes are gone (the only copy failed validation), or "" when they are not.
   std::string lost() const;
+  // A counter the engine bumps if this object is ever lost: how a container of many objects (a
+  // V-store session) learns in O(1) that one of them is gone. Set before the object is shared.
+  void set_loss_counter(std::shared_ptr<std::atomic<uint64_t>> c) { loss_counter_ = std::move(c); }
 
   // ---- Writing in place (the owning shard) --------------------------------------------------
   // Block i's host bytes to change in place, or null when the bytes are shared (a reply, a
-  // snapshot, a transfer), not host-resident, or the object is pinned elsewhere: the caller
-  // copies on write instead. Drops the now-stale GPU and disk replicas. EndWrite() must follow.
+  // save, a transfer) or not host-resident: the caller copies on write instead. Pins do not
+  // forbid it (they keep residency; a pinned reader reads what is there when it runs). Drops
+  // the now-stale GPU and disk replicas. EndWrite() must follow.
   uint8_t* BeginWrite(size_t block);
   void EndWrite();
 
@@ -109,6 +113,7 @@ class Object : public std::enable_shared_from_this<Object> {
   bool moving_ = false;  // a demotion is copying the bytes down
   std::shared_ptr<Transfer> promoting_[kTierCount];
   mutable std::atomic<int64_t> last_use_{0};
+  std::shared_ptr<std::atomic<uint64_t>> loss_counter_;
   Link links_[kTierCount];
 };
 

@@ -66,6 +66,11 @@ void CommandContext::Error(const Status& status) {
   rb->Error(status);
 }
 
+void CommandContext::WrongArity() {
+  shard->stats().Reject(RejectReason::kArity);
+  rb->ErrorLine(ArityError(spec != nullptr ? spec->lower_name : std::string("?")));
+}
+
 bool CommandContext::Resident(const std::vector<residency::ObjectRef>& objs, residency::Tier tier) {
   residency::Engine* engine = server->residency();
   if (engine->TryPinAll(objs, tier, pins)) return true;
@@ -83,6 +88,12 @@ bool CommandContext::Room(residency::Tier tier, residency::Family family, uint64
                      [done = std::move(done)](const Status& s) { done(s, residency::PinSet()); });
   });
   return false;
+}
+
+void CommandContext::ParkUntil(std::function<void(std::function<void(const Status&)>)> wait) {
+  Park([wait = std::move(wait)](auto done) {
+    wait([done = std::move(done)](const Status& s) { done(s, residency::PinSet()); });
+  });
 }
 
 residency::PinSet CommandContext::TakePins() {

@@ -64,8 +64,11 @@ struct CommandContext {
   // Pins taken by Resident(): held until the handler returns, unless it takes them.
   residency::PinSet* pins = nullptr;
 
-  // Writes an error reply and counts OOM/BUSY rejections in the shard's stats.
+  // Writes an error reply and counts OOM/BUSY/TIMEOUT rejections in the shard's stats.
   void Error(const Status& status);
+  // "wrong number of arguments" for this command, counted like the dispatcher's (for commands
+  // whose trailing options make the dispatcher's arity check a minimum only).
+  void WrongArity();
 
   // `name` scoped by the caller's tenant: how every family keys what it stores.
   store::TenantKey Key(std::string_view name) const { return {tenant, std::string(name)}; }
@@ -89,6 +92,9 @@ struct CommandContext {
   bool Room(residency::Tier tier, residency::Family family, uint64_t bytes);
   // The pins Resident() took, for work that outlives the handler (a compute job).
   residency::PinSet TakePins();
+  // Parks the command until `wait` reports: done(Ok) runs the handler again on this shard, an
+  // error becomes the reply. The handler must return at once.
+  void ParkUntil(std::function<void(std::function<void(const Status&)>)> wait);
 
  private:
   using Wait = std::function<void(std::function<void(const Status&, residency::PinSet)>)>;

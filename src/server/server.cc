@@ -110,21 +110,6 @@ Status Server::Init() {
                  dev.cc_minor, dev.sms, limit >> 20);
   }
 
-  shm_ =
-      std::make_unique<ShmPlane>(unix_fd_ >= 0, config_.shm_segment_size, config_.shm_lease_ttl_ms,
-                                 static_cast<size_t>(config_.shm_max_leases));
-  for (int i = 0; i < config_.workers; ++i) {
-    shards_.push_back(std::make_unique<Shard>(this, i, listen_fd_, unix_fd_, binary_fd_,
-                                              registry_.size(),
-                                              static_cast<size_t>(config_.shard_queue_depth)));
-    shards_.back()->set_poll_us(config_.poll_us);
-    for (auto& hook : shard_inits_) hook(*shards_.back());
-    shards_.back()->store().vstore.set_allocator(
-        [this](uint32_t tenant) { return shm_->AllocatorFor(tenant); });
-  }
-  io_ = std::make_unique<WorkerPool>(config_.io_threads, 1024);
-  compute_ = std::make_unique<WorkerPool>(config_.compute_threads,
-                                          static_cast<size_t>(config_.compute_queue_depth));
   if (gpu_slots_) gpu_copy_ = std::make_unique<WorkerPool>(2, 1024);
 
   // The residency engine: host budgets are the accountant's families; the GPU tier exists
@@ -140,7 +125,7 @@ Status Server::Init() {
   eo.host_headroom = [this](residency::Family f) { return memory_.Headroom(MemFamilyOf(f)); };
   eo.host_headroom_any = [this] { return memory_.free_bytes(); };
   eo.run_io = [this](std::function<void()> job) { return io_->Submit(std::move(job)); };
-  if (gpu_copy_) {
+  if (gpu_slots_) {
     eo.run_gpu = [this](std::function<void()> job) { return gpu_copy_->Submit(std::move(job)); };
   }
   engine_ = std::make_unique<residency::Engine>(std::move(eo));
@@ -148,12 +133,28 @@ Status Server::Init() {
     Status s = engine_->Start();
     if (!s.ok()) return s;
   }
-  for (residency::Family fam : {residency::Family::kState, residency::Family::kSsm}) {
+  for (residency::Family fam :
+       {residency::Family::kState, residency::Family::kSsm, residency::Family::kVStore}) {
     memory_.SetReclaimer(MemFamilyOf(fam), [this, fam](uint64_t need, bool family_only) {
       return engine_->ReclaimClean(residency::Tier::kHost,
                                    family_only ? std::optional(fam) : std::nullopt, need);
     });
   }
+  shm_ =
+      std::make_unique<ShmPlane>(unix_fd_ >= 0, config_.shm_segment_size, config_.shm_lease_ttl_ms,
+                                 static_cast<size_t>(config_.shm_max_leases));
+  for (int i = 0; i < config_.workers; ++i) {
+    shards_.push_back(std::make_unique<Shard>(this, i, listen_fd_, unix_fd_, binary_fd_,
+                                              registry_.size(),
+                                              static_cast<size_t>(config_.shard_queue_depth)));
+    shards_.back()->set_poll_us(config_.poll_us);
+    for (auto& hook : shard_inits_) hook(*shards_.back());
+    shards_.back()->store().vstore.set_allocator(
+        [this](uint32_t tenant) { return shm_->AllocatorFor(tenant); });
+  }
+  io_ = std::make_unique<WorkerPool>(config_.io_threads, 1024);
+  compute_ = std::make_unique<WorkerPool>(config_.compute_threads,
+                                          static_cast<size_t>(config_.compute_queue_depth));
   for (auto& hook : startup_) {
     Status s = hook(*this);
     if (!s.ok()) return s;

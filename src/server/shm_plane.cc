@@ -70,6 +70,18 @@ StatusOr<ShmPlane::Reservation> ShmPlane::Reserve(uint64_t client, uint64_t byte
   return r;
 }
 
+StatusOr<uint64_t> ShmPlane::PeekSize(uint64_t client, uint64_t lease) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto c = leases_.find(client);
+  auto it = c == leases_.end() ? decltype(c->second.end()){} : c->second.find(lease);
+  if (c == leases_.end() || it == c->second.end() || !it->second.write) {
+    return Error("no SHM.RESERVE lease " + std::to_string(lease) +
+                 " on this connection (never reserved here, already committed, released or "
+                 "expired)");
+  }
+  return static_cast<uint64_t>(it->second.held.front()->size());
+}
+
 StatusOr<BufferRef> ShmPlane::Take(uint64_t client, uint64_t lease) {
   std::lock_guard<std::mutex> lock(mu_);
   auto c = leases_.find(client);

@@ -56,6 +56,9 @@ class ShmPlane {
   };
   StatusOr<Reservation> Reserve(uint64_t client, uint64_t bytes);
   StatusOr<BufferRef> Take(uint64_t client, uint64_t lease);
+  // The size of a write lease's region without taking it (a commit that must wait for room
+  // first); kErr as Take when there is no such lease.
+  StatusOr<uint64_t> PeekSize(uint64_t client, uint64_t lease) const;
   bool Release(uint64_t client, uint64_t lease);
   size_t ReleaseClient(uint64_t client);
   size_t Expire(Clock::time_point now);

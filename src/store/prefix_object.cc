@@ -108,23 +108,21 @@ StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta) {
   return r;
 }
 
-std::vector<std::span<const uint8_t>> ChunkBlocks(
-    const std::vector<const VSession::Snapshot*>& parts, std::string* index) {
-  std::vector<std::span<const uint8_t>> blocks(1);
-  index->clear();
+std::string ChunkIndex(const std::vector<const VSession::Snapshot*>& parts,
+                       std::vector<residency::ObjectRef>* objs) {
+  std::string index;
+  objs->clear();
   for (size_t part = 0; part < parts.size(); ++part) {
     for (const auto& [i, chunk] : parts[part]->chunks) {
-      index->push_back(static_cast<char>(part));
+      index.push_back(static_cast<char>(part));
       uint64_t fields[2] = {static_cast<uint64_t>(i), chunk->written};
       for (uint64_t f : fields) {
-        for (int b = 0; b < 8; ++b) index->push_back(static_cast<char>((f >> (8 * b)) & 0xff));
+        for (int b = 0; b < 8; ++b) index.push_back(static_cast<char>((f >> (8 * b)) & 0xff));
       }
-      blocks.emplace_back(chunk->bytes->data(), chunk->bytes->size());
+      objs->push_back(chunk->obj);
     }
   }
-  blocks[0] =
-      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(index->data()), index->size());
-  return blocks;
+  return index;
 }
 
 StatusOr<std::vector<LoadedChunk>> ParsePrefixIndex(std::string_view block0) {
@@ -141,37 +139,33 @@ StatusOr<std::vector<LoadedChunk>> ParsePrefixIndex(std::string_view block0) {
     if (p[0] > 1 || static_cast<int64_t>(f[0]) < 0) {
       return Status(ErrorKind::kCorrupt, "prefix chunk index entry is malformed");
     }
-    out.push_back(LoadedChunk{p[0], static_cast<int64_t>(f[0]), f[1], nullptr});
+    out.push_back(LoadedChunk{p[0], static_cast<int64_t>(f[0]), f[1]});
   }
   return out;
 }
 
-StatusOr<std::vector<LoadedChunk>> ReadChunkObject(const std::string& path,
-                                                   const codec::RowCodec& codec) {
-  auto f = disk::ObjectFile::Open(path);
-  if (!f.ok()) return f.status();
-  if (f->block_count() == 0) return Status(ErrorKind::kCorrupt, path + " has no chunk index");
-  std::string index(f->block_length(0), '\0');
-  Status s = f->ReadBlock(0, reinterpret_cast<uint8_t*>(index.data()));
+StatusOr<std::vector<std::vector<VSession::DiskChunk>>> ReadChunkIndex(
+    const residency::DiskFile& file, uint64_t chunk_bytes, int parts) {
+  const auto& f = file.file();
+  if (f.block_count() == 0) return Status(ErrorKind::kCorrupt, file.path() + " has no chunk index");
+  std::string index(f.block_length(0), '\0');
+  Status s = file.ReadBlock(0, reinterpret_cast<uint8_t*>(index.data()));
   if (!s.ok()) return s;
   auto entries = ParsePrefixIndex(index);
   if (!entries.ok()) return entries.status();
-  if (entries->size() + 1 != f->block_count()) {
-    return Status(ErrorKind::kCorrupt, path + ": chunk index does not match the blocks");
+  if (entries->size() + 1 != f.block_count()) {
+    return Status(ErrorKind::kCorrupt, file.path() + ": chunk index does not match the blocks");
   }
-  const size_t chunk_bytes = size_t{kRowsPerChunk} * codec.row_bytes();
+  std::vector<std::vector<VSession::DiskChunk>> out(static_cast<size_t>(parts));
   for (size_t i = 0; i < entries->size(); ++i) {
-    if (f->block_length(i + 1) != chunk_bytes) {
+    const LoadedChunk& c = (*entries)[i];
+    if (c.part >= parts || f.block_length(i + 1) != chunk_bytes) {
       return Status(ErrorKind::kCorrupt,
-                    path + ": chunk " + std::to_string(i) + " has the wrong size");
+                    file.path() + ": chunk " + std::to_string(i) + " has the wrong size or part");
     }
-    auto buf = BufferAllocator::Default()->Allocate(chunk_bytes);
-    if (!buf.ok()) return buf.status();
-    s = f->ReadBlock(i + 1, buf.value()->data());
-    if (!s.ok()) return s;
-    (*entries)[i].bytes = std::move(buf).value();
+    out[static_cast<size_t>(c.part)].push_back({c.index, c.written, static_cast<uint32_t>(i + 1)});
   }
-  return entries;
+  return out;
 }
 
 std::string SealedObjectName(const SealedRecord& r) {

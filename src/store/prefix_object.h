@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "common/buffer.h"
+#include "residency/disk_file.h"
+#include "residency/object.h"
 #include "store/disk/object_file.h"
 #include "store/prefix_registry.h"
 #include "store/vsession.h"
@@ -34,26 +36,27 @@ std::string PrefixObjectName(const std::string& tenant, const std::string& ns);
 std::string EncodePrefixMeta(const PrefixRecord& r);
 StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta);
 
-// Blocks for WriteObject from session snapshots (part i = parts[i]: a prefix has K and V, a
-// sealed V snapshot one part). `index` receives block 0's bytes and must outlive the spans;
-// the chunk spans point into the snapshots' buffers (no copy).
-std::vector<std::span<const uint8_t>> ChunkBlocks(
-    const std::vector<const VSession::Snapshot*>& parts, std::string* index);
+// Block 0 of a chunk object (a saved prefix, a sealed snapshot) from session snapshots (part
+// i = parts[i]: a prefix has K and V, a sealed V snapshot one part): per chunk u8 part, i64
+// chunk index, u64 written bitmap. `objs` receives the chunks' objects in the same order:
+// they are blocks 1..n of the file.
+std::string ChunkIndex(const std::vector<const VSession::Snapshot*>& parts,
+                       std::vector<residency::ObjectRef>* objs);
 
-// One chunk read back from disk.
+// One chunk of a chunk object file.
 struct LoadedChunk {
   int part;  // 0 = K, 1 = V
   int64_t index;
   uint64_t written;
-  BufferRef bytes;
 };
 // Parses block 0 into (part, index, written) entries.
 StatusOr<std::vector<LoadedChunk>> ParsePrefixIndex(std::string_view block0);
 
-// Reads every chunk of a chunk object written with ChunkBlocks, verifying each block's
-// checksum and size for `codec` (kCorrupt on any mismatch). Blocking: call off the shards.
-StatusOr<std::vector<LoadedChunk>> ReadChunkObject(const std::string& path,
-                                                   const codec::RowCodec& codec);
+// Reads and checks block 0 of a chunk object file (every entry a block of `chunk_bytes`, at
+// most `parts` parts): per part, the chunks as VSession::LoadFromDisk takes them. Blocking:
+// call off the shards. kCorrupt on any mismatch.
+StatusOr<std::vector<std::vector<VSession::DiskChunk>>> ReadChunkIndex(
+    const residency::DiskFile& file, uint64_t chunk_bytes, int parts);
 
 // A sealed V-store snapshot (V.COMMIT) as a disk-tier object.
 struct SealedRecord {

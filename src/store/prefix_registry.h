@@ -11,11 +11,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "common/status.h"
+#include "residency/disk_file.h"
 #include "store/codec/codec.h"
 #include "store/tenant_key.h"
 
@@ -49,18 +51,20 @@ struct PrefixEntry {
   uint64_t hits = 0;         // LOOKUPs answered HIT
   uint64_t publication = 0;  // the publication generation once complete (0: not yet)
 
-  // Disk tier.
+  // Disk tier. Its chunks' bytes live in the residency engine (memory or disk, wherever they
+  // were last needed); this is the namespace's durable copy.
   uint64_t saved_version = 0;  // newest durable version on disk (0: never saved)
   std::string disk_path;
+  std::shared_ptr<residency::DiskFile> saved_file;  // that version, open
   uint64_t disk_bytes = 0;
   bool saved_complete = false;  // the saved version holds every row
-  bool resident = true;         // the sessions are in memory
-  std::string corrupt;          // non-empty: the disk copy failed validation; never served
-  bool warming = false;         // a promotion from disk is in flight
-  bool dirty = true;            // memory holds writes the newest saved version lacks
-  bool writing = false;         // a V.STOREBATCH into its sessions is running (never evicted)
-  uint64_t last_used = 0;       // LRU clock of the last lookup, fetch, save or promotion
-  std::vector<std::function<void(const Status&)>> warm_waiters;  // coalesced WARM/LOOKUPs
+  // Its sessions exist (opened): false only for a namespace found on disk at start-up and not
+  // used since — the first use reads its chunk index and knows every chunk by its disk copy.
+  bool resident = true;
+  std::string corrupt;   // non-empty: the disk copy failed validation; never served
+  bool opening = false;  // that chunk index is being read
+  bool dirty = true;     // memory holds writes the newest saved version lacks
+  std::vector<std::function<void(const Status&)>> open_waiters;  // coalesced first uses
 };
 
 class PrefixRegistry {
@@ -80,8 +84,6 @@ class PrefixRegistry {
   void NoteVersion(const TenantKey& ns, uint64_t v) {
     if (v > versions_[ns]) versions_[ns] = v;
   }
-  // Marks the entry used now (LRU order for demotion under memory pressure).
-  void Touch(PrefixEntry* e) { e->last_used = ++clock_; }
   // Marks a complete prefix as published (first time only); returns its publication generation.
   uint64_t Publish(PrefixEntry* e);
 
@@ -102,7 +104,6 @@ class PrefixRegistry {
   std::unordered_map<TenantKey, uint64_t, TenantKeyHash> generations_;
   std::unordered_map<TenantKey, uint64_t, TenantKeyHash> versions_;
   uint64_t next_publication_ = 1;
-  uint64_t clock_ = 0;
 };
 
 }  // namespace pion::store

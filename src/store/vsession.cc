@@ -4,6 +4,8 @@
 #include <bit>
 #include <cstring>
 
+#include "residency/engine.h"
+
 namespace pion::store {
 namespace {
 
@@ -11,17 +13,30 @@ namespace {
 inline int64_t ChunkOf(int64_t id) { return id / kRowsPerChunk; }
 inline uint32_t SlotOf(int64_t id) { return static_cast<uint32_t>(id % kRowsPerChunk); }
 
+using residency::Family;
+using residency::ObjectRef;
+
 }  // namespace
 
-VSession::Chunk::~Chunk() {
-  if (budget_ != nullptr && budget_->release) budget_->release(bytes->size());
+const BufferRef* VSession::HostView::Find(int64_t chunk) const {
+  auto it = std::lower_bound(chunks_.begin(), chunks_.end(), chunk,
+                             [](const auto& e, int64_t c) { return e.first < c; });
+  return it != chunks_.end() && it->first == chunk ? &it->second : nullptr;
 }
 
-VSession::VSession(codec::RowCodec codec, const ByteBudget* budget, BufferAllocator* alloc)
-    : codec_(codec), budget_(budget), alloc_(alloc) {}
+VSession::VSession(codec::RowCodec codec, residency::Engine* engine, BufferAllocator* alloc)
+    : codec_(codec), engine_(engine), alloc_(alloc) {}
 
 uint64_t VSession::chunk_bytes() const {
-  return static_cast<uint64_t>(chunks_.size()) * kRowsPerChunk * codec_.row_bytes();
+  return static_cast<uint64_t>(chunks_.size()) * chunk_size();
+}
+
+uint64_t VSession::host_bytes() const {
+  uint64_t n = 0;
+  for (const auto& [i, c] : chunks_) {
+    if (c->obj->Resident(residency::Tier::kHost)) n += chunk_size();
+  }
+  return n;
 }
 
 const VSession::Chunk* VSession::FindChunk(int64_t index) const {
@@ -29,44 +44,106 @@ const VSession::Chunk* VSession::FindChunk(int64_t index) const {
   return it == chunks_.end() ? nullptr : it->second.get();
 }
 
-StatusOr<VSession::Chunk*> VSession::WritableChunk(int64_t index) {
-  const size_t size = static_cast<size_t>(kRowsPerChunk) * codec_.row_bytes();
+std::vector<int64_t> VSession::ChunksOfRange(int64_t start, size_t n) {
+  std::vector<int64_t> out;
+  if (n == 0 || start < 0) return out;
+  const int64_t end = start + static_cast<int64_t>(n);
+  for (int64_t c = ChunkOf(start); c <= ChunkOf(end - 1); ++c) out.push_back(c);
+  return out;
+}
+
+std::vector<int64_t> VSession::ChunksOfIds(const int64_t* ids, size_t n) {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < n; ++i) {
+    if (ids[i] >= 0) out.push_back(ChunkOf(ids[i]));
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+void VSession::Missing(const std::vector<int64_t>& indexes, std::vector<ObjectRef>* out) const {
+  for (int64_t c : indexes) {
+    const Chunk* chunk = FindChunk(c);
+    if (chunk != nullptr && !chunk->obj->Resident(residency::Tier::kHost)) {
+      out->push_back(chunk->obj);
+    }
+  }
+}
+
+void VSession::MissingForRange(int64_t start, size_t n, std::vector<ObjectRef>* out) const {
+  Missing(ChunksOfRange(start, n), out);
+}
+
+void VSession::MissingForIds(const int64_t* ids, size_t n, std::vector<ObjectRef>* out) const {
+  Missing(ChunksOfIds(ids, n), out);
+}
+
+uint64_t VSession::BytesToStore(const std::vector<int64_t>& indexes) const {
+  return static_cast<uint64_t>(indexes.size()) * chunk_size();  // new or copied, at most
+}
+
+uint64_t VSession::BytesToStoreRange(int64_t start, size_t n) const {
+  return BytesToStore(ChunksOfRange(start, n));
+}
+
+uint64_t VSession::BytesToStoreIds(const int64_t* ids, size_t n) const {
+  return BytesToStore(ChunksOfIds(ids, n));
+}
+
+StatusOr<VSession::Writable> VSession::WritableChunk(int64_t index) {
+  const size_t size = chunk_size();
   auto it = chunks_.find(index);
-  if (it != chunks_.end() && it->second.use_count() == 1 && it->second->bytes.use_count() == 1) {
-    return it->second.get();  // ours alone: write in place
+  if (it != chunks_.end() && it->second.use_count() == 1) {
+    // Ours alone (no snapshot shares the chunk): write in place if nobody holds its bytes.
+    if (uint8_t* p = it->second->obj->BeginWrite(0)) {
+      return Writable{it->second.get(), p, it->second->obj.get()};
+    }
   }
-  if (budget_ != nullptr && budget_->reserve) {
-    Status s = budget_->reserve(size);
-    if (!s.ok()) return s;
-  }
-  auto buf = alloc_->Allocate(size);
-  if (!buf.ok()) {
-    if (budget_ != nullptr && budget_->release) budget_->release(size);
-    return buf.status();
-  }
-  auto chunk = std::make_shared<Chunk>(std::move(buf).value(), budget_);
+  BufferRef old;
   if (it != chunks_.end()) {
-    // Shared with a snapshot or a reply in flight: copy, then write the copy.
-    std::memcpy(chunk->bytes->data(), it->second->bytes->data(), size);
+    old = it->second->obj->HostBlock(0);
+    if (!old) {
+      return Status(ErrorKind::kMiss, "chunk " + std::to_string(index) + " is not in memory");
+    }
+  }
+  auto charge = engine_->ReserveHost(Family::kVStore, size);
+  if (!charge.ok()) return charge.status();
+  auto buf = alloc_->Allocate(size);
+  if (!buf.ok()) return buf.status();
+  uint8_t* bytes = buf.value()->data();
+  auto chunk = std::make_shared<Chunk>();
+  chunk->obj = engine_->CreateInHost(Family::kVStore, {std::move(buf).value()},
+                                     std::move(charge).value(), alloc_);
+  chunk->obj->set_loss_counter(loss_);
+  if (it != chunks_.end()) {
+    // Shared with a snapshot, a reply in flight or a save: copy, then write the copy.
+    std::memcpy(bytes, old->data(), size);
     chunk->written = it->second->written;
     it->second = chunk;
   } else {
-    std::memset(chunk->bytes->data(), 0, size);
+    std::memset(bytes, 0, size);
     chunks_.emplace(index, chunk);
   }
-  return chunk.get();
+  return Writable{chunk.get(), bytes, nullptr};
 }
 
-Status VSession::PrepareChunks(const std::vector<int64_t>& indexes) {
+Status VSession::PrepareChunks(const std::vector<int64_t>& indexes, std::vector<Writable>* out) {
   std::vector<int64_t> created;
+  out->clear();
   for (int64_t c : indexes) {
-    bool existed = chunks_.count(c) != 0;
+    const bool existed = chunks_.count(c) != 0;
     auto w = WritableChunk(c);
     if (!w.ok()) {
       for (int64_t e : created) chunks_.erase(e);
+      for (const Writable& x : *out) {
+        if (x.began != nullptr) x.began->EndWrite();
+      }
+      out->clear();
       return w.status();
     }
     if (!existed) created.push_back(c);
+    out->push_back(w.value());
   }
   return Status::Ok();
 }
@@ -78,24 +155,27 @@ Status VSession::StoreRange(int64_t start, const float* rows, size_t n) {
     return Error("id range overflows int64");
   }
   const int64_t end = start + static_cast<int64_t>(n);
-  // Reserve every chunk first so that an OOM leaves the session unchanged (chunks copied for
-  // writing keep identical contents).
-  std::vector<int64_t> need;
-  for (int64_t c = ChunkOf(start); c <= ChunkOf(end - 1); ++c) need.push_back(c);
-  Status prepared = PrepareChunks(need);
+  // Every chunk first, so a refusal leaves the session unchanged (copies keep identical
+  // contents).
+  std::vector<int64_t> need = ChunksOfRange(start, n);
+  std::vector<Writable> w;
+  Status prepared = PrepareChunks(need, &w);
   if (!prepared.ok()) return prepared;
   const size_t rb = codec_.row_bytes();
   int64_t id = start;
-  while (id < end) {
-    Chunk* chunk = chunks_[ChunkOf(id)].get();
+  for (size_t k = 0; id < end; ++k) {
+    Chunk* chunk = w[k].chunk;
     uint32_t slot = SlotOf(id);
     size_t take = std::min<int64_t>(kRowsPerChunk - slot, end - id);
     codec_.Encode(rows + static_cast<size_t>(id - start) * codec_.dim(), take,
-                  chunk->bytes->data() + slot * rb);
+                  w[k].bytes + slot * rb);
     uint64_t mask = take == 64 ? ~uint64_t{0} : ((uint64_t{1} << take) - 1) << slot;
     rows_ += static_cast<uint64_t>(std::popcount(mask & ~chunk->written));
     chunk->written |= mask;
     id += static_cast<int64_t>(take);
+  }
+  for (const Writable& x : w) {
+    if (x.began != nullptr) x.began->EndWrite();
   }
   return Status::Ok();
 }
@@ -107,20 +187,23 @@ Status VSession::StoreIds(const int64_t* ids, const float* rows, size_t n) {
                    " is negative");
     }
   }
-  std::vector<int64_t> need;
-  for (size_t i = 0; i < n; ++i) need.push_back(ChunkOf(ids[i]));
-  std::sort(need.begin(), need.end());
-  need.erase(std::unique(need.begin(), need.end()), need.end());
-  Status prepared = PrepareChunks(need);
+  std::vector<int64_t> need = ChunksOfIds(ids, n);
+  std::vector<Writable> w;
+  Status prepared = PrepareChunks(need, &w);
   if (!prepared.ok()) return prepared;
   const size_t rb = codec_.row_bytes();
   for (size_t i = 0; i < n; ++i) {
-    Chunk* chunk = chunks_[ChunkOf(ids[i])].get();
+    const size_t k = static_cast<size_t>(
+        std::lower_bound(need.begin(), need.end(), ChunkOf(ids[i])) - need.begin());
+    Chunk* chunk = w[k].chunk;
     uint32_t slot = SlotOf(ids[i]);
-    codec_.Encode(rows + i * codec_.dim(), 1, chunk->bytes->data() + slot * rb);
+    codec_.Encode(rows + i * codec_.dim(), 1, w[k].bytes + slot * rb);
     uint64_t bit = uint64_t{1} << slot;
     if (!(chunk->written & bit)) ++rows_;
     chunk->written |= bit;
+  }
+  for (const Writable& x : w) {
+    if (x.began != nullptr) x.began->EndWrite();
   }
   return Status::Ok();
 }
@@ -178,66 +261,102 @@ uint64_t VSession::CountWritten(int64_t start, int64_t end) const {
   return count;
 }
 
-void VSession::DecodeRange(int64_t start, int64_t end, float* out) const {
+bool VSession::ViewRange(int64_t start, int64_t end, HostView* view,
+                         std::vector<ObjectRef>* missing) const {
+  view->chunks_.clear();
+  bool all = true;
+  if (end <= start) return true;
+  for (int64_t c = ChunkOf(start); c <= ChunkOf(end - 1); ++c) {
+    const Chunk* chunk = FindChunk(c);
+    if (chunk == nullptr) continue;  // never written: Check* refuses it first
+    BufferRef b = chunk->obj->HostBlock(0);
+    if (b) {
+      view->chunks_.emplace_back(c, std::move(b));
+    } else {
+      all = false;
+      missing->push_back(chunk->obj);
+    }
+  }
+  return all;
+}
+
+bool VSession::ViewIds(const int64_t* ids, size_t n, HostView* view,
+                       std::vector<ObjectRef>* missing) const {
+  view->chunks_.clear();
+  bool all = true;
+  for (int64_t c : ChunksOfIds(ids, n)) {
+    const Chunk* chunk = FindChunk(c);
+    if (chunk == nullptr) continue;
+    BufferRef b = chunk->obj->HostBlock(0);
+    if (b) {
+      view->chunks_.emplace_back(c, std::move(b));
+    } else {
+      all = false;
+      missing->push_back(chunk->obj);
+    }
+  }
+  return all;
+}
+
+void VSession::DecodeRange(const HostView& view, int64_t start, int64_t end, float* out) const {
   const size_t rb = codec_.row_bytes();
   for (int64_t id = start; id < end;) {
-    const Chunk* chunk = FindChunk(ChunkOf(id));
+    const BufferRef& b = *view.Find(ChunkOf(id));
     uint32_t slot = SlotOf(id);
     size_t take = std::min<int64_t>(kRowsPerChunk - slot, end - id);
-    codec_.Decode(chunk->bytes->data() + slot * rb, take,
+    codec_.Decode(b->data() + slot * rb, take,
                   out + static_cast<size_t>(id - start) * codec_.dim());
     id += static_cast<int64_t>(take);
   }
 }
 
-void VSession::DecodeIds(const int64_t* ids, size_t n, float* out) const {
+void VSession::DecodeIds(const HostView& view, const int64_t* ids, size_t n, float* out) const {
   const size_t rb = codec_.row_bytes();
   for (size_t i = 0; i < n; ++i) {
-    const Chunk* chunk = FindChunk(ChunkOf(ids[i]));
-    codec_.Decode(chunk->bytes->data() + SlotOf(ids[i]) * rb, 1, out + i * codec_.dim());
+    const BufferRef& b = *view.Find(ChunkOf(ids[i]));
+    codec_.Decode(b->data() + SlotOf(ids[i]) * rb, 1, out + i * codec_.dim());
   }
 }
 
-void VSession::RawRange(int64_t start, int64_t end, const PieceSink& sink) const {
+void VSession::RawRange(const HostView& view, int64_t start, int64_t end,
+                        const PieceSink& sink) const {
   const size_t rb = codec_.row_bytes();
   for (int64_t id = start; id < end;) {
-    const Chunk* chunk = FindChunk(ChunkOf(id));
+    const BufferRef& b = *view.Find(ChunkOf(id));
     uint32_t slot = SlotOf(id);
     size_t take = std::min<int64_t>(kRowsPerChunk - slot, end - id);
-    sink(chunk->bytes, chunk->bytes->data() + slot * rb, take * rb);
+    sink(b, b->data() + slot * rb, take * rb);
     id += static_cast<int64_t>(take);
   }
 }
 
-void VSession::RawIds(const int64_t* ids, size_t n, uint8_t* out) const {
+void VSession::RawIds(const HostView& view, const int64_t* ids, size_t n, uint8_t* out) const {
   const size_t rb = codec_.row_bytes();
   for (size_t i = 0; i < n; ++i) {
-    const Chunk* chunk = FindChunk(ChunkOf(ids[i]));
-    std::memcpy(out + i * rb, chunk->bytes->data() + SlotOf(ids[i]) * rb, rb);
+    const BufferRef& b = *view.Find(ChunkOf(ids[i]));
+    std::memcpy(out + i * rb, b->data() + SlotOf(ids[i]) * rb, rb);
   }
 }
 
-Status VSession::Load(const std::vector<std::tuple<int64_t, BufferRef, uint64_t>>& chunks) {
-  const size_t size = static_cast<size_t>(kRowsPerChunk) * codec_.row_bytes();
-  for (const auto& [index, bytes, written] : chunks) {
-    if (index < 0 || bytes == nullptr || bytes->size() != size) {
-      return Status(ErrorKind::kCorrupt, "chunk " + std::to_string(index) + " has " +
-                                             std::to_string(bytes ? bytes->size() : 0) +
-                                             " bytes, expected " + std::to_string(size));
+Status VSession::LoadFromDisk(const std::shared_ptr<residency::DiskFile>& file,
+                              const std::vector<DiskChunk>& chunks) {
+  const uint64_t size = chunk_size();
+  for (const auto& c : chunks) {
+    if (c.index < 0 || c.block >= file->file().block_count() ||
+        file->file().block_length(c.block) != size) {
+      return Status(ErrorKind::kCorrupt, file->path() + ": chunk " + std::to_string(c.index) +
+                                             " has the wrong size or no block");
     }
-  }
-  const uint64_t total = static_cast<uint64_t>(size) * chunks.size();
-  if (budget_ != nullptr && budget_->reserve) {
-    Status s = budget_->reserve(total);
-    if (!s.ok()) return s;
   }
   ChunkMap loaded;
   uint64_t rows = 0;
-  for (const auto& [index, bytes, written] : chunks) {
-    auto chunk = std::make_shared<Chunk>(bytes, budget_);  // releases its share when freed
-    chunk->written = written;
-    rows += static_cast<uint64_t>(std::popcount(written));
-    loaded[index] = std::move(chunk);
+  for (const auto& c : chunks) {
+    auto chunk = std::make_shared<Chunk>();
+    chunk->obj = engine_->CreateOnDisk(Family::kVStore, {size}, file, {c.block}, alloc_);
+    chunk->obj->set_loss_counter(loss_);
+    chunk->written = c.written;
+    rows += static_cast<uint64_t>(std::popcount(c.written));
+    loaded[c.index] = std::move(chunk);
   }
   chunks_ = std::move(loaded);
   rows_ = rows;

@@ -1,25 +1,37 @@
 // VSession: a token-indexed value session (seed 000 V.*): rows of fixed width `dim`, stored
 // in one codec, addressed by non-negative int64 ids.
 //
-// Rows live in chunks of kRowsPerChunk consecutive ids (the 64-token block of KV.PREFIX).
-// Chunks are immutable once shared: a snapshot or a reply in flight holds a reference, and a
-// later write to that chunk copies it first (copy-on-write). That makes V.SNAPSHOT O(chunks)
-// and lets RAW range fetches be sent straight from the chunk bytes. Every chunk's bytes are
-// charged to the budget while the chunk exists, whoever holds it.
-// Not thread-safe: a session is owned by one shard. Chunks may be released on any thread.
+// Rows live in chunks of kRowsPerChunk consecutive ids (the 64-token block of KV.PREFIX); each
+// chunk's bytes are one residency object (residency/object.h), so a session larger than memory
+// keeps its cold chunks on disk and brings them back when read. Which rows a chunk holds (its
+// `written` bitmap) stays in memory, so completeness checks never touch the disk.
+//
+// Chunks are immutable once shared: a snapshot, a reply in flight or a save holds a reference,
+// and a later write to that chunk copies it first (copy-on-write). That makes V.SNAPSHOT
+// O(chunks) and lets RAW range fetches be sent straight from the chunk bytes.
+//
+// Reads and writes need the chunks they touch in host memory. They report the ones that are
+// not (ViewRange, Missing*) so the caller can bring them in (Engine::Require) and call again;
+// nothing here waits for the disk. Not thread-safe: a session is owned by one shard.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/buffer.h"
-#include "common/byte_budget.h"
 #include "common/status.h"
+#include "residency/disk_file.h"
+#include "residency/object.h"
 #include "store/codec/codec.h"
+
+namespace pion::residency {
+class Engine;
+}
 
 namespace pion::store {
 
@@ -27,8 +39,10 @@ inline constexpr uint32_t kRowsPerChunk = 64;
 
 class VSession {
  public:
-  struct Chunk;
-  using ChunkRef = std::shared_ptr<const Chunk>;
+  struct Chunk {
+    residency::ObjectRef obj;  // one block: kRowsPerChunk * row_bytes
+    uint64_t written = 0;      // bit i: row i of this chunk has been written
+  };
   using ChunkMap = std::map<int64_t, std::shared_ptr<Chunk>>;  // chunk index -> chunk
 
   // A point-in-time copy of the session's chunks (shares them).
@@ -37,76 +51,110 @@ class VSession {
     uint64_t rows = 0;
   };
 
-  // Chunks come from alloc (a tenant's shared-memory arena when the same-host data plane is
-  // on, so a client can map them; the heap otherwise).
-  VSession(codec::RowCodec codec, const ByteBudget* budget,
+  // The host bytes of the chunks a read covers; holding it keeps them valid.
+  class HostView {
+   public:
+    const BufferRef* Find(int64_t chunk) const;
+    size_t size() const { return chunks_.size(); }
+
+   private:
+    friend class VSession;
+    std::vector<std::pair<int64_t, BufferRef>> chunks_;  // sorted by chunk index
+  };
+
+  // Chunk bytes are charged to the engine's vstore family and allocated from `alloc` (a
+  // tenant's shared-memory arena when the same-host data plane is on, so a client can map
+  // them; the heap otherwise) — promotions from disk too.
+  VSession(codec::RowCodec codec, residency::Engine* engine,
            BufferAllocator* alloc = BufferAllocator::Default());
 
   const codec::RowCodec& codec() const { return codec_; }
   uint32_t dim() const { return codec_.dim(); }
   uint64_t rows() const { return rows_; }  // distinct ids written
-  uint64_t chunk_bytes() const;            // bytes of this session's chunks
+  uint64_t chunk_bytes() const;            // bytes of this session's chunks, in any tier
   size_t chunk_count() const { return chunks_.size(); }
+  uint64_t chunk_size() const { return uint64_t{kRowsPerChunk} * codec_.row_bytes(); }
+  // Bytes of this session's chunks that are in host memory now.
+  uint64_t host_bytes() const;
+  // Chunks of this session whose only copy failed validation (they are never served).
+  uint64_t lost_chunks() const { return loss_->load(std::memory_order_relaxed); }
 
-  // Quantizes and stores n rows (n*dim floats) at ids start..start+n-1. All or nothing:
-  // on error (bad id, kOom) nothing was changed.
+  // ---- Writes (all or nothing: on error nothing was changed) ----------------------------
+  // The written chunks a store into these ids needs that are not in host memory.
+  void MissingForRange(int64_t start, size_t n, std::vector<residency::ObjectRef>* out) const;
+  void MissingForIds(const int64_t* ids, size_t n, std::vector<residency::ObjectRef>* out) const;
+  // At most the new host bytes such a store allocates (new chunks, copies of shared ones).
+  uint64_t BytesToStoreRange(int64_t start, size_t n) const;
+  uint64_t BytesToStoreIds(const int64_t* ids, size_t n) const;
+  // Quantizes and stores n rows (n*dim floats) at ids start..start+n-1. kMiss when a chunk it
+  // needs is not host-resident, kOom when its new bytes do not fit.
   Status StoreRange(int64_t start, const float* rows, size_t n);
   // Stores rows at scattered ids (ids may repeat: the last row wins).
   Status StoreIds(const int64_t* ids, const float* rows, size_t n);
 
+  // ---- Completeness (memory only) -------------------------------------------------------------
   // kErr naming the first id in [start, end) that was never written.
   Status CheckRange(int64_t start, int64_t end) const;
   Status CheckIds(const int64_t* ids, size_t n) const;
-  // True when every id in [start, end) is written.
   bool RangeWritten(int64_t start, int64_t end) const { return CheckRange(start, end).ok(); }
-  // Written rows among ids [start, end).
   uint64_t CountWritten(int64_t start, int64_t end) const;
 
-  // Decodes rows into out (n * dim floats). The ids must be written (Check* first).
-  void DecodeRange(int64_t start, int64_t end, float* out) const;
-  void DecodeIds(const int64_t* ids, size_t n, float* out) const;
-
+  // ---- Reads -----------------------------------------------------------------------------
+  // The host bytes of the chunks covering the written ids [start, end) (Check* first): true
+  // with `view` filled when all are host-resident; false with the others in *missing.
+  bool ViewRange(int64_t start, int64_t end, HostView* view,
+                 std::vector<residency::ObjectRef>* missing) const;
+  bool ViewIds(const int64_t* ids, size_t n, HostView* view,
+               std::vector<residency::ObjectRef>* missing) const;
+  // Decodes rows into out (n * dim floats) from a view covering them.
+  void DecodeRange(const HostView& view, int64_t start, int64_t end, float* out) const;
+  void DecodeIds(const HostView& view, const int64_t* ids, size_t n, float* out) const;
   // The encoded bytes of [start, end) in order, as pieces inside chunk buffers: sink(buf, p,
   // len) per piece, so a reply can reference them without copying.
   using PieceSink = std::function<void(const BufferRef&, const uint8_t*, size_t)>;
-  void RawRange(int64_t start, int64_t end, const PieceSink& sink) const;
+  void RawRange(const HostView& view, int64_t start, int64_t end, const PieceSink& sink) const;
   // Copies the encoded bytes of the given ids, in order, to out (n * row_bytes).
-  void RawIds(const int64_t* ids, size_t n, uint8_t* out) const;
+  void RawIds(const HostView& view, const int64_t* ids, size_t n, uint8_t* out) const;
 
+  // Every chunk, in index order (for a save).
+  const ChunkMap& chunks() const { return chunks_; }
   Snapshot TakeSnapshot() const { return Snapshot{chunks_, rows_}; }
-
-  // Replaces the contents with chunks read back from disk (index -> bytes, written bitmap).
-  // Each buffer must be kRowsPerChunk * row_bytes. All chunks are charged first; kOom leaves
-  // the session unchanged.
-  Status Load(const std::vector<std::tuple<int64_t, BufferRef, uint64_t>>& chunks);
   void Restore(const Snapshot& s);
 
+  // Replaces the contents with chunks known only by their copies in `file` (a saved object):
+  // (chunk index, written bitmap, file block) each. kCorrupt when a block has the wrong size.
+  // Nothing is read until a chunk is used.
+  struct DiskChunk {
+    int64_t index;
+    uint64_t written;
+    uint32_t block;
+  };
+  Status LoadFromDisk(const std::shared_ptr<residency::DiskFile>& file,
+                      const std::vector<DiskChunk>& chunks);
+
  private:
-  // Returns a chunk this session may write (allocated or copied as needed), or kOom.
-  StatusOr<Chunk*> WritableChunk(int64_t index);
-  // Makes every listed chunk writable, or on failure removes the chunks it had to create
-  // (they hold no rows yet) so a refused store leaves neither rows nor charged bytes behind.
-  Status PrepareChunks(const std::vector<int64_t>& indexes);
+  struct Writable {
+    Chunk* chunk;
+    uint8_t* bytes;
+    residency::Object* began;  // non-null: EndWrite() it after the store
+  };
+  // Makes every listed chunk writable (in place when nobody else holds it, else a copy), or
+  // on failure removes the chunks it had to create (they hold no rows yet) and ends the
+  // in-place writes it began, so a refused store leaves the session as it was.
+  Status PrepareChunks(const std::vector<int64_t>& indexes, std::vector<Writable>* out);
+  StatusOr<Writable> WritableChunk(int64_t index);
   const Chunk* FindChunk(int64_t index) const;
+  static std::vector<int64_t> ChunksOfRange(int64_t start, size_t n);
+  static std::vector<int64_t> ChunksOfIds(const int64_t* ids, size_t n);
+  void Missing(const std::vector<int64_t>& indexes, std::vector<residency::ObjectRef>* out) const;
+  uint64_t BytesToStore(const std::vector<int64_t>& indexes) const;
 
   codec::RowCodec codec_;
-  const ByteBudget* budget_;
+  residency::Engine* engine_;
   BufferAllocator* alloc_;
   ChunkMap chunks_;
   uint64_t rows_ = 0;
-};
-
-struct VSession::Chunk {
-  Chunk(BufferRef b, const ByteBudget* budget) : bytes(std::move(b)), budget_(budget) {}
-  ~Chunk();
-  Chunk(const Chunk&) = delete;
-  Chunk& operator=(const Chunk&) = delete;
-
-  BufferRef bytes;       // kRowsPerChunk * row_bytes
-  uint64_t written = 0;  // bit i: row i of this chunk has been written
-
- private:
-  const ByteBudget* budget_;
+  std::shared_ptr<std::atomic<uint64_t>> loss_ = std::make_shared<std::atomic<uint64_t>>(0);
 };
 
 }  // namespace pion::store

@@ -5,6 +5,8 @@
 #include <random>
 #include <vector>
 
+#include "residency/engine.h"
+
 namespace pion::store {
 namespace {
 
@@ -16,8 +18,27 @@ std::vector<float> RandomRows(size_t n, uint32_t dim, uint32_t seed) {
   return v;
 }
 
-VSession Make(codec::Format f, uint32_t dim, const ByteBudget* budget = nullptr) {
-  return VSession(codec::RowCodec::Create(f, dim).value(), budget);
+residency::Engine& DefaultEngine() {
+  static residency::Engine e{residency::EngineOptions{}};
+  return e;
+}
+
+VSession Make(codec::Format f, uint32_t dim, residency::Engine* engine = &DefaultEngine()) {
+  return VSession(codec::RowCodec::Create(f, dim).value(), engine);
+}
+
+// Reads through a view (every chunk is in memory in these tests).
+void DecodeRange(const VSession& s, int64_t a, int64_t b, float* out) {
+  VSession::HostView view;
+  std::vector<residency::ObjectRef> missing;
+  ASSERT_TRUE(s.ViewRange(a, b, &view, &missing));
+  s.DecodeRange(view, a, b, out);
+}
+void DecodeIds(const VSession& s, const int64_t* ids, size_t n, float* out) {
+  VSession::HostView view;
+  std::vector<residency::ObjectRef> missing;
+  ASSERT_TRUE(s.ViewIds(ids, n, &view, &missing));
+  s.DecodeIds(view, ids, n, out);
 }
 
 TEST(VSession, Fp32RangeRoundTripIsExact) {
@@ -27,11 +48,11 @@ TEST(VSession, Fp32RangeRoundTripIsExact) {
   EXPECT_EQ(s.rows(), 200u);
   ASSERT_TRUE(s.CheckRange(10, 210).ok());
   std::vector<float> out(200 * 96);
-  s.DecodeRange(10, 210, out.data());
+  DecodeRange(s, 10, 210, out.data());
   EXPECT_EQ(out, rows);
   // Partial ranges across chunk boundaries.
   std::vector<float> part(70 * 96);
-  s.DecodeRange(60, 130, part.data());
+  DecodeRange(s, 60, 130, part.data());
   EXPECT_TRUE(std::equal(part.begin(), part.end(), rows.begin() + 50 * 96));
 }
 
@@ -72,7 +93,7 @@ TEST(VSession, ScatteredIdsLastWriteWins) {
   std::vector<float> out(2 * 32);
   int64_t want[] = {7, 1000};
   ASSERT_TRUE(s.CheckIds(want, 2).ok());
-  s.DecodeIds(want, 2, out.data());
+  DecodeIds(s, want, 2, out.data());
   EXPECT_TRUE(std::equal(out.begin(), out.begin() + 32, rows.begin() + 32));
   EXPECT_TRUE(std::equal(out.begin() + 32, out.end(), rows.begin() + 64));
 }
@@ -85,10 +106,10 @@ TEST(VSession, SnapshotIsPointInTime) {
   ASSERT_TRUE(s.StoreRange(0, b.data(), 100).ok());
   ASSERT_TRUE(s.StoreRange(100, b.data(), 10).ok());
   std::vector<float> out(100 * 32);
-  s.DecodeRange(0, 100, out.data());
+  DecodeRange(s, 0, 100, out.data());
   EXPECT_EQ(out, b);
   s.Restore(snap);
-  s.DecodeRange(0, 100, out.data());
+  DecodeRange(s, 0, 100, out.data());
   EXPECT_EQ(out, a);
   EXPECT_EQ(s.rows(), 100u);
   EXPECT_FALSE(s.CheckRange(100, 101).ok());
@@ -99,7 +120,10 @@ TEST(VSession, RawPiecesReferenceChunkBytesAndSurviveLaterWrites) {
   auto rows = RandomRows(130, 64, 6);
   ASSERT_TRUE(s.StoreRange(0, rows.data(), 130).ok());
   std::vector<std::pair<BufferRef, std::string>> pieces;
-  s.RawRange(10, 130, [&](const BufferRef& b, const uint8_t* p, size_t n) {
+  VSession::HostView view;
+  std::vector<residency::ObjectRef> missing;
+  ASSERT_TRUE(s.ViewRange(10, 130, &view, &missing));
+  s.RawRange(view, 10, 130, [&](const BufferRef& b, const uint8_t* p, size_t n) {
     pieces.emplace_back(b, std::string(reinterpret_cast<const char*>(p), n));
   });
   ASSERT_EQ(pieces.size(), 3u);  // ids 10..63, 64..127, 128..129: chunks 0, 1, 2
@@ -110,24 +134,31 @@ TEST(VSession, RawPiecesReferenceChunkBytesAndSurviveLaterWrites) {
   EXPECT_EQ(first, pieces[0].second);
 }
 
-TEST(VSession, BudgetChargesEveryLiveChunkAndRefusesAtomically) {
+TEST(VSession, HostBudgetChargesEveryLiveChunkAndRefusesAtomically) {
   uint64_t used = 0, limit = 0;
-  ByteBudget budget{[&](uint64_t n) {
-                      if (used + n > limit) return Status(ErrorKind::kOom, "full");
-                      used += n;
-                      return Status::Ok();
-                    },
-                    [&](uint64_t n) { used -= n; }};
+  residency::EngineOptions o;
+  o.host[static_cast<int>(residency::Family::kVStore)] = {[&](uint64_t n) {
+                                                            if (used + n > limit)
+                                                              return Status(ErrorKind::kOom,
+                                                                            "full");
+                                                            used += n;
+                                                            return Status::Ok();
+                                                          },
+                                                          [&](uint64_t n) { used -= n; }};
+  residency::Engine engine(std::move(o));
   const uint64_t chunk = 64 * 32 * 4;
   limit = 2 * chunk;
   {
-    auto s = Make(codec::Format::kFp32, 32, &budget);
+    auto s = Make(codec::Format::kFp32, 32, &engine);
     auto rows = RandomRows(200, 32, 8);
+    EXPECT_EQ(s.BytesToStoreRange(0, 200), 4 * chunk);
     EXPECT_EQ(s.StoreRange(0, rows.data(), 200).kind(), ErrorKind::kOom);  // needs 4 chunks
     EXPECT_EQ(s.rows(), 0u);
     EXPECT_EQ(used, 0u);  // the chunks it could reserve were given back
     EXPECT_EQ(s.chunk_count(), 0u);
     ASSERT_TRUE(s.StoreRange(0, rows.data(), 128).ok());
+    EXPECT_EQ(used, 2 * chunk);
+    ASSERT_TRUE(s.StoreRange(0, rows.data(), 1).ok());  // in place: no new bytes
     EXPECT_EQ(used, 2 * chunk);
     auto snap = s.TakeSnapshot();
     EXPECT_EQ(s.StoreRange(0, rows.data(), 1).kind(), ErrorKind::kOom);  // COW needs a chunk
@@ -144,7 +175,7 @@ TEST(VSession, LossyCodecsStoreEncodedBytes) {
     auto rows = RandomRows(64, 128, 9);
     ASSERT_TRUE(s.StoreRange(0, rows.data(), 64).ok());
     std::vector<float> out(64 * 128), ref(64 * 128);
-    s.DecodeRange(0, 64, out.data());
+    DecodeRange(s, 0, 64, out.data());
     std::vector<uint8_t> enc(64 * s.codec().row_bytes());
     s.codec().Encode(rows.data(), 64, enc.data());
     s.codec().Decode(enc.data(), 64, ref.data());

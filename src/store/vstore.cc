@@ -25,7 +25,7 @@ Status VStore::Create(const TenantKey& key, const codec::RowCodec& codec) {
   }
   Entry e;
   e.session = std::make_unique<VSession>(
-      codec, &budget_, allocator_for_ ? allocator_for_(key.tenant) : BufferAllocator::Default());
+      codec, engine_, allocator_for_ ? allocator_for_(key.tenant) : BufferAllocator::Default());
   // Snapshot ids continue above the sealed ones (they survive restarts).
   auto sealed = sealed_.find(key);
   if (sealed != sealed_.end() && !sealed->second.empty()) {

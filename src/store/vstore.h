@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "residency/disk_file.h"
 #include "store/tenant_key.h"
 #include "store/vsession.h"
 
@@ -24,7 +25,8 @@ class VStore {
     uint64_t next_snapshot = 1;
   };
 
-  void set_budget(ByteBudget b) { budget_ = std::move(b); }
+  // The residency engine the sessions' chunks live in (set before any Create).
+  void set_engine(residency::Engine* e) { engine_ = e; }
   // Where a tenant's session chunks are allocated (default: the heap).
   using AllocatorFor = std::function<BufferAllocator*(uint32_t tenant)>;
   void set_allocator(AllocatorFor f) { allocator_for_ = std::move(f); }
@@ -43,6 +45,7 @@ class VStore {
     codec::Format format;
     uint32_t dim;
     uint32_t block;
+    std::shared_ptr<residency::DiskFile> file;  // open: a restore reads chunks from it
   };
   void AddSealed(const TenantKey& key, uint64_t snapshot, Sealed s) {
     sealed_[key][snapshot] = std::move(s);
@@ -67,7 +70,7 @@ class VStore {
   }
 
  private:
-  ByteBudget budget_;
+  residency::Engine* engine_ = nullptr;
   AllocatorFor allocator_for_;
   std::unordered_map<TenantKey, Entry, TenantKeyHash> sessions_;
   std::unordered_map<TenantKey, std::map<uint64_t, Sealed>, TenantKeyHash> sealed_;

@@ -178,6 +178,17 @@ uint64_t ObjectFileBytes(std::string_view meta,
 Status WriteObject(const std::string& dir, std::string_view name, uint64_t version,
                    std::string_view meta, const std::vector<std::span<const uint8_t>>& blocks,
                    WriteOptions options) {
+  std::vector<BlockSource> sources(blocks.size());
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    sources[i].length = blocks[i].size();
+    sources[i].data = blocks[i].data();
+  }
+  return WriteObjectFrom(dir, name, version, meta, sources, options);
+}
+
+Status WriteObjectFrom(const std::string& dir, std::string_view name, uint64_t version,
+                       std::string_view meta, const std::vector<BlockSource>& blocks,
+                       WriteOptions options) {
   Status s = EnsureDir(dir);
   if (!s.ok()) return s;
   const std::string_view target = TargetOf(dir);
@@ -192,16 +203,23 @@ Status WriteObject(const std::string& dir, std::string_view name, uint64_t versi
   Put32(&head, static_cast<uint32_t>(blocks.size()));
   head.append(meta);
   for (const auto& b : blocks) {
-    Put64(&head, b.size());
-    Put64(&head, XXH3_64bits(b.data(), b.size()));
+    Put64(&head, b.length);
+    Put64(&head, b.hashed ? b.hash : XXH3_64bits(b.data, b.length));
   }
   Put64(&head, XXH3_64bits(head.data(), head.size()));
 
   int fd = open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return IoError("cannot create", tmp_path);
   s = WriteAll(fd, head.data(), head.size(), tmp_path, target);
+  std::vector<uint8_t> scratch;
   for (size_t i = 0; s.ok() && i < blocks.size(); ++i) {
-    s = WriteAll(fd, blocks[i].data(), blocks[i].size(), tmp_path, target);
+    const uint8_t* p = blocks[i].data;
+    if (p == nullptr && blocks[i].length > 0) {
+      scratch.resize(blocks[i].length);
+      s = blocks[i].read(scratch.data());
+      p = scratch.data();
+    }
+    if (s.ok()) s = WriteAll(fd, p, blocks[i].length, tmp_path, target);
   }
   if (s.ok()) s = WriteAll(fd, kEndMagic, 8, tmp_path, target);
   if (s.ok() && options.durable && CheckedFsync(fd, target) != 0) {

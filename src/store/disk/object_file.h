@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -45,6 +46,24 @@ Status WriteObject(const std::string& dir, std::string_view name, uint64_t versi
                    std::string_view meta, const std::vector<std::span<const uint8_t>>& blocks,
                    WriteOptions options = {});
 
+// One block of an object being written: its bytes in memory (`data`), or produced on demand
+// by `read` (e.g. a block of another object file, checked by its reader) — so a save can
+// stream an object larger than memory. `hash` is the block's xxh3 when known (`hashed`), else
+// computed from `data`.
+struct BlockSource {
+  uint64_t length = 0;
+  const uint8_t* data = nullptr;
+  std::function<Status(uint8_t* out)> read;
+  uint64_t hash = 0;
+  bool hashed = false;
+};
+
+// WriteObject from block sources: the header (with every block's length and hash) first,
+// then each block, read into one scratch buffer at a time when it is not in memory.
+Status WriteObjectFrom(const std::string& dir, std::string_view name, uint64_t version,
+                       std::string_view meta, const std::vector<BlockSource>& blocks,
+                       WriteOptions options = {});
+
 // The bytes WriteObject writes for these blocks and meta (disk quota accounting).
 uint64_t ObjectFileBytes(std::string_view meta,
                          const std::vector<std::span<const uint8_t>>& blocks);
@@ -65,6 +84,7 @@ class ObjectFile {
   const std::string& meta() const { return meta_; }
   size_t block_count() const { return blocks_.size(); }
   uint64_t block_length(size_t i) const { return blocks_[i].length; }
+  uint64_t block_hash(size_t i) const { return blocks_[i].hash; }
   uint64_t data_bytes() const;
   uint64_t file_bytes() const { return file_bytes_; }
 
