@@ -18,7 +18,10 @@ struct Counters {
   std::atomic<uint64_t> inline_queries{0};  // small host-memory queries run on the shard thread
   std::atomic<uint64_t> stores{0};          // ATTEND.PREFIX.STORE with blobs
   std::atomic<uint64_t> promotions{0};      // ATTEND.PREFIX.STORE ... FROM <ns>
-  std::atomic<uint64_t> misses{0};          // queries on a slot that is not resident
+  std::atomic<uint64_t> misses{0};          // queries on a slot that does not exist
+  std::atomic<uint64_t> gpu_upload_failures{0};  // STOREs refused at the GPU stage
+  std::atomic<uint64_t> cpu_fallbacks{0};     // cuda queries computed on the CPU to meet a deadline
+  std::atomic<uint64_t> approx_fallbacks{0};  // exact asks answered sparse under ALLOW APPROX
 };
 
 }  // namespace pion::attention

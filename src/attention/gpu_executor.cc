@@ -97,16 +97,16 @@ Status AllocParts(Job& job, uint32_t parts, uint32_t nrows, uint32_t d, Parts* p
 }
 
 // The arguments common to every attend launch over the slot (prefix keys at positions 0..N−1).
-AttendArgs PrefixArgs(const Plan& plan, const Slot& slot, const GpuCopy& copy, const float* dq,
-                      float scale) {
+AttendArgs PrefixArgs(const Plan& plan, const Slot& slot, const residency::GpuReplica& copy,
+                      const float* dq, float scale) {
   AttendArgs a;
   a.q = dq;
   a.hq = plan.q.hq;
   a.m = plan.q.m;
   a.d = plan.q.d;
   a.q_pos0 = plan.q.pos0;
-  a.k = copy.k();
-  a.v = copy.v();
+  a.k = copy.block(0);
+  a.v = copy.block(1);
   a.dtype = slot.dtype;
   a.heads = slot.heads;
   a.rows = slot.rows;
@@ -207,8 +207,8 @@ uint32_t SparseSplitsFor(AttendArgs a, const int32_t* head_map, uint32_t stride)
 
 }  // namespace
 
-Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summaries, float* out,
-              float* lse, Receipt* r) {
+Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Summaries* summaries,
+              float* out, float* lse, Receipt* r) {
   const auto t0 = std::chrono::steady_clock::now();
   auto ctx = gpu::Context::ForThisThread();
   if (!ctx.ok()) return ctx.status();
@@ -286,8 +286,8 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
         c.q = dq;
         c.hq = q.hq;
         c.d = q.d;
-        c.k = copy.k();
-        c.v = copy.v();
+        c.k = copy.block(0);
+        c.v = copy.block(1);
         c.dtype = slot.dtype;
         c.heads = slot.heads;
         c.rows = slot.rows;
@@ -361,7 +361,7 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
       const uint32_t nb = summaries->nblocks, B = summaries->block;
       std::call_once(summaries->filled, [&] {
         summaries->fill_status = kernels::cuda::LaunchSummarize(
-            copy.k(), slot.dtype, slot.heads, slot.rows, slot.d, B, nb,
+            copy.block(0), slot.dtype, slot.heads, slot.rows, slot.d, B, nb,
             const_cast<float*>(summaries->dev_mean()), const_cast<float*>(summaries->dev_min()),
             const_cast<float*>(summaries->dev_max()), job.stream());
         if (summaries->fill_status.ok()) summaries->fill_status = job.ctx()->Sync();
@@ -390,8 +390,8 @@ Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summa
         f.q = dq;
         f.hq = q.hq;
         f.d = q.d;
-        f.k = copy.k();
-        f.v = copy.v();
+        f.k = copy.block(0);
+        f.v = copy.block(1);
         f.heads = slot.heads;
         f.rows = slot.rows;
         f.mean = summaries->dev_mean();

@@ -9,15 +9,16 @@
 #pragma once
 
 #include "attention/executor.h"
-#include "attention/gpu_slots.h"
 #include "attention/slot_store.h"
+#include "residency/gpu_replica.h"
 
 namespace pion::attention {
 
-// `copy` is the slot's device copy, pinned by the caller for the duration. `summaries` (the
+// `copy` is the slot's GPU replica (K is block 0, V block 1), pinned by the caller for the
+// duration. `summaries` (the
 // sparse-auto forms) are the slot's summaries for plan.block, filled on the GPU by the first
 // query that needs them. out/lse are host memory as in Run().
-Status RunGpu(Plan plan, const Slot& slot, const GpuCopy& copy, Summaries* summaries, float* out,
-              float* lse, Receipt* receipt);
+Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Summaries* summaries,
+              float* out, float* lse, Receipt* receipt);
 
 }  // namespace pion::attention

@@ -1,7 +1,8 @@
 // The CUDA backend against the scalar reference: every form (dense, top_k, fused, caller
 // sparse, sparse-auto with mean and Quest, sparse-auto fused) over fp32 and fp16 slots, every
 // head dim, GQA, M = 1 and batched, windows and query positions — outputs, LSE and receipts.
-// Also: slot residency (upload, eviction of unheld copies, pins). Skips without a CUDA device.
+// Also: the GPU tier of the residency engine (promotion, demotion of unpinned replicas only,
+// pins). Skips without a CUDA device.
 //
 // Tolerances, err = |gpu − ref| / (1 + |ref|), ref = ReferenceKernels (double) over the same
 // stored values (fp16 slots: the reference reads the same fp16 K/V):
@@ -16,11 +17,13 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <random>
 #include <vector>
 
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/gpu.h"
+#include "residency/engine.h"
 #include "store/codec/codec_internal.h"
 
 namespace pion::attention {
@@ -43,14 +46,40 @@ std::vector<float> Randn(size_t n, std::mt19937& rng, float scale = 1.f) {
 struct TestSlot {
   Slot slot;
   std::vector<uint8_t> k, v;
-  std::shared_ptr<GpuCopy> copy;
+  residency::GpuPin pin;  // the slot's GPU replica, held for the test
   kernels::Tensor3 K() const { return {k.data(), slot.dtype, slot.heads, slot.rows, slot.d}; }
   kernels::Tensor3 V() const { return {v.data(), slot.dtype, slot.heads, slot.rows, slot.d}; }
 };
 
-GpuSlots& Slots() {
-  static GpuSlots slots(8ull << 30);
-  return slots;
+// An engine with a GPU tier whose copies run inline (the test thread does the uploads).
+std::unique_ptr<residency::Engine> MakeEngine(uint64_t gpu_limit) {
+  residency::EngineOptions o;
+  o.gpu_limit = gpu_limit;
+  o.run_gpu = [](std::function<void()> job) {
+    job();
+    return true;
+  };
+  return std::make_unique<residency::Engine>(std::move(o));
+}
+
+residency::Engine& Engine() {
+  static auto e = MakeEngine(8ull << 30);
+  return *e;
+}
+
+// Require() on one object, waited for.
+Status RequireGpu(residency::Engine& e, const residency::ObjectRef& obj) {
+  std::promise<Status> p;
+  e.Require({obj}, residency::Tier::kGpu, residency::kNoDeadline,
+            [&](const Status& s, residency::PinSet) { p.set_value(s); });
+  return p.get_future().get();
+}
+
+residency::ObjectRef HostObject(residency::Engine& e, const std::vector<uint8_t>& k,
+                                const std::vector<uint8_t>& v) {
+  auto kb = CopyToBuffer({reinterpret_cast<const char*>(k.data()), k.size()}).value();
+  auto vb = CopyToBuffer({reinterpret_cast<const char*>(v.data()), v.size()}).value();
+  return e.CreateInHost(residency::Family::kAttention, {kb, vb}, nullptr);
 }
 
 // How a test slot's keys are laid out: random, or made so that block scores tie or crowd.
@@ -94,13 +123,11 @@ std::unique_ptr<TestSlot> MakeSlot(uint32_t heads, uint32_t rows, uint32_t d, DT
       for (size_t i = 0; i < elems; ++i) h[i] = codec::internal::F32ToF16Bits(src[i]);
     }
   }
-  const uint64_t each = t->k.size();
-  auto copy = Slots().Place(
-      each, [&](uint8_t* s, uint64_t off, uint64_t n) { std::memcpy(s, t->k.data() + off, n); },
-      [&](uint8_t* s, uint64_t off, uint64_t n) { std::memcpy(s, t->v.data() + off, n); });
-  EXPECT_TRUE(copy.ok()) << copy.status().message();
-  t->copy = copy.value();
-  t->slot.gpu = t->copy;
+  t->slot.obj = HostObject(Engine(), t->k, t->v);
+  t->slot.gpu = true;
+  Status up = RequireGpu(Engine(), t->slot.obj);
+  EXPECT_TRUE(up.ok()) << up.message();
+  t->pin = t->slot.obj->Gpu();
   return t;
 }
 
@@ -188,9 +215,8 @@ void Check(const Case& c, uint32_t seed = 1, Receipt* receipt = nullptr) {
   ASSERT_TRUE(Run(kernels::ReferenceKernels(), Parallel{}, pref, ts->K(), ts->V(), ref.data(),
                   ref_lse.data(), &rr)
                   .ok());
-  auto pin = Slots().Acquire(ts->copy);
-  ASSERT_TRUE(static_cast<bool>(pin));
-  Status s = RunGpu(p, ts->slot, *ts->copy, dev_sum.get(), got.data(), got_lse.data(), &rg);
+  ASSERT_TRUE(static_cast<bool>(ts->pin));
+  Status s = RunGpu(p, ts->slot, *ts->pin, dev_sum.get(), got.data(), got_lse.data(), &rg);
   ASSERT_TRUE(s.ok()) << s.message();
 
   kernels::cuda::AttendArgs probe;
@@ -650,27 +676,33 @@ TEST(GpuItems, RowsAscendByPositionCoverEveryRowOnce) {
   EXPECT_EQ(UniformGroup({}, 1), 0u);
 }
 
-TEST(GpuSlotsTest, EvictsUnheldCopiesOnly) {
+TEST(GpuTier, DemotesUnpinnedReplicasOnlyAndPromotesBack) {
   SKIP_WITHOUT_GPU();
-  GpuSlots slots(3 << 20);
-  auto fill = [](uint8_t* s, uint64_t, uint64_t n) { std::memset(s, 1, n); };
-  auto a = slots.Place(1 << 20, fill, fill);  // 2 MiB
-  ASSERT_TRUE(a.ok());
-  auto pin = slots.Acquire(a.value());
+  auto engine = MakeEngine(3 << 20);
+  std::vector<uint8_t> half(1 << 20, 1);
+  auto a = HostObject(*engine, half, half);  // 2 MiB
+  ASSERT_TRUE(RequireGpu(*engine, a).ok());
+  residency::GpuPin pin = a->Gpu();
   ASSERT_TRUE(static_cast<bool>(pin));
-  auto b = slots.Place(1 << 20, fill, fill);  // a is held: no room
-  EXPECT_FALSE(b.ok());
-  EXPECT_EQ(b.status().kind(), ErrorKind::kOom);
-  pin = GpuSlots::Pin();
-  auto c = slots.Place(1 << 20, fill, fill);  // a is evicted now
-  ASSERT_TRUE(c.ok());
-  EXPECT_TRUE(a.value()->evicted());
-  EXPECT_FALSE(static_cast<bool>(slots.Acquire(a.value())));
-  EXPECT_EQ(slots.stats().evictions, 1u);
-  EXPECT_EQ(slots.stats().used, 2u << 20);
-  a.value().reset();
-  c.value().reset();
-  EXPECT_EQ(slots.stats().used, 0u);
+  auto b = HostObject(*engine, half, half);
+  Status full = RequireGpu(*engine, b);  // a is held: no room
+  EXPECT_EQ(full.kind(), ErrorKind::kOom);
+  EXPECT_NE(full.message().find("tier=gpu"), std::string::npos) << full.message();
+  pin.Reset();
+  ASSERT_TRUE(RequireGpu(*engine, b).ok());  // a leaves the GPU now (its host copy stays)
+  EXPECT_FALSE(a->Resident(residency::Tier::kGpu));
+  EXPECT_TRUE(a->Resident(residency::Tier::kHost));
+  EXPECT_EQ(engine->gpu_budget().used(), 2u << 20);
+  ASSERT_TRUE(RequireGpu(*engine, a).ok());  // and back, b going
+  std::vector<uint8_t> back(1 << 20);
+  residency::GpuPin again = a->Gpu();
+  ASSERT_TRUE(gpu::Download(back.data(), again->block(1), back.size()).ok());
+  EXPECT_EQ(back, half);
+  EXPECT_FALSE(b->Resident(residency::Tier::kGpu));
+  again.Reset();
+  a.reset();
+  b.reset();
+  EXPECT_EQ(engine->gpu_budget().used(), 0u);
 }
 
 }  // namespace

@@ -2,13 +2,21 @@
 
 namespace pion::attention {
 
-uint64_t NextSlotGeneration() {
-  static std::atomic<uint64_t> next{1};
-  return next.fetch_add(1, std::memory_order_relaxed);
+namespace {
+std::atomic<uint64_t> next_generation{1};
+}  // namespace
+
+uint64_t NextSlotGeneration() { return next_generation.fetch_add(1, std::memory_order_relaxed); }
+
+void NoteSlotGeneration(uint64_t g) {
+  // Generations found on disk stay below every new one: a fence outlives a restart.
+  uint64_t cur = next_generation.load(std::memory_order_relaxed);
+  while (cur <= g && !next_generation.compare_exchange_weak(cur, g + 1)) {
+  }
 }
 
 StatusOr<std::shared_ptr<Summaries>> Slot::SummariesFor(uint32_t b,
-                                                        const store::ByteBudget* budget) const {
+                                                        const ByteBudget* budget) const {
   for (auto it = summaries_.begin(); it != summaries_.end(); ++it) {
     if ((*it)->block == b) {
       summaries_.splice(summaries_.begin(), summaries_, it);
@@ -39,87 +47,41 @@ StatusOr<std::shared_ptr<Summaries>> Slot::SummariesFor(uint32_t b,
   return s;
 }
 
-StatusOr<std::unique_ptr<Charge>> SlotStore::Reserve(uint64_t bytes) {
-  if (budget_.reserve) {
-    Status s = budget_.reserve(bytes);
-    if (!s.ok()) return s;
-  }
-  return std::make_unique<Charge>(budget_.release ? &budget_ : nullptr, bytes);
-}
-
 void SlotStore::Publish(const store::TenantKey& sid, uint32_t layer, SlotRef slot) {
   auto& layers = sessions_[sid];
-  auto it = layers.find(layer);
-  if (it != layers.end()) {
-    bytes_ -= it->second.slot->bytes();
-    it->second.slot = std::move(slot);
-    bytes_ += it->second.slot->bytes();
-    lru_.splice(lru_.begin(), lru_, it->second.lru);
+  auto [it, inserted] = layers.try_emplace(layer, slot);
+  if (!inserted) {
+    bytes_ -= it->second->bytes();
+    it->second = std::move(slot);  // a query holding the old slot finishes on it
   } else {
-    lru_.push_front(Key{sid, layer});
-    bytes_ += slot->bytes();
-    layers.emplace(layer, Entry{std::move(slot), lru_.begin()});
     ++slots_;
   }
+  bytes_ += it->second->bytes();
   PublishGauges();
 }
 
-SlotRef SlotStore::Find(const store::TenantKey& sid, uint32_t layer) {
+SlotRef SlotStore::Find(const store::TenantKey& sid, uint32_t layer) const {
   auto s = sessions_.find(sid);
   if (s == sessions_.end()) return nullptr;
   auto it = s->second.find(layer);
-  if (it == s->second.end()) return nullptr;
-  if (it->second.slot->gone()) {  // its GPU copy was evicted: unlink it now
-    Unlink(s->second, it);
-    if (s->second.empty()) sessions_.erase(s);
-    evictions_.fetch_add(1, std::memory_order_relaxed);
-    PublishGauges();
-    return nullptr;
-  }
-  lru_.splice(lru_.begin(), lru_, it->second.lru);
-  return it->second.slot;
-}
-
-size_t SlotStore::SweepGone() {
-  size_t n = 0;
-  for (auto s = sessions_.begin(); s != sessions_.end();) {
-    for (auto it = s->second.begin(); it != s->second.end();) {
-      auto next = std::next(it);
-      if (it->second.slot->gone()) {
-        Unlink(s->second, it);
-        evictions_.fetch_add(1, std::memory_order_relaxed);
-        ++n;
-      }
-      it = next;
-    }
-    s = s->second.empty() ? sessions_.erase(s) : std::next(s);
-  }
-  if (n > 0) PublishGauges();
-  return n;
-}
-
-void SlotStore::Unlink(std::map<uint32_t, Entry>& layers, std::map<uint32_t, Entry>::iterator it) {
-  bytes_ -= it->second.slot->bytes();
-  --slots_;
-  lru_.erase(it->second.lru);
-  layers.erase(it);
+  return it == s->second.end() ? nullptr : it->second;
 }
 
 size_t SlotStore::Drop(const store::TenantKey& sid, std::optional<uint32_t> layer) {
   auto s = sessions_.find(sid);
   if (s == sessions_.end()) return 0;
   size_t dropped = 0;
+  auto drop = [&](std::map<uint32_t, SlotRef>::iterator it) {
+    bytes_ -= it->second->bytes();
+    --slots_;
+    ++dropped;
+    return s->second.erase(it);
+  };
   if (layer) {
     auto it = s->second.find(*layer);
-    if (it != s->second.end()) {
-      Unlink(s->second, it);
-      dropped = 1;
-    }
+    if (it != s->second.end()) drop(it);
   } else {
-    while (!s->second.empty()) {
-      Unlink(s->second, s->second.begin());
-      ++dropped;
-    }
+    for (auto it = s->second.begin(); it != s->second.end();) it = drop(it);
   }
   if (s->second.empty()) sessions_.erase(s);
   PublishGauges();
@@ -130,27 +92,8 @@ std::vector<std::pair<uint32_t, SlotRef>> SlotStore::Layers(const store::TenantK
   std::vector<std::pair<uint32_t, SlotRef>> out;
   auto s = sessions_.find(sid);
   if (s == sessions_.end()) return out;
-  for (const auto& [layer, e] : s->second) {
-    if (!e.slot->gone()) out.emplace_back(layer, e.slot);
-  }
+  for (const auto& [layer, slot] : s->second) out.emplace_back(layer, slot);
   return out;
-}
-
-uint64_t SlotStore::EvictForRoom(uint64_t bytes) {
-  uint64_t released = 0;
-  for (auto k = lru_.end(); released < bytes && k != lru_.begin();) {
-    --k;
-    auto s = sessions_.find(k->sid);
-    auto it = s->second.find(k->layer);
-    if (it->second.slot->host_bytes() == 0) continue;  // GPU slots hold no host memory
-    k = std::next(k);                                  // Unlink erases the LRU node under k
-    released += it->second.slot->host_bytes();
-    Unlink(s->second, it);
-    if (s->second.empty()) sessions_.erase(s);
-    evictions_.fetch_add(1, std::memory_order_relaxed);
-  }
-  PublishGauges();
-  return released;
 }
 
 SlotStore::Usage SlotStore::UsageOf(uint32_t tenant) const {
@@ -158,9 +101,9 @@ SlotStore::Usage SlotStore::UsageOf(uint32_t tenant) const {
   for (const auto& [sid, layers] : sessions_) {
     if (sid.tenant != tenant) continue;
     ++u.sessions;
-    for (const auto& [layer, e] : layers) {
+    for (const auto& [layer, slot] : layers) {
       ++u.slots;
-      u.bytes += e.slot->bytes();
+      u.bytes += slot->bytes();
     }
   }
   return u;

@@ -1,11 +1,12 @@
 // SlotStore: the ATTEND.PREFIX slots a shard owns — one layer's K and V per (session, layer),
-// resident in memory so the server attends over them instead of shipping them back.
+// kept where the server attends over them instead of shipping them back.
 //
-// A Slot is immutable once published: STORE builds a new one (reserve → copy/convert →
-// validate) and Publish() swaps it in, so a query that took the old slot keeps computing on it
-// and never sees a mix; the old slot's memory goes back to the budget when its last reader
-// drops it. Slots are evicted in LRU order when the attention budget needs room (the
-// MemoryAccountant's reclaimer calls EvictForRoom on the reserving shard).
+// A slot's K and V are one residency object (residency/object.h) of two blocks: on the GPU
+// with the cuda backend, in host memory for the CPU kernels, and on disk when the tiers above
+// are full — the engine demotes the least recently used and promotes back on the next query,
+// byte for byte, so a slot demoted to disk answers bit-identically. A Slot is immutable once
+// published: STORE builds a new one (reserve → copy/convert → validate) and Publish() swaps it
+// in, so a query that took the old slot keeps computing on it and never sees a mix.
 //
 // Block summaries (mean/min/max of K per block of B rows, for QUERY_SPARSE_AUTO) are cached on
 // the slot per block size: created on the shard (where their bytes are reserved) and filled once
@@ -23,11 +24,12 @@
 #include <unordered_map>
 #include <vector>
 
-#include "attention/gpu_slots.h"
 #include "common/buffer.h"
 #include "common/byte_budget.h"
 #include "common/status.h"
 #include "kernels/attention.h"
+#include "kernels/cuda/gpu.h"
+#include "residency/object.h"
 #include "store/tenant_key.h"
 
 namespace pion::attention {
@@ -58,24 +60,22 @@ struct Slot {
   uint32_t rows = 0;  // N, prefix tokens
   uint32_t d = 0;
   kernels::DType dtype = kernels::DType::kF32;
-  BufferRef k, v;                  // [heads][rows][d] of dtype
-  uint64_t generation = 0;         // unique per published slot, store-wide
-  std::string source;              // "" for STORE with blobs; "<ns>@<publication>" for STORE FROM
-  std::unique_ptr<Charge> charge;  // host bytes (k, v)
-  // --attention-backend cuda: K and V live on the GPU instead (k, v and charge are empty).
-  std::shared_ptr<GpuCopy> gpu;
+  // K then V, [heads][rows][d] of dtype each: two blocks of one residency object.
+  residency::ObjectRef obj;
+  bool gpu = false;         // the cuda backend computes over it (its summaries live there too)
+  uint64_t generation = 0;  // unique per published slot, store-wide
+  std::string source;       // "" for STORE with blobs; "<ns>@<publication>" for STORE FROM
 
-  kernels::Tensor3 K() const { return {k->data(), dtype, heads, rows, d}; }
-  kernels::Tensor3 V() const { return {v->data(), dtype, heads, rows, d}; }
-  uint64_t host_bytes() const { return charge ? charge->bytes() : 0; }
-  uint64_t bytes() const { return gpu ? gpu->bytes() : host_bytes(); }
-  // A GPU slot whose device copy was evicted: it reads as absent.
-  bool gone() const { return gpu != nullptr && gpu->evicted(); }
+  uint64_t bytes_each() const { return uint64_t{heads} * rows * d * kernels::DTypeSize(dtype); }
+  uint64_t bytes() const { return 2 * bytes_each(); }
+  // A tensor over host bytes of this slot's shape (a block the caller holds).
+  kernels::Tensor3 Tensor(const BufferRef& block) const {
+    return {block->data(), dtype, heads, rows, d};
+  }
 
   // Shard thread only: the summaries for block size b, creating (and charging) them if needed.
   // At most kMaxSummaries block sizes are cached per slot; the least recently used is dropped.
-  StatusOr<std::shared_ptr<Summaries>> SummariesFor(uint32_t b,
-                                                    const store::ByteBudget* budget) const;
+  StatusOr<std::shared_ptr<Summaries>> SummariesFor(uint32_t b, const ByteBudget* budget) const;
   static constexpr size_t kMaxSummaries = 4;
 
  private:
@@ -84,70 +84,44 @@ struct Slot {
 
 using SlotRef = std::shared_ptr<const Slot>;
 
-// Generations of published slots, unique across shards.
+// Generations of published slots, unique across shards and restarts.
 uint64_t NextSlotGeneration();
+// A saved slot's generation found at start-up: every later one is above it.
+void NoteSlotGeneration(uint64_t g);
 
 class SlotStore {
  public:
-  void set_budget(store::ByteBudget b) { budget_ = std::move(b); }
-  const store::ByteBudget* budget() const { return &budget_; }
-
-  // Reserves bytes for a slot about to be built; the Charge releases them if the slot is never
-  // published. kOom when the budget refuses (after the reclaimer evicted what it could).
-  StatusOr<std::unique_ptr<Charge>> Reserve(uint64_t bytes);
-
   // Publishes a slot (replacing any previous slot of the same session and layer).
   void Publish(const store::TenantKey& sid, uint32_t layer, SlotRef slot);
-  // The slot, or null. Marks it recently used.
-  SlotRef Find(const store::TenantKey& sid, uint32_t layer);
+  // The slot, or null.
+  SlotRef Find(const store::TenantKey& sid, uint32_t layer) const;
   // Drops one layer, or every layer of the session. Returns how many slots were dropped.
   size_t Drop(const store::TenantKey& sid, std::optional<uint32_t> layer);
   // Layers of a session, in order (for ATTEND.PREFIX.INFO).
   std::vector<std::pair<uint32_t, SlotRef>> Layers(const store::TenantKey& sid) const;
-  // Evicts least recently used slots holding host memory until `bytes` were released or none
-  // is left. Returns the bytes released (a slot a query still holds is unlinked now; its memory
-  // returns when the query finishes).
-  uint64_t EvictForRoom(uint64_t bytes);
-  // Unlinks GPU slots whose device copy was evicted (GpuSlots LRU); returns how many.
-  size_t SweepGone();
 
   struct Usage {
     uint64_t sessions = 0;
     uint64_t slots = 0;
-    uint64_t bytes = 0;
-    uint64_t evictions = 0;
+    uint64_t bytes = 0;  // in whichever tier
   };
   // Readable from any thread.
   Usage Total() const {
     return {sessions_gauge_.load(std::memory_order_relaxed),
             slots_gauge_.load(std::memory_order_relaxed),
-            bytes_gauge_.load(std::memory_order_relaxed),
-            evictions_.load(std::memory_order_relaxed)};
+            bytes_gauge_.load(std::memory_order_relaxed)};
   }
   Usage UsageOf(uint32_t tenant) const;
 
  private:
-  struct Key {
-    store::TenantKey sid;
-    uint32_t layer;
-  };
-  using Lru = std::list<Key>;
-  struct Entry {
-    SlotRef slot;
-    Lru::iterator lru;
-  };
-  void Unlink(std::map<uint32_t, Entry>& layers, std::map<uint32_t, Entry>::iterator it);
   void PublishGauges();
 
-  store::ByteBudget budget_;
-  std::unordered_map<store::TenantKey, std::map<uint32_t, Entry>, store::TenantKeyHash> sessions_;
-  Lru lru_;  // most recently used at the front
+  std::unordered_map<store::TenantKey, std::map<uint32_t, SlotRef>, store::TenantKeyHash> sessions_;
   uint64_t slots_ = 0;
   uint64_t bytes_ = 0;
   std::atomic<uint64_t> sessions_gauge_{0};
   std::atomic<uint64_t> slots_gauge_{0};
   std::atomic<uint64_t> bytes_gauge_{0};
-  std::atomic<uint64_t> evictions_{0};
 };
 
 }  // namespace pion::attention

@@ -3,9 +3,11 @@
 // commands — STORE (blobs, or FROM a Stage 1 namespace), LOOKUP, DROP, INFO — and the family's
 // registration; the QUERY forms are in attend_prefix_query.cc.
 //
-// STORE is reserve → copy/convert → validate → publish: the bytes are charged (evicting LRU slots
-// if the attention budget needs room), converted to the storage precision, checked, and only
-// then swapped in, so a concurrent QUERY sees the old slot or the new one, never a partial one.
+// STORE is reserve → copy/convert → validate → publish: the bytes are charged (least recently
+// used slots move to disk if host memory needs room), converted to the storage precision, put
+// on the GPU under the cuda backend, and only then swapped in, so a concurrent QUERY sees the
+// old slot or the new one, never a partial one. A slot's K and V are a residency object: it is
+// demoted GPU -> host -> disk under pressure and promoted back by the next query.
 #include <algorithm>
 #include <cstring>
 #include <optional>
@@ -14,6 +16,7 @@
 #include "families/attend_prefix_internal.h"
 #include "families/families.h"
 #include "families/kvprefix_internal.h"
+#include "families/tiering.h"
 #include "kernels/cuda/gpu.h"
 #include "server/server.h"
 #include "store/codec/codec.h"
@@ -110,77 +113,32 @@ void ConvertRows(const float* src, size_t n_rows, uint32_t d, kernels::DType t, 
   (t == kernels::DType::kBF16 ? bf16 : fp16).Encode(src, n_rows * d, dst);
 }
 
-// --attention-backend cuda, on a compute thread: moves a built slot's K and V to the GPU
-// (GpuSlots::Place: reserve → copy through pinned staging → validate). k/v hold fp32 values
-// (src_f32, converted to the slot's dtype on the way) or bytes of the slot's dtype. On success
-// the host buffers and their charge are dropped: the slot lives on the GPU only.
-Status PlaceOnGpu(server::Server& srv, attention::Slot& slot, const BufferRef& k,
-                  const BufferRef& v, bool src_f32) {
-  const uint64_t elems = uint64_t{slot.heads} * slot.rows * slot.d;
-  const kernels::DType dtype = slot.dtype;
-  auto fill = [src_f32, dtype](const BufferRef& src) {
-    return [src_f32, dtype, src](uint8_t* dst, uint64_t off, uint64_t n) {
-      if (!src_f32 || dtype == kernels::DType::kF32) {
-        std::memcpy(dst, src->data() + off, n);
-      } else {  // fp32 → fp16 or bf16: offsets and sizes are in 16-bit element bytes
-        ConvertRows(reinterpret_cast<const float*>(src->data()) + off / 2, n / 2, 1, dtype, dst);
+// The last step of every STORE, from any thread: under the cuda backend the slot's GPU copy is
+// made first (reserve on the GPU — demoting least recently used copies — then upload, check
+// the allocation's id: a STORE that cannot get GPU room answers -OOM tier=gpu rather than
+// publish a slot the GPU does not hold); then the slot is published on its shard, swapping in
+// atomically, and the reply is OK.
+void Finish(server::Server* srv, int shard_id, std::shared_ptr<attention::Slot> slot,
+            store::TenantKey sid, uint32_t layer, bool promotion, residency::Deadline deadline,
+            std::function<void(server::CommandContext::ReplyWriter)> reply) {
+  auto publish = [=](const Status& st) {
+    srv->shard(shard_id).PostControl([=](server::Shard& sh) {
+      if (!st.ok()) {
+        if (slot->gpu) {
+          srv->attention_counters().gpu_upload_failures.fetch_add(1, std::memory_order_relaxed);
+        }
+        return reply([st](proto::ReplyBuilder& rb) { rb.Error(st); });
       }
-    };
-  };
-  auto copy = srv.gpu_slots()->Place(elems * kernels::DTypeSize(dtype), fill(k), fill(v));
-  if (!copy.ok()) return copy.status();
-  slot.gpu = std::move(copy).value();
-  slot.k.reset();
-  slot.v.reset();
-  slot.charge.reset();
-  return Status::Ok();
-}
-
-// Publishes a slot on its shard and replies OK (or the error that stopped it).
-void PublishFromCompute(server::Server* srv, int shard_id, std::shared_ptr<attention::Slot> slot,
-                        store::TenantKey sid, uint32_t layer, Status st, bool promotion,
-                        std::function<void(server::CommandContext::ReplyWriter)> reply) {
-  srv->shard(shard_id).PostControl(
-      [srv, slot, sid, layer, st, promotion, reply](server::Shard& sh) {
-        if (!st.ok()) return reply([st](proto::ReplyBuilder& rb) { rb.Error(st); });
-        slot->generation = attention::NextSlotGeneration();
-        sh.store().attention.Publish(sid, layer, slot);
-        (promotion ? srv->attention_counters().promotions : srv->attention_counters().stores)
-            .fetch_add(1, std::memory_order_relaxed);
-        reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
-      });
-}
-
-// STORE with blobs under the cuda backend: the upload (and fp16 conversion) runs on the compute
-// pool; the slot is published on this shard once its GPU copy is complete.
-void StoreBlobsGpu(CommandContext& ctx, CmdArgs& args, uint32_t layer, uint32_t heads,
-                   uint32_t rows, uint32_t d) {
-  server::Server& srv = *ctx.server;
-  auto slot = std::make_shared<attention::Slot>();
-  slot->heads = heads;
-  slot->rows = rows;
-  slot->d = d;
-  slot->dtype = StorageType(srv);
-  BufferRef src[2];
-  for (int i = 0; i < 2; ++i) {
-    auto b = args.TakeBuffer(6 + i);
-    if (!b.ok()) return ctx.Error(b.status());
-    src[i] = std::move(b).value();
-  }
-  server::Server* srvp = &srv;
-  const int shard_id = ctx.shard->id();
-  const store::TenantKey sid = ctx.Key(args[1]);
-  auto reply = ctx.Defer();
-  bool queued = srv.compute()->Submit([srvp, shard_id, slot, sid, layer, src, reply]() {
-    Status st = PlaceOnGpu(*srvp, *slot, src[0], src[1], true);
-    PublishFromCompute(srvp, shard_id, slot, sid, layer, st, false, reply);
-  });
-  if (!queued) {
-    ctx.shard->stats().Reject(server::RejectReason::kBusy);
-    reply([](proto::ReplyBuilder& rb) {
-      rb.Error(Status(ErrorKind::kBusy, "the compute queue is full; retry later"));
+      slot->generation = attention::NextSlotGeneration();
+      sh.store().attention.Publish(sid, layer, slot);
+      (promotion ? srv->attention_counters().promotions : srv->attention_counters().stores)
+          .fetch_add(1, std::memory_order_relaxed);
+      reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
     });
-  }
+  };
+  if (!slot->gpu) return publish(Status::Ok());
+  srv->residency()->Require({slot->obj}, residency::Tier::kGpu, deadline,
+                            [publish](const Status& s, residency::PinSet) { publish(s); });
 }
 
 // ATTEND.PREFIX.STORE <sid> <layer> <H> <N> <D> <K_blob> <V_blob>
@@ -199,71 +157,73 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
   if (!s.ok()) return ctx.Error(s);
 
   server::Server& srv = *ctx.server;
-  if (srv.gpu_slots() != nullptr) return StoreBlobsGpu(ctx, args, layer, heads, rows, d);
-  const kernels::DType dtype = StorageType(srv);
-  auto& store = ctx.shard->store().attention;
-  auto charge = store.Reserve(2 * elems * kernels::DTypeSize(dtype));
-  if (!charge.ok()) return ctx.Error(charge.status());
-
   auto slot = std::make_shared<attention::Slot>();
   slot->heads = heads;
   slot->rows = rows;
   slot->d = d;
-  slot->dtype = dtype;
-  slot->charge = std::move(charge).value();
+  slot->dtype = StorageType(srv);
+  slot->gpu = srv.gpu_attention();
+  std::unique_ptr<Charge> charge;
+  if (!ChargeHost(ctx, residency::Family::kAttention, slot->bytes(), &charge)) return;
   BufferRef src[2];
   for (int i = 0; i < 2; ++i) {
     auto b = args.TakeBuffer(6 + i);  // adopts the received buffer: no copy
     if (!b.ok()) return ctx.Error(b.status());
     src[i] = std::move(b).value();
   }
-  if (dtype == kernels::DType::kF32) {
-    slot->k = src[0];
-    slot->v = src[1];
-    slot->generation = attention::NextSlotGeneration();
-    store.Publish(ctx.Key(args[1]), layer, std::move(slot));
-    srv.attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
-    return ctx.rb->Ok();
+  const store::TenantKey sid = ctx.Key(args[1]);
+  server::Server* srvp = &srv;
+  const int shard_id = ctx.shard->id();
+  const residency::Deadline deadline = ctx.deadline;
+  if (slot->dtype == kernels::DType::kF32) {
+    slot->obj = srv.residency()->CreateInHost(residency::Family::kAttention, {src[0], src[1]},
+                                              std::move(charge));
+    if (!slot->gpu) {
+      slot->generation = attention::NextSlotGeneration();
+      ctx.shard->store().attention.Publish(sid, layer, std::move(slot));
+      srv.attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
+      return ctx.rb->Ok();
+    }
+    return Finish(srvp, shard_id, slot, sid, layer, false, deadline, ctx.Defer());
   }
-  for (BufferRef* dst : {&slot->k, &slot->v}) {
-    auto b = BufferAllocator::Default()->Allocate(elems * 2);
-    if (!b.ok()) return ctx.Error(b.status());
-    *dst = std::move(b).value();
+  BufferRef dst[2];
+  for (BufferRef& b : dst) {
+    auto a = BufferAllocator::Default()->Allocate(slot->bytes_each());
+    if (!a.ok()) return ctx.Error(a.status());
+    b = std::move(a).value();
   }
-  // fp16: a large conversion runs on the compute pool (it is O(bytes), like a query), and the
-  // slot is published back on this shard once converted.
-  auto convert = [slot, src, elems](server::WorkerPool* pool) {
+  // fp16: a large conversion runs on the compute pool (it is O(bytes), like a query).
+  auto shared_charge = std::make_shared<std::unique_ptr<Charge>>(std::move(charge));
+  auto convert = [srvp, slot, src, dst, elems, shared_charge](server::WorkerPool* pool) {
     const size_t pieces = pool == nullptr ? 1 : std::max<size_t>(1, elems >> 22);
     auto run = [&](size_t p) {
       const size_t a = elems * p / pieces, b = elems * (p + 1) / pieces;
       for (int i = 0; i < 2; ++i) {
         ConvertRows(reinterpret_cast<const float*>(src[i]->data()) + a, b - a, 1, slot->dtype,
-                    (i == 0 ? slot->k : slot->v)->data() + a * 2);
+                    dst[i]->data() + a * 2);
       }
     };
-    if (pool != nullptr) return pool->ParallelFor(pieces, run);
-    run(0);
+    if (pool != nullptr) {
+      pool->ParallelFor(pieces, run);
+    } else {
+      run(0);
+    }
+    slot->obj = srvp->residency()->CreateInHost(residency::Family::kAttention, {dst[0], dst[1]},
+                                                std::move(*shared_charge));
   };
-  const store::TenantKey sid = ctx.Key(args[1]);
-  if (elems < (1u << 20)) {
+  if (elems < (1u << 20) && !slot->gpu) {
     convert(nullptr);
     slot->generation = attention::NextSlotGeneration();
-    store.Publish(sid, layer, std::move(slot));
+    ctx.shard->store().attention.Publish(sid, layer, std::move(slot));
     srv.attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
     return ctx.rb->Ok();
   }
-  server::Server* srvp = &srv;
-  const int shard_id = ctx.shard->id();
   auto reply = ctx.Defer();
-  bool queued = srv.compute()->Submit([srvp, shard_id, slot, sid, layer, convert, reply]() {
-    convert(srvp->compute());
-    srvp->shard(shard_id).PostControl([srvp, slot, sid, layer, reply](server::Shard& sh) {
-      slot->generation = attention::NextSlotGeneration();
-      sh.store().attention.Publish(sid, layer, slot);
-      srvp->attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
-      reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
-    });
-  });
+  bool queued =
+      srv.compute()->Submit([srvp, shard_id, slot, sid, layer, convert, deadline, reply]() {
+        convert(srvp->compute());
+        Finish(srvp, shard_id, slot, sid, layer, false, deadline, reply);
+      });
   if (!queued) {
     ctx.shard->stats().Reject(server::RejectReason::kBusy);
     reply([](proto::ReplyBuilder& rb) {
@@ -348,7 +308,7 @@ void PrepareSource(server::Server& srv, server::Shard& shard, const store::Tenan
 // Runs on a compute thread: decodes layer `layer` of the source (token-major rows of
 // kv_heads*head_dim) into head-major [H][T][D] slot buffers of the storage type.
 void DecodeLayer(server::WorkerPool& pool, const Source& src, uint32_t layer,
-                 attention::Slot& slot) {
+                 const attention::Slot& slot, const BufferRef& k, const BufferRef& v) {
   const store::PrefixManifest& m = src.manifest;
   const uint32_t H = m.kv_heads, T = m.n_tokens, D = m.head_dim;
   store::VSession ks(src.codec, nullptr), vs(src.codec, nullptr);
@@ -371,7 +331,7 @@ void DecodeLayer(server::WorkerPool& pool, const Source& src, uint32_t layer,
       for (int kv = 0; kv < 2; ++kv) {
         (kv == 0 ? ks : vs)
             .DecodeRange(kv == 0 ? kview : vview, base + t0, base + t0 + n, rows.data());
-        uint8_t* dst = (kv == 0 ? slot.k : slot.v)->data();
+        uint8_t* dst = (kv == 0 ? k : v)->data();
         for (uint32_t h = 0; h < H; ++h) {
           for (uint32_t t = 0; t < n; ++t) {
             std::memcpy(head.data() + size_t{t} * D, rows.data() + (size_t{t} * H + h) * D,
@@ -412,46 +372,43 @@ void StoreFrom(CommandContext& ctx, CmdArgs& args) {
 
   // Step 2, on the session's shard: reserve and allocate, then decode on a compute thread, then
   // publish back on this shard.
-  auto build = [srv, sid, ns, layer, sid_shard, reply, fail](std::shared_ptr<Source> src) {
-    server::Shard& shard = srv->shard(sid_shard);
+  const residency::Deadline deadline = ctx.deadline;
+  auto build = [srv, sid, layer, sid_shard, reply, fail, deadline,
+                ns](std::shared_ptr<Source> src) {
     const store::PrefixManifest& m = src->manifest;
-    const kernels::DType dtype = StorageType(*srv, src->codec.format());
-    const uint64_t elems = uint64_t{m.kv_heads} * m.n_tokens * m.head_dim;
-    auto charge = shard.store().attention.Reserve(2 * elems * kernels::DTypeSize(dtype));
-    if (!charge.ok()) return fail(charge.status());
     auto slot = std::make_shared<attention::Slot>();
     slot->heads = m.kv_heads;
     slot->rows = m.n_tokens;
     slot->d = m.head_dim;
-    slot->dtype = dtype;
-    auto kb = BufferAllocator::Default()->Allocate(elems * kernels::DTypeSize(dtype));
-    auto vb = BufferAllocator::Default()->Allocate(elems * kernels::DTypeSize(dtype));
-    if (!kb.ok() || !vb.ok()) return fail(kb.ok() ? vb.status() : kb.status());
-    slot->k = std::move(kb).value();
-    slot->v = std::move(vb).value();
-    slot->charge = std::move(charge).value();
+    slot->dtype = StorageType(*srv, src->codec.format());
+    slot->gpu = srv->gpu_attention();
     slot->source = ns.name + "@" + std::to_string(src->publication);
-    bool queued = srv->compute()->Submit([srv, src, slot, sid, layer, sid_shard, reply]() {
-      DecodeLayer(*srv->compute(), *src, layer, *slot);
-      // Validate before publishing: the decoded slot has the manifest's shape.
-      const bool valid = slot->k->size() == slot->v->size() &&
-                         slot->k->size() == uint64_t{slot->heads} * slot->rows * slot->d *
-                                                kernels::DTypeSize(slot->dtype);
-      Status st = valid ? Status::Ok()
-                        : Status(ErrorKind::kCorrupt, "decoded slot does not match its manifest");
-      if (st.ok() && srv->gpu_slots() != nullptr) {
-        st = PlaceOnGpu(*srv, *slot, slot->k, slot->v, false);
-      }
-      PublishFromCompute(srv, sid_shard, slot, sid, layer, st, true, reply);
-    });
-    if (!queued) {
-      shard.stats().Reject(server::RejectReason::kBusy);
-      fail(Status(ErrorKind::kBusy, "the compute queue is full; retry later"));
-    }
+    ChargeHostLater(*srv, residency::Family::kAttention, slot->bytes(), deadline,
+                    [srv, src, slot, sid, layer, sid_shard, reply, fail,
+                     deadline](StatusOr<std::unique_ptr<Charge>> charge) {
+                      if (!charge.ok()) return fail(charge.status());
+                      auto kb = BufferAllocator::Default()->Allocate(slot->bytes_each());
+                      auto vb = BufferAllocator::Default()->Allocate(slot->bytes_each());
+                      if (!kb.ok() || !vb.ok()) return fail(kb.ok() ? vb.status() : kb.status());
+                      auto held =
+                          std::make_shared<std::unique_ptr<Charge>>(std::move(charge).value());
+                      BufferRef k = std::move(kb).value(), v = std::move(vb).value();
+                      bool queued = srv->compute()->Submit(
+                          [srv, src, slot, sid, layer, sid_shard, reply, deadline, held, k, v]() {
+                            DecodeLayer(*srv->compute(), *src, layer, *slot, k, v);
+                            src->pins.reset();  // the namespace's chunks may leave memory again
+                            slot->obj = srv->residency()->CreateInHost(
+                                residency::Family::kAttention, {k, v}, std::move(*held));
+                            Finish(srv, sid_shard, slot, sid, layer, true, deadline, reply);
+                          });
+                      if (!queued) {
+                        srv->shard(sid_shard).stats().Reject(server::RejectReason::kBusy);
+                        fail(Status(ErrorKind::kBusy, "the compute queue is full; retry later"));
+                      }
+                    });
   };
 
   // Step 1, on the namespace's shard.
-  const residency::Deadline deadline = ctx.deadline;
   auto prepare = [srv, ns, layer, model, position, deadline, sid_shard, build,
                   fail](server::Shard& nss) {
     PrepareSource(
@@ -567,36 +524,39 @@ void Export(CommandContext& ctx, CmdArgs& args) {
         "ATTEND.PREFIX.EXPORT is for same-host clients: connect over the --unixsocket socket"));
   }
   server::Server& srv = *ctx.server;
-  if (srv.gpu_slots() == nullptr) {
+  if (!srv.gpu_attention()) {
     return ctx.Error(
         Error("ATTEND.PREFIX.EXPORT needs slots on the GPU (--attention-backend "
               "cuda); this server keeps them in host memory"));
   }
+  std::vector<attention::SlotRef> slots;
+  std::vector<residency::ObjectRef> objs;
+  for (uint32_t layer : layers) {
+    auto found = FindSlot(ctx, args[1], layer);
+    if (!found.ok()) return ctx.Error(found.status());
+    objs.push_back(found.value()->obj);
+    slots.push_back(std::move(found).value());
+  }
+  // Every layer on the GPU first (promoted from host or disk when it was demoted).
+  if (!ctx.Resident(objs, residency::Tier::kGpu)) return;
   std::vector<Exported> out;
   out.reserve(layers.size());
   auto fail = [&](const Status& s) {
     for (const Exported& e : out) srv.shm().Release(ctx.client_id, e.lease);
     ctx.Error(s);
   };
-  for (uint32_t layer : layers) {
-    auto found = FindSlot(ctx, args[1], layer);
-    if (!found.ok()) return fail(found.status());
-    attention::SlotRef slot = std::move(found).value();
-    auto pin = srv.gpu_slots()->Acquire(slot->gpu);
-    if (!pin) {
-      return fail(Status(ErrorKind::kMiss, "the GPU copy of layer " + std::to_string(layer) +
-                                               " was evicted for room meanwhile (--gpu-memory); "
-                                               "ATTEND.PREFIX.STORE it again"));
-    }
-    auto handle = slot->gpu->IpcHandle();
+  for (auto& slot : slots) {
+    residency::GpuPin pin = slot->obj->Gpu();  // pinned by Resident(): present
+    if (!pin) return fail(Status(ErrorKind::kMiss, "a GPU copy left meanwhile; retry"));
+    auto handle = pin->IpcHandle();
     if (!handle.ok()) return fail(handle.status());
-    auto lease = srv.shm().Grant(ctx.client_id, {}, slot->gpu->bytes(),
-                                 std::make_shared<attention::GpuSlots::Pin>(std::move(pin)));
+    const uint64_t v_offset = static_cast<uint64_t>(static_cast<const uint8_t*>(pin->block(1)) -
+                                                    static_cast<const uint8_t*>(pin->block(0)));
+    const uint64_t bytes = slot->bytes_each();
+    // The lease holds the pin: the copy is neither demoted nor freed until it ends.
+    auto lease = srv.shm().Grant(ctx.client_id, {}, slot->bytes(),
+                                 std::make_shared<residency::GpuPin>(std::move(pin)));
     if (!lease.ok()) return fail(lease.status());
-    const uint64_t v_offset = static_cast<uint64_t>(static_cast<const uint8_t*>(slot->gpu->v()) -
-                                                    static_cast<const uint8_t*>(slot->gpu->k()));
-    const uint64_t bytes =
-        uint64_t{slot->heads} * slot->rows * slot->d * kernels::DTypeSize(slot->dtype);
     out.push_back({std::move(slot), std::move(handle).value(), lease.value(), v_offset, bytes});
   }
   auto& rb = *ctx.rb;
@@ -637,10 +597,14 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   auto& rb = *ctx.rb;
   rb.Array(layers.size());
   for (const auto& [layer, slot] : layers) {
-    rb.Map(9);
+    rb.Map(10);
     rb.Bulk("layer");
     rb.Integer(layer);
     WriteShape(rb, *slot);
+    // The fastest tier holding its K and V now (a query brings it to its backend's tier).
+    const unsigned tiers = slot->obj->Tiers();
+    rb.Bulk("tier");
+    rb.Bulk(tiers & 1u ? "gpu" : tiers & 2u ? "host" : "disk");
     rb.Bulk("bytes");
     rb.Integer(static_cast<int64_t>(slot->bytes()));
     rb.Bulk("generation");
@@ -658,35 +622,29 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
   using namespace server;
   auto& r = srv.registry();
   constexpr uint32_t kKv = kCmdKvCache;
-  r.Register({"ATTEND.PREFIX.STORE", -5, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, Store,
-              "attend_prefix",
+  r.Register({"ATTEND.PREFIX.STORE", -5, kKv | kCmdWrite | kCmdDenyOom | kCmdDeadline, 1, 1, 1,
+              Store, "attend_prefix",
               "Makes one layer's K/V resident for server-side attention (blobs, or bound from a "
               "KV.PREFIX namespace).",
               "<sid> <layer> <H> <N> <D> <K_blob> <V_blob> | <sid> <layer> FROM <ns> [MODEL <id>] "
-              "[POSITION <digest>]"});
+              "[POSITION <digest>], then [DEADLINE <ms>]"});
   r.Register({"ATTEND.PREFIX.LOOKUP", 3, kKv | kCmdReadOnly | kCmdFast, 1, 1, 1, Lookup,
               "attend_prefix", "+HIT when the slot is resident, +MISS otherwise.",
               "<sid> <layer>"});
   r.Register({"ATTEND.PREFIX.DROP", -2, kKv | kCmdWrite, 1, 1, 1, Drop, "attend_prefix",
               "Drops one layer's slot, or every layer of the session; replies how many.",
               "<sid> [<layer>]"});
-  r.Register({"ATTEND.PREFIX.EXPORT", -3, kKv | kCmdReadOnly, 1, 1, 1, Export, "attend_prefix",
+  r.Register({"ATTEND.PREFIX.EXPORT", -3, kKv | kCmdReadOnly | kCmdDeadline, 1, 1, 1, Export,
+              "attend_prefix",
               "CUDA IPC handles to slots' GPU copies for a same-host process (Unix socket, cuda "
               "backend), each pinned under a lease until SHM.RELEASE; several layers: an array; "
               "PACKED: fixed binary records.",
-              "<sid> <layer> [<layer> ...] [PACKED]"});
+              "<sid> <layer> [<layer> ...] [PACKED] [DEADLINE <ms>]"});
   r.Register({"ATTEND.PREFIX.INFO", 2, kKv | kCmdReadOnly, 1, 1, 1, Info, "attend_prefix",
               "The session's resident layers: shape, storage type, bytes, generation, source.",
               "<sid>"});
   RegisterQueryCommands(srv);
   srv.memory().set_family_limit(MemFamily::kAttention, srv.config().attention_memory);
-  srv.AddShardInit([&srv](Shard& shard) {
-    shard.store().attention.set_budget(srv.memory().BudgetFor(MemFamily::kAttention));
-  });
-  srv.memory().SetReclaimer(MemFamily::kAttention, [](uint64_t need, bool) -> uint64_t {
-    Shard* shard = Shard::Current();
-    return shard == nullptr ? 0 : shard->store().attention.EvictForRoom(need);
-  });
 }
 
 }  // namespace pion::families

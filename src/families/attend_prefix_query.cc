@@ -3,7 +3,9 @@
 // takes a reference to the slot (so a concurrent STORE or eviction cannot change what it
 // reads), and hands the computation to the compute pool; the reply follows when it is done.
 // A full compute queue answers -BUSY. The math is attention::Run over kernels::AttentionKernels.
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 
@@ -22,6 +24,12 @@ using server::CommandContext;
 
 struct QueryJob {
   attention::SlotRef slot;
+  // The bytes it computes over, held for the job's life: host blocks (K, V) for the CPU
+  // kernels, or a pin on the GPU replica.
+  BufferRef k, v;
+  std::shared_ptr<residency::GpuPin> gpu;
+  const char* tier = "host";
+  std::string fallback;  // why it computed elsewhere than asked ("" when it did not)
   attention::Plan plan;
   std::vector<BufferRef> hold;  // argument buffers the plan points into
   std::vector<int32_t> head_map;
@@ -185,13 +193,17 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
                   std::string_view backend) {
   const bool auto_form =
       job.plan.form == Form::kSparseAuto || job.plan.form == Form::kSparseAutoFused;
-  rb.Map(auto_form ? 17 : 14);
+  rb.Map(auto_form ? 19 : 16);
   rb.Bulk("exact");
   rb.Bool(r.exact);
   rb.Bulk("form");
   rb.Bulk(attention::FormName(job.plan.form));
   rb.Bulk("backend");
-  rb.Bulk(backend);
+  rb.Bulk(job.gpu ? backend : std::string_view("cpu"));
+  rb.Bulk("tier");  // where the K/V were read from
+  rb.Bulk(job.tier);
+  rb.Bulk("fallback");  // "" or why the answer came from elsewhere than asked
+  rb.Bulk(job.fallback);
   rb.Bulk("dtype");
   rb.Bulk(kernels::DTypeName(job.slot->dtype));
   rb.Bulk("generation");
@@ -242,9 +254,10 @@ struct QueryResult {
 QueryResult Execute(server::Server* srv, const QueryJob& job, const attention::Parallel& par) {
   const kernels::AttentionKernels& kern = Kernels(*srv);
   const attention::Slot& slot = *job.slot;
-  if (job.summaries && !slot.gpu) {
-    std::call_once(job.summaries->filled,
-                   [&] { kern.Summarize(slot.K(), job.summaries->View(slot.heads, slot.d)); });
+  if (job.summaries && !job.gpu) {
+    std::call_once(job.summaries->filled, [&] {
+      kern.Summarize(slot.Tensor(job.k), job.summaries->View(slot.heads, slot.d));
+    });
   }
   QueryResult res;
   const size_t d = job.plan.q.d;
@@ -259,15 +272,12 @@ QueryResult Execute(server::Server* srv, const QueryJob& job, const attention::P
   float* lse = job.with_lse ? o + job.out_rows * d : nullptr;
   res.receipt = std::make_shared<attention::Receipt>();
   attention::Receipt* r = res.receipt.get();
-  if (slot.gpu) {
-    // The copy cannot be evicted while pinned; one evicted since the lookup is a miss.
-    auto pin = srv->gpu_slots()->Acquire(slot.gpu);
-    res.status = pin ? attention::RunGpu(job.plan, slot, *slot.gpu, job.summaries.get(), o, lse, r)
-                     : Status(ErrorKind::kMiss,
-                              "the slot's GPU copy was evicted for room meanwhile (--gpu-memory); "
-                              "ATTEND.PREFIX.STORE it again");
+  if (job.gpu) {
+    // The replica is pinned by the job: it stays on the GPU until the job is done.
+    res.status = attention::RunGpu(job.plan, slot, **job.gpu, job.summaries.get(), o, lse, r);
   } else {
-    res.status = attention::Run(kern, par, job.plan, slot.K(), slot.V(), o, lse, r);
+    res.status =
+        attention::Run(kern, par, job.plan, slot.Tensor(job.k), slot.Tensor(job.v), o, lse, r);
   }
   auto& c = srv->attention_counters();
   c.queries[static_cast<int>(job.plan.form)].fetch_add(1, std::memory_order_relaxed);
@@ -298,12 +308,65 @@ uint64_t EstimatedMacs(const QueryJob& job) {
   return uint64_t{job.plan.q.hq} * job.plan.q.m * keys * job.plan.q.d;
 }
 
+// Brings the slot's K/V where the job computes — the GPU under the cuda backend, host memory
+// for the CPU kernels — promoting it (the command parks and runs again) when it was demoted, and
+// holds them for the job. A deadline the GPU promotion cannot meet, on a slot whose bytes are
+// in host memory, computes on the CPU there instead: the same exact attention, told in the
+// receipt (tier host, fallback). False when the command was parked or refused.
+bool HoldBytes(CommandContext& ctx, QueryJob* job) {
+  const attention::Slot& slot = *job->slot;
+  residency::Engine* engine = ctx.server->residency();
+  if (slot.gpu) {
+    bool on_gpu = slot.obj->Resident(residency::Tier::kGpu);
+    if (!on_gpu && ctx.deadline != residency::kNoDeadline &&
+        slot.obj->Resident(residency::Tier::kHost)) {
+      const double left =
+          std::chrono::duration<double>(ctx.deadline - residency::Clock::now()).count();
+      const double est = engine->EstimateSeconds({slot.obj}, residency::Tier::kGpu);
+      if (est > left) {
+        job->k = slot.obj->HostBlock(0);
+        job->v = slot.obj->HostBlock(1);
+        if (job->k && job->v) {
+          char why[160];
+          std::snprintf(why, sizeof(why),
+                        "cpu: promotion to the GPU estimated %.1f ms, %.1f ms left of the deadline",
+                        est * 1e3, left * 1e3);
+          job->fallback = why;
+          job->tier = "host";
+          ctx.server->attention_counters().cpu_fallbacks.fetch_add(1, std::memory_order_relaxed);
+          if (job->summaries && !job->summaries->mean.empty()) return true;
+          if (job->summaries) {  // GPU summaries: the CPU needs its own for this job
+            job->summaries = std::make_shared<attention::Summaries>();
+            job->summaries->block = job->plan.block;
+            job->summaries->nblocks = (slot.rows + job->plan.block - 1) / job->plan.block;
+            const size_t n = size_t{slot.heads} * job->summaries->nblocks * slot.d;
+            job->summaries->mean.resize(n);
+            job->summaries->min.resize(n);
+            job->summaries->max.resize(n);
+            job->plan.summaries = job->summaries->View(slot.heads, slot.d);
+          }
+          return true;
+        }
+      }
+    }
+    if (!ctx.Resident({slot.obj}, residency::Tier::kGpu)) return false;
+    job->gpu = std::make_shared<residency::GpuPin>(slot.obj->Gpu());
+    job->tier = "gpu";
+    return static_cast<bool>(*job->gpu);
+  }
+  if (!ctx.Resident({slot.obj}, residency::Tier::kHost)) return false;
+  job->k = slot.obj->HostBlock(0);
+  job->v = slot.obj->HostBlock(1);
+  return job->k && job->v;
+}
+
 // Runs the job: small ones right here, the rest on the compute pool (the reply is written when
 // it finishes).
 void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
   server::Server* srv = ctx.server;
   server::Shard* shard = ctx.shard;
-  if (EstimatedMacs(*job) <= (job->slot->gpu ? kInlineGpuMacs : kInlineMacs)) {
+  if (!HoldBytes(ctx, job.get())) return;  // parked (promoted, then run again) or refused
+  if (EstimatedMacs(*job) <= (job->gpu ? kInlineGpuMacs : kInlineMacs)) {
     const QueryResult res = Execute(srv, *job, attention::Parallel{});
     srv->attention_counters().inline_queries.fetch_add(1, std::memory_order_relaxed);
     return WriteResult(*ctx.rb, *job, res, BackendName(*srv));
@@ -514,7 +577,8 @@ void QuerySparseAutoImpl(CommandContext& ctx, CmdArgs& args, bool fused) {
   if (s.ok()) s = map.ok() ? CheckHeadMap(map.value(), h.hq, h_kv, job.get()) : map.status();
   if (!s.ok()) return ctx.Error(s);
   auto summaries = h.slot->SummariesFor(
-      block, h.slot->gpu ? ctx.server->gpu_budget() : ctx.shard->store().attention.budget());
+      block, h.slot->gpu ? ctx.server->gpu_budget()
+                         : ctx.server->residency()->host_budget(residency::Family::kAttention));
   if (!summaries.ok()) return ctx.Error(summaries.status());
   job->summaries = std::move(summaries).value();
   job->slot = h.slot;
@@ -542,7 +606,7 @@ void QuerySparseAutoFused(CommandContext& ctx, CmdArgs& args) {
 void RegisterQueryCommands(server::Server& srv) {
   using namespace server;
   auto& r = srv.registry();
-  constexpr uint32_t kRead = kCmdKvCache | kCmdReadOnly;
+  constexpr uint32_t kRead = kCmdKvCache | kCmdReadOnly | kCmdDeadline | kCmdApprox;
   r.Register({"ATTEND.PREFIX.QUERY", -7, kRead, 1, 1, 1, Query, "attend_prefix",
               "Attention of Q over the slot: M=1 -> H*D fp32; M>1 -> H*M*D fp32 then LSE H*M. "
               "top_k 0 = dense and exact.",

@@ -131,13 +131,15 @@ const std::vector<Param>& Params() {
       {"users", [](Server& s) { return s.config().users_file; }, nullptr},
       {"attention-backend", [](Server& s) { return std::string(s.attention_backend()); }, nullptr},
       {"gpu-memory",
-       [](Server& s) { return std::to_string(s.gpu_slots() ? s.gpu_slots()->stats().limit : 0); },
+       [](Server& s) {
+         return std::to_string(s.gpu_attention() ? s.residency()->gpu_budget().limit() : 0);
+       },
        [](Server& s, std::string_view v, bool apply) -> std::string {
-         if (s.gpu_slots() == nullptr) {
+         if (!s.gpu_attention()) {
            return "gpu-memory applies to --attention-backend cuda; this server computes on the "
                   "cpu";
          }
-         return SetSize(v, apply, [&](uint64_t n) { s.gpu_slots()->set_limit(n); });
+         return SetSize(v, apply, [&](uint64_t n) { s.residency()->SetGpuLimit(n); });
        }},
       {"attention-fp16",
        [](Server& s) { return std::string(s.config().attention_fp16 ? "yes" : "no"); }, nullptr},

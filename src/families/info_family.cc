@@ -211,19 +211,17 @@ void AttentionSection(server::Server& srv, std::string& out) {
     u.sessions += t.sessions;
     u.slots += t.slots;
     u.bytes += t.bytes;
-    u.evictions += t.evictions;
   }
   const auto& c = srv.attention_counters();
+  residency::Engine* e = srv.residency();
   Kv(out, "attention_backend", std::string(srv.attention_backend()));
   Kv(out, "attention_dtype", srv.config().attention_fp16 ? "fp16" : "fp32");
   Kv(out, "attention_sessions", u.sessions);
   Kv(out, "attention_slots", u.slots);
-  // Host bytes (cpu slots, summaries, transient STORE FROM decodes) plus the GPU copies.
-  Kv(out, "attention_bytes",
-     srv.memory().used(server::MemFamily::kAttention) +
-         (srv.gpu_slots() ? srv.gpu_slots()->stats().used : 0));
+  Kv(out, "attention_bytes", u.bytes);  // the slots' K and V, in whichever tier
+  // Host memory: slot copies, summaries, transient STORE FROM decodes (--attention-memory).
+  Kv(out, "attention_host_bytes", srv.memory().used(server::MemFamily::kAttention));
   Kv(out, "attention_memory_limit", srv.memory().family_limit(server::MemFamily::kAttention));
-  Kv(out, "attention_evictions", u.evictions);
   Kv(out, "attention_stores", c.stores.load());
   Kv(out, "attention_promotions", c.promotions.load());
   Kv(out, "attention_misses", c.misses.load());
@@ -237,16 +235,12 @@ void AttentionSection(server::Server& srv, std::string& out) {
   Kv(out, "attention_rows_attended", c.rows_attended.load());
   Kv(out, "attention_compute_us", c.compute_us.load());
   Kv(out, "attention_queries_inline", c.inline_queries.load());
-  const attention::GpuSlots::Stats g =
-      srv.gpu_slots() ? srv.gpu_slots()->stats() : attention::GpuSlots::Stats{};
-  Kv(out, "attention_gpu_device", srv.gpu_slots() ? gpu::Info().name : std::string());
-  Kv(out, "attention_gpu_memory_limit", g.limit);
-  Kv(out, "attention_gpu_bytes", g.used);
-  Kv(out, "attention_gpu_copies", g.copies);
-  Kv(out, "attention_gpu_evictions", g.evictions);
-  Kv(out, "attention_gpu_uploads", g.uploads);
-  Kv(out, "attention_gpu_upload_bytes", g.upload_bytes);
-  Kv(out, "attention_gpu_upload_failures", g.failures);
+  Kv(out, "attention_cpu_fallbacks", c.cpu_fallbacks.load());
+  Kv(out, "attention_approx_fallbacks", c.approx_fallbacks.load());
+  Kv(out, "attention_gpu_device", srv.gpu_attention() ? gpu::Info().name : std::string());
+  Kv(out, "attention_gpu_memory_limit", srv.gpu_attention() ? e->gpu_budget().limit() : 0);
+  Kv(out, "attention_gpu_bytes", srv.gpu_attention() ? e->gpu_budget().used() : 0);
+  Kv(out, "attention_gpu_upload_failures", c.gpu_upload_failures.load());
   server::WorkerPool* pool = srv.compute();
   Kv(out, "compute_threads", static_cast<uint64_t>(pool ? pool->threads() : 0));
   Kv(out, "compute_queue_depth", static_cast<uint64_t>(pool ? pool->capacity() : 0));

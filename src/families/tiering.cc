@@ -36,6 +36,23 @@ bool ChargeHost(server::CommandContext& ctx, residency::Family f, uint64_t bytes
   return true;
 }
 
+void ChargeHostLater(server::Server& srv, residency::Family f, uint64_t bytes,
+                     residency::Deadline deadline,
+                     std::function<void(StatusOr<std::unique_ptr<Charge>>)> done) {
+  residency::Engine* engine = srv.residency();
+  auto charge = engine->ReserveHost(f, bytes);
+  if (charge.ok() || charge.status().kind() != ErrorKind::kOom) return done(std::move(charge));
+  server::MemoryAccountant& mem = srv.memory();
+  const uint64_t max = mem.maxmemory();
+  const uint64_t cap = mem.family_limit(server::Server::MemFamilyOf(f));
+  if ((max != 0 && bytes > max) || (cap != 0 && bytes > cap)) return done(std::move(charge));
+  engine->MakeRoom(residency::Tier::kHost, f, bytes, deadline,
+                   [engine, f, bytes, done = std::move(done)](const Status& s) {
+                     if (!s.ok()) return done(s);
+                     done(engine->ReserveHost(f, bytes));
+                   });
+}
+
 std::string SavedDir(server::Server& srv, std::string_view name) {
   return srv.config().dir + "/" + std::string(name);
 }

@@ -25,6 +25,13 @@ namespace pion::families {
 bool ChargeHost(server::CommandContext& ctx, residency::Family f, uint64_t bytes,
                 std::unique_ptr<Charge>* out);
 
+// The same off a command's handler (a deferred step on a shard or a compute thread): `done`
+// gets the charge, or kOom when the bytes can never fit or no room could be made in time. It
+// may run on another thread.
+void ChargeHostLater(server::Server& srv, residency::Family f, uint64_t bytes,
+                     residency::Deadline deadline,
+                     std::function<void(StatusOr<std::unique_ptr<Charge>>)> done);
+
 // <--dir>/<name>: where a family's saved objects live ("ssm", "state", "attention").
 std::string SavedDir(server::Server& srv, std::string_view name);
 

@@ -164,31 +164,26 @@ std::string MetricsHttp::Render(Server& server) {
   metric("pion_attention_inline_queries_total", "counter",
          "Small host-memory queries computed on the shard thread (not the compute pool).");
   line("pion_attention_inline_queries_total", ac.inline_queries.load());
-  uint64_t slots = 0, evictions = 0;
-  for (int i = 0; i < server.shard_count(); ++i) {
-    auto t = server.shard(i).store().attention.Total();
-    slots += t.slots;
-    evictions += t.evictions;
-  }
-  metric("pion_attention_slots", "gauge", "Resident ATTEND.PREFIX slots.");
+  uint64_t slots = 0;
+  for (int i = 0; i < server.shard_count(); ++i)
+    slots += server.shard(i).store().attention.Total().slots;
+  metric("pion_attention_slots", "gauge", "ATTEND.PREFIX slots (in whichever tier).");
   line("pion_attention_slots", slots);
-  metric("pion_attention_evictions_total", "counter", "Slots evicted for room (LRU).");
-  line("pion_attention_evictions_total", evictions);
-  metric("pion_attention_misses_total", "counter", "Queries on a slot that was not resident.");
+  metric("pion_attention_misses_total", "counter", "Queries on a slot that does not exist.");
   line("pion_attention_misses_total", ac.misses.load());
-  if (attention::GpuSlots* gs = server.gpu_slots()) {
-    const auto g = gs->stats();
+  metric("pion_attention_fallbacks_total", "counter",
+         "Queries answered elsewhere than asked to meet their deadline, by kind.");
+  line("pion_attention_fallbacks_total{kind=\"cpu\"}", ac.cpu_fallbacks.load());
+  line("pion_attention_fallbacks_total{kind=\"approx\"}", ac.approx_fallbacks.load());
+  if (server.gpu_attention()) {
+    residency::Engine* e = server.residency();
     metric("pion_attention_gpu_bytes", "gauge", "GPU bytes held by slot copies and summaries.");
-    line("pion_attention_gpu_bytes", g.used);
+    line("pion_attention_gpu_bytes", e->gpu_budget().used());
     metric("pion_attention_gpu_memory_limit_bytes", "gauge", "--gpu-memory.");
-    line("pion_attention_gpu_memory_limit_bytes", g.limit);
-    metric("pion_attention_gpu_evictions_total", "counter", "GPU copies evicted for room (LRU).");
-    line("pion_attention_gpu_evictions_total", g.evictions);
-    metric("pion_attention_gpu_upload_bytes_total", "counter", "Bytes copied to the GPU.");
-    line("pion_attention_gpu_upload_bytes_total", g.upload_bytes);
+    line("pion_attention_gpu_memory_limit_bytes", e->gpu_budget().limit());
     metric("pion_attention_gpu_upload_failures_total", "counter",
            "STOREs refused at the GPU stage (no room, device error).");
-    line("pion_attention_gpu_upload_failures_total", g.failures);
+    line("pion_attention_gpu_upload_failures_total", ac.gpu_upload_failures.load());
   }
   if (residency::Engine* e = server.residency()) {
     const residency::Engine::Stats st = e->stats();

@@ -96,26 +96,21 @@ Status Server::Init() {
     return Error("--attention-backend cuda: no usable CUDA device (" + dev.reason +
                  "); use --attention-backend cpu or auto");
   }
+  uint64_t gpu_limit = 0;
   if (config_.attention_backend == "cuda" || (config_.attention_backend == "auto" && dev.present)) {
-    const uint64_t limit = config_.gpu_memory != 0 ? config_.gpu_memory : dev.free_bytes / 10 * 9;
-    gpu_slots_ = std::make_unique<attention::GpuSlots>(limit);
-    attention::GpuSlots* gs = gpu_slots_.get();
-    gpu_budget_.reserve = [gs](uint64_t n) {
-      return gs->ReserveExtra(n)
-                 ? Status::Ok()
-                 : Status(ErrorKind::kOom, "GPU attention memory full (--gpu-memory)");
-    };
-    gpu_budget_.release = [gs](uint64_t n) { gs->ReleaseExtra(n); };
+    gpu_limit = config_.gpu_memory != 0 ? config_.gpu_memory : dev.free_bytes / 10 * 9;
+    gpu_attention_ = true;
+    const uint64_t limit = gpu_limit;
     spdlog::info("attention on {} (sm_{}{}, {} SMs): {} MiB for slots", dev.name, dev.cc_major,
                  dev.cc_minor, dev.sms, limit >> 20);
   }
 
-  if (gpu_slots_) gpu_copy_ = std::make_unique<WorkerPool>(2, 1024);
+  if (gpu_attention_) gpu_copy_ = std::make_unique<WorkerPool>(2, 1024);
 
   // The residency engine: host budgets are the accountant's families; the GPU tier exists
   // with the cuda backend.
   residency::EngineOptions eo;
-  eo.gpu_limit = gpu_slots_ ? gpu_slots_->stats().limit : 0;
+  eo.gpu_limit = gpu_limit;
   eo.disk_quota = config_.disk_quota_auto ? AutoDiskQuota(config_.dir) : config_.disk_quota;
   eo.spill_dir = config_.dir + "/spill";
   eo.promotion_credits = config_.promotion_credits;
@@ -125,7 +120,7 @@ Status Server::Init() {
   eo.host_headroom = [this](residency::Family f) { return memory_.Headroom(MemFamilyOf(f)); };
   eo.host_headroom_any = [this] { return memory_.free_bytes(); };
   eo.run_io = [this](std::function<void()> job) { return io_->Submit(std::move(job)); };
-  if (gpu_slots_) {
+  if (gpu_attention_) {
     eo.run_gpu = [this](std::function<void()> job) { return gpu_copy_->Submit(std::move(job)); };
   }
   engine_ = std::make_unique<residency::Engine>(std::move(eo));
@@ -133,8 +128,8 @@ Status Server::Init() {
     Status s = engine_->Start();
     if (!s.ok()) return s;
   }
-  for (residency::Family fam :
-       {residency::Family::kState, residency::Family::kSsm, residency::Family::kVStore}) {
+  for (int f = 0; f < residency::kFamilyCount; ++f) {
+    const auto fam = static_cast<residency::Family>(f);
     memory_.SetReclaimer(MemFamilyOf(fam), [this, fam](uint64_t need, bool family_only) {
       return engine_->ReclaimClean(residency::Tier::kHost,
                                    family_only ? std::optional(fam) : std::nullopt, need);

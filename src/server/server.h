@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "attention/counters.h"
-#include "attention/gpu_slots.h"
 #include "residency/engine.h"
 #include "server/auth.h"
 #include "server/command.h"
@@ -69,14 +68,15 @@ class Server {
   // Attention queries (--compute-threads). Null until Init().
   WorkerPool* compute() { return compute_.get(); }
   attention::Counters& attention_counters() { return attention_counters_; }
-  // --attention-backend as resolved by Init(): non-null when slots live on the GPU (cuda).
-  attention::GpuSlots* gpu_slots() { return gpu_slots_.get(); }
-  std::string_view attention_backend() const { return gpu_slots_ ? "cuda" : "cpu"; }
+  // --attention-backend as resolved by Init(): true when slots compute on the GPU (cuda); the
+  // residency engine then has a GPU tier (--gpu-memory).
+  bool gpu_attention() const { return gpu_attention_; }
+  std::string_view attention_backend() const { return gpu_attention_ ? "cuda" : "cpu"; }
   // KV.STORE / KV.FETCH entries (set by their family at registration).
   store::SemanticCache* kv_cache() { return kv_cache_.get(); }
   void set_kv_cache(std::unique_ptr<store::SemanticCache> c) { kv_cache_ = std::move(c); }
   // Charges GPU bytes outside slots (block summaries) against --gpu-memory.
-  const store::ByteBudget* gpu_budget() const { return &gpu_budget_; }
+  const ByteBudget* gpu_budget() { return engine_->gpu_extra_budget(); }
   // The same-host data plane (enabled with --unixsocket).
   ShmPlane& shm() { return *shm_; }
 
@@ -127,9 +127,8 @@ class Server {
   MemoryAccountant memory_;
   UserTable users_;
   SlowLog slowlog_;
-  std::unique_ptr<attention::GpuSlots> gpu_slots_;  // outlives the shards (their slots' copies)
-  std::unique_ptr<residency::Engine> engine_;       // outlives the shards (their objects)
-  store::ByteBudget gpu_budget_;
+  bool gpu_attention_ = false;
+  std::unique_ptr<residency::Engine> engine_;  // outlives the shards (their objects)
   std::unique_ptr<store::SemanticCache> kv_cache_;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<std::function<void(Shard&)>> shard_inits_;

@@ -118,13 +118,6 @@ void Shard::Run() {
 void Shard::Tick() {
   auto now = net::Connection::Clock::now();
   if (id_ == 0) server_->shm().Expire(now);
-  if (attention::GpuSlots* gs = server_->gpu_slots()) {
-    const uint64_t e = gs->evictions();
-    if (e != gpu_evictions_seen_) {  // unlink slots whose GPU copy went
-      gpu_evictions_seen_ = e;
-      store_.attention.SweepGone();
-    }
-  }
   uint64_t q = 0, o = 0, biggest = 0;
   for (auto& [id, c] : connections_) {
     c->Tick(now);

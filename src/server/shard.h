@@ -139,7 +139,6 @@ class Shard final : public net::ConnectionHost, public net::EventHandler {
   std::unordered_map<uint64_t, std::unique_ptr<net::Connection>> connections_;
   std::vector<uint64_t> closed_ids_;
   std::chrono::steady_clock::time_point last_tick_;
-  uint64_t gpu_evictions_seen_ = 0;  // GpuSlots evictions already swept from this shard
 };
 
 }  // namespace pion::server
