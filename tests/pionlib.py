@@ -16,6 +16,9 @@ import redis
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER_BIN = os.environ.get("PION_SERVER") or str(REPO / "build" / "pion-server")
+# The fault-injection test build (DEBUG.FAULT): beside pion-server unless named.
+FAULT_SERVER_BIN = os.environ.get("PION_FAULT_SERVER") or str(
+    Path(SERVER_BIN).parent / "pion-server-faults")
 HOST = "127.0.0.1"
 # Flags added to every test server, e.g. PION_TEST_SERVER_ARGS="--attention-backend cuda" runs
 # the suites against the CUDA backend on the GPU machine (make test-gpu).
@@ -280,7 +283,9 @@ SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "WARNING: ThreadSanitizer",
 
 class PionServer:
     def __init__(self, workdir: Path, args: list[str], metrics: bool = True,
-                 config_file: Path | None = None, password: str | None = None):
+                 config_file: Path | None = None, password: str | None = None,
+                 binary: str | None = None):
+        self.binary = binary or SERVER_BIN
         self.workdir = workdir
         self.extra = list(args)
         self.metrics = metrics
@@ -295,7 +300,7 @@ class PionServer:
 
     # --- lifecycle ---
     def command_line(self) -> list[str]:
-        cmd = [SERVER_BIN]
+        cmd = [self.binary]
         if self.config_file is not None:
             cmd += ["--config", str(self.config_file)]
         cmd += ["--bind", HOST, "--port", str(self.port), "--dir", str(self.data_dir),
@@ -471,11 +476,12 @@ class ServerFactory:
         self.servers: list[PionServer] = []
 
     def __call__(self, *args: str, metrics: bool = True, config_file: Path | None = None,
-                 password: str | None = None, start: bool = True) -> PionServer:
+                 password: str | None = None, start: bool = True,
+                 binary: str | None = None) -> PionServer:
         d = self.base / ("srv%d" % len(self.servers))
         d.mkdir(parents=True, exist_ok=True)
         srv = PionServer(d, list(args), metrics=metrics, config_file=config_file,
-                         password=password)
+                         password=password, binary=binary)
         self.servers.append(srv)
         return srv.start() if start else srv
 

@@ -49,14 +49,14 @@ StatusOr<std::shared_ptr<Summaries>> Slot::SummariesFor(uint32_t b,
 
 void SlotStore::Publish(const store::TenantKey& sid, uint32_t layer, SlotRef slot) {
   auto& layers = sessions_[sid];
-  auto [it, inserted] = layers.try_emplace(layer, slot);
+  auto [it, inserted] = layers.try_emplace(layer, Entry{slot, std::nullopt});
   if (!inserted) {
-    bytes_ -= it->second->bytes();
-    it->second = std::move(slot);  // a query holding the old slot finishes on it
+    bytes_ -= it->second.slot->bytes();
+    it->second.slot = std::move(slot);  // a query holding the old slot finishes on it
   } else {
     ++slots_;
   }
-  bytes_ += it->second->bytes();
+  bytes_ += it->second.slot->bytes();
   PublishGauges();
 }
 
@@ -64,15 +64,29 @@ SlotRef SlotStore::Find(const store::TenantKey& sid, uint32_t layer) const {
   auto s = sessions_.find(sid);
   if (s == sessions_.end()) return nullptr;
   auto it = s->second.find(layer);
-  return it == s->second.end() ? nullptr : it->second;
+  return it == s->second.end() ? nullptr : it->second.slot;
+}
+
+const SlotStore::Saved* SlotStore::SavedOf(const store::TenantKey& sid, uint32_t layer) const {
+  auto s = sessions_.find(sid);
+  if (s == sessions_.end()) return nullptr;
+  auto it = s->second.find(layer);
+  return it == s->second.end() || !it->second.saved ? nullptr : &*it->second.saved;
+}
+
+void SlotStore::SetSaved(const store::TenantKey& sid, uint32_t layer, Saved saved) {
+  auto s = sessions_.find(sid);
+  if (s == sessions_.end()) return;
+  auto it = s->second.find(layer);
+  if (it != s->second.end()) it->second.saved = std::move(saved);
 }
 
 size_t SlotStore::Drop(const store::TenantKey& sid, std::optional<uint32_t> layer) {
   auto s = sessions_.find(sid);
   if (s == sessions_.end()) return 0;
   size_t dropped = 0;
-  auto drop = [&](std::map<uint32_t, SlotRef>::iterator it) {
-    bytes_ -= it->second->bytes();
+  auto drop = [&](std::map<uint32_t, Entry>::iterator it) {
+    bytes_ -= it->second.slot->bytes();
     --slots_;
     ++dropped;
     return s->second.erase(it);
@@ -92,7 +106,7 @@ std::vector<std::pair<uint32_t, SlotRef>> SlotStore::Layers(const store::TenantK
   std::vector<std::pair<uint32_t, SlotRef>> out;
   auto s = sessions_.find(sid);
   if (s == sessions_.end()) return out;
-  for (const auto& [layer, slot] : s->second) out.emplace_back(layer, slot);
+  for (const auto& [layer, e] : s->second) out.emplace_back(layer, e.slot);
   return out;
 }
 
@@ -101,9 +115,9 @@ SlotStore::Usage SlotStore::UsageOf(uint32_t tenant) const {
   for (const auto& [sid, layers] : sessions_) {
     if (sid.tenant != tenant) continue;
     ++u.sessions;
-    for (const auto& [layer, slot] : layers) {
+    for (const auto& [layer, e] : layers) {
       ++u.slots;
-      u.bytes += slot->bytes();
+      u.bytes += e.slot->bytes();
     }
   }
   return u;

@@ -29,6 +29,7 @@
 #include "common/status.h"
 #include "kernels/attention.h"
 #include "kernels/cuda/gpu.h"
+#include "residency/disk_file.h"
 #include "residency/object.h"
 #include "store/tenant_key.h"
 
@@ -100,6 +101,24 @@ class SlotStore {
   // Layers of a session, in order (for ATTEND.PREFIX.INFO).
   std::vector<std::pair<uint32_t, SlotRef>> Layers(const store::TenantKey& sid) const;
 
+  // The durable copy of a layer (ATTEND.PREFIX.SAVE): which file, and the generation of the
+  // slot it holds (the slot is saved while its generation matches).
+  struct Saved {
+    std::shared_ptr<residency::DiskFile> file;
+    uint64_t version = 0;
+    uint64_t generation = 0;
+  };
+  // Null when the layer was never saved (or dropped since).
+  const Saved* SavedOf(const store::TenantKey& sid, uint32_t layer) const;
+  void SetSaved(const store::TenantKey& sid, uint32_t layer, Saved saved);
+  uint64_t NextVersion(const store::TenantKey& sid, uint32_t layer) {
+    return ++versions_[{sid, layer}];
+  }
+  void NoteVersion(const store::TenantKey& sid, uint32_t layer, uint64_t v) {
+    uint64_t& cur = versions_[{sid, layer}];
+    if (v > cur) cur = v;
+  }
+
   struct Usage {
     uint64_t sessions = 0;
     uint64_t slots = 0;
@@ -116,7 +135,12 @@ class SlotStore {
  private:
   void PublishGauges();
 
-  std::unordered_map<store::TenantKey, std::map<uint32_t, SlotRef>, store::TenantKeyHash> sessions_;
+  struct Entry {
+    SlotRef slot;
+    std::optional<Saved> saved;
+  };
+  std::unordered_map<store::TenantKey, std::map<uint32_t, Entry>, store::TenantKeyHash> sessions_;
+  std::map<std::pair<store::TenantKey, uint32_t>, uint64_t> versions_;
   uint64_t slots_ = 0;
   uint64_t bytes_ = 0;
   std::atomic<uint64_t> sessions_gauge_{0};

@@ -8,8 +8,13 @@
 // on the GPU under the cuda backend, and only then swapped in, so a concurrent QUERY sees the
 // old slot or the new one, never a partial one. A slot's K and V are a residency object: it is
 // demoted GPU -> host -> disk under pressure and promoted back by the next query.
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <mutex>
 #include <optional>
 
 #include "families/args.h"
@@ -20,6 +25,8 @@
 #include "kernels/cuda/gpu.h"
 #include "server/server.h"
 #include "store/codec/codec.h"
+#include "store/disk/object_file.h"
+#include "store/saved_record.h"
 
 namespace pion::families {
 namespace attend {
@@ -446,6 +453,13 @@ void Lookup(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->SimpleString(hit ? "HIT" : "MISS");
 }
 
+constexpr const char* kDirName = "attention";
+
+std::string SlotObjectName(server::Server& srv, const store::TenantKey& sid, uint32_t layer) {
+  return store::SavedObjectName("attention", srv.users().TenantName(sid.tenant),
+                                sid.name + std::string(1, '\0') + std::to_string(layer));
+}
+
 void Drop(CommandContext& ctx, CmdArgs& args) {
   std::optional<uint32_t> layer;
   if (args.size() == 3) {
@@ -454,7 +468,187 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
     if (!s.ok()) return ctx.Error(s);
     layer = l;
   }
-  ctx.rb->Integer(static_cast<int64_t>(ctx.shard->store().attention.Drop(ctx.Key(args[1]), layer)));
+  const store::TenantKey sid = ctx.Key(args[1]);
+  auto& slots = ctx.shard->store().attention;
+  // Saved copies go too: a dropped slot leaves nothing behind, in memory or on disk.
+  for (const auto& [l, slot] : slots.Layers(sid)) {
+    if ((layer && l != *layer) || slots.SavedOf(sid, l) == nullptr) continue;
+    Status s = store::disk::RemoveObject(SavedDir(*ctx.server, kDirName),
+                                         SlotObjectName(*ctx.server, sid, l));
+    if (!s.ok()) return ctx.Error(s);
+  }
+  ctx.rb->Integer(static_cast<int64_t>(slots.Drop(sid, layer)));
+}
+
+// ATTEND.PREFIX.SAVE <sid> [<layer>]: the slot (or every layer of the session) durably on
+// disk, one crash-safe object file per layer (K and V as its two blocks, taken from whichever
+// tier holds them); replies once all are. Saved slots come back after a restart with their
+// generation, and answer bit-identically.
+void Save(CommandContext& ctx, CmdArgs& args) {
+  const store::TenantKey sid = ctx.Key(args[1]);
+  auto& slots = ctx.shard->store().attention;
+  std::vector<std::pair<uint32_t, attention::SlotRef>> layers;
+  if (args.size() == 3) {
+    uint32_t l;
+    Status s = ParseLayer(args[2], &l);
+    if (!s.ok()) return ctx.Error(s);
+    auto found = FindSlot(ctx, args[1], l);
+    if (!found.ok()) return ctx.Error(found.status());
+    layers.emplace_back(l, std::move(found).value());
+  } else {
+    layers = slots.Layers(sid);
+    if (layers.empty()) {
+      return ctx.Error(Status(ErrorKind::kMiss, "no attention slots for session '" +
+                                                    std::string(args[1].substr(0, 128)) + "'"));
+    }
+  }
+  // Only what changed since its last save.
+  std::erase_if(layers, [&](const auto& e) {
+    const auto* saved = slots.SavedOf(sid, e.first);
+    return saved != nullptr && saved->generation == e.second->generation;
+  });
+  if (layers.empty()) return ctx.rb->Ok();
+  auto reply = ctx.Defer();
+  auto left = std::make_shared<std::atomic<size_t>>(layers.size());
+  auto failure = std::make_shared<std::pair<std::mutex, Status>>();
+  server::Server* srv = ctx.server;
+  server::Shard* owner = ctx.shard;
+  const std::string dir = SavedDir(*srv, kDirName);
+  for (const auto& [layer, slot] : layers) {
+    store::SavedRecord rec;
+    rec.kind = "attention";
+    rec.Set("tenant", srv->users().TenantName(sid.tenant));
+    rec.Set("sid", sid.name);
+    rec.SetUint("layer", layer);
+    rec.SetUint("heads", slot->heads);
+    rec.SetUint("rows", slot->rows);
+    rec.SetUint("head_dim", slot->d);
+    rec.Set("dtype", std::string(kernels::DTypeName(slot->dtype)));
+    rec.SetUint("generation", slot->generation);
+    rec.Set("source", slot->source);
+    const uint64_t version = slots.NextVersion(sid, layer);
+    const uint64_t generation = slot->generation;
+    const uint32_t l = layer;
+    auto items = std::vector<residency::Engine::SaveItem>{{"", slot->obj}};
+    auto job = [=]() {
+      std::vector<std::vector<uint32_t>> blocks;
+      auto file = srv->residency()->WriteSaved(dir, SlotObjectName(*srv, sid, l), version,
+                                               store::EncodeSavedRecord(rec), items, &blocks);
+      owner->PostControl([=](server::Shard& sh) {
+        if (file.ok()) {
+          srv->residency()->AttachDisk(items[0].obj, items[0].obj->generation(), file.value(),
+                                       blocks[0]);
+          srv->disk_stats().saves.fetch_add(1);
+          attention::SlotRef cur = sh.store().attention.Find(sid, l);
+          if (cur != nullptr && cur->generation == generation) {
+            sh.store().attention.SetSaved(sid, l, {file.value(), version, generation});
+          } else if (cur == nullptr) {
+            unlink(file.value()->path().c_str());  // dropped meanwhile: the drop wins
+          }
+        } else {
+          srv->disk_stats().save_failures.fetch_add(1);
+          std::lock_guard lock(failure->first);
+          failure->second = file.status();
+        }
+        if (left->fetch_sub(1) != 1) return;
+        Status st;
+        {
+          std::lock_guard lock(failure->first);
+          st = failure->second;
+        }
+        reply([st](proto::ReplyBuilder& rb) {
+          if (st.ok()) {
+            rb.Ok();
+          } else {
+            rb.Error(st);
+          }
+        });
+      });
+    };
+    if (!srv->io()->Submit(std::move(job))) {
+      {
+        std::lock_guard lock(failure->first);
+        failure->second = Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later");
+      }
+      if (left->fetch_sub(1) == 1) {
+        reply([](proto::ReplyBuilder& rb) {
+          rb.Error(Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
+        });
+      }
+    }
+  }
+}
+
+// Start-up: saved slots come back on their sessions' shards, known by their disk copies (a
+// query promotes them), with their generations: every new one is above them.
+Status LoadSaved(server::Server& srv) {
+  const std::string dir = SavedDir(srv, kDirName);
+  auto listed = store::disk::ListObjects(dir);
+  if (!listed.ok()) return listed.status();
+  Status s = store::disk::RemoveLeftoverTemps(dir);
+  if (!s.ok()) return s;
+  size_t found = 0;
+  for (const auto& o : *listed) {
+    auto file = srv.residency()->OpenSaved(o.path);
+    auto rec = file.ok() ? store::DecodeSavedRecord(file.value()->file().meta(), "attention")
+                         : StatusOr<store::SavedRecord>(file.status());
+    auto slot = std::make_shared<attention::Slot>();
+    Status st = rec.status();
+    StatusOr<std::string> tenant = st, sid = st, dtype = st;
+    StatusOr<uint64_t> layer = st, heads = st, rows = st, d = st, gen = st;
+    if (st.ok()) {
+      tenant = rec->Get("tenant");
+      sid = rec->Get("sid");
+      dtype = rec->Get("dtype");
+      layer = rec->GetUint("layer");
+      heads = rec->GetUint("heads");
+      rows = rec->GetUint("rows");
+      d = rec->GetUint("head_dim");
+      gen = rec->GetUint("generation");
+      for (const Status* x : {&tenant.status(), &sid.status(), &dtype.status(), &layer.status(),
+                              &heads.status(), &rows.status(), &d.status(), &gen.status()}) {
+        if (st.ok() && !x->ok()) st = *x;
+      }
+    }
+    if (st.ok()) {
+      slot->heads = static_cast<uint32_t>(heads.value());
+      slot->rows = static_cast<uint32_t>(rows.value());
+      slot->d = static_cast<uint32_t>(d.value());
+      const std::string& t = dtype.value();
+      slot->dtype = t == "fp16"   ? kernels::DType::kF16
+                    : t == "bf16" ? kernels::DType::kBF16
+                                  : kernels::DType::kF32;
+      if (kernels::DTypeName(slot->dtype) != t || file.value()->file().block_count() != 2 ||
+          file.value()->file().block_length(0) != slot->bytes_each() ||
+          file.value()->file().block_length(1) != slot->bytes_each()) {
+        st = Status(ErrorKind::kCorrupt, "its blocks do not match its shape");
+      }
+    }
+    if (!st.ok()) {
+      srv.disk_stats().objects_corrupt.fetch_add(1);
+      spdlog::error("disk tier: saved attention slot file {} is corrupt and will not be served: {}",
+                    o.path, st.message());
+      continue;
+    }
+    slot->gpu = srv.gpu_attention();
+    slot->generation = gen.value();
+    slot->source = rec->Get("source").ok() ? rec->Get("source").value() : std::string();
+    slot->obj = srv.residency()->CreateOnDisk(residency::Family::kAttention,
+                                              {slot->bytes_each(), slot->bytes_each()},
+                                              file.value(), {0, 1});
+    attention::NoteSlotGeneration(slot->generation);
+    const uint32_t tid = srv.users().TenantId(tenant.value());
+    const store::TenantKey key{tid, sid.value()};
+    const uint32_t l = static_cast<uint32_t>(layer.value());
+    auto& slots = srv.shard(srv.OwnerOf(tid, key.name)).store().attention;
+    slots.NoteVersion(key, l, o.version);
+    slots.Publish(key, l, slot);
+    slots.SetSaved(key, l, {file.value(), o.version, slot->generation});
+    ++found;
+  }
+  srv.disk_stats().objects_loaded.fetch_add(found);
+  if (found > 0) spdlog::info("disk tier: found {} saved attention slot(s) under {}", found, dir);
+  return Status::Ok();
 }
 
 // Four map entries: heads, rows, head_dim, dtype.
@@ -632,7 +826,12 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
               "attend_prefix", "+HIT when the slot is resident, +MISS otherwise.",
               "<sid> <layer>"});
   r.Register({"ATTEND.PREFIX.DROP", -2, kKv | kCmdWrite, 1, 1, 1, Drop, "attend_prefix",
-              "Drops one layer's slot, or every layer of the session; replies how many.",
+              "Drops one layer's slot, or every layer of the session (saved copies too); replies "
+              "how many.",
+              "<sid> [<layer>]"});
+  r.Register({"ATTEND.PREFIX.SAVE", -2, kKv | kCmdWrite, 1, 1, 1, Save, "attend_prefix",
+              "Makes one layer's slot, or every layer of the session, durable (a crash-safe "
+              "object file each); replies once they are on disk.",
               "<sid> [<layer>]"});
   r.Register({"ATTEND.PREFIX.EXPORT", -3, kKv | kCmdReadOnly | kCmdDeadline, 1, 1, 1, Export,
               "attend_prefix",
@@ -645,6 +844,7 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
               "<sid>"});
   RegisterQueryCommands(srv);
   srv.memory().set_family_limit(MemFamily::kAttention, srv.config().attention_memory);
+  srv.AddStartupHook(LoadSaved);
 }
 
 }  // namespace pion::families

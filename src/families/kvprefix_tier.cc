@@ -186,8 +186,8 @@ Status LoadDiskTier(server::Server& srv) {
     e->saved_complete = rec->complete;
     ++loaded;
   }
-  srv.disk_stats().objects_loaded.store(loaded);
-  srv.disk_stats().objects_corrupt.store(corrupt);
+  srv.disk_stats().objects_loaded.fetch_add(loaded);
+  srv.disk_stats().objects_corrupt.fetch_add(corrupt);
   if (loaded + corrupt > 0) {
     spdlog::info("disk tier: found {} saved prefix(es) under {}{}", loaded, dir,
                  corrupt ? fmt::format(" and {} corrupt one(s)", corrupt) : "");

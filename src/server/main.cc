@@ -3,12 +3,16 @@
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
 
 #include <filesystem>
 
 #include "families/families.h"
 #include "server/config.h"
 #include "server/server.h"
+#ifdef PION_FAULT_INJECTION
+#include "faults/fault_family.h"
+#endif
 
 int main(int argc, char** argv) {
   int exit_code = 0;
@@ -32,8 +36,18 @@ int main(int argc, char** argv) {
   spdlog::set_pattern("%Y-%m-%d %H:%M:%S.%e %^%l%$ [%t] %v");
   spdlog::flush_on(spdlog::level::info);
 
+  // Saved objects stay open while their bytes may be read: allow as many files as the hard
+  // limit does.
+  rlimit nofile{};
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &nofile);
+  }
   pion::server::Server server(std::move(config).value());
   pion::families::RegisterAll(server);
+#ifdef PION_FAULT_INJECTION
+  pion::faults::RegisterFaultFamily(server);  // test binary only
+#endif
   pion::Status s = server.Init();
   if (!s.ok()) {
     spdlog::error("cannot start: {}", s.message());

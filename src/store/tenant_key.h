@@ -4,6 +4,7 @@
 
 #include <xxhash.h>
 
+#include <compare>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -14,6 +15,7 @@ struct TenantKey {
   uint32_t tenant;
   std::string name;
   bool operator==(const TenantKey&) const = default;
+  auto operator<=>(const TenantKey&) const = default;
 };
 
 struct TenantKeyHash {
