@@ -639,3 +639,48 @@ def test_kill_loop_loses_no_acknowledged_save_and_serves_nothing_torn(pion_facto
     for sub in ("ssm", "state", "attention", "prefixes"):
         assert list((srv.data_dir / sub).glob("*.tmp")) == []
     assert int(srv.info("persistence")["disk_objects_corrupt"]) == 0
+
+
+# ------------------------------------------------------------------------------------------
+# Deadlines at the compute stage, and the typed approximate fallback
+# ------------------------------------------------------------------------------------------
+
+def _kv_dict(flat):
+    return {flat[i].decode() if isinstance(flat[i], bytes) else flat[i]: flat[i + 1]
+            for i in range(0, len(flat), 2)}
+
+
+def test_exact_query_is_refused_not_degraded_and_allow_approx_is_told(pion_factory):
+    srv = pion_factory("-w", "1", "--attention-backend", "cpu")
+    r = srv.client()
+    rng = np.random.default_rng(30)
+    h, n, d = 8, 16384, 128  # 64 MiB of K/V: a dense decode step takes milliseconds here
+    k = rng.standard_normal((h, n, d)).astype(np.float32)
+    v = rng.standard_normal((h, n, d)).astype(np.float32)
+    assert r.execute_command("ATTEND.PREFIX.STORE", "big", 0, h, n, d, f32(k), f32(v)) == b"OK"
+    q = rng.standard_normal((h, d)).astype(np.float32)
+    for _ in range(3):  # the measured rate the admission uses
+        exact = r.execute_command("ATTEND.PREFIX.QUERY", "big", 0, h, d, 0, f32(q))
+    # An exact request that cannot be met is refused, naming the stage — never answered sparse.
+    with srv.raw() as c:
+        reply = c.call("ATTEND.PREFIX.QUERY", "big", 0, h, d, 0, f32(q), "DEADLINE", 1)
+    assert isinstance(reply, RespError) and str(reply).startswith("TIMEOUT "), reply
+    assert "compute stage" in str(reply) and "ALLOW APPROX" in str(reply), reply
+    assert res(srv)["residency_refused_compute_deadline"] >= 1
+    # Allowed: a sparse answer, with a receipt that says so.
+    blob, receipt = r.execute_command("ATTEND.PREFIX.QUERY", "big", 0, h, d, 0, f32(q), "RECEIPT",
+                                      "DEADLINE", 2, "ALLOW", "APPROX")
+    rc = _kv_dict(receipt)
+    assert rc["exact"] in (0, False) and rc["form"] == b"sparse_auto", rc
+    assert b"approx" in rc["fallback"] and rc["blocks_chosen"] > 0, rc
+    assert rc["rows_attended"] < h * n
+    # It is exactly the sparse-auto answer the caller could have asked for.
+    k_top = int(rc["fallback"].split(b" over ")[2].split(b" blocks")[0])
+    same = r.execute_command("ATTEND.PREFIX.QUERY_SPARSE_AUTO", "big", 0, h, d, 64, k_top, h,
+                             f32(q), np.arange(h, dtype=np.int32).tobytes())
+    assert same == blob
+    assert np.abs(np.frombuffer(blob, np.float32) - np.frombuffer(exact, np.float32)).max() < 1.0
+    assert int(srv.info("attention")["attention_approx_fallbacks"]) == 1
+    # With time enough, ALLOW APPROX changes nothing: the exact answer.
+    assert r.execute_command("ATTEND.PREFIX.QUERY", "big", 0, h, d, 0, f32(q), "DEADLINE", 60000,
+                             "ALLOW", "APPROX") == exact

@@ -30,6 +30,7 @@ struct QueryJob {
   std::shared_ptr<residency::GpuPin> gpu;
   const char* tier = "host";
   std::string fallback;  // why it computed elsewhere than asked ("" when it did not)
+  residency::Deadline deadline = residency::kNoDeadline;
   attention::Plan plan;
   std::vector<BufferRef> hold;  // argument buffers the plan points into
   std::vector<int32_t> head_map;
@@ -243,6 +244,8 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
   rb.Double(r.micros);
 }
 
+uint64_t EstimatedMacs(const QueryJob& job);
+
 // What a query produced: status, output (+ LSE) and receipt.
 struct QueryResult {
   Status status;
@@ -254,6 +257,15 @@ struct QueryResult {
 QueryResult Execute(server::Server* srv, const QueryJob& job, const attention::Parallel& par) {
   const kernels::AttentionKernels& kern = Kernels(*srv);
   const attention::Slot& slot = *job.slot;
+  if (job.deadline != residency::kNoDeadline && residency::Clock::now() > job.deadline) {
+    // It waited in the queue past its deadline: nothing computed, the answer would be late.
+    srv->residency()->CountRefusal(residency::Stage::kCompute, residency::Refusal::kDeadline);
+    QueryResult late;
+    late.status =
+        Status(ErrorKind::kTimeout, "deadline passed while the query waited for a compute thread");
+    return late;
+  }
+  const auto started = std::chrono::steady_clock::now();
   if (job.summaries && !job.gpu) {
     std::call_once(job.summaries->filled, [&] {
       kern.Summarize(slot.Tensor(job.k), job.summaries->View(slot.heads, slot.d));
@@ -280,6 +292,10 @@ QueryResult Execute(server::Server* srv, const QueryJob& job, const attention::P
         attention::Run(kern, par, job.plan, slot.Tensor(job.k), slot.Tensor(job.v), o, lse, r);
   }
   auto& c = srv->attention_counters();
+  if (res.status.ok()) {
+    c.RecordRate(job.gpu != nullptr, EstimatedMacs(job),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  }
   c.queries[static_cast<int>(job.plan.form)].fetch_add(1, std::memory_order_relaxed);
   (r->exact ? c.exact : c.approximate).fetch_add(1, std::memory_order_relaxed);
   c.rows_attended.fetch_add(r->rows_attended, std::memory_order_relaxed);
@@ -360,12 +376,99 @@ bool HoldBytes(CommandContext& ctx, QueryJob* job) {
   return job->k && job->v;
 }
 
+// Seconds the job is expected to take to compute, behind the compute queue.
+double ComputeSeconds(server::Server* srv, const QueryJob& job, uint64_t macs) {
+  const bool gpu = job.gpu != nullptr;
+  const double per = srv->attention_counters().seconds_per_mac[gpu ? 1 : 0].load();
+  server::WorkerPool* pool = srv->compute();
+  const double queue =
+      static_cast<double>(pool->queued()) / std::max(1, pool->threads());  // jobs ahead a thread
+  return per * static_cast<double>(macs) * (1.0 + queue);
+}
+
+// The typed fallback of a dense decode step that cannot meet its deadline and whose caller
+// allows it (ALLOW APPROX): sparse-auto over the K_top best 64-row blocks (plus the first and
+// last), K_top as large as the time left allows. The receipt says so (exact 0, the form, the
+// omitted-mass estimate, fallback). False when even one block would be late.
+bool MakeApproximate(CommandContext& ctx, QueryJob* job, double left) {
+  const attention::Slot& slot = *job->slot;
+  constexpr uint32_t kBlock = 64;
+  const double per = ctx.server->attention_counters().seconds_per_mac[job->gpu ? 1 : 0].load();
+  const double rows = left / per / (double{1} * job->plan.q.hq * job->plan.q.d);
+  const uint64_t blocks = static_cast<uint64_t>(rows / kBlock);
+  if (blocks < 3) return false;
+  std::shared_ptr<attention::Summaries> summaries;
+  if (job->gpu) {
+    auto s = slot.SummariesFor(kBlock, ctx.server->gpu_budget());
+    if (!s.ok()) return false;
+    summaries = std::move(s).value();
+  } else if (!slot.gpu) {
+    auto s = slot.SummariesFor(kBlock,
+                               ctx.server->residency()->host_budget(residency::Family::kAttention));
+    if (!s.ok()) return false;
+    summaries = std::move(s).value();
+  } else {  // a GPU slot computed on the CPU: summaries of its own for this job
+    summaries = std::make_shared<attention::Summaries>();
+    summaries->block = kBlock;
+    summaries->nblocks = (slot.rows + kBlock - 1) / kBlock;
+    const size_t n = size_t{slot.heads} * summaries->nblocks * slot.d;
+    summaries->mean.resize(n);
+    summaries->min.resize(n);
+    summaries->max.resize(n);
+  }
+  job->summaries = std::move(summaries);
+  job->plan.form = Form::kSparseAuto;
+  job->plan.block = kBlock;
+  job->plan.k_top = static_cast<uint32_t>(std::min<uint64_t>(blocks - 2, 1u << 20));
+  job->plan.selector = kernels::BlockSelector::kMean;
+  job->plan.shared_blocks = false;
+  job->plan.summaries = job->summaries->View(slot.heads, slot.d);
+  job->with_lse = false;
+  char why[200];
+  std::snprintf(why, sizeof(why),
+                "%s%sapprox: dense over %u rows would pass the deadline; sparse-auto over %u "
+                "blocks of %u (ALLOW APPROX)",
+                job->fallback.c_str(), job->fallback.empty() ? "" : "; ", slot.rows,
+                job->plan.k_top, kBlock);
+  job->fallback = why;
+  ctx.server->attention_counters().approx_fallbacks.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+// Admission against the request's deadline (seed 004 §0x08L, §0x09K): a query the compute
+// stage cannot finish in time is refused now (-TIMEOUT naming the stage and the estimate),
+// never queued to answer late — or, with ALLOW APPROX, a dense decode step is answered sparse
+// with a receipt that says so. An exact request never becomes approximate by itself.
+bool Admit(CommandContext& ctx, QueryJob* job) {
+  job->deadline = ctx.deadline;
+  if (ctx.deadline == residency::kNoDeadline) return true;
+  const double left = std::chrono::duration<double>(ctx.deadline - residency::Clock::now()).count();
+  const uint64_t macs = EstimatedMacs(*job);
+  const double est = ComputeSeconds(ctx.server, *job, macs);
+  if (est <= left) return true;
+  const bool dense_decode =
+      job->plan.form == Form::kDense && job->plan.q.m == 1 && job->plan.k_suffix.rows == 0;
+  if (ctx.allow_approx && dense_decode && left > 0 && MakeApproximate(ctx, job, left)) return true;
+  ctx.server->residency()->CountRefusal(residency::Stage::kCompute, residency::Refusal::kDeadline);
+  char msg[240];
+  std::snprintf(msg, sizeof(msg),
+                "deadline cannot be met: %s attention of %llu multiply-adds is estimated at "
+                "%.2f ms on the %s (compute stage, %zu queued), %.2f ms left%s",
+                std::string(attention::FormName(job->plan.form)).c_str(),
+                static_cast<unsigned long long>(macs), est * 1e3, job->gpu ? "gpu" : "cpu",
+                ctx.server->compute()->queued(), std::max(0.0, left * 1e3),
+                dense_decode && !ctx.allow_approx ? "; ALLOW APPROX permits a sparse answer" : "");
+  ctx.Error(Status(ErrorKind::kTimeout, msg));
+  return false;
+}
+
 // Runs the job: small ones right here, the rest on the compute pool (the reply is written when
 // it finishes).
 void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
   server::Server* srv = ctx.server;
   server::Shard* shard = ctx.shard;
   if (!HoldBytes(ctx, job.get())) return;  // parked (promoted, then run again) or refused
+  if (!Admit(ctx, job.get())) return;      // the deadline cannot be met (and no fallback)
   if (EstimatedMacs(*job) <= (job->gpu ? kInlineGpuMacs : kInlineMacs)) {
     const QueryResult res = Execute(srv, *job, attention::Parallel{});
     srv->attention_counters().inline_queries.fetch_add(1, std::memory_order_relaxed);

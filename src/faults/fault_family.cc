@@ -11,13 +11,14 @@
 //             "vsnap"; "gpu" for copies); default any
 //   DEBUG.FAULT CLEAR
 //   DEBUG.FAULT LIST   -> one map per rule: point, action, left, delay_ms, target, fired
+#include "faults/fault_family.h"
+
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "common/faults.h"
 #include "families/args.h"
-#include "faults/fault_family.h"
 #include "server/server.h"
 
 namespace pion::faults {
