@@ -18,17 +18,19 @@ from pionlib import (SERVER_BIN, RespError, ServerFactory, encode, free_port, pa
 
 ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", "client",
                 "config", "info", "slowlog", "state.alloc", "state.write", "state.read",
-                "state.free", "state.info",
+                "state.free", "state.info", "state.save",
                 "v.create", "v.storebatch", "v.fetch", "v.info", "v.drop", "v.snapshot",
                 "v.restore", "v.commit",
-                "ssm.prefix.store", "ssm.prefix.fetch", "ssm.prefix.drop",
+                "ssm.prefix.store", "ssm.prefix.fetch", "ssm.prefix.drop", "ssm.prefix.save",
+                "ssm.prefix.info",
                 "kv.prefix.register", "kv.prefix.lookup", "kv.prefix.info", "kv.prefix.blocks",
                 "kv.prefix.membership", "kv.prefix.owner", "kv.prefix.drop",
                 "kv.prefix.save", "kv.prefix.warm",
                 "attend.prefix.store", "attend.prefix.lookup", "attend.prefix.drop",
                 "attend.prefix.info", "attend.prefix.query", "attend.prefix.query_fused",
                 "attend.prefix.query_sparse", "attend.prefix.query_sparse_auto",
-                "attend.prefix.query_sparse_auto_fused", "attend.prefix.export", "attend.create",
+                "attend.prefix.query_sparse_auto_fused", "attend.prefix.export",
+                "attend.prefix.save", "attend.create",
                 "attend.store", "attend.finalize", "attend.query", "attend.info", "attend.drop",
                 "kv.store", "kv.fetch", "kv.info", "kv.evict",
                 "shm.attach", "shm.reserve", "shm.release",
@@ -79,8 +81,8 @@ def test_command_count_list_info(shared_pion):
         # Flags are simple strings.
         assert info["ping"][1:3] == [-1, ["no_auth", "fast"]]
         assert info["echo"][1:3] == [2, ["fast"]]
-        assert info["state.read"][1:6] == [4, ["readonly"], 1, 1, 1]
-        assert info["state.alloc"][1:6] == [3, ["write", "denyoom"], 1, 1, 1]
+        assert info["state.read"][1:6] == [-4, ["readonly"], 1, 1, 1]  # then DEADLINE <ms>
+        assert info["state.alloc"][1:6] == [-3, ["write", "denyoom"], 1, 1, 1]
         assert info["state.info"][1:6] == [1, ["readonly"], 0, 0, 0]
         assert info["config"][1:3] == [-2, ["admin"]]
         assert info["shutdown"][2] == ["admin"]
@@ -102,7 +104,8 @@ def test_command_docs(shared_pion):
                         b"state.write", [b"summary",
                                          b"Overwrites bytes of a slot in place; never grows it.",
                                          b"since", b"0.1.0", b"group", b"state",
-                                         b"syntax", b"state.write <id> <offset> <data>"]]
+                                         b"syntax",
+                                         b"state.write <id> <offset> <data> [DEADLINE <ms>]"]]
         alldocs = c.call("COMMAND", "DOCS")
         assert {alldocs[i].decode() for i in range(0, len(alldocs), 2)} == ALL_COMMANDS
         assert c.call("COMMAND", "DOCS", "nope") == []

@@ -1149,10 +1149,10 @@ BAD = [
     (("ATTEND.PREFIX.QUERY", "e", 0, 2, 32, 0, Q2, "SHARED"),
      "^ERR unexpected argument 'SHARED'"),
     (("ATTEND.PREFIX.QUERY", "nosuch", 3, 2, 32, 0, Q2),
-     "=MISS no attention slot for session 'nosuch' layer 3 (never stored, dropped or evicted);"
+     "=MISS no attention slot for session 'nosuch' layer 3 (never stored, or dropped);"
      " ATTEND.PREFIX.STORE it"),
     (("ATTEND.PREFIX.QUERY", "e", 7, 2, 32, 0, Q2),
-     "=MISS no attention slot for session 'e' layer 7 (never stored, dropped or evicted);"
+     "=MISS no attention slot for session 'e' layer 7 (never stored, or dropped);"
      " ATTEND.PREFIX.STORE it"),
     (("ATTEND.PREFIX.QUERY", "e", "x", 2, 32, 0, Q2),
      "=ERR layer must be a non-negative integer, got 'x'"),

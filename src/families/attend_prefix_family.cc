@@ -80,8 +80,7 @@ StatusOr<attention::SlotRef> FindSlot(server::CommandContext& ctx, std::string_v
   ctx.server->attention_counters().misses.fetch_add(1, std::memory_order_relaxed);
   return Status(ErrorKind::kMiss,
                 "no attention slot for session '" + std::string(sid.substr(0, 128)) + "' layer " +
-                    std::to_string(layer) +
-                    " (never stored, dropped or evicted); ATTEND.PREFIX.STORE it");
+                    std::to_string(layer) + " (never stored, or dropped); ATTEND.PREFIX.STORE it");
 }
 
 const kernels::AttentionKernels& Kernels(server::Server&) { return kernels::CpuKernels(); }

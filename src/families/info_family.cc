@@ -171,8 +171,11 @@ void PersistenceSection(server::Server& srv, std::string& out) {
   Kv(out, "disk_saves", d.saves.load());
   Kv(out, "disk_save_failures", d.save_failures.load());
   Kv(out, "disk_warms", d.warms.load());
-  Kv(out, "disk_demotions", d.demotions.load());
-  Kv(out, "evictions", d.evictions.load());
+  const residency::Engine::Stats rs = srv.residency()->stats();
+  // Objects that left memory for disk (written, or dropped with a disk copy in place), and
+  // objects lost (their only copy failed validation): nothing is evicted any more.
+  Kv(out, "disk_demotions", rs.demotions[1][2] + rs.drops[1]);
+  Kv(out, "evictions", rs.lost_objects);
   Kv(out, "io_queued", static_cast<uint64_t>(srv.io() ? srv.io()->queued() : 0));
 }
 

@@ -368,12 +368,23 @@ std::vector<Engine::Victim> Engine::PickVictims(Tier tier, std::optional<Family>
       }
       o = prev;
     }
+    // Dirty victims are demotions in flight from now on (others waiting for room see them
+    // before their jobs start), until RoomStep hands them to those jobs.
+    if (!victims.empty() && need > *freed) ++demotions_in_flight_[T(tier)];
   }
   if (need <= *freed) {  // clean drops sufficed: nothing stays marked
     Unmark(victims);
     victims.clear();
   }
   return victims;
+}
+
+void Engine::EndPick(Tier tier) {
+  {
+    std::lock_guard dir(dir_mu_);
+    --demotions_in_flight_[T(tier)];
+  }
+  WakeRoomWaiters(tier);
 }
 
 void Engine::Unmark(const std::vector<Victim>& victims) {
@@ -478,6 +489,7 @@ void Engine::RoomStep(const std::shared_ptr<RoomRequest>& r) {
             std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(est)) >
         r->deadline) {
       Unmark(victims);
+      EndPick(tier);
       Refuse(stage, Refusal::kDeadline);
       return FinishRoom(
           r, Status(ErrorKind::kTimeout,
@@ -488,8 +500,12 @@ void Engine::RoomStep(const std::shared_ptr<RoomRequest>& r) {
     }
   }
   room_waits_.fetch_add(1, std::memory_order_relaxed);
-  if (tier == Tier::kHost) return Spill(std::move(victims), r);
-  DownloadVictims(std::move(victims), r);
+  if (tier == Tier::kHost) {
+    Spill(std::move(victims), r);
+  } else {
+    DownloadVictims(std::move(victims), r);
+  }
+  EndPick(tier);  // the jobs count themselves now
 }
 
 void Engine::Spill(std::vector<Victim> victims, std::shared_ptr<RoomRequest> r) {

@@ -228,6 +228,8 @@ class Engine {
                     std::shared_ptr<std::atomic<size_t>> left);
   void DownloadVictims(std::vector<Victim> victims, std::shared_ptr<RoomRequest> r);
   void Unmark(const std::vector<Victim>& victims);
+  // The dirty victims of one PickVictims were handed to their jobs (or given back).
+  void EndPick(Tier tier);
 
   // Promotion.
   void RequireImpl(std::vector<ObjectRef> objs, Tier tier, Deadline deadline, PinnedDone done,

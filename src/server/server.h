@@ -107,8 +107,6 @@ class Server {
     std::atomic<uint64_t> saves{0};
     std::atomic<uint64_t> save_failures{0};
     std::atomic<uint64_t> warms{0};
-    std::atomic<uint64_t> demotions{0};  // memory copies dropped for room (disk copy kept)
-    std::atomic<uint64_t> evictions{0};  // unsaved namespaces dropped for room (data lost)
   };
   DiskStats& disk_stats() { return disk_stats_; }
 

@@ -13,9 +13,9 @@ Errors raise pion.PionError subclasses carrying the server's text.
 from .attend import AttendResult, merge_lse, parse_receipt
 from .binary import BinaryClient, FrameError
 from .client import Client
-from .errors import (AuthError, BusyError, CommandError, CorruptError, DeviceError, IoError,
-                     MismatchError, MissError, NoAuthError, NoPermError, OomError,
-                     PionConnectionError, PionError, WrongPassError)
+from .errors import (AuthError, BusyError, CommandError, CorruptError, DeadlineError,
+                     DeviceError, IoError, MismatchError, MissError, NoAuthError, NoPermError,
+                     OomError, PionConnectionError, PionError, WrongPassError)
 from .ssm import deserialize_arrays, serialize_arrays
 
 __version__ = "0.1.0"
@@ -23,7 +23,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Client", "BinaryClient", "FrameError", "AttendResult", "merge_lse", "parse_receipt", "serialize_arrays",
     "deserialize_arrays", "PionError", "CommandError", "OomError", "BusyError",
-    "MismatchError", "MissError", "CorruptError", "IoError", "DeviceError", "AuthError",
+    "MismatchError", "MissError", "CorruptError", "IoError", "DeviceError", "DeadlineError",
+    "AuthError",
     "NoAuthError",
     "WrongPassError", "NoPermError", "PionConnectionError",
 ]

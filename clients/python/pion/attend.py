@@ -169,7 +169,7 @@ class Attend:
         self._c.execute(*args)
 
     def lookup(self, sid: str, layer: int) -> bool:
-        """True when the slot is resident."""
+        """True when the slot exists (on the GPU, in memory or on disk)."""
         return _wire.status(self._c.execute("ATTEND.PREFIX.LOOKUP", sid, int(layer))) == "HIT"
 
     def drop(self, sid: str, layer: int | None = None) -> int:
@@ -177,9 +177,15 @@ class Attend:
         args = ["ATTEND.PREFIX.DROP", sid] + ([int(layer)] if layer is not None else [])
         return int(self._c.execute(*args))
 
+    def save(self, sid: str, layer: int | None = None) -> None:
+        """ATTEND.PREFIX.SAVE: one layer's slot, or every layer of the session, durably on disk
+        (returns once they are); saved slots survive a restart."""
+        args = ["ATTEND.PREFIX.SAVE", sid] + ([int(layer)] if layer is not None else [])
+        self._c.execute(*args)
+
     def info(self, sid: str) -> list[dict]:
-        """One dict per resident layer: layer, heads, rows, head_dim, dtype, bytes,
-        generation, source, backend."""
+        """One dict per layer: layer, heads, rows, head_dim, dtype, bytes, tier (gpu, host or
+        disk), generation, source, backend."""
         return [_wire.parse_map(m) for m in self._c.execute("ATTEND.PREFIX.INFO", sid)]
 
     def export(self, sid: str, layer: int) -> dict:
@@ -207,7 +213,7 @@ class Attend:
             [_parse_export(r) for r in reply]
 
     def release_export(self, lease: int) -> bool:
-        """SHM.RELEASE of an export's lease (the slot's GPU copy may be evicted again)."""
+        """SHM.RELEASE of an export's lease (the slot's GPU copy may leave the GPU again)."""
         return self.release_exports([lease]) == 1
 
     def release_exports(self, leases, wait: bool = True) -> int | None:

@@ -47,13 +47,19 @@ class MismatchError(PionError):
 
 
 class MissError(PionError):
-    """-MISS: no such resident object (e.g. an attention slot never stored or evicted)."""
+    """-MISS: no such object (e.g. an attention slot never stored, or dropped)."""
     prefix = "MISS"
 
 
 class CorruptError(PionError):
     """-CORRUPT: a disk copy failed validation (checksum, truncation); never served."""
     prefix = "CORRUPT"
+
+
+class DeadlineError(PionError):
+    """-TIMEOUT: the request's DEADLINE cannot be (or was not) met; the message names the stage
+    (disk_read, gpu_upload, host_room, compute, ...). Nothing was changed."""
+    prefix = "TIMEOUT"
 
 
 class IoError(PionError):
@@ -95,6 +101,7 @@ class FullTextError(rex.ResponseError):
 
 _BY_PREFIX = {cls.prefix: cls for cls in (CommandError, OomError, BusyError, MismatchError,
                                           MissError, CorruptError, IoError, DeviceError,
+                                          DeadlineError,
                                           NoAuthError, WrongPassError, NoPermError)}
 
 # Prefixes redis-py leaves in the message (it only strips those it knows).

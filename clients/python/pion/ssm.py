@@ -131,6 +131,15 @@ class SSM:
         return self._c.execute("SSM.PREFIX.FETCH", sid, int(layer))
 
     def drop(self, sid: str, layer: int | None = None) -> None:
-        """Drops one layer, or every layer of the session (idempotent)."""
+        """Drops one layer, or every layer of the session and its saved copy (idempotent)."""
         args = ["SSM.PREFIX.DROP", sid] + ([int(layer)] if layer is not None else [])
         self._c.execute(*args)
+
+    def save(self, sid: str) -> None:
+        """SSM.PREFIX.SAVE: every layer of the session durably on disk (returns once it is);
+        it survives a restart."""
+        self._c.execute("SSM.PREFIX.SAVE", sid)
+
+    def info(self, sid: str) -> dict:
+        """{'layers', 'bytes', 'bytes_host', 'bytes_disk_only', 'saved_version', 'dirty'}."""
+        return _wire.parse_map(self._c.execute("SSM.PREFIX.INFO", sid))

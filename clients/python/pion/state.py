@@ -56,6 +56,11 @@ class State:
         """Frees the slot; True when it existed."""
         return bool(self._c.execute("STATE.FREE", slot_id))
 
+    def save(self, slot_id: str) -> None:
+        """STATE.SAVE: the slot's bytes durably on disk (returns once they are); it survives a
+        restart with them."""
+        self._c.execute("STATE.SAVE", slot_id)
+
     def info(self) -> dict:
         """{'slots', 'bytes'} of the caller's tenant."""
         return _wire.parse_map(self._c.execute("STATE.INFO"))
