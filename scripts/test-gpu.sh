@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU tests (make test-gpu), on a machine with an NVIDIA GPU:
-#   1. gpu_attention_test: every CUDA kernel and form against the scalar reference, plus GPU
-#      slot residency;
+#   1. gpu_attention_test: every CUDA kernel and form against the scalar reference, plus the
+#      residency engine's GPU tier (promotion, demotion of unpinned replicas, pins);
 #   2. compute-sanitizer: memcheck and synccheck on the Smoke cases (every kernel, the cluster
 #      decode's 16- and 32-key tiles), racecheck on them and on the one-launch SHARED
 #      sparse-auto's test;
-#   3. the Stage 2 end-to-end suites against a real pion-server with --attention-backend cuda;
+#   3. the Stage 2 and residency end-to-end suites against a real pion-server with
+#      --attention-backend cuda (and pion-server-faults for the failed-GPU-copy case);
 #   4. the transformers integration (tests/test_hf.py: Stage 1 over TCP, shm and CUDA IPC; Stage 2).
 # PION_GPU_BIN names the directory with pion-server and gpu_attention_test (default: build).
 set -euo pipefail
@@ -21,7 +22,7 @@ if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/comp
   # --num-cuda-barriers: room to track every mbarrier of a test's launches (the default table
   # overflows over the cluster kernels' many launches: synccheck then fails the launch, and
   # racecheck reports hazards against barriers it no longer tracks).
-  smoke='GpuExecutor.Smoke:GpuSlotsTest.*'
+  smoke='GpuExecutor.Smoke:GpuTier.*'
   run() { "$CS" --tool "$1" --num-cuda-barriers 65536 --error-exitcode 1 \
     "$BIN/gpu_attention_test" --gtest_filter="$2"; }
   run memcheck "$smoke"
@@ -33,7 +34,9 @@ else
   exit 1
 fi
 PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda" \
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_attend_prefix.py tests/test_attend_gpu.py
+  PION_FAULT_SERVER="$BIN/pion-server-faults" \
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_attend_prefix.py tests/test_attend_gpu.py \
+  tests/test_residency.py
 # The transformers integration (skipped with the reason where transformers is not installed).
 PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda --gpu-memory 8gb" \
   "$PY" -m pytest -q -p no:cacheprovider tests/test_hf.py

@@ -886,24 +886,31 @@ void Engine::DiskToHost(const std::shared_ptr<Transfer>& t, bool room_made) {
   }
   if (!src) return FailTransfer(t, Status(ErrorKind::kCorrupt, "object lost its disk copy"));
   meters_[kDiskReadPath].Queue(o->bytes_);
-  auto shared_charge = std::make_shared<std::unique_ptr<Charge>>(std::move(charge).value());
-  auto job = [this, t, src, shared_charge]() {
+  // The blocks of one object are read in parallel across the I/O threads when they are large
+  // (an attention slot's K and V): the last job to finish publishes.
+  struct Read {
+    std::vector<BufferRef> blocks;
+    std::vector<Status> status;
+    std::atomic<size_t> left{0};
+    std::unique_ptr<Charge> charge;
+    Clock::time_point t0 = Clock::now();
+  };
+  auto rd = std::make_shared<Read>();
+  rd->blocks.resize(o->sizes_.size());
+  rd->status.resize(o->sizes_.size());
+  rd->charge = std::move(charge).value();
+  std::vector<std::vector<size_t>> jobs;
+  constexpr uint64_t kParallelBlock = 1 << 20;
+  for (size_t i = 0; i < o->sizes_.size(); ++i) {
+    if (jobs.empty() || o->sizes_[i] >= kParallelBlock) jobs.emplace_back();
+    jobs.back().push_back(i);
+  }
+  rd->left.store(jobs.size());
+  auto finish = [this, t, src, rd]() {
     Object* o = t->obj.get();
-    const auto t0 = Clock::now();
-    auto h = std::make_shared<HostReplica>();
     Status s;
-    for (size_t i = 0; i < o->sizes_.size() && s.ok(); ++i) {
-      auto b = o->alloc_->Allocate(o->sizes_[i]);
-      if (!b.ok()) {
-        s = b.status();
-        break;
-      }
-      s = src->file->ReadBlock(src->blocks[i], b.value()->data());
-      backend_reads_.fetch_add(1, std::memory_order_relaxed);
-      if (s.ok() && src->file->file().block_length(src->blocks[i]) != o->sizes_[i]) {
-        s = Status(ErrorKind::kCorrupt, src->file->path() + ": block has the wrong size");
-      }
-      h->blocks.push_back(std::move(b).value());
+    for (const Status& x : rd->status) {
+      if (s.ok() && !x.ok()) s = x;
     }
     meters_[kDiskReadPath].Unqueue(o->bytes_);
     if (!s.ok()) {
@@ -922,19 +929,44 @@ void Engine::DiskToHost(const std::shared_ptr<Transfer>& t, bool room_made) {
             if (o->loss_counter_) o->loss_counter_->fetch_add(1, std::memory_order_relaxed);
           }
         }
+      } else if (s.kind() == ErrorKind::kBusy) {
+        Refuse(Stage::kDiskRead, Refusal::kCredits);
       } else {
         Refuse(Stage::kDiskRead, Refusal::kIo);
       }
       return FailTransfer(t, s);
     }
-    meters_[kDiskReadPath].Record(o->bytes_, Seconds(t0, Clock::now()));
-    h->charge = std::move(*shared_charge);
+    meters_[kDiskReadPath].Record(o->bytes_, Seconds(rd->t0, Clock::now()));
+    auto h = std::make_shared<HostReplica>();
+    h->blocks = std::move(rd->blocks);
+    h->charge = std::move(rd->charge);
     CompleteHost(t, std::move(h), Tier::kDisk);
   };
-  if (!opts_.run_io || !opts_.run_io(job)) {
-    meters_[kDiskReadPath].Unqueue(o->bytes_);
-    Refuse(Stage::kDiskRead, Refusal::kCredits);
-    FailTransfer(t, Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
+  for (auto& idx : jobs) {
+    auto job = [this, t, src, rd, idx, finish]() {
+      Object* o = t->obj.get();
+      for (size_t i : idx) {
+        auto b = o->alloc_->Allocate(o->sizes_[i]);
+        if (!b.ok()) {
+          rd->status[i] = b.status();
+          continue;
+        }
+        Status s = src->file->ReadBlock(src->blocks[i], b.value()->data());
+        backend_reads_.fetch_add(1, std::memory_order_relaxed);
+        if (s.ok() && src->file->file().block_length(src->blocks[i]) != o->sizes_[i]) {
+          s = Status(ErrorKind::kCorrupt, src->file->path() + ": block has the wrong size");
+        }
+        rd->status[i] = s;
+        rd->blocks[i] = std::move(b).value();
+      }
+      if (rd->left.fetch_sub(1) == 1) finish();
+    };
+    if (!opts_.run_io || !opts_.run_io(job)) {
+      for (size_t i : idx) {
+        rd->status[i] = Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later");
+      }
+      if (rd->left.fetch_sub(1) == 1) finish();
+    }
   }
 }
 
