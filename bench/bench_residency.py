@@ -157,7 +157,10 @@ def main() -> int:
         store_slots(r, a.slots, a.heads, rows, a.d, np.random.default_rng(1))
         for sid in range(a.slots):
             query(r, f"s{sid}", a.heads, a.d, q)  # warm: summaries, caches, rates
-        resident = [query(r, f"s{sid}", a.heads, a.d, q) for sid in order]
+        resident = []
+        for sid in order:  # the same commands as run 2: the tier asked, then the query
+            tier_of(r, f"s{sid}")
+            resident.append(query(r, f"s{sid}", a.heads, a.d, q))
     finally:
         proc.kill()
         proc.wait()
@@ -196,9 +199,9 @@ def main() -> int:
         "# Residency: query latency by the tier the slot was in (%s)" % a.backend, "",
         "- date: %s; machine: %s, %d cores; %s" % (
             datetime.date.today().isoformat(), platform.processor() or platform.machine(),
-            os.cpu_count(), subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short",
-                                            "HEAD"], capture_output=True,
-                                           text=True).stdout.strip()),
+            os.cpu_count(), os.environ.get("PION_COMMIT") or subprocess.run(
+                ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                text=True).stdout.strip()),
         "- command: `%s`" % " ".join(["python3", "bench/bench_residency.py"] + sys.argv[1:]),
         "- %d slots of %.1f MiB (H=%d N=%d D=%d fp32, K and V), %.0f MiB in all; %d queries "
         "(M = 1 dense, RESP over loopback), Zipf s=%.2f; budgets for run 2: %s" % (

@@ -15,10 +15,11 @@ from pathlib import Path
 import redis
 
 REPO = Path(__file__).resolve().parent.parent
-SERVER_BIN = os.environ.get("PION_SERVER") or str(REPO / "build" / "pion-server")
+# Relative paths are taken from the directory pytest was started in (servers run elsewhere).
+SERVER_BIN = os.path.abspath(os.environ.get("PION_SERVER") or REPO / "build" / "pion-server")
 # The fault-injection test build (DEBUG.FAULT): beside pion-server unless named.
-FAULT_SERVER_BIN = os.environ.get("PION_FAULT_SERVER") or str(
-    Path(SERVER_BIN).parent / "pion-server-faults")
+FAULT_SERVER_BIN = os.path.abspath(os.environ.get("PION_FAULT_SERVER") or
+                                   Path(SERVER_BIN).parent / "pion-server-faults")
 HOST = "127.0.0.1"
 # Flags added to every test server, e.g. PION_TEST_SERVER_ARGS="--attention-backend cuda" runs
 # the suites against the CUDA backend on the GPU machine (make test-gpu).

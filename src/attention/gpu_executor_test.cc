@@ -700,9 +700,44 @@ TEST(GpuTier, DemotesUnpinnedReplicasOnlyAndPromotesBack) {
   EXPECT_EQ(back, half);
   EXPECT_FALSE(b->Resident(residency::Tier::kGpu));
   again.Reset();
+  engine->SetGpuLimit(1 << 20);  // below what a holds: its copy leaves at once
+  EXPECT_FALSE(a->Resident(residency::Tier::kGpu));
+  EXPECT_EQ(engine->gpu_budget().used(), 0u);
   a.reset();
   b.reset();
   EXPECT_EQ(engine->gpu_budget().used(), 0u);
+}
+
+// Uploads straight from page-locked memory and through staging give the same bytes: a pinned
+// block, a small plain one and a plain one larger than the staging buffers, back to back.
+TEST(GpuTier, UploadsFromPinnedAndPlainMemoryByteExact) {
+  SKIP_WITHOUT_GPU();
+  auto pinned = gpu::PinnedHostAllocator()->Allocate(24 << 20);
+  ASSERT_TRUE(pinned.ok());
+  EXPECT_TRUE(gpu::IsPinned(pinned.value()->data(), pinned.value()->size()));
+  auto small = BufferAllocator::Default()->Allocate(4096 + 17);
+  auto large = BufferAllocator::Default()->Allocate((20 << 20) + 3);
+  ASSERT_TRUE(small.ok() && large.ok());
+  EXPECT_FALSE(gpu::IsPinned(large.value()->data(), large.value()->size()));
+  uint32_t x = 12345;
+  std::vector<gpu::HostSpan> spans;
+  std::vector<uint8_t> want;
+  for (BufferRef b : {pinned.value(), small.value(), large.value()}) {
+    for (size_t i = 0; i < b->size(); ++i)
+      b->data()[i] = static_cast<uint8_t>((x = x * 1664525u + 1013904223u) >> 24);
+    spans.push_back({b->data(), b->size()});
+    want.insert(want.end(), b->data(), b->data() + b->size());
+  }
+  auto mem = gpu::Allocate(want.size());
+  ASSERT_TRUE(mem.ok());
+  gpu::Event done;
+  ASSERT_TRUE(gpu::Upload(mem.value(), spans, &done).ok());
+  // And back into page-locked memory (a demotion's path).
+  auto back = gpu::PinnedHostAllocator()->Allocate(want.size());
+  ASSERT_TRUE(back.ok());
+  ASSERT_TRUE(gpu::Download(back.value()->data(), mem.value().data(), want.size()).ok());
+  EXPECT_EQ(0, std::memcmp(back.value()->data(), want.data(), want.size()));
+  EXPECT_FALSE(gpu::Upload(mem.value(), {{want.data(), want.size() + 1}}, nullptr).ok());
 }
 
 }  // namespace

@@ -107,6 +107,12 @@ kernels::DType StorageType(server::Server& srv, codec::Format source) {
   return StorageType(srv);
 }
 
+// Where a slot's host copy lives: under the cuda backend in page-locked memory, so that a
+// promotion to the GPU is one DMA from it (and a demotion lands in it) at link speed.
+BufferAllocator* HostAllocator(const attention::Slot& slot) {
+  return slot.gpu ? gpu::PinnedHostAllocator() : BufferAllocator::Default();
+}
+
 // fp32 [rows][d] → the storage type, into dst.
 void ConvertRows(const float* src, size_t n_rows, uint32_t d, kernels::DType t, uint8_t* dst) {
   if (t == kernels::DType::kF32) {
@@ -181,20 +187,18 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
   server::Server* srvp = &srv;
   const int shard_id = ctx.shard->id();
   const residency::Deadline deadline = ctx.deadline;
-  if (slot->dtype == kernels::DType::kF32) {
+  if (slot->dtype == kernels::DType::kF32 && !slot->gpu) {
     slot->obj = srv.residency()->CreateInHost(residency::Family::kAttention, {src[0], src[1]},
                                               std::move(charge));
-    if (!slot->gpu) {
-      slot->generation = attention::NextSlotGeneration();
-      ctx.shard->store().attention.Publish(sid, layer, std::move(slot));
-      srv.attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
-      return ctx.rb->Ok();
-    }
-    return Finish(srvp, shard_id, slot, sid, layer, false, deadline, ctx.Defer());
+    slot->generation = attention::NextSlotGeneration();
+    ctx.shard->store().attention.Publish(sid, layer, std::move(slot));
+    srv.attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
+    return ctx.rb->Ok();
   }
+  // Converted (fp16), or copied into page-locked memory under the cuda backend.
   BufferRef dst[2];
   for (BufferRef& b : dst) {
-    auto a = BufferAllocator::Default()->Allocate(slot->bytes_each());
+    auto a = HostAllocator(*slot)->Allocate(slot->bytes_each());
     if (!a.ok()) return ctx.Error(a.status());
     b = std::move(a).value();
   }
@@ -206,7 +210,7 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
       const size_t a = elems * p / pieces, b = elems * (p + 1) / pieces;
       for (int i = 0; i < 2; ++i) {
         ConvertRows(reinterpret_cast<const float*>(src[i]->data()) + a, b - a, 1, slot->dtype,
-                    dst[i]->data() + a * 2);
+                    dst[i]->data() + a * kernels::DTypeSize(slot->dtype));
       }
     };
     if (pool != nullptr) {
@@ -215,7 +219,7 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
       run(0);
     }
     slot->obj = srvp->residency()->CreateInHost(residency::Family::kAttention, {dst[0], dst[1]},
-                                                std::move(*shared_charge));
+                                                std::move(*shared_charge), HostAllocator(*slot));
   };
   if (elems < (1u << 20) && !slot->gpu) {
     convert(nullptr);
@@ -389,29 +393,29 @@ void StoreFrom(CommandContext& ctx, CmdArgs& args) {
     slot->dtype = StorageType(*srv, src->codec.format());
     slot->gpu = srv->gpu_attention();
     slot->source = ns.name + "@" + std::to_string(src->publication);
-    ChargeHostLater(*srv, residency::Family::kAttention, slot->bytes(), deadline,
-                    [srv, src, slot, sid, layer, sid_shard, reply, fail,
-                     deadline](StatusOr<std::unique_ptr<Charge>> charge) {
-                      if (!charge.ok()) return fail(charge.status());
-                      auto kb = BufferAllocator::Default()->Allocate(slot->bytes_each());
-                      auto vb = BufferAllocator::Default()->Allocate(slot->bytes_each());
-                      if (!kb.ok() || !vb.ok()) return fail(kb.ok() ? vb.status() : kb.status());
-                      auto held =
-                          std::make_shared<std::unique_ptr<Charge>>(std::move(charge).value());
-                      BufferRef k = std::move(kb).value(), v = std::move(vb).value();
-                      bool queued = srv->compute()->Submit(
-                          [srv, src, slot, sid, layer, sid_shard, reply, deadline, held, k, v]() {
-                            DecodeLayer(*srv->compute(), *src, layer, *slot, k, v);
-                            src->pins.reset();  // the namespace's chunks may leave memory again
-                            slot->obj = srv->residency()->CreateInHost(
-                                residency::Family::kAttention, {k, v}, std::move(*held));
-                            Finish(srv, sid_shard, slot, sid, layer, true, deadline, reply);
-                          });
-                      if (!queued) {
-                        srv->shard(sid_shard).stats().Reject(server::RejectReason::kBusy);
-                        fail(Status(ErrorKind::kBusy, "the compute queue is full; retry later"));
-                      }
-                    });
+    ChargeHostLater(
+        *srv, residency::Family::kAttention, slot->bytes(), deadline,
+        [srv, src, slot, sid, layer, sid_shard, reply, fail,
+         deadline](StatusOr<std::unique_ptr<Charge>> charge) {
+          if (!charge.ok()) return fail(charge.status());
+          auto kb = HostAllocator(*slot)->Allocate(slot->bytes_each());
+          auto vb = HostAllocator(*slot)->Allocate(slot->bytes_each());
+          if (!kb.ok() || !vb.ok()) return fail(kb.ok() ? vb.status() : kb.status());
+          auto held = std::make_shared<std::unique_ptr<Charge>>(std::move(charge).value());
+          BufferRef k = std::move(kb).value(), v = std::move(vb).value();
+          bool queued = srv->compute()->Submit(
+              [srv, src, slot, sid, layer, sid_shard, reply, deadline, held, k, v]() {
+                DecodeLayer(*srv->compute(), *src, layer, *slot, k, v);
+                src->pins.reset();  // the namespace's chunks may leave memory again
+                slot->obj = srv->residency()->CreateInHost(residency::Family::kAttention, {k, v},
+                                                           std::move(*held), HostAllocator(*slot));
+                Finish(srv, sid_shard, slot, sid, layer, true, deadline, reply);
+              });
+          if (!queued) {
+            srv->shard(sid_shard).stats().Reject(server::RejectReason::kBusy);
+            fail(Status(ErrorKind::kBusy, "the compute queue is full; retry later"));
+          }
+        });
   };
 
   // Step 1, on the namespace's shard.
@@ -634,7 +638,7 @@ Status LoadSaved(server::Server& srv) {
     slot->source = rec->Get("source").ok() ? rec->Get("source").value() : std::string();
     slot->obj = srv.residency()->CreateOnDisk(residency::Family::kAttention,
                                               {slot->bytes_each(), slot->bytes_each()},
-                                              file.value(), {0, 1});
+                                              file.value(), {0, 1}, HostAllocator(*slot));
     attention::NoteSlotGeneration(slot->generation);
     const uint32_t tid = srv.users().TenantId(tenant.value());
     const store::TenantKey key{tid, sid.value()};

@@ -703,8 +703,15 @@ void Engine::DownloadVictims(std::vector<Victim> victims, std::shared_ptr<RoomRe
 
 void Engine::SetGpuLimit(uint64_t bytes) {
   gpu_.set_limit(bytes);
-  if (gpu_.used() > bytes) {
-    MakeRoom(Tier::kGpu, Family::kAttention, 0, kNoDeadline, [](const Status&) {});
+  const uint64_t used = gpu_.used();
+  if (used <= bytes) return;
+  // Over the new limit: copies with a host copy beside them go now; GPU-only ones are
+  // downloaded first (then at least the rest of the excess is demoted, asynchronously).
+  const uint64_t over = used - bytes;
+  if (ReclaimClean(Tier::kGpu, std::nullopt, over) >= over) return;
+  const uint64_t now = gpu_.used();
+  if (now > bytes) {
+    MakeRoom(Tier::kGpu, Family::kAttention, now - bytes, kNoDeadline, [](const Status&) {});
   }
 }
 
@@ -1069,19 +1076,9 @@ StatusOr<std::shared_ptr<GpuReplica>> Engine::Upload(const Object& o,
   }
   auto g = std::make_shared<GpuReplica>(std::move(mem).value(), offsets, &gpu_, o.bytes_);
   const uint64_t fence = g->memory().id();
-  Status s = gpu::Upload(
-      g->memory(), o.bytes_,
-      [&](uint8_t* staging, uint64_t at, uint64_t n) {
-        while (n > 0) {  // the blocks back to back
-          size_t i = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), at) -
-                                         offsets.begin() - 1);
-          const uint64_t in = at - offsets[i];
-          const uint64_t take = std::min(n, o.sizes_[i] - in);
-          std::memcpy(staging, src[i]->data() + in, take);
-          staging += take, at += take, n -= take;
-        }
-      },
-      &g->mutable_ready());
+  std::vector<gpu::HostSpan> spans;
+  for (size_t i = 0; i < src.size(); ++i) spans.push_back({src[i]->data(), o.sizes_[i]});
+  Status s = gpu::Upload(g->memory(), spans, &g->mutable_ready());
   if (s.ok() && g->memory().id() != fence) {
     s = Status(ErrorKind::kDevice, "GPU copy completed into a reused allocation");
   }

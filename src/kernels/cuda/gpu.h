@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/buffer.h"
 #include "common/status.h"
 
 namespace pion::gpu {
@@ -135,12 +136,25 @@ class Context {
   size_t counters_n_ = 0;
 };
 
-// Copies `bytes` into `dst` through pinned staging on a dedicated copy stream: fill(staging,
-// offset, n) writes the next n bytes (so callers can convert on the way). Returns once the copy
-// completed and its id fence still matched; `done` (if given) is recorded after the last copy.
-Status Upload(DeviceMemory& dst, uint64_t bytes,
-              const std::function<void(uint8_t* staging, uint64_t offset, uint64_t n)>& fill,
-              Event* done);
+// Host memory the GPU copies by DMA at link speed (page-locked, registered with the driver):
+// where the host replicas of GPU-resident objects live, so that a promotion host -> GPU is one
+// transfer straight from them and a demotion GPU -> host lands in them directly. Freed regions
+// are kept for reuse (registering pins every page). Without a device: BufferAllocator::Default().
+BufferAllocator* PinnedHostAllocator();
+// Whether [p, p + n) lies in one page-locked region of PinnedHostAllocator().
+bool IsPinned(const void* p, size_t n);
+
+// Host bytes to upload, in order.
+struct HostSpan {
+  const void* data;
+  uint64_t size;
+};
+
+// Copies the spans back to back into `dst` on a dedicated copy stream: spans in page-locked
+// memory (IsPinned) go straight from where they are, others through two pinned staging buffers
+// (a memcpy each). Returns once the copy completed and the allocation's id fence still
+// matched; `done` (if given) is recorded after the last copy.
+Status Upload(DeviceMemory& dst, const std::vector<HostSpan>& src, Event* done);
 
 // A CUDA IPC handle (cudaIpcMemHandle_t, 64 bytes) for the device allocation that starts at
 // `base` (a DeviceMemory's data()): another process on the same GPU opens it with

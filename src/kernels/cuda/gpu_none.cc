@@ -44,10 +44,9 @@ Status Context::Memset(void*, int, size_t) { return NoCuda(); }
 Status Context::Sync() { return NoCuda(); }
 Status Context::CheckLaunch(const char*) { return NoCuda(); }
 
-Status Upload(DeviceMemory&, uint64_t, const std::function<void(uint8_t*, uint64_t, uint64_t)>&,
-              Event*) {
-  return NoCuda();
-}
+BufferAllocator* PinnedHostAllocator() { return BufferAllocator::Default(); }
+bool IsPinned(const void*, size_t) { return false; }
+Status Upload(DeviceMemory&, const std::vector<HostSpan>&, Event*) { return NoCuda(); }
 StatusOr<std::string> IpcHandle(const void*) { return NoCuda(); }
 Status Download(void*, const void*, size_t) { return NoCuda(); }
 Status CudaError(int, const char*) { return NoCuda(); }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -362,25 +363,36 @@ struct Stager {
 
 }  // namespace
 
-Status Upload(DeviceMemory& dst, uint64_t bytes,
-              const std::function<void(uint8_t*, uint64_t, uint64_t)>& fill, Event* done) {
+Status Upload(DeviceMemory& dst, const std::vector<HostSpan>& src, Event* done) {
   if (!Info().present) return Status(ErrorKind::kDevice, "no CUDA device: " + Info().reason);
+  uint64_t bytes = 0;
+  for (const HostSpan& h : src) bytes += h.size;
   if (bytes > dst.size()) return Status(ErrorKind::kDevice, "upload larger than its block");
   thread_local std::unique_ptr<Stager> stager;
   if (!stager) stager = std::make_unique<Stager>();
   if (!stager->ok) return Status(ErrorKind::kOom, "cannot create pinned upload staging");
   const uint64_t fence = dst.id();
-  uint8_t* base = static_cast<uint8_t*>(dst.data());
+  uint8_t* to = static_cast<uint8_t*>(dst.data());
   int i = 0;
-  for (uint64_t off = 0; off < bytes; off += Stager::kChunk, i ^= 1) {
-    const uint64_t n = std::min<uint64_t>(Stager::kChunk, bytes - off);
-    // The staging buffer is reused only after its previous copy completed.
-    PION_CUDA_TRY(cudaEventSynchronize(stager->used[i]), "staging reuse");
-    fill(static_cast<uint8_t*>(stager->buf[i]), off, n);
-    PION_CUDA_TRY(
-        cudaMemcpyAsync(base + off, stager->buf[i], n, cudaMemcpyHostToDevice, stager->stream),
-        "upload");
-    PION_CUDA_TRY(cudaEventRecord(stager->used[i], stager->stream), "upload event");
+  for (const HostSpan& h : src) {
+    const uint8_t* from = static_cast<const uint8_t*>(h.data);
+    if (IsPinned(from, h.size)) {  // one DMA from where the bytes are
+      PION_CUDA_TRY(cudaMemcpyAsync(to, from, h.size, cudaMemcpyHostToDevice, stager->stream),
+                    "upload");
+      to += h.size;
+      continue;
+    }
+    for (uint64_t off = 0; off < h.size; off += Stager::kChunk, i ^= 1) {
+      const uint64_t n = std::min<uint64_t>(Stager::kChunk, h.size - off);
+      // The staging buffer is reused only after its previous copy completed.
+      PION_CUDA_TRY(cudaEventSynchronize(stager->used[i]), "staging reuse");
+      std::memcpy(stager->buf[i], from + off, n);
+      PION_CUDA_TRY(
+          cudaMemcpyAsync(to + off, stager->buf[i], n, cudaMemcpyHostToDevice, stager->stream),
+          "upload");
+      PION_CUDA_TRY(cudaEventRecord(stager->used[i], stager->stream), "upload event");
+    }
+    to += h.size;
   }
   if (done != nullptr) {
     PION_CUDA_TRY(cudaEventRecord(static_cast<cudaEvent_t>(done->raw()), stager->stream),
