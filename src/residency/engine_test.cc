@@ -180,6 +180,7 @@ class EngineTest : public ::testing::Test {
     std::promise<Status> p;
     engine_->Require(std::move(objs), tier, dl, [&](const Status& s, PinSet pins) {
       if (keep != nullptr) *keep = std::move(pins);
+      pins.Reset();  // released before the caller wakes (it may write in place next)
       p.set_value(s);
     });
     return p.get_future().get();
