@@ -585,73 +585,52 @@ void Save(CommandContext& ctx, CmdArgs& args) {
 // Start-up: saved slots come back on their sessions' shards, known by their disk copies (a
 // query promotes them), with their generations: every new one is above them.
 Status LoadSaved(server::Server& srv) {
-  const std::string dir = SavedDir(srv, kDirName);
-  auto listed = store::disk::ListObjects(dir);
-  if (!listed.ok()) return listed.status();
-  Status s = store::disk::RemoveLeftoverTemps(dir);
-  if (!s.ok()) return s;
-  size_t found = 0;
-  for (const auto& o : *listed) {
-    auto file = srv.residency()->OpenSaved(o.path);
-    auto rec = file.ok() ? store::DecodeSavedRecord(file.value()->file().meta(), "attention")
-                         : StatusOr<store::SavedRecord>(file.status());
-    auto slot = std::make_shared<attention::Slot>();
-    Status st = rec.status();
-    StatusOr<std::string> tenant = st, sid = st, dtype = st;
-    StatusOr<uint64_t> layer = st, heads = st, rows = st, d = st, gen = st;
-    if (st.ok()) {
-      tenant = rec->Get("tenant");
-      sid = rec->Get("sid");
-      dtype = rec->Get("dtype");
-      layer = rec->GetUint("layer");
-      heads = rec->GetUint("heads");
-      rows = rec->GetUint("rows");
-      d = rec->GetUint("head_dim");
-      gen = rec->GetUint("generation");
-      for (const Status* x : {&tenant.status(), &sid.status(), &dtype.status(), &layer.status(),
-                              &heads.status(), &rows.status(), &d.status(), &gen.status()}) {
-        if (st.ok() && !x->ok()) st = *x;
-      }
-    }
-    if (st.ok()) {
-      slot->heads = static_cast<uint32_t>(heads.value());
-      slot->rows = static_cast<uint32_t>(rows.value());
-      slot->d = static_cast<uint32_t>(d.value());
-      const std::string& t = dtype.value();
-      slot->dtype = t == "fp16"   ? kernels::DType::kF16
-                    : t == "bf16" ? kernels::DType::kBF16
-                                  : kernels::DType::kF32;
-      if (kernels::DTypeName(slot->dtype) != t || file.value()->file().block_count() != 2 ||
-          file.value()->file().block_length(0) != slot->bytes_each() ||
-          file.value()->file().block_length(1) != slot->bytes_each()) {
-        st = Status(ErrorKind::kCorrupt, "its blocks do not match its shape");
-      }
-    }
-    if (!st.ok()) {
-      srv.disk_stats().objects_corrupt.fetch_add(1);
-      spdlog::error("disk tier: saved attention slot file {} is corrupt and will not be served: {}",
-                    o.path, st.message());
-      continue;
-    }
-    slot->gpu = srv.gpu_attention();
-    slot->generation = gen.value();
-    slot->source = rec->Get("source").ok() ? rec->Get("source").value() : std::string();
-    slot->obj = srv.residency()->CreateOnDisk(residency::Family::kAttention,
-                                              {slot->bytes_each(), slot->bytes_each()},
-                                              file.value(), {0, 1}, HostAllocator(*slot));
-    attention::NoteSlotGeneration(slot->generation);
-    const uint32_t tid = srv.users().TenantId(tenant.value());
-    const store::TenantKey key{tid, sid.value()};
-    const uint32_t l = static_cast<uint32_t>(layer.value());
-    auto& slots = srv.shard(srv.OwnerOf(tid, key.name)).store().attention;
-    slots.NoteVersion(key, l, o.version);
-    slots.Publish(key, l, slot);
-    slots.SetSaved(key, l, {file.value(), o.version, slot->generation});
-    ++found;
-  }
-  srv.disk_stats().objects_loaded.fetch_add(found);
-  if (found > 0) spdlog::info("disk tier: found {} saved attention slot(s) under {}", found, dir);
-  return Status::Ok();
+  return LoadSavedObjects(
+      srv, SavedDir(srv, kDirName), "attention slot",
+      [&](const store::disk::ListedObject& o, const std::shared_ptr<residency::DiskFile>& file) {
+        auto rec = store::DecodeSavedRecord(file->file().meta(), "attention");
+        if (!rec.ok()) return rec.status();
+        auto tenant = rec->Get("tenant");
+        auto sid = rec->Get("sid");
+        auto dtype = rec->Get("dtype");
+        auto layer = rec->GetUint("layer");
+        auto heads = rec->GetUint("heads");
+        auto rows = rec->GetUint("rows");
+        auto d = rec->GetUint("head_dim");
+        auto gen = rec->GetUint("generation");
+        for (const Status* x : {&tenant.status(), &sid.status(), &dtype.status(), &layer.status(),
+                                &heads.status(), &rows.status(), &d.status(), &gen.status()}) {
+          if (!x->ok()) return *x;
+        }
+        auto slot = std::make_shared<attention::Slot>();
+        slot->heads = static_cast<uint32_t>(heads.value());
+        slot->rows = static_cast<uint32_t>(rows.value());
+        slot->d = static_cast<uint32_t>(d.value());
+        const std::string& t = dtype.value();
+        slot->dtype = t == "fp16"   ? kernels::DType::kF16
+                      : t == "bf16" ? kernels::DType::kBF16
+                                    : kernels::DType::kF32;
+        if (kernels::DTypeName(slot->dtype) != t || file->file().block_count() != 2 ||
+            file->file().block_length(0) != slot->bytes_each() ||
+            file->file().block_length(1) != slot->bytes_each()) {
+          return Status(ErrorKind::kCorrupt, "its blocks do not match its shape");
+        }
+        slot->gpu = srv.gpu_attention();
+        slot->generation = gen.value();
+        slot->source = rec->Get("source").ok() ? rec->Get("source").value() : std::string();
+        slot->obj = srv.residency()->CreateOnDisk(residency::Family::kAttention,
+                                                  {slot->bytes_each(), slot->bytes_each()}, file,
+                                                  {0, 1}, HostAllocator(*slot));
+        attention::NoteSlotGeneration(slot->generation);
+        const uint32_t tid = srv.users().TenantId(tenant.value());
+        const store::TenantKey key{tid, sid.value()};
+        const uint32_t l = static_cast<uint32_t>(layer.value());
+        auto& slots = srv.shard(srv.OwnerOf(tid, key.name)).store().attention;
+        slots.NoteVersion(key, l, o.version);
+        slots.Publish(key, l, slot);
+        slots.SetSaved(key, l, {file, o.version, slot->generation});
+        return Status::Ok();
+      });
 }
 
 // Four map entries: heads, rows, head_dim, dtype.

@@ -163,57 +163,41 @@ void Info(CommandContext& ctx, CmdArgs& args) {
 // Start-up: every saved session comes back on its owning shard, its layers known by their
 // disk copies (read on first FETCH).
 Status LoadSaved(server::Server& srv) {
-  const std::string dir = SavedDir(srv, kDirName);
-  auto listed = store::disk::ListObjects(dir);
-  if (!listed.ok()) return listed.status();
-  Status s = store::disk::RemoveLeftoverTemps(dir);
-  if (!s.ok()) return s;
-  size_t found = 0;
-  for (const auto& o : *listed) {
-    auto file = srv.residency()->OpenSaved(o.path);
-    auto rec = file.ok() ? store::DecodeSavedRecord(file.value()->file().meta(), "ssm")
-                         : StatusOr<store::SavedRecord>(file.status());
-    auto tenant = rec.ok() ? rec->Get("tenant") : StatusOr<std::string>(rec.status());
-    auto sid = rec.ok() ? rec->Get("sid") : StatusOr<std::string>(rec.status());
-    auto layers = rec.ok() ? rec->Get("layers") : StatusOr<std::string>(rec.status());
-    std::vector<uint64_t> ids;
-    if (layers.ok()) {
-      for (size_t p = 0; p < layers->size();) {
-        size_t c = layers->find(',', p);
-        if (c == std::string::npos) c = layers->size();
-        ids.push_back(std::strtoull(layers->substr(p, c - p).c_str(), nullptr, 10));
-        p = c + 1;
-      }
-    }
-    if (!tenant.ok() || !sid.ok() || !layers.ok() ||
-        ids.size() != file.value()->file().block_count()) {
-      srv.disk_stats().objects_corrupt.fetch_add(1);
-      spdlog::error("disk tier: saved SSM session file {} is corrupt and will not be served: {}",
-                    o.path,
-                    !tenant.ok()   ? tenant.status().message()
-                    : !sid.ok()    ? sid.status().message()
-                    : !layers.ok() ? layers.status().message()
-                                   : "its layer list does not match its blocks");
-      continue;
-    }
-    const uint32_t tid = srv.users().TenantId(tenant.value());
-    const store::TenantKey key{tid, sid.value()};
-    auto& ssm = srv.shard(srv.OwnerOf(tid, key.name)).store().ssm;
-    ssm.NoteVersion(key, o.version);
-    for (size_t i = 0; i < ids.size(); ++i) {
-      ssm.Put(key, ids[i],
-              srv.residency()->CreateOnDisk(Family::kSsm, {file.value()->file().block_length(i)},
-                                            file.value(), {static_cast<uint32_t>(i)}));
-    }
-    store::SsmStore::Session& session = ssm.Get(key);
-    session.saved = file.value();
-    session.saved_version = o.version;
-    session.saved_writes = session.writes;
-    ++found;
-  }
-  srv.disk_stats().objects_loaded.fetch_add(found);
-  if (found > 0) spdlog::info("disk tier: found {} saved SSM session(s) under {}", found, dir);
-  return Status::Ok();
+  return LoadSavedObjects(
+      srv, SavedDir(srv, kDirName), "SSM session",
+      [&](const store::disk::ListedObject& o, const std::shared_ptr<residency::DiskFile>& file) {
+        auto rec = store::DecodeSavedRecord(file->file().meta(), "ssm");
+        auto tenant = rec.ok() ? rec->Get("tenant") : StatusOr<std::string>(rec.status());
+        auto sid = rec.ok() ? rec->Get("sid") : StatusOr<std::string>(rec.status());
+        auto layers = rec.ok() ? rec->Get("layers") : StatusOr<std::string>(rec.status());
+        if (!tenant.ok()) return tenant.status();
+        if (!sid.ok()) return sid.status();
+        if (!layers.ok()) return layers.status();
+        std::vector<uint64_t> ids;
+        for (size_t p = 0; p < layers->size();) {
+          size_t c = layers->find(',', p);
+          if (c == std::string::npos) c = layers->size();
+          ids.push_back(std::strtoull(layers->substr(p, c - p).c_str(), nullptr, 10));
+          p = c + 1;
+        }
+        if (ids.size() != file->file().block_count()) {
+          return Status(ErrorKind::kCorrupt, "its layer list does not match its blocks");
+        }
+        const uint32_t tid = srv.users().TenantId(tenant.value());
+        const store::TenantKey key{tid, sid.value()};
+        auto& ssm = srv.shard(srv.OwnerOf(tid, key.name)).store().ssm;
+        ssm.NoteVersion(key, o.version);
+        for (size_t i = 0; i < ids.size(); ++i) {
+          ssm.Put(key, ids[i],
+                  srv.residency()->CreateOnDisk(Family::kSsm, {file->file().block_length(i)}, file,
+                                                {static_cast<uint32_t>(i)}));
+        }
+        store::SsmStore::Session& session = ssm.Get(key);
+        session.saved = file;
+        session.saved_version = o.version;
+        session.saved_writes = session.writes;
+        return Status::Ok();
+      });
 }
 
 }  // namespace

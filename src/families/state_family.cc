@@ -173,44 +173,30 @@ void Info(CommandContext& ctx, CmdArgs&) {
 
 // Start-up: saved slots come back on their owning shards, known by their disk copies.
 Status LoadSaved(server::Server& srv) {
-  const std::string dir = SavedDir(srv, kDirName);
-  auto listed = store::disk::ListObjects(dir);
-  if (!listed.ok()) return listed.status();
-  Status s = store::disk::RemoveLeftoverTemps(dir);
-  if (!s.ok()) return s;
-  size_t found = 0;
-  for (const auto& o : *listed) {
-    auto file = srv.residency()->OpenSaved(o.path);
-    auto rec = file.ok() ? store::DecodeSavedRecord(file.value()->file().meta(), "state")
-                         : StatusOr<store::SavedRecord>(file.status());
-    auto tenant = rec.ok() ? rec->Get("tenant") : StatusOr<std::string>(rec.status());
-    auto id = rec.ok() ? rec->Get("id") : StatusOr<std::string>(rec.status());
-    auto size = rec.ok() ? rec->GetUint("size") : StatusOr<uint64_t>(rec.status());
-    if (!tenant.ok() || !id.ok() || !size.ok() || file.value()->file().block_count() != 1 ||
-        file.value()->file().block_length(0) != size.value()) {
-      srv.disk_stats().objects_corrupt.fetch_add(1);
-      spdlog::error("disk tier: saved state slot file {} is corrupt and will not be served: {}",
-                    o.path,
-                    !tenant.ok() ? tenant.status().message()
-                    : !id.ok()   ? id.status().message()
-                    : !size.ok() ? size.status().message()
-                                 : "its block does not match its size");
-      continue;
-    }
-    const uint32_t tid = srv.users().TenantId(tenant.value());
-    const store::TenantKey key{tid, id.value()};
-    auto& slots = srv.shard(srv.OwnerOf(tid, key.name)).store().state;
-    slots.NoteVersion(key, o.version);
-    store::StateSlots::Slot& sl = slots.Insert(
-        key, srv.residency()->CreateOnDisk(Family::kState, {size.value()}, file.value(), {0}));
-    sl.saved = file.value();
-    sl.saved_version = o.version;
-    sl.saved_writes = sl.writes;
-    ++found;
-  }
-  srv.disk_stats().objects_loaded.fetch_add(found);
-  if (found > 0) spdlog::info("disk tier: found {} saved state slot(s) under {}", found, dir);
-  return Status::Ok();
+  return LoadSavedObjects(
+      srv, SavedDir(srv, kDirName), "state slot",
+      [&](const store::disk::ListedObject& o, const std::shared_ptr<residency::DiskFile>& file) {
+        auto rec = store::DecodeSavedRecord(file->file().meta(), "state");
+        auto tenant = rec.ok() ? rec->Get("tenant") : StatusOr<std::string>(rec.status());
+        auto id = rec.ok() ? rec->Get("id") : StatusOr<std::string>(rec.status());
+        auto size = rec.ok() ? rec->GetUint("size") : StatusOr<uint64_t>(rec.status());
+        if (!tenant.ok()) return tenant.status();
+        if (!id.ok()) return id.status();
+        if (!size.ok()) return size.status();
+        if (file->file().block_count() != 1 || file->file().block_length(0) != size.value()) {
+          return Status(ErrorKind::kCorrupt, "its block does not match its size");
+        }
+        const uint32_t tid = srv.users().TenantId(tenant.value());
+        const store::TenantKey key{tid, id.value()};
+        auto& slots = srv.shard(srv.OwnerOf(tid, key.name)).store().state;
+        slots.NoteVersion(key, o.version);
+        store::StateSlots::Slot& sl = slots.Insert(
+            key, srv.residency()->CreateOnDisk(Family::kState, {size.value()}, file, {0}));
+        sl.saved = file;
+        sl.saved_version = o.version;
+        sl.saved_writes = sl.writes;
+        return Status::Ok();
+      });
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "families/tiering.h"
 
+#include <spdlog/spdlog.h>
+
 #include <span>
 
 #include "server/server.h"
@@ -55,6 +57,29 @@ void ChargeHostLater(server::Server& srv, residency::Family f, uint64_t bytes,
 
 std::string SavedDir(server::Server& srv, std::string_view name) {
   return srv.config().dir + "/" + std::string(name);
+}
+
+Status LoadSavedObjects(server::Server& srv, const std::string& dir, std::string_view what,
+                        const TakeSaved& take) {
+  auto listed = store::disk::ListObjects(dir);
+  if (!listed.ok()) return listed.status();
+  Status s = store::disk::RemoveLeftoverTemps(dir);
+  if (!s.ok()) return s;
+  size_t found = 0;
+  for (const auto& o : *listed) {
+    auto file = srv.residency()->OpenSaved(o.path);
+    Status st = file.ok() ? take(o, file.value()) : file.status();
+    if (!st.ok()) {
+      srv.disk_stats().objects_corrupt.fetch_add(1);
+      spdlog::error("disk tier: saved {} file {} is corrupt and will not be served: {}", what,
+                    o.path, st.message());
+      continue;
+    }
+    ++found;
+  }
+  srv.disk_stats().objects_loaded.fetch_add(found);
+  if (found > 0) spdlog::info("disk tier: found {} saved {}(s) under {}", found, what, dir);
+  return Status::Ok();
 }
 
 void SaveObjects(server::CommandContext& ctx, std::string dir, std::string name, uint64_t version,

@@ -16,6 +16,7 @@
 #include "residency/object.h"
 #include "residency/tier.h"
 #include "server/command.h"
+#include "store/disk/object_file.h"
 
 namespace pion::families {
 
@@ -34,6 +35,16 @@ void ChargeHostLater(server::Server& srv, residency::Family f, uint64_t bytes,
 
 // <--dir>/<name>: where a family's saved objects live ("ssm", "state", "attention").
 std::string SavedDir(server::Server& srv, std::string_view name);
+
+// Start-up: every object file in `dir` (leftover temporaries of interrupted saves removed
+// first) is opened through the engine and handed to `take` with its listing; `take` installs
+// it and returns Ok, or says why it cannot be served. Files that fail to open or that `take`
+// refuses are logged as corrupt ("saved <what> file ... is corrupt") and counted in
+// objects_corrupt, never served; the others count in objects_loaded and are logged as found.
+using TakeSaved = std::function<Status(const store::disk::ListedObject& listed,
+                                       const std::shared_ptr<residency::DiskFile>& file)>;
+Status LoadSavedObjects(server::Server& srv, const std::string& dir, std::string_view what,
+                        const TakeSaved& take);
 
 // What a save's completion gets on the owning shard: the durable file (or why there is none)
 // and the writer of the command's deferred reply, which it must call once.

@@ -120,31 +120,17 @@ void RestoreSealed(server::CommandContext& ctx, const std::string& sid, uint64_t
 }
 
 Status LoadSealed(server::Server& srv) {
-  const std::string dir = SealedDir(srv);
-  auto listed = store::disk::ListObjects(dir);
-  if (!listed.ok()) return listed.status();
-  Status s = store::disk::RemoveLeftoverTemps(dir);
-  if (!s.ok()) return s;
-  size_t found = 0;
-  for (const auto& o : *listed) {
-    auto f = srv.residency()->OpenSaved(o.path);
-    auto rec = f.ok() ? store::DecodeSealedMeta(f.value()->file().meta())
-                      : StatusOr<store::SealedRecord>(f.status());
-    if (!rec.ok()) {
-      srv.disk_stats().objects_corrupt.fetch_add(1);
-      spdlog::error("disk tier: sealed snapshot file {} is corrupt and will not be served: {}",
-                    o.path, rec.status().message());
-      continue;
-    }
-    const uint32_t tid = srv.users().TenantId(rec->tenant);
-    auto& vs = srv.shard(srv.OwnerOf(tid, SessionRouteKey(rec->sid))).store().vstore;
-    vs.AddSealed({tid, rec->sid}, rec->snapshot,
-                 {o.path, rec->format, rec->dim, rec->block, f.value()});
-    ++found;
-  }
-  srv.disk_stats().objects_loaded.fetch_add(found);
-  if (found > 0) spdlog::info("disk tier: found {} sealed snapshot(s) under {}", found, dir);
-  return Status::Ok();
+  return LoadSavedObjects(
+      srv, SealedDir(srv), "sealed snapshot",
+      [&](const store::disk::ListedObject& o, const std::shared_ptr<residency::DiskFile>& file) {
+        auto rec = store::DecodeSealedMeta(file->file().meta());
+        if (!rec.ok()) return rec.status();
+        const uint32_t tid = srv.users().TenantId(rec->tenant);
+        auto& vs = srv.shard(srv.OwnerOf(tid, SessionRouteKey(rec->sid))).store().vstore;
+        vs.AddSealed({tid, rec->sid}, rec->snapshot,
+                     {o.path, rec->format, rec->dim, rec->block, file});
+        return Status::Ok();
+      });
 }
 
 }  // namespace pion::families::vstore
