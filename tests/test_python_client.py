@@ -152,7 +152,7 @@ def test_raw_decode_equals_server_decode(c, fmt, dim, block):
     assert mine.shape == (9, dim) and mine.dtype == np.float32
     np.testing.assert_array_equal(bits(mine), bits(server))  # specified bit-identical
     raw = c.v.fetch_raw(sid, 0, 9, decode=False)
-    assert isinstance(raw, bytes) and len(raw) == 9 * codecs.row_bytes(fmt, dim, block)
+    assert isinstance(raw, memoryview) and len(raw) == 9 * codecs.row_bytes(fmt, dim, block)
     ids = [8, 2, 2]
     np.testing.assert_array_equal(bits(c.v.fetch_raw_ids(sid, ids)), bits(server[ids]))
     if fmt == "fp32":
@@ -612,6 +612,40 @@ def test_auth_errors(pion_factory):
             c.ping()
     with pion.Client(port=srv.port, password="sekrit") as c:
         assert c.state.info()["slots"] == 0
+        c.v.create("a", 4, "fp32")
+        c.v.store_batch("a", 0, np.ones((3, 4), np.float32))
+        np.testing.assert_array_equal(c.v.fetch("a", 0, 3), np.ones((3, 4)))  # raw connection
+    with pion.Client(port=srv.port, password="wrong") as c:
+        with pytest.raises(pion.WrongPassError):
+            c.fetch_many([("V.INFO",)])
+
+
+def test_fetch_many_replies_errors_and_reuse(pion_factory):
+    """The raw connection of the fetch helpers: large bulks as arrays received in place (into
+    the caller's array when given), small ones as bytes, typed errors that leave the
+    connection usable, and a too-small into= that closes it (a new one follows)."""
+    srv = pion_factory("--workers", "2")
+    with pion.Client(port=srv.port) as c:
+        c.v.create("fm", 1024, "fp32")
+        rows = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+        c.v.store_batch("fm", 0, rows)
+        small, big, n = c.fetch_many([("V.FETCH", "fm", "RANGE", 0, 1, "RAW"),
+                                      ("V.FETCH", "fm", "RANGE", 0, 64, "RAW"),
+                                      ("V.INFO", "fm")])
+        assert isinstance(small, bytes) and len(small) == 4096
+        assert isinstance(big, np.ndarray) and big.dtype == np.uint8 and big.flags.writeable
+        assert big.tobytes() == rows.tobytes() and isinstance(n, list)
+        dst = np.zeros(rows.nbytes + 8, np.uint8)
+        (got,) = c.fetch_many([("V.FETCH", "fm", "RANGE", 0, 64, "RAW")], [dst])
+        assert np.shares_memory(got, dst) and got.tobytes() == rows.tobytes()
+        with pytest.raises(pion.CommandError, match="no such session 'nope'"):
+            c.fetch_many([("V.FETCH", "nope", "RANGE", 0, 1, "RAW")])
+        with pytest.raises(pion.CommandError, match="unknown command"):
+            c.fetch_many([("NO.SUCH.COMMAND",), ("PING",)])
+        assert c.fetch_many([("PING",)]) == ["PONG"]  # the same connection, still in step
+        with pytest.raises(ValueError):
+            c.fetch_many([("V.FETCH", "fm", "RANGE", 0, 64, "RAW")], [np.empty(10, np.uint8)])
+        assert c.v.fetch_raw("fm", 0, 64, decode=False) == rows.tobytes()
 
 
 def test_noperm_for_tenant_user(pion_factory, tmp_path):
@@ -699,7 +733,7 @@ def test_shm_fetch_raw_equals_tcp(unix_srv, fmt, dim, n):
             assert tcp.last_fetch_path == "tcp"
             got = u.v.fetch_raw(sid, a, b, decode=False)
             assert u.last_fetch_path == "shm"
-            assert isinstance(got, bytes) and got == want, (fmt, a, b)
+            assert isinstance(got, memoryview) and got == want, (fmt, a, b)
             dec = u.v.fetch_raw(sid, a, b)
             assert u.last_fetch_path == "shm" and dec.dtype == np.float32
             np.testing.assert_array_equal(bits(dec), bits(tcp.v.fetch_raw(sid, a, b)))

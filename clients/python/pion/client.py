@@ -60,6 +60,11 @@ class Client:
         self._unix_socket_path = unix_socket_path
         self._password, self._username = password, username
         self._shm_timeout = redis_kwargs.get("socket_timeout", 20.0)
+        self._where = dict(host=host, port=port, unix_socket_path=unix_socket_path,
+                           password=password, username=username,
+                           timeout=redis_kwargs.get("socket_timeout"))
+        self._raw_pool: list = []  # pion._resp connections for the fetch helpers
+        self._raw_lock = threading.Lock()
         self.shm_enabled = bool(shm and unix_socket_path)
         self._shm = None
         self._shm_lock = threading.Lock()
@@ -107,6 +112,29 @@ class Client:
                 raise errors.from_redis(r) from r
         return replies
 
+    def fetch_many(self, commands, intos=None) -> list:
+        """Sends commands in one round trip on a raw connection (pion._resp) and returns their
+        replies: bulk replies of 64 KiB or more come as writable uint8 numpy arrays received
+        straight from the socket (into intos[i] for command i, when given), smaller ones as
+        bytes. The first error reply raises (the other commands still ran). The fetch helpers
+        use this for their large replies."""
+        with self._raw_lock:
+            conn = self._raw_pool.pop() if self._raw_pool else None
+        if conn is None:
+            from ._resp import Connection
+            conn = Connection(**self._where)
+        try:
+            replies = conn.call_many(commands, intos)
+        except BaseException:
+            conn.close()
+            raise
+        with self._raw_lock:
+            self._raw_pool.append(conn)
+        for r in replies:
+            if isinstance(r, errors.PionError):
+                raise r
+        return replies
+
     def ping(self) -> bool:
         """True when the server answers PONG."""
         reply = self.execute("PING")  # redis-py turns +PONG into True
@@ -132,6 +160,10 @@ class Client:
             ch, self._shm = self._shm, None
         if ch is not None:
             ch.close()
+        with self._raw_lock:
+            pool, self._raw_pool = self._raw_pool, []
+        for conn in pool:
+            conn.close()
         self.redis.connection_pool.disconnect()
 
     def __enter__(self) -> "Client":

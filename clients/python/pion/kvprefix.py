@@ -153,8 +153,8 @@ class KVPrefix:
     def _fetch_rows_tcp(self, ns, lo, hi, t, h, d, raw, vi, model, generation):
         tail = ["RAW"] if raw else []
         tail += _identity(model, generation)
-        kd, vd = self._c.execute_many([("V.FETCH", ns + "_pk", "RANGE", lo, hi, *tail),
-                                       ("V.FETCH", ns + "_pv", "RANGE", lo, hi, *tail)])
+        kd, vd = self._c.fetch_many([("V.FETCH", ns + "_pk", "RANGE", lo, hi, *tail),
+                                     ("V.FETCH", ns + "_pv", "RANGE", lo, hi, *tail)])
         if raw:
             return (codecs.decode(vi["format"], vi["dim"], vi["block"], kd, t),
                     codecs.decode(vi["format"], vi["dim"], vi["block"], vd, t))

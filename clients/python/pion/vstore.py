@@ -74,15 +74,15 @@ class VStore:
         """Rows start <= id < end decoded by the server: float32 [end-start, dim].
         `model`/`generation` state the identity expected of a KV.PREFIX session
         (MismatchError otherwise)."""
-        data = self._c.execute("V.FETCH", sid, "RANGE", int(start), int(end),
-                               *_identity(model, generation))
+        data = self._c.fetch_many([("V.FETCH", sid, "RANGE", int(start), int(end),
+                                    *_identity(model, generation))])[0]
         return self._c._out(_wire.from_f32(data, (int(end) - int(start), -1)), as_torch)
 
     def fetch_ids(self, sid: str, ids: Sequence[int], *, model: str | None = None,
                   generation: int | None = None, as_torch: bool | None = None):
         """Rows at `ids`, in that order: float32 [len(ids), dim]."""
         ids = [int(i) for i in ids]
-        data = self._c.execute("V.FETCH", sid, *ids, *_identity(model, generation))
+        data = self._c.fetch_many([("V.FETCH", sid, *ids, *_identity(model, generation))])[0]
         return self._c._out(_wire.from_f32(data, (len(ids), -1)), as_torch)
 
     def fetch_raw(self, sid: str, start: int, end: int, *, decode: bool = True,
@@ -90,8 +90,10 @@ class VStore:
                   as_torch: bool | None = None, into=None):
         """Rows start <= id < end in the stored encoding. With decode (default) they are
         decoded here in numpy (pion.codecs; bit-identical to `fetch`) into float32
-        [n, dim]; with decode=False the stored bytes are returned (bytes). The session's
-        format is read with V.INFO (same round trip over TCP).
+        [n, dim]; with decode=False the stored bytes are returned as a memoryview (no copy
+        beyond the one out of the socket or the mapping; bytes(...) makes a bytes object).
+        The session's format is read with V.INFO (same round trip over TCP). Over TCP the
+        reply is received straight into its array (pion._resp), not through redis-py.
 
         On a Unix-socket Client (shm=True, the default) the bytes are copied out of the
         server's shared-memory mapping under a lease that is released before returning
@@ -106,27 +108,20 @@ class VStore:
         ch = self._c._shm_channel()
         if ch is None:
             self._c.last_fetch_path = "tcp"
-            if into is None:
-                return self._raw(sid, ["RANGE", start, end], decode, model, generation,
-                                 as_torch)
-            fetch = ["V.FETCH", sid, "RANGE", start, end, "RAW", *_identity(model, generation)]
-            if decode:
-                info_reply, data = self._c.execute_many([("V.INFO", sid), fetch])
-            else:
-                info_reply, data = None, self._c.execute(*fetch)
             from .client import _byte_view
-            dst = _byte_view(into)
-            if len(data) > dst.size:
-                raise ValueError("into= holds %d bytes, the fetch needs %d"
-                                 % (dst.size, len(data)))
-            buf = dst[:len(data)]
-            buf[:] = np.frombuffer(data, np.uint8)
+            dst = _byte_view(into) if into is not None else None
+            fetch = ("V.FETCH", sid, "RANGE", start, end, "RAW", *_identity(model, generation))
+            if decode:
+                info_reply, data = self._c.fetch_many([("V.INFO", sid), fetch], [None, dst])
+            else:
+                info_reply, data = None, self._c.fetch_many([fetch], [dst])[0]
+            buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
         else:
             info_reply = self._c.execute("V.INFO", sid) if decode else None
             buf = self._c._shm_copy(ch, sid, start, end, model, generation, into)
             self._c.last_fetch_path = "shm"
-            if not decode and into is None:
-                return buf.tobytes()
+        if not decode and into is None:
+            return memoryview(buf)
         if not decode:
             return buf
         info = _wire.parse_map(info_reply)
@@ -170,10 +165,10 @@ class VStore:
         return self._raw(sid, [int(i) for i in ids], decode, model, generation, as_torch)
 
     def _raw(self, sid, which, decode, model, generation, as_torch):
-        fetch = ["V.FETCH", sid, *which, "RAW", *_identity(model, generation)]
+        fetch = ("V.FETCH", sid, *which, "RAW", *_identity(model, generation))
         if not decode:
-            return self._c.execute(*fetch)
-        info_reply, data = self._c.execute_many([("V.INFO", sid), fetch])
+            return memoryview(self._c.fetch_many([fetch])[0])
+        info_reply, data = self._c.fetch_many([("V.INFO", sid), fetch])
         info = _wire.parse_map(info_reply)
         rows = codecs.decode(info["format"], info["dim"], info["block"], data)
         return self._c._out(rows, as_torch)
