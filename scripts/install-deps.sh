@@ -10,6 +10,7 @@ PKGS=(
   redis-server redis-tools
   python3 python3-pytest python3-redis python3-numpy python3-psutil
   curl
+  prometheus
   libhwy-dev libbenchmark-dev
 )
 
