@@ -117,6 +117,10 @@ def test_attend_index_over_frames_equals_resp(shared_pion):
         want_out, want_lse = exact_attention(q, keys, values, hit["ids"].astype(np.int64))
         np.testing.assert_allclose(hit["output"], want_out, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(hit["lse"], want_lse, rtol=1e-5, atol=1e-5)
+        ex = b.attend_query("bin:a", 16, q, exact=True)  # options bit 1: a scan
+        assert ex["exact"] == 1 and ex["ef"] == 0 and ex["recall_estimate"] == 1.0
+        top = np.argsort(-(q.astype(np.float64) @ keys.T.astype(np.float64)), axis=1)[:, :16]
+        np.testing.assert_array_equal(ex["ids"], top)
         # The same session over RESP: same rows, same scores.
         m = r.execute_command("ATTEND.QUERY", "bin:a", 16, q.tobytes(), "ATTEND")
         m = {m[i].decode(): m[i + 1] for i in range(0, len(m), 2)}

@@ -164,21 +164,24 @@ void Finalize(CommandContext& ctx, CmdArgs& args) {
   }
 }
 
-// ATTEND.QUERY <sid> <k> <q_blob> [EF <ef>] [ATTEND]
+// ATTEND.QUERY <sid> <k> <q_blob> [EF <ef> | EXACT] [ATTEND]
 void Query(CommandContext& ctx, CmdArgs& args) {
   uint32_t k = 0, ef = 0;
-  bool attend = false;
+  bool attend = false, exact = false;
   Status s = ParseCount(args[2], "k", kMaxK, &k);
   for (size_t i = 4; s.ok() && i < args.size(); ++i) {
     if (EqualsIgnoreCase(args[i], "ATTEND")) {
       attend = true;
+    } else if (EqualsIgnoreCase(args[i], "EXACT")) {
+      exact = true;
     } else if (EqualsIgnoreCase(args[i], "EF") && i + 1 < args.size()) {
       s = ParseCount(args[++i], "EF", kMaxK, &ef);
     } else {
       s = Error("unexpected argument '" + std::string(args[i].substr(0, 32)) +
-                "'; expected EF <ef> or ATTEND");
+                "'; expected EF <ef>, EXACT or ATTEND");
     }
   }
+  if (s.ok() && exact && ef != 0) s = Error("EXACT scans every key; it takes no EF");
   if (!s.ok()) return ctx.Error(s);
   store::IndexSession* sess = ctx.shard->store().index.Find(ctx.Key(args[1]));
   if (sess == nullptr) return ctx.Error(NoSession(args[1]));
@@ -200,7 +203,8 @@ void Query(CommandContext& ctx, CmdArgs& args) {
   auto query_ns = sess->query_ns;
   server::Server* srv = ctx.server;
   auto reply = ctx.Defer();
-  bool queued = srv->compute()->Submit([index, q, m, k, ef, attend, queries, query_ns, reply]() {
+  bool queued = srv->compute()->Submit([index, q, m, k, ef, attend, exact, queries, query_ns,
+                                        reply]() {
     const auto t0 = std::chrono::steady_clock::now();
     const store::IndexRows& rows = index->rows();
     const uint32_t kk = static_cast<uint32_t>(std::min<uint64_t>(k, rows.size()));
@@ -210,8 +214,15 @@ void Query(CommandContext& ctx, CmdArgs& args) {
     auto scores = std::make_shared<std::string>(m * kk * 4, '\0');
     auto out = std::make_shared<std::string>(attend ? m * dv * 4 : 0, '\0');
     auto lse = std::make_shared<std::string>(attend ? m * 4 : 0, '\0');
+    // The receipt: EXACT, or no EF where the calibration chose the scan, is exact; a search
+    // reports the calibrated recall@32 of its beam.
+    const store::BuiltIndex::Plan& plan = index->plan();
+    const bool scan = exact || (ef == 0 && plan.scan);
+    const uint32_t beam = scan ? 0 : std::max(ef ? ef : plan.ef, kk);
+    const double recall = scan ? 1.0 : ef ? index->RecallAt(beam) : plan.recall;
     for (uint64_t i = 0; i < m; ++i) {
-      auto hits = index->Search(q->data() + i * dk, kk, std::max(ef ? ef : store::kDefaultEf, kk));
+      auto hits = scan ? index->BruteForce(q->data() + i * dk, kk)
+                       : index->Search(q->data() + i * dk, kk, beam);
       std::vector<uint32_t> found;
       for (uint32_t j = 0; j < hits.size(); ++j) {
         const int64_t p = rows.Position(hits[j].id);
@@ -232,11 +243,17 @@ void Query(CommandContext& ctx, CmdArgs& args) {
                                                   .count()),
                         std::memory_order_relaxed);
     reply([=, gen = index->generation()](proto::ReplyBuilder& rb) {
-      rb.Map(attend ? 7 : 5);
+      rb.Map(attend ? 10 : 8);
       rb.Bulk("generation");
       rb.Integer(static_cast<int64_t>(gen));
       rb.Bulk("k");
       rb.Integer(kk);
+      rb.Bulk("exact");
+      rb.Integer(scan ? 1 : 0);
+      rb.Bulk("ef");
+      rb.Integer(beam);
+      rb.Bulk("recall_estimate");
+      rb.Double(recall);
       rb.Bulk("ids");
       rb.Bulk(*ids);
       rb.Bulk("positions");
@@ -284,7 +301,7 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   }
   store::IndexSession* s = ctx.shard->store().index.Find(ctx.Key(args[1]));
   if (s == nullptr) return ctx.Error(NoSession(args[1]));
-  rb.Map(14);
+  rb.Map(16);
   rb.Bulk("key_dim");
   rb.Integer(s->params.key_dim);
   rb.Bulk("value_dim");
@@ -315,6 +332,10 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   rb.Double(s->index ? s->index->recall_estimate() : 0.0);
   rb.Bulk("build_ms");
   rb.Double(s->index ? s->index->build_ms() : 0.0);
+  rb.Bulk("default_exact");  // a query without EF scans (the calibration found it cheaper)
+  rb.Integer(s->index && s->index->plan().scan ? 1 : 0);
+  rb.Bulk("default_ef");  // else its beam
+  rb.Integer(s->index && !s->index->plan().scan ? s->index->plan().ef : 0);
 }
 
 void Drop(CommandContext& ctx, CmdArgs& args) {
@@ -336,9 +357,10 @@ void RegisterAttendIndexFamily(server::Server& srv) {
   r.Register({"ATTEND.FINALIZE", 2, kKv | kCmdWrite, 1, 1, 1, Finalize, "attend_index",
               "Builds the HNSW index over the staged keys and publishes it.", "<sid>"});
   r.Register({"ATTEND.QUERY", -4, kKv | kCmdReadOnly, 1, 1, 1, Query, "attend_index",
-              "Top-k rows for each query (ids, positions, scores); with ATTEND also attention "
-              "over them and its LSE.",
-              "<sid> <k> <q_blob> [EF <ef>] [ATTEND]"});
+              "Top-k rows for each query (ids, positions, scores) with a receipt (exact, beam, "
+              "recall estimate); EXACT scans every key; with ATTEND also attention over them "
+              "and its LSE.",
+              "<sid> <k> <q_blob> [EF <ef> | EXACT] [ATTEND]"});
   r.Register({"ATTEND.INFO", -1, kKv | kCmdReadOnly, 1, 1, 1, Info, "attend_index",
               "One session's parameters, rows, index generation, queries and recall estimate; "
               "without a session, the totals.",

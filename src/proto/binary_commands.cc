@@ -157,12 +157,13 @@ bool DecodeFields(uint8_t code, FieldReader& r, CmdArgs* out) {
         return false;
       }
       AppendNumber(out, u1);
-      if (b & ~1u) return r.Fail("options has unknown bits set: " + std::to_string(b));
+      if (b & ~3u) return r.Fail("options has unknown bits set: " + std::to_string(b));
       if (!r.Rest("q")) return false;
       if (u2 != 0) {
         out->AppendSmall("EF");
         AppendNumber(out, u2);
       }
+      if (b & 2u) out->AppendSmall("EXACT");
       if (b & 1u) out->AppendSmall("ATTEND");
       return true;
     default:

@@ -124,7 +124,7 @@ TEST(BinaryFrame, EveryCommandBecomesItsRespEquivalentAtAnyChunking) {
       Frame(kAttendStore, Str("a") + Le<int64_t>(100) + Le<uint64_t>(keys.size()) + keys + vals,
             12) +
       Frame(kAttendFinalize, Str("a"), 13) +
-      Frame(kAttendQuery, Str("a") + Le<uint32_t>(5) + Le<uint32_t>(0) + Le<uint8_t>(0) + q, 14) +
+      Frame(kAttendQuery, Str("a") + Le<uint32_t>(5) + Le<uint32_t>(0) + Le<uint8_t>(2) + q, 14) +
       Frame(kAttendQuery, Str("a") + Le<uint32_t>(5) + Le<uint32_t>(64) + Le<uint8_t>(1) + q, 15) +
       Frame(kAttendInfo, Str(""), 16) + Frame(kAttendInfo, Str("a"), 17) +
       Frame(kAttendDrop, Str("a"), 18);
@@ -142,7 +142,7 @@ TEST(BinaryFrame, EveryCommandBecomesItsRespEquivalentAtAnyChunking) {
       {"ATTEND.STORE", "a", keys, vals},
       {"ATTEND.STORE", "a", keys, vals, "100"},
       {"ATTEND.FINALIZE", "a"},
-      {"ATTEND.QUERY", "a", "5", q},
+      {"ATTEND.QUERY", "a", "5", q, "EXACT"},
       {"ATTEND.QUERY", "a", "5", q, "EF", "64", "ATTEND"},
       {"ATTEND.INFO"},
       {"ATTEND.INFO", "a"},
@@ -197,7 +197,7 @@ TEST(BinaryFrame, RejectedFramesAreConsumedAndTheStreamGoesOn) {
       Frame(kAttendFinalize, Str("a") + "zz", 4) +                          // bytes after fields
       Frame(kAttendCreate, Str("a") + std::string(16, '\0') + "\x07", 5) +  // metric 7
       Frame(kLayerDrop, Str("s") + Le<int64_t>(-5), 6) +                    // layer -5
-      Frame(kAttendQuery, Str("a") + Le<uint32_t>(1) + Le<uint32_t>(0) + "\x02" + "q", 7) +
+      Frame(kAttendQuery, Str("a") + Le<uint32_t>(1) + Le<uint32_t>(0) + "\x04" + "q", 7) +
       Frame(kPing, "", 8);
   FrameParser p;
   auto ev = FeedAll(p, stream, 3);
@@ -213,7 +213,7 @@ TEST(BinaryFrame, RejectedFramesAreConsumedAndTheStreamGoesOn) {
   EXPECT_EQ(ev[3].error, "ATTEND.FINALIZE: payload has 2 bytes after its fields");
   EXPECT_EQ(ev[4].error, "ATTEND.CREATE: metric must be 0 (ip), 1 (l2) or 2 (cos), got 7");
   EXPECT_EQ(ev[5].error, "LAYER.DROP: layer must be -1 (all layers) or a layer index");
-  EXPECT_EQ(ev[6].error, "ATTEND.QUERY: options has unknown bits set: 2");
+  EXPECT_EQ(ev[6].error, "ATTEND.QUERY: options has unknown bits set: 4");
   for (size_t i = 0; i < 7; ++i) {
     EXPECT_EQ(ev[i].result, FrameParser::Result::kReject) << i;
     EXPECT_EQ(ev[i].request_id, i + 1);

@@ -80,6 +80,10 @@ struct BuiltIndex::Graph {
   std::unique_ptr<hnswlib::HierarchicalNSW<float>> hnsw;
   uint32_t dim = 0;      // of the vectors in the graph
   double max_norm2 = 0;  // inner product: max ‖k‖² over the rows
+  // Rows spread over the session (up to 256): a query's layer-0 beam starts from the nearest of
+  // them when it is nearer than where the descent through the upper layers ended — on clustered
+  // keys the descent can end in another cluster, and the beam then misses the query's own.
+  std::vector<hnswlib::tableint> seeds;
 };
 
 BuiltIndex::~BuiltIndex() = default;
@@ -154,28 +158,13 @@ StatusOr<std::shared_ptr<const BuiltIndex>> BuiltIndex::Build(const IndexParams&
       for (uint64_t i = a; i < b; ++i) insert(i);
     });
   }
+  for (uint64_t i = 0, count = std::min<uint64_t>(256, n); i < count; ++i) {
+    g->seeds.push_back(static_cast<hnswlib::tableint>(h->label_lookup_.at(n * i / count)));
+  }
   idx->graph_ = std::move(g);
   idx->bytes_ = n * (h->size_data_per_element_ + h->size_links_per_element_ / 2) +
                 n * sizeof(void*) + h->max_elements_ * sizeof(hnswlib::labeltype);
-  // Recall@10 against brute force on up to 64 stored keys.
-  const uint32_t samples = static_cast<uint32_t>(std::min<uint64_t>(64, n));
-  const uint32_t k = static_cast<uint32_t>(std::min<uint64_t>(10, n));
-  uint64_t found = 0, wanted = 0;
-  for (uint32_t s = 0; s < samples; ++s) {
-    const float* q = r.Key(n * s / samples);
-    auto approx = idx->Search(q, k, kDefaultEf);
-    auto exact = idx->BruteForce(q, k);
-    for (const Hit& e : exact) {
-      ++wanted;
-      for (const Hit& a : approx) {
-        if (a.id == e.id) {
-          ++found;
-          break;
-        }
-      }
-    }
-  }
-  idx->recall_ = wanted > 0 ? static_cast<double>(found) / wanted : 1.0;
+  idx->Calibrate();
   idx->build_ms_ =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return std::shared_ptr<const BuiltIndex>(std::move(idx));
@@ -234,6 +223,13 @@ std::vector<BuiltIndex::Hit> BuiltIndex::Search(const float* q, uint32_t k, uint
       }
     }
   }
+  for (hnswlib::tableint seed : graph_->seeds) {
+    const float d = h->fstdistfunc_(qv, h->getDataByInternalId(seed), h->dist_func_param_);
+    if (d < best) {
+      best = d;
+      cur = seed;
+    }
+  }
   auto top = h->searchBaseLayerST<false>(cur, qv, std::max<size_t>(ef, k));
   while (top.size() > k) top.pop();
   out.resize(top.size());
@@ -244,18 +240,151 @@ std::vector<BuiltIndex::Hit> BuiltIndex::Search(const float* q, uint32_t k, uint
   return out;
 }
 
+namespace {
+
+// q·k in float with 8 independent partial sums (the compiler vectorises it).
+float DotF(const float* q, const float* k, uint32_t d) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  uint32_t j = 0;
+  for (; j + 8 <= d; j += 8) {
+    for (int l = 0; l < 8; ++l) acc[l] += q[j + l] * k[j + l];
+  }
+  float s = 0;
+  for (; j < d; ++j) s += q[j] * k[j];
+  for (float x : acc) s += x;
+  return s;
+}
+
+}  // namespace
+
 std::vector<BuiltIndex::Hit> BuiltIndex::BruteForce(const float* q, uint32_t k) const {
   const uint64_t n = rows_.size();
-  std::vector<Hit> all(n);
+  const uint32_t d = params_.key_dim;
+  if (n == 0 || k == 0) return {};
+  // A float score that orders like Score: ip q·k; cos q·k/‖k‖ (‖q‖ is common); l2 2q·k − ‖k‖².
+  std::vector<float> qn(q, q + d);
+  std::vector<std::pair<float, uint32_t>> cand(n);
   for (uint64_t i = 0; i < n; ++i) {
-    all[i] = {static_cast<uint32_t>(i), Score(q, rows_.Key(i))};
+    const float* key = rows_.Key(i);
+    float s = DotF(qn.data(), key, d);
+    if (params_.metric != IndexMetric::kIp) {
+      const float kk = DotF(key, key, d);
+      s = params_.metric == IndexMetric::kCos ? (kk > 0 ? s / std::sqrt(kk) : 0.f) : 2 * s - kk;
+    }
+    cand[i] = {s, static_cast<uint32_t>(i)};
   }
-  const size_t keep = std::min<size_t>(k, all.size());
-  std::partial_sort(all.begin(), all.begin() + keep, all.end(), [](const Hit& a, const Hit& b) {
+  // The float scores can differ from the double ones in their last bits: keep a margin of
+  // candidates, then order those exactly.
+  const size_t keep = std::min<size_t>(n, size_t{k} * 2 + 16);
+  std::nth_element(cand.begin(), cand.begin() + (keep - 1), cand.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<Hit> all(keep);
+  for (size_t i = 0; i < keep; ++i) all[i] = {cand[i].second, Score(q, rows_.Key(cand[i].second))};
+  std::sort(all.begin(), all.end(), [](const Hit& a, const Hit& b) {
     return a.score > b.score || (a.score == b.score && a.id < b.id);
   });
-  all.resize(keep);
+  all.resize(std::min<size_t>(k, all.size()));
   return all;
+}
+
+void BuiltIndex::Calibrate() {
+  const uint64_t n = rows_.size();
+  const uint32_t d = params_.key_dim;
+  const uint32_t k = static_cast<uint32_t>(std::min<uint64_t>(32, n));
+  if (n == 0) return;
+  // Probes: up to 64 stored keys, and twice as many random directions scaled to the keys' mean
+  // norm (a search's misses there come in rare, deep failures: many probes see them).
+  const uint32_t per_kind = static_cast<uint32_t>(std::min<uint64_t>(64, n));
+  double norm = 0;
+  for (uint32_t s = 0; s < per_kind; ++s) {
+    const float* key = rows_.Key(n * s / per_kind);
+    double kk = 0;
+    for (uint32_t j = 0; j < d; ++j) kk += double{key[j]} * key[j];
+    norm += std::sqrt(kk) / per_kind;
+  }
+  std::vector<std::vector<float>> probes[2];
+  uint64_t x = 0x9E3779B97F4A7C15ull ^ n;
+  auto uniform = [&x] {  // SplitMix64 -> (0, 1)
+    x += 0x9E3779B97F4A7C15ull;
+    uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return (static_cast<double>((z ^ (z >> 31)) >> 11) + 0.5) / 9007199254740992.0;
+  };
+  for (uint32_t s = 0; s < 2 * per_kind; ++s) {
+    if (s < per_kind) {
+      const float* key = rows_.Key(n * s / per_kind);
+      probes[0].emplace_back(key, key + d);
+    }
+    std::vector<float> g(d);
+    double gg = 0;
+    for (uint32_t j = 0; j < d; ++j) {  // Box-Muller
+      g[j] = static_cast<float>(std::sqrt(-2 * std::log(uniform())) *
+                                std::cos(6.283185307179586 * uniform()));
+      gg += double{g[j]} * g[j];
+    }
+    const float scale = gg > 0 ? static_cast<float>(norm / std::sqrt(gg)) : 0.f;
+    for (float& v : g) v *= scale;
+    probes[1].push_back(std::move(g));
+  }
+  std::vector<std::vector<Hit>> truth[2];
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int kind = 0; kind < 2; ++kind) {
+    for (const auto& q : probes[kind]) truth[kind].push_back(BruteForce(q.data(), k));
+  }
+  const double scan_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+      (3.0 * per_kind);
+  plan_ = Plan{true, 0, 1.0};
+  for (uint64_t ef = std::max<uint32_t>(k, 80);; ef *= 2) {
+    const uint32_t beam = static_cast<uint32_t>(std::min<uint64_t>(ef, n));
+    // Per kind: the mean recall of its probes and a lower bound (mean − 2 standard errors);
+    // the kind with the lower bound counts.
+    double worst = 1.0, worst_bound = 1.0;
+    const auto s0 = std::chrono::steady_clock::now();
+    for (int kind = 0; kind < 2; ++kind) {
+      double sum = 0, sum2 = 0;
+      const size_t count = probes[kind].size();
+      for (size_t p = 0; p < count; ++p) {
+        auto got = Search(probes[kind][p].data(), k, beam);
+        uint32_t found = 0;
+        for (const Hit& e : truth[kind][p]) {
+          for (const Hit& a : got) {
+            if (a.id == e.id) {
+              ++found;
+              break;
+            }
+          }
+        }
+        const double r = truth[kind][p].empty() ? 1.0 : double(found) / truth[kind][p].size();
+        sum += r;
+        sum2 += r * r;
+      }
+      const double mean = sum / count;
+      const double var = count > 1 ? std::max(0.0, (sum2 - sum * mean) / (count - 1)) : 0.0;
+      const double bound = mean - 2 * std::sqrt(var / count);
+      if (bound < worst_bound) worst_bound = bound, worst = mean;
+    }
+    const double search_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count() /
+        (3.0 * per_kind);
+    recall_by_ef_.push_back({beam, worst});
+    if (search_s >= scan_s) break;  // wider beams only cost more than the exact scan
+    if (worst_bound >= kTargetRecall) {
+      plan_ = Plan{false, beam, worst};
+      break;
+    }
+    if (beam >= n) break;
+  }
+}
+
+double BuiltIndex::RecallAt(uint32_t ef) const {
+  if (recall_by_ef_.empty()) return 1.0;
+  double r = recall_by_ef_.front().second;
+  for (const auto& [beam, recall] : recall_by_ef_) {
+    if (beam <= ef) r = recall;
+  }
+  return r;
 }
 
 void AttendRows(const IndexRows& rows, const float* q, const std::vector<uint32_t>& ids, float* out,

@@ -29,9 +29,6 @@
 
 namespace pion::store {
 
-// The query beam when ATTEND.QUERY gives no EF (at least k).
-inline constexpr uint32_t kDefaultEf = 320;
-
 enum class IndexMetric : uint8_t { kIp = 0, kL2 = 1, kCos = 2 };
 std::string_view IndexMetricName(IndexMetric m);
 
@@ -107,14 +104,34 @@ class BuiltIndex {
   };
   // The best `k` rows for query q (key_dim floats), best first; beam max(ef, k).
   std::vector<Hit> Search(const float* q, uint32_t k, uint32_t ef) const;
-  // Exact top-k by the same score (the baseline).
+  // Exact top-k by the same score: a float scan of every key (vectorised) for the best
+  // candidates, re-scored in double; best first, ties by id.
   std::vector<Hit> BruteForce(const float* q, uint32_t k) const;
+
+  // How a query without EF runs, chosen at build time from a calibration: recall@32 against
+  // BruteForce measured at doubling beams over probe queries of two kinds — stored keys (the
+  // key distribution) and random directions of the keys' typical norm (queries are out of
+  // distribution for their keys) — the worse kind counting. The default beam is the smallest
+  // whose recall, less two standard errors over the probes, is at least kTargetRecall; when
+  // none is, or when a search at that beam costs more than the scan (measured), queries scan
+  // (exact).
+  static constexpr double kTargetRecall = 0.98;
+  struct Plan {
+    bool scan = false;    // no EF given: exact scan
+    uint32_t ef = 0;      // no EF given and !scan: this beam
+    double recall = 1.0;  // the estimate for that choice
+  };
+  const Plan& plan() const { return plan_; }
+  // The calibrated recall@32 estimate of a search with beam ef: that of the largest measured
+  // beam not above ef (the smallest measured one's for a narrower beam: an upper bound).
+  double RecallAt(uint32_t ef) const;
 
   const IndexRows& rows() const { return rows_; }
   const IndexParams& params() const { return params_; }
   uint64_t generation() const { return generation_; }
   uint64_t bytes() const { return bytes_; }
-  double recall_estimate() const { return recall_; }
+  // The estimate for a query without EF (plan().recall).
+  double recall_estimate() const { return plan_.recall; }
   double build_ms() const { return build_ms_; }
 
  private:
@@ -125,7 +142,10 @@ class BuiltIndex {
   IndexRows rows_;
   uint64_t generation_ = 0;
   uint64_t bytes_ = 0;
-  double recall_ = 0, build_ms_ = 0;
+  void Calibrate();
+  double build_ms_ = 0;
+  Plan plan_;
+  std::vector<std::pair<uint32_t, double>> recall_by_ef_;  // ascending beams
   std::unique_ptr<Graph> graph_;
 };
 

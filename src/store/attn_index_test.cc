@@ -36,7 +36,7 @@ IndexRows RandomRows(uint32_t n, uint32_t d, uint32_t dv, bool clustered, std::m
 double Recall(const BuiltIndex& idx, const std::vector<std::vector<float>>& queries, uint32_t k) {
   uint64_t found = 0, wanted = 0;
   for (const auto& q : queries) {
-    auto approx = idx.Search(q.data(), k, kDefaultEf);
+    auto approx = idx.Search(q.data(), k, 320);
     auto exact = idx.BruteForce(q.data(), k);
     std::set<uint32_t> got;
     for (const auto& h : approx) got.insert(h.id);

@@ -222,16 +222,19 @@ class BinaryClient:
         finally:
             self.sock.settimeout(saved)
 
-    def attend_query(self, sid: str, k: int, q, ef: int = 0, attend: bool = False) -> dict:
+    def attend_query(self, sid: str, k: int, q, ef: int = 0, attend: bool = False,
+                     exact: bool = False) -> dict:
         """Top-k rows for each query (float32 [M, key_dim]): a dict with `ids` (uint32
-        [M, k]), `positions` (int64), `scores` (float32), and with attend=True `output`
-        (float32 [M, value_dim]) and `lse` (float32 [M])."""
+        [M, k]), `positions` (int64), `scores` (float32), the receipt (`exact`, `ef`,
+        `recall_estimate`), and with attend=True `output` (float32 [M, value_dim]) and `lse`
+        (float32 [M]). ef=0: the index's calibrated plan; exact=True: scan every key."""
         qa = _f32(q)
         m = 1 if qa.ndim == 1 else qa.shape[0]
-        r = self.call(ATTEND_QUERY, _str(sid) + struct.pack("<IIB", k, ef, 1 if attend else 0),
-                      qa)
+        options = (1 if attend else 0) | (2 if exact else 0)
+        r = self.call(ATTEND_QUERY, _str(sid) + struct.pack("<IIB", k, ef, options), qa)
         kk = r["k"]
-        out = dict(generation=r["generation"], k=kk,
+        out = dict(generation=r["generation"], k=kk, exact=r["exact"], ef=r["ef"],
+                   recall_estimate=r["recall_estimate"],
                    ids=np.frombuffer(r["ids"], np.uint32).reshape(m, kk),
                    positions=np.frombuffer(r["positions"], np.int64).reshape(m, kk),
                    scores=np.frombuffer(r["scores"], np.float32).reshape(m, kk))
