@@ -541,6 +541,37 @@ def test_info_sections(pion):
             "ssm": "sessions=0,blobs=0,bytes=0"}
 
 
+def test_deferred_commands_are_timed_and_failed_at_their_reply(pion_factory):
+    """Commands that reply later (compute-pool queries, saves after their disk I/O) count
+    their whole time and their error replies in the command stats, not the handler's return."""
+    import numpy as np
+
+    def stat(c, name):
+        line = parse_info(c.call("INFO", "commandstats")).get("cmdstat_" + name, "")
+        return {k: float(v) if "." in v else int(v)
+                for k, v in (kv.split("=") for kv in line.split(",") if kv)}
+
+    srv = pion_factory("-w", "2", "--disk-quota", "64kb")
+    h, n, d = 8, 8192, 128
+    kv = np.random.default_rng(0).standard_normal((h, n, d)).astype(np.float32).tobytes()
+    q = np.ones((h, d), np.float32).tobytes()
+    with srv.raw() as c:
+        assert c.call("ATTEND.PREFIX.STORE", "big", 0, h, n, d, kv, kv) == "OK"
+        t0 = time.perf_counter()
+        for _ in range(5):
+            c.call("ATTEND.PREFIX.QUERY", "big", 0, h, d, 0, q)
+        client_us = (time.perf_counter() - t0) * 1e6
+        st = stat(c, "attend.prefix.query")
+        assert st["calls"] == 5
+        # The server's time is most of what the client waited (the kernel runs on the pool).
+        assert st["usec"] >= 0.3 * client_us, (st, client_us)
+        assert c.call("SSM.PREFIX.STORE", "s", 0, b"x" * (1 << 20)) == "OK"
+        e = c.call("SSM.PREFIX.SAVE", "s")
+        assert isinstance(e, RespError) and str(e).startswith("OOM tier=disk"), e
+        st = stat(c, "ssm.prefix.save")
+        assert st["calls"] == 1 and st["failed_calls"] == 1, st
+
+
 def test_info_commandstats_counts(pion):
     def stat(c, name):
         cs = parse_info(c.call("INFO", "commandstats"))

@@ -26,6 +26,7 @@ struct Parked {
   residency::Deadline deadline;
   bool allow_approx;
   int reruns;
+  std::chrono::steady_clock::time_point start;
   std::function<void(CommandContext::ReplyWriter)> reply;
 };
 
@@ -52,6 +53,7 @@ void Rerun(const std::shared_ptr<Parked>& p, Shard& shard, residency::PinSet pin
   ctx.deadline = p->deadline;
   ctx.allow_approx = p->allow_approx;
   ctx.reruns = p->reruns + 1;
+  ctx.start = p->start;
   ctx.pins = &pins;
   p->spec->handler(ctx, p->args);
   if (ctx.deferred) return;  // it replies through its own deferred writer
@@ -123,6 +125,7 @@ void CommandContext::Park(Wait wait) {
   p->deadline = deadline;
   p->allow_approx = allow_approx;
   p->reruns = reruns;
+  p->start = start;
   p->reply = Defer();
   wait([p](const Status& s, residency::PinSet pins) {
     auto held = std::make_shared<residency::PinSet>(std::move(pins));
@@ -142,15 +145,25 @@ std::function<void(CommandContext::ReplyWriter)> CommandContext::Defer() {
   const int origin = origin_shard;
   const uint64_t conn_id = client_id;
   const int version = resp;
-  return [srv, origin, conn_id, version](ReplyWriter write) {
-    srv->shard(origin).PostControl([conn_id, version, write = std::move(write)](Shard& home) {
-      net::Connection* c = home.FindConnection(conn_id);
-      if (c == nullptr) return;  // the client went away meanwhile
-      proto::ReplyBuffer buf;
-      proto::ReplyBuilder rb(&buf, version);
-      write(rb);
-      c->CompleteAsync(std::move(buf));
-    });
+  const size_t index = spec != nullptr ? spec->index : SIZE_MAX;
+  const auto t0 = start;
+  return [srv, origin, conn_id, version, index, t0](ReplyWriter write) {
+    srv->shard(origin).PostControl(
+        [conn_id, version, index, t0, write = std::move(write)](Shard& home) {
+          proto::ReplyBuffer buf;
+          proto::ReplyBuilder rb(&buf, version);
+          write(rb);
+          // The command ends here: its latency runs to this reply, and an error in it counts.
+          if (index != SIZE_MAX && t0 != std::chrono::steady_clock::time_point{}) {
+            const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                                std::chrono::steady_clock::now() - t0)
+                                .count();
+            home.stats().commands[index].Record(static_cast<uint64_t>(us), rb.errors() > 0);
+          }
+          net::Connection* c = home.FindConnection(conn_id);
+          if (c == nullptr) return;  // the client went away meanwhile
+          c->CompleteAsync(std::move(buf));
+        });
   };
 }
 

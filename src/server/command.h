@@ -3,6 +3,7 @@
 // owning shard, COMMAND/COMMAND DOCS, and per-command statistics.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -61,6 +62,9 @@ struct CommandContext {
   residency::Deadline deadline = residency::kNoDeadline;
   bool allow_approx = false;  // ALLOW APPROX was given (kCmdApprox commands)
   int reruns = 0;             // how often this command was parked and run again
+  // When the command started: a deferred reply records the command's latency and error in
+  // the command stats when it is written (the dispatcher records the others on return).
+  std::chrono::steady_clock::time_point start{};
   // Pins taken by Resident(): held until the handler returns, unless it takes them.
   residency::PinSet* pins = nullptr;
 

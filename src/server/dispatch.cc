@@ -177,6 +177,7 @@ bool Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* con
   ctx.unix_socket = unix_socket;
   ctx.spec = &spec;
   ctx.args = &args;
+  ctx.start = t0;
   residency::PinSet pins;
   ctx.pins = &pins;
   Status admission;
@@ -196,7 +197,8 @@ bool Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* con
   last_epoch = loop.io_epoch();
   auto us =
       static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(t1 - t0).count());
-  shard.stats().commands[spec.index].Record(us, rb.errors() > 0);
+  // A deferred command is recorded when its reply is written (CommandContext::Defer).
+  if (!ctx.deferred) shard.stats().commands[spec.index].Record(us, rb.errors() > 0);
   int64_t slower_than = settings_.slowlog_log_slower_than_us.load(std::memory_order_relaxed);
   if (slower_than >= 0 && us >= static_cast<uint64_t>(slower_than) && !args.empty()) {
     slowlog_.Add(args, us, std::string(peer), std::string(client_name),
