@@ -892,10 +892,10 @@ def same_replies(r, sid_a, sid_b, layer, hq, hkv, n, d, rng, exact=True):
     return q, outs
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "int8", "fp8"])
 def test_store_from_namespace_equals_blob_store(shared_pion, fmt):
     r = shared_pion.client()
-    rng = np.random.default_rng({"fp32": 1, "fp16": 2, "bf16": 3, "int8": 4}[fmt])
+    rng = np.random.default_rng({"fp32": 1, "fp16": 2, "bf16": 3, "int8": 4, "fp8": 5}[fmt])
     L, T, H, D = 3, 40, 2, 64
     ns = "nsfrom_" + fmt
     rows = register_fill(r, ns, L, T, H, D, fmt, rng, "MODEL", "m1", "POSITION", "rope:1")

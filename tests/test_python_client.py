@@ -23,7 +23,7 @@ import pion  # noqa: E402
 from pion import codecs  # noqa: E402
 
 TOL = 1e-4
-FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2")
+FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8")
 
 
 @pytest.fixture(scope="module")
@@ -746,7 +746,7 @@ def test_shm_kv_fetch_layer_equals_tcp(unix_srv):
     L, T, H, D = 2, 96, 4, 32
     with pion.Client(port=unix_srv.port) as tcp, \
             pion.Client(unix_socket_path=unix_srv.sock_path) as u:
-        for fmt in ("fp16", "fp32", "int8"):
+        for fmt in ("fp16", "fp32", "int8", "fp8"):
             ns = "shmkv_" + fmt
             tcp.kv.register(ns, L, T, H, D, fmt, model="m")
             for layer in range(L):

@@ -14,14 +14,14 @@ from pionlib import RespError
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src", "store", "codec"))
 import reference_decode  # noqa: E402  (numpy decoder written from the RAW layout document)
 
-FORMATS = ["fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2"]
+FORMATS = ["fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8"]
 # Mean relative MSE bounds (issue #3); fp32 must be exact.
-MSE_BOUND = {"fp16": 2.4e-7, "bf16": 1.53e-5, "int8": 1e-4, "turbo4": 0.0106,
+MSE_BOUND = {"fp16": 2.4e-7, "bf16": 1.53e-5, "int8": 1e-4, "fp8": 1.5e-3, "turbo4": 0.0106,
              "turbo3": 0.0425, "turbo2": 0.170}
 # Floors: a lossy codec that silently keeps more precision than its format is wrong. int8's
 # expected error is about (2.5/127)^2/12 = 3.2e-5 for Gaussian blocks of 32 (far under its
 # bound); turbo sits 12-31 % under its bounds.
-MSE_FLOOR = {"int8": 1e-5, "turbo4": 0.0053, "turbo3": 0.02125, "turbo2": 0.085}
+MSE_FLOOR = {"int8": 1e-5, "fp8": 3e-4, "turbo4": 0.0053, "turbo3": 0.02125, "turbo2": 0.085}
 
 
 def bf16_rne(x: np.ndarray) -> np.ndarray:
@@ -68,6 +68,22 @@ def test_codec_round_trip_against_references(shared_pion, fmt):
         # more precision than its format allows is wrong).
         assert MSE_FLOOR[fmt] < err <= MSE_BOUND[fmt], err
         assert len(raw) < n * dim * 2  # actually compressed
+    if fmt == "fp8":
+        # e4m3 reference, independent of the decoder: per row scale amax/448, each value to the
+        # nearest of the 127 non-negative e4m3 magnitudes (ties to the even code), saturating.
+        mags = np.array([np.ldexp(c & 7, -9) if c >> 3 == 0 else np.ldexp(8 + (c & 7), (c >> 3) - 10)
+                         for c in range(127)], np.float64)
+        amax = np.abs(x).max(axis=1, keepdims=True)
+        scale = (amax / np.float32(448)).astype(np.float32)
+        v = np.abs(x * (np.float32(448) / amax)).astype(np.float64)
+        hi = np.clip(np.searchsorted(mags, v), 1, 126)
+        lo = hi - 1
+        dl, dh = v - mags[lo], mags[hi] - v
+        code = np.where((dh < dl) | ((dh == dl) & (hi % 2 == 0)), hi, lo)
+        code = np.where(v >= 448, 126, code)
+        want = (np.sign(x) * mags[code]).astype(np.float32) * scale
+        np.testing.assert_array_equal(y, want)
+        assert len(raw) == n * (dim + 4)
     if fmt == "int8":
         # q8_0 reference: per 32 values, fp16 scale amax/127, round half away from zero.
         xb = x.reshape(n, dim // 32, 32)
@@ -150,7 +166,7 @@ def test_snapshot_is_point_in_time_and_restores(shared_pion):
 BAD = [
     (("V.CREATE", "x", 0, "fp16"), "ERR dim must be in [1, 1048576], got 0"),
     (("V.CREATE", "x", -3, "fp16"), "ERR dim must be a non-negative integer, got '-3'"),
-    (("V.CREATE", "x", 128, "fp8"), "ERR format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2, got 'fp8'"),
+    (("V.CREATE", "x", 128, "fp4"), "ERR format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8, got 'fp4'"),
     (("V.CREATE", "x", 128, "turbo4", "BLOCK", 48), None),
     (("V.CREATE", "x", 128, "fp16", "BLOCKS", 4), "ERR syntax: V.CREATE <sid> <dim> <format> [BLOCK <n>]"),
     (("V.STOREBATCH", "bad", 0, b"\x00" * 12), "ERR fp32_blob has 12 bytes, expected a non-zero multiple of 4*dim = 32"),

@@ -1,4 +1,4 @@
-"""RAW row decoding of every V-store codec in numpy (fp32, fp16, bf16, int8, turbo4/3/2).
+"""RAW row decoding of every V-store codec in numpy (fp32, fp16, bf16, int8, turbo4/3/2, fp8).
 
 Written from src/store/codec/README.md (adapted from src/store/codec/reference_decode.py):
 decoding follows the document's float32 steps, so the result is bit-identical to the server's
@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2")
+FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8")
 TURBO_BITS = {"turbo4": 4, "turbo3": 3, "turbo2": 2}
 DEFAULT_TURBO_BLOCK = 128
 
@@ -148,6 +148,8 @@ def row_bytes(fmt: str, dim: int, block: int | None = None) -> int:
         return 2 * dim
     if fmt == "int8":
         return dim + 2 * ((dim + 31) // 32)
+    if fmt == "fp8":
+        return 4 + dim
     if fmt in TURBO_BITS:
         n = block or DEFAULT_TURBO_BLOCK
         return (dim // n) * (2 + n * TURBO_BITS[fmt] // 8)
@@ -174,7 +176,24 @@ def decode(fmt: str, dim: int, block: int | None, data, n_rows: int | None = Non
         return _decode(fmt, dim, block, raw, n_rows)
 
 
+def _e4m3_table() -> np.ndarray:
+    """float32 [256]: the value of every e4m3fn byte (README "fp8")."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 15, b & 7
+    v = np.where(e == 0, np.ldexp(m.astype(np.float64), -9),
+                 np.ldexp((8 + m).astype(np.float64), e - 10))
+    v = np.where((b & 0x7F) == 0x7F, np.nan, v)
+    return np.where(b & 0x80, -v, v).astype(np.float32)
+
+
+E4M3 = _e4m3_table()
+
+
 def _decode(fmt, dim, block, raw, n_rows):
+    if fmt == "fp8":
+        rows = raw.reshape(n_rows, 4 + dim)
+        scale = rows[:, :4].copy().view("<f4")  # [n_rows, 1]
+        return E4M3[rows[:, 4:]] * scale
     if fmt == "fp32":
         return raw.view("<f4").reshape(n_rows, dim)
     if fmt == "fp16":

@@ -179,7 +179,7 @@ class PionPromptCache:
       model: a transformers causal LM (batch size 1).
       client: a pion.Client; over its Unix socket the shared-memory path is used.
       codec: the V-store codec of stored K/V; default the model's dtype (fp32, fp16 or bf16:
-        lossless). int8 / turbo4 / turbo3 / turbo2 are lossy.
+        lossless). int8 / fp8 / turbo4 / turbo3 / turbo2 are lossy.
       persist: KV.PREFIX.SAVE every stored namespace (it survives a server restart).
       model_id: the MODEL identity (default `model_identity(model)`).
       transport: how a hit moves the K/V. "auto": the socket's bytes (TCP), or the shared-

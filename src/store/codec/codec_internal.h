@@ -158,6 +158,8 @@ void EncodeBf16(const float* in, size_t n, uint8_t* out);
 void DecodeBf16(const uint8_t* in, size_t n, float* out);
 void EncodeInt8(const float* rows, size_t n_rows, uint32_t dim, uint8_t* out);
 void DecodeInt8(const uint8_t* in, size_t n_rows, uint32_t dim, float* out);
+void EncodeFp8(const float* rows, size_t n_rows, uint32_t dim, uint8_t* out);
+void DecodeFp8(const uint8_t* in, size_t n_rows, uint32_t dim, float* out);
 void EncodeTurbo(int bits, const float* rows, size_t n_rows, uint32_t dim, uint32_t block,
                  uint8_t* out);
 void DecodeTurbo(int bits, const uint8_t* in, size_t n_rows, uint32_t dim, uint32_t block,

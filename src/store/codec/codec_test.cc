@@ -66,9 +66,9 @@ double MeanRelativeMse(const std::vector<float>& x, const std::vector<float>& y,
 
 TEST(RowCodec, ParseAndNameFormats) {
   const std::pair<const char*, Format> kNames[] = {
-      {"fp32", Format::kFp32},    {"fp16", Format::kFp16},     {"bf16", Format::kBf16},
-      {"int8", Format::kInt8},    {"turbo4", Format::kTurbo4}, {"turbo3", Format::kTurbo3},
-      {"turbo2", Format::kTurbo2}};
+      {"fp32", Format::kFp32},     {"fp16", Format::kFp16},     {"bf16", Format::kBf16},
+      {"int8", Format::kInt8},     {"turbo4", Format::kTurbo4}, {"turbo3", Format::kTurbo3},
+      {"turbo2", Format::kTurbo2}, {"fp8", Format::kFp8}};
   for (const auto& [name, f] : kNames) {
     EXPECT_EQ(ParseFormat(name), f);
     EXPECT_EQ(FormatName(f), name);
@@ -76,7 +76,8 @@ TEST(RowCodec, ParseAndNameFormats) {
   EXPECT_EQ(ParseFormat("FP16"), Format::kFp16);
   EXPECT_EQ(ParseFormat("Turbo3"), Format::kTurbo3);
   EXPECT_EQ(ParseFormat("BF16"), Format::kBf16);
-  EXPECT_FALSE(ParseFormat("fp8").has_value());
+  EXPECT_EQ(ParseFormat("FP8"), Format::kFp8);
+  EXPECT_FALSE(ParseFormat("fp8_e5m2").has_value());
   EXPECT_FALSE(ParseFormat("").has_value());
   EXPECT_FALSE(ParseFormat("turbo").has_value());
   EXPECT_FALSE(ParseFormat("fp16 ").has_value());
@@ -122,6 +123,8 @@ TEST(RowCodec, RowBytes) {
       {Format::kTurbo2, 256, 64, 4 * (2 + 16)},
       {Format::kTurbo3, 1024, 64, 16 * (2 + 24)},
       {Format::kTurbo4, 4096, 4096, 2 + 2048},
+      {Format::kFp8, 128, 0, 4 + 128},
+      {Format::kFp8, 3, 0, 7},
   };
   for (const Case& c : kCases) {
     EXPECT_EQ(MustCreate(c.f, c.dim, c.block).row_bytes(), c.bytes)
@@ -149,6 +152,8 @@ TEST(RowCodec, InvalidDimOrBlockIsAnErrorNamingExpectedAndGot) {
       {Format::kTurbo2, 64, 0,
        "turbo2 block 128 (the default) must divide dim, got dim 64 (dim % block = 64)"},
       {Format::kTurbo3, 96, 64, "turbo3 block 64 must divide dim, got dim 96 (dim % block = 32)"},
+      {Format::kFp8, 128, 32, "fp8 has no blocks (one scale per row): block must be 0, got 32"},
+      {Format::kFp8, 0, 0, "fp8 dim must be in [1, 1048576], got 0"},
   };
   for (const Case& c : kCases) {
     auto r = RowCodec::Create(c.f, c.dim, c.block);
@@ -159,7 +164,7 @@ TEST(RowCodec, InvalidDimOrBlockIsAnErrorNamingExpectedAndGot) {
   auto bad = RowCodec::Create(static_cast<Format>(9), 128);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().message(),
-            "unknown value format 9, expected one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2");
+            "unknown value format 9, expected one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8");
 }
 
 TEST(RowCodec, ZeroRowsIsANoOp) {
@@ -190,6 +195,9 @@ constexpr Accuracy kAccuracy[] = {
     {Format::kBf16, 1.53e-5, 1.3e-6},
     // int8: step d = amax/127 with amax ~ 2.0..2.5 sigma over 32 values: d^2/12 ~ 2.4e-5.
     {Format::kInt8, 1e-4, 1.2e-5},
+    // fp8 e4m3 with a per-row scale: 3 mantissa bits, relative step 2^-3 at worst: E[rel err^2]
+    // ~ 2^-8/3 · E[m^-2] ~ 7e-4 (values below 2^-6 · scale lose bits as subnormals).
+    {Format::kFp8, 1.5e-3, 3e-4},
     {Format::kTurbo4, 0.0106, 0.0106 / 2},
     {Format::kTurbo3, 0.0425, 0.0425 / 2},
     {Format::kTurbo2, 0.170, 0.170 / 2},
@@ -199,7 +207,7 @@ void CheckAccuracy(uint32_t dim, uint32_t turbo_block, uint64_t seed) {
   const size_t rows = 1024;
   const std::vector<float> x = GaussianRows(rows, dim, seed);
   for (const Accuracy& a : kAccuracy) {
-    const bool turbo = a.f >= Format::kTurbo4;
+    const bool turbo = a.f >= Format::kTurbo4 && a.f <= Format::kTurbo2;
     RowCodec c = MustCreate(a.f, dim, turbo ? turbo_block : 0);
     const double mse = MeanRelativeMse(x, RoundTrip(c, x), dim);
     std::cout << "  mean relative MSE " << FormatName(a.f) << " dim " << dim << " block "
@@ -437,6 +445,70 @@ TEST(RowCodecSpecial, TurboNonFiniteBlocksDecodeToZerosAndHugeNormsSaturate) {
 
 // ---- README worked example -------------------------------------------------------------------
 
+// fp8: every e4m3 value times the row's scale survives the round trip exactly (the encode's
+// rounding is exact), ties round to even, the row's amax maps to 448, NaN stays NaN, ±inf
+// saturate to ±448·scale, and the layout is [f32 scale][dim × e4m3].
+TEST(RowCodecSpecial, Fp8ExactGridTiesNanInfAndLayout) {
+  RowCodec c = MustCreate(Format::kFp8, 8);
+  EXPECT_EQ(c.row_bytes(), 12u);
+  // amax 448 -> scale 1: the values are e4m3 themselves.
+  const float row[8] = {448.0f,
+                        -0.001953125f /* 2^-9, min subnormal */,
+                        1.0625f /* tie */,
+                        1.1875f /* tie */,
+                        0.0f,
+                        -kInf,
+                        kNaN,
+                        240.0f};
+  uint8_t enc[12];
+  c.Encode(row, 1, enc);
+  float scale;
+  std::memcpy(&scale, enc, 4);
+  EXPECT_EQ(scale, 1.0f);
+  EXPECT_EQ(enc[4], 0x7E);  // 448: exponent 15, mantissa 6
+  EXPECT_EQ(enc[5], 0x81);  // -2^-9: subnormal, mantissa 1
+  EXPECT_EQ(enc[6], 0x38);  // 1.0625 is halfway between 1 and 1.125: to even (1.0)
+  EXPECT_EQ(enc[7], 0x3A);  // 1.1875 between 1.125 and 1.25: to even (1.25)
+  EXPECT_EQ(enc[8], 0x00);
+  EXPECT_EQ(enc[9], 0xFE);   // -inf saturates
+  EXPECT_EQ(enc[10], 0x7F);  // NaN
+  EXPECT_EQ(enc[11], 0x77);  // 240 = 1.875 · 2^7
+  float back[8];
+  c.Decode(enc, 1, back);
+  EXPECT_EQ(back[0], 448.0f);
+  EXPECT_EQ(back[1], -0.001953125f);
+  EXPECT_EQ(back[2], 1.0f);
+  EXPECT_EQ(back[3], 1.25f);
+  EXPECT_EQ(back[5], -448.0f);
+  EXPECT_TRUE(std::isnan(back[6]));
+  // Every finite e4m3 value, scaled, is a fixed point of the codec.
+  std::vector<float> grid;
+  for (int b = 0; b < 256; ++b) {
+    if ((b & 0x7F) == 0x7F) continue;
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float v = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+    grid.push_back((b & 0x80) ? -v : v);
+  }
+  grid.resize(254);
+  RowCodec g = MustCreate(Format::kFp8, 254);
+  for (float s : {1.0f, 0.125f, 3.0f}) {
+    std::vector<float> x(grid);
+    for (float& v : x) v *= s;
+    std::vector<uint8_t> e(g.row_bytes());
+    g.Encode(x.data(), 1, e.data());
+    std::vector<float> y(254);
+    g.Decode(e.data(), 1, y.data());
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(y[i], x[i]) << "scale " << s << " i " << i;
+  }
+  // A row with nothing finite and non-zero: scale 0, decodes to zeros (NaN stays NaN).
+  const float empty[8] = {0.0f, kInf, -0.0f, kNaN, 0, 0, 0, 0};
+  c.Encode(empty, 1, enc);
+  c.Decode(enc, 1, back);
+  EXPECT_EQ(back[0], 0.0f);
+  EXPECT_EQ(back[1], 0.0f);
+  EXPECT_TRUE(std::isnan(back[3]));
+}
+
 TEST(RowCodec, ReadmeWorkedExample) {
   const std::vector<float> x = {0.5f, -1.25f, 2.0f, 0.0f, 3.5f, -0.75f, 1.0f, -2.5f};
   struct Case {
@@ -472,7 +544,7 @@ TEST(RowCodec, ReadmeWorkedExample) {
   };
   for (const Case& c : kCases) {
     SCOPED_TRACE(std::string(FormatName(c.f)));
-    RowCodec codec = MustCreate(c.f, 8, c.f >= Format::kTurbo4 ? 8 : 0);
+    RowCodec codec = MustCreate(c.f, 8, c.f >= Format::kTurbo4 && c.f <= Format::kTurbo2 ? 8 : 0);
     std::vector<uint8_t> enc(codec.row_bytes());
     codec.Encode(x.data(), 1, enc.data());
     EXPECT_EQ(enc, c.bytes);
@@ -498,7 +570,8 @@ TEST(ReferenceDecodePy, ReproducesDecodeBitForBit) {
       {Format::kFp32, 100, 0},    {Format::kFp16, 1024, 0},    {Format::kBf16, 1024, 0},
       {Format::kInt8, 1024, 0},   {Format::kInt8, 100, 0},     {Format::kTurbo4, 1024, 0},
       {Format::kTurbo3, 1024, 0}, {Format::kTurbo2, 1024, 0},  {Format::kTurbo4, 256, 32},
-      {Format::kTurbo3, 64, 8},   {Format::kTurbo2, 512, 512}, {Format::kTurbo3, 4096, 4096}};
+      {Format::kTurbo3, 64, 8},   {Format::kTurbo2, 512, 512}, {Format::kTurbo3, 4096, 4096},
+      {Format::kFp8, 1024, 0},    {Format::kFp8, 100, 0}};
   const std::string dir = testing::TempDir();
   for (const Case& c : kCases) {
     SCOPED_TRACE(std::string(FormatName(c.f)) + " dim " + std::to_string(c.dim));
@@ -508,7 +581,8 @@ TEST(ReferenceDecodePy, ReproducesDecodeBitForBit) {
       for (uint32_t j = 0; j < c.dim; ++j) x[r * c.dim + j] *= std::ldexp(1.0f, int(r % 24) - 12);
     }
     std::fill(x.begin(), x.begin() + c.dim, 0.0f);  // a zero row
-    if (c.f == Format::kFp16 || c.f == Format::kBf16 || c.f == Format::kFp32) {
+    if (c.f == Format::kFp16 || c.f == Format::kBf16 || c.f == Format::kFp32 ||
+        c.f == Format::kFp8) {
       x[c.dim] = kInf;
       x[c.dim + 1] = -kNaN;
       x[c.dim + 2] = 1e20f;
