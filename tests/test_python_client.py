@@ -620,6 +620,26 @@ def test_auth_errors(pion_factory):
             c.fetch_many([("V.INFO",)])
 
 
+def test_fp8_rows_split_into_e4m3_bytes_and_scales(pion_factory):
+    """fp8 RAW rows: codecs.fp8_parts views the e4m3 bytes (what torch.float8_e4m3fn views) and
+    the per-row scales; table value times scale is exactly the server's decode."""
+    srv = pion_factory("--workers", "1")
+    rng = np.random.default_rng(8)
+    with pion.Client(port=srv.port) as c:
+        c.v.create("f8", 96, "fp8")
+        rows = rng.standard_normal((50, 96)).astype(np.float32) * 3
+        c.v.store_batch("f8", 0, rows)
+        raw = c.v.fetch_raw("f8", 0, 50, decode=False)
+        q, scale = codecs.fp8_parts(raw, 96)
+        assert q.shape == (50, 96) and q.dtype == np.uint8 and scale.shape == (50,)
+        np.testing.assert_array_equal(scale, np.abs(rows).max(axis=1) / np.float32(448))
+        assert np.all(np.abs(q & 0x7F) <= 0x7E)  # no NaN codes for finite rows
+        want = c.v.fetch("f8", 0, 50)
+        np.testing.assert_array_equal(bits(codecs.E4M3[q] * scale[:, None]), bits(want))
+        with pytest.raises(ValueError):
+            codecs.fp8_parts(bytes(raw)[:-1], 96)
+
+
 def test_fetch_many_replies_errors_and_reuse(pion_factory):
     """The raw connection of the fetch helpers: large bulks as arrays received in place (into
     the caller's array when given), small ones as bytes, typed errors that leave the

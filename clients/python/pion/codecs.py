@@ -189,6 +189,19 @@ def _e4m3_table() -> np.ndarray:
 E4M3 = _e4m3_table()
 
 
+def fp8_parts(data, dim: int):
+    """RAW fp8 rows split without a copy: (q, scale) — q a uint8 [n_rows, dim] view of the
+    e4m3fn bytes (strided: rows are 4 + dim apart), scale float32 [n_rows]. For torch:
+    `torch.from_numpy(q).view(torch.float8_e4m3fn)` is the fp8 tensor, and q·scale[:, None] the
+    row's values (as decode())."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if raw.size % (4 + dim):
+        raise ValueError("%d bytes is not a multiple of the fp8 row size %d (dim %d)"
+                         % (raw.size, 4 + dim, dim))
+    rows = raw.reshape(-1, 4 + dim)
+    return rows[:, 4:], rows[:, :4].copy().view("<f4").reshape(-1)
+
+
 def _decode(fmt, dim, block, raw, n_rows):
     if fmt == "fp8":
         rows = raw.reshape(n_rows, 4 + dim)

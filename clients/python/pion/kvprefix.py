@@ -28,7 +28,8 @@ LOSSLESS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # codec -
 
 def torch_dtype(torch, codec: str):
     """The torch dtype whose bytes are the codec's rows (fp32/fp16/bf16), or None (int8,
-    turbo*: those are decoded, not viewed)."""
+    turbo*: those are decoded, not viewed; fp8 rows carry a scale before their e4m3 bytes:
+    pion.codecs.fp8_parts splits them, and torch.float8_e4m3fn views the bytes)."""
     name = LOSSLESS.get(codec)
     return None if name is None else getattr(torch, name)
 
