@@ -32,17 +32,27 @@ e2e: build
 fuzz-build: deps
 	CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DPION_FUZZ=ON -DPION_SANITIZE=address -DPION_BUILD_TESTS=OFF -DPION_CUDA=OFF
-	cmake --build build-fuzz -j $(JOBS) --target resp_parser_fuzz binary_frame_fuzz
+	cmake --build build-fuzz -j $(JOBS) --target resp_parser_fuzz binary_frame_fuzz command_fuzz
 
-# Short fuzz runs under ASan+UBSan (part of `make test`): the RESP parser and the binary
-# protocol's frame parser.
+# Short fuzz runs under ASan+UBSan (part of `make test`): the RESP parser, the binary
+# protocol's frame parser, and the command fuzzer (argument vectors over every command,
+# against a whole server in process), FUZZ_SECS each.
+COMMAND_FUZZ_FLAGS = -timeout=30 -max_len=4096
 fuzz: fuzz-build
 	scripts/run-fuzz.sh build-fuzz/resp_parser_fuzz fuzz/corpus/resp $(FUZZ_SECS)
 	scripts/run-fuzz.sh build-fuzz/binary_frame_fuzz fuzz/corpus/binary $(FUZZ_SECS)
+	FUZZ_FLAGS="$(COMMAND_FUZZ_FLAGS)" \
+	  scripts/run-fuzz.sh build-fuzz/command_fuzz fuzz/corpus/command $(FUZZ_SECS)
 
-# Long fuzz run: make fuzz-long FUZZ_SECS=3600
-fuzz-long: FUZZ_SECS=3600
-fuzz-long: fuzz
+# Long runs: FUZZ_RUNS executions of each parser (fails with fewer, or on any finding), then
+# the command fuzzer for FUZZ_COMMAND_SECS. Results: bench/results/fuzz-*.md.
+FUZZ_RUNS         ?= 10000000
+FUZZ_COMMAND_SECS ?= 1800
+fuzz-long: fuzz-build
+	scripts/run-fuzz.sh build-fuzz/resp_parser_fuzz fuzz/corpus/resp 7200 $(FUZZ_RUNS)
+	scripts/run-fuzz.sh build-fuzz/binary_frame_fuzz fuzz/corpus/binary 7200 $(FUZZ_RUNS)
+	FUZZ_FLAGS="$(COMMAND_FUZZ_FLAGS)" \
+	  scripts/run-fuzz.sh build-fuzz/command_fuzz fuzz/corpus/command $(FUZZ_COMMAND_SECS)
 
 test: build
 	$(MAKE) format-check unit e2e fuzz

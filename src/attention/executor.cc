@@ -56,7 +56,9 @@ struct PartialBuf {
 void DensePass(const kernels::AttentionKernels& kern, const Parallel& par, const Queries& q,
                const Tensor3& k, const Tensor3& v, int64_t pos0, float scale, int64_t window,
                const Partial& out, Receipt* r) {
-  auto [begin, end] = VisibleRows(q.pos0, q.pos0 + q.m - 1, window, pos0, k.rows);
+  // Not a structured binding: the lambda below captures it (clang 14 rejects that).
+  const auto visible = VisibleRows(q.pos0, q.pos0 + q.m - 1, window, pos0, k.rows);
+  const auto begin = visible.first, end = visible.second;
   if (begin >= end) return kernels::ClearPartial(out);
   const uint64_t rows = end - begin;
   const uint64_t bytes =
@@ -139,7 +141,8 @@ void TopK(const kernels::AttentionKernels& kern, const Parallel& par, const Quer
     for (size_t row = nrows * g / groups; row < nrows * (g + 1) / groups; ++row) {
       const uint32_t h = static_cast<uint32_t>(row / q.m), i = static_cast<uint32_t>(row % q.m);
       const int64_t p = q.pos0 + i;
-      auto [b, e] = VisibleFor(p, window, 0, k.rows);
+      const auto visible = VisibleFor(p, window, 0, k.rows);  // captured below: no binding
+      const auto b = visible.first, e = visible.second;
       counts[row] = 0;
       if (b >= e) continue;
       Queries one = HeadView(q, h);

@@ -40,7 +40,10 @@ void TimerQueue::Run() {
     }
     auto first = timers_.begin();
     if (first->first > Clock::now()) {
-      cv_.wait_until(lock, first->first);
+      // A copy: wait_until reads its deadline after waking, and a Cancel while the lock is
+      // released may free the node that holds the key.
+      const Deadline next = first->first;
+      cv_.wait_until(lock, next);
       continue;
     }
     auto fn = std::move(first->second.second);

@@ -57,6 +57,7 @@ uint64_t AutoDiskQuota(const std::string& dir) {
 }  // namespace
 
 Server::~Server() {
+  if (shm_) shm_->Clear();
   if (listen_fd_ >= 0) close(listen_fd_);
   if (binary_fd_ >= 0) close(binary_fd_);
   if (unix_fd_ >= 0) {

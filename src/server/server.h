@@ -126,6 +126,8 @@ class Server {
   UserTable users_;
   SlowLog slowlog_;
   bool gpu_attention_ = false;
+  // Outlives everything that holds buffers allocated from its arenas (declared first).
+  std::unique_ptr<ShmPlane> shm_;
   std::unique_ptr<residency::Engine> engine_;  // outlives the shards (their objects)
   std::unique_ptr<store::SemanticCache> kv_cache_;
   std::vector<std::unique_ptr<Shard>> shards_;
@@ -134,7 +136,6 @@ class Server {
   std::unique_ptr<WorkerPool> io_;
   std::unique_ptr<WorkerPool> compute_;
   std::unique_ptr<WorkerPool> gpu_copy_;  // host <-> GPU copies of the residency engine
-  std::unique_ptr<ShmPlane> shm_;
   attention::Counters attention_counters_;
   DiskStats disk_stats_;
   std::unique_ptr<MetricsHttp> metrics_;

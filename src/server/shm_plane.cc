@@ -13,9 +13,10 @@ ShmPlane::ShmPlane(bool enabled, size_t segment_bytes, int64_t lease_ttl_ms, siz
 ShmArena* ShmPlane::ArenaFor(uint32_t tenant) {
   if (!enabled_) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
-  ShmArena*& a = arenas_[tenant];
-  if (a == nullptr) a = new ShmArena("pion-tenant-" + std::to_string(tenant), segment_bytes_);
-  return a;
+  auto& a = arenas_[tenant];
+  if (a == nullptr)
+    a = std::make_unique<ShmArena>("pion-tenant-" + std::to_string(tenant), segment_bytes_);
+  return a.get();
 }
 
 BufferAllocator* ShmPlane::AllocatorFor(uint32_t tenant) {
@@ -172,6 +173,21 @@ size_t ShmPlane::Expire(Clock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
   SweepRetired();
   return n;
+}
+
+void ShmPlane::Clear() {
+  std::unordered_map<uint64_t, std::map<uint64_t, Lease>> leases;
+  std::unordered_map<uint64_t, std::unique_ptr<ShmArena>> staging;
+  std::vector<std::unique_ptr<ShmArena>> retired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    leases.swap(leases_);
+    staging.swap(staging_);
+    retired.swap(retired_);
+    leased_bytes_ = 0;
+    lease_count_ = 0;
+  }
+  leases.clear();  // before the staging arenas their write leases' regions come from
 }
 
 ShmPlane::Stats ShmPlane::stats() const {

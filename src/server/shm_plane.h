@@ -62,6 +62,9 @@ class ShmPlane {
   bool Release(uint64_t client, uint64_t lease);
   size_t ReleaseClient(uint64_t client);
   size_t Expire(Clock::time_point now);
+  // Ends every lease and deletes the staging arenas (the server's teardown, first: what leases
+  // hold — GPU pins, the engine's replicas — is released while the engine still exists).
+  void Clear();
 
   struct Stats {
     uint64_t arenas = 0;
@@ -92,8 +95,9 @@ class ShmPlane {
   const std::chrono::milliseconds ttl_;
   const size_t max_leases_;
   mutable std::mutex mu_;
-  // Arenas live as long as the process: stored buffers may outlive the server object.
-  std::unordered_map<uint32_t, ShmArena*> arenas_;
+  // The tenants' arenas. Stored buffers (the engine's replicas, the shards' stores) free
+  // their regions into them, so the Server destroys this plane after all of those.
+  std::unordered_map<uint32_t, std::unique_ptr<ShmArena>> arenas_;
   std::unordered_map<uint64_t, std::map<uint64_t, Lease>> leases_;  // client -> id -> lease
   // Per-client write staging; a closed client's arena is deleted once no region of it is alive.
   std::unordered_map<uint64_t, std::unique_ptr<ShmArena>> staging_;
