@@ -41,7 +41,7 @@ uint8_t ToE4m3(float x) {
   const float a = std::fabs(x);
   if (a >= kE4m3Max) return sign | 0x7E;
   int e2 = 0;
-  std::frexp(a, &e2);                    // a = f · 2^e2, f in [0.5, 1): exponent e2 - 1
+  std::frexp(a, &e2);  // a = f · 2^e2, f in [0.5, 1): exponent e2 - 1
   const int e = a == 0 ? -6 : std::max(e2 - 1, -6);
   // Multiples of 2^(e-3) (2^-9 below the normal range): q = a / step, rounded to even.
   const float q = std::nearbyint(std::ldexp(a, 3 - e));
