@@ -7,7 +7,8 @@ every family, in the fuzzer's input format (command_fuzz.cc's header comment):
   integers, 7: a key name or a scalar of an earlier reply) and its payload; the command's key
   argument is one byte, an index into kKeys.
 
-Commands are written by name, so the seeds keep their meaning when the table changes."""
+Commands are written by name, so the seeds keep their meaning when the table changes.
+Files named regress-* beside them are inputs the fuzzer found, kept as they are."""
 import pathlib
 import struct
 

@@ -28,7 +28,10 @@ if ! "$bin" "$work" "$corpus" "${limits[@]}" -max_len=70000 -timeout=10 -rss_lim
   echo "fuzz: $(basename "$bin") FAILED (artifacts in fuzz/crashes/)"
   exit 1
 fi
-tail -n 15 "$log"
+tail -n 8 "$log"
+# libFuzzer's last status line (coverage, features, corpus) and its run count and time.
+grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n 1
+grep -E '^Done [0-9]+ runs' "$log" | tail -n 1
 done=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
 if [ "$runs" -gt 0 ] && [ "${done:-0}" -lt "$runs" ]; then
   echo "fuzz: $(basename "$bin") ran ${done:-0} of $runs executions within ${secs}s"
