@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import subprocess
 import sys
 import tempfile
 import time
@@ -71,6 +72,38 @@ def time_numpy(q, k, v, hq, seconds: float) -> dict:
     return {"p50_us": lat[len(lat) // 2], "p99_us": lat[int(len(lat) * 0.99)], "n": len(lat)}
 
 
+def read_bandwidth(pion: Path) -> dict:
+    """The box's read bandwidth (1 and 2 threads) and the fp32 decode kernel alone, in process
+    (pion-attn-bench): measured in this run, so the end-to-end numbers can be read against the
+    memory this machine has right now."""
+    out = subprocess.run([str(pion.parent / "pion-attn-bench"), "--quick", "--filter", "fp32 G=1 N=2K"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    bw, kernel = {}, {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in ("1", "2"):
+            bw[int(cells[0])] = float(cells[1])
+        if len(cells) == 9 and cells[:3] == ["fp32", "1", "2K"]:
+            kernel[cells[4]] = float(cells[6])
+    return {"bw": bw, "kernel_us": kernel}
+
+
+STAGES = ("queue_us", "piece_start_max_us", "piece_max_us", "merge_us", "micros")
+
+
+def stage_times(port: int, sid: str, hq: int, d: int, q: np.ndarray, seconds: float) -> dict:
+    """Per-stage server times from the receipts of M=1 queries (one connection, one in flight)."""
+    c = redis.Redis(port=port)
+    got = {k: [] for k in STAGES}
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        r = c.execute_command("ATTEND.PREFIX.QUERY", sid, 0, hq, d, 0, q.tobytes(), "RECEIPT")[1]
+        rc = dict(zip(r[::2], r[1::2]))
+        for k in STAGES:
+            got[k].append(float(rc[k.encode()]))
+    return {k: (float(np.percentile(v, 50)), float(np.percentile(v, 99))) for k, v in got.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pion", default="build/pion-server")
@@ -98,6 +131,8 @@ def main() -> int:
                        str(tmp / dtype)] + extra, port, "pion-" + dtype, tmp / f"pion-{dtype}.log")
             procs.append(p)
             servers[dtype] = (p, port)
+        wait_quiet(a.max_background, 30)
+        bandwidth = read_bandwidth(pion)
         rport = free_port()
         rp = start_server([a.redis_server, "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
                     "--appendonly", "no"], rport, "redis", tmp / "redis.log")
@@ -123,6 +158,10 @@ def main() -> int:
                 cmd_file.write_bytes(resp("ATTEND.PREFIX.QUERY", sid, 0, hq, d, 0, q.tobytes()))
                 wait_quiet(a.max_background, 30)
                 res, cpu, _ = run_fetch(fb, psutil.Process(proc.pid), port, cmd_file, [], 1, a)
+                if dtype == "fp32" and (hkv, hq, n, d) == SHAPES[0]:
+                    wait_quiet(a.max_background, 30)
+                    stages = stage_times(port, sid, hq, d, q, a.seconds)
+                    first = {"e2e": (res["p50_us"], res["p99_us"]), "bytes": k.nbytes + v.nbytes}
                 rows.append((shape, f"pion_query ({dtype})", res["p50_us"], res["p99_us"],
                              res["req_per_s"],
                              cpu["server_cpu"], err))
@@ -166,6 +205,35 @@ def main() -> int:
         lines.append(f"- {shape}: fp32 {p:.0f} µs = {p / d['numpy in-process (fp32)']:.2f}× numpy, "
                      f"{p / d['redis_get (same reply size)']:.2f}× redis GET; fp16 "
                      f"{d.get('pion_query (fp16)', float('nan')):.0f} µs")
+    bw, kern = bandwidth["bw"], bandwidth["kernel_us"]
+    floor = first["bytes"] / (bw[2] * 1e9) * 1e6
+    e50, e99 = first["e2e"]
+    st = stages
+    lines += ["", f"## Where the time goes: {SHAPES[0]} (H_kv, H_q, N, D) fp32, "
+              f"{first['bytes'] / 2**20:.0f} MiB of K/V per query", "",
+              f"Read bandwidth of this box in this run (`pion-attn-bench`, sum over 1 GiB): "
+              f"1 thread {bw[1]:.1f} GB/s, 2 threads {bw[2]:.1f} GB/s; the K/V at the 2-thread rate "
+              f"take {floor:.0f} µs — the floor for an exact fp32 pass from DRAM (less when they "
+              f"stay in the L3). The decode kernel alone, one thread, in process: "
+              f"{kern.get('warm', float('nan')):.0f} µs warm, {kern.get('cold', float('nan')):.0f} µs "
+              f"cold.", "",
+              "| stage (server receipts, RECEIPT queries) | p50 µs | p99 µs |", "|---|---:|---:|",
+              f"| handed to the compute pool → a compute thread starts (`queue_us`) | "
+              f"{st['queue_us'][0]:.0f} | {st['queue_us'][1]:.0f} |",
+              f"| latest start of a key-range piece after the pass began (`piece_start_max_us`) | "
+              f"{st['piece_start_max_us'][0]:.0f} | {st['piece_start_max_us'][1]:.0f} |",
+              f"| longest piece (`piece_max_us`) | {st['piece_max_us'][0]:.0f} | "
+              f"{st['piece_max_us'][1]:.0f} |",
+              f"| merge of the pieces' partials (`merge_us`) | {st['merge_us'][0]:.0f} | "
+              f"{st['merge_us'][1]:.0f} |",
+              f"| whole computation (`micros`) | {st['micros'][0]:.0f} | {st['micros'][1]:.0f} |",
+              f"| end to end (pion-fetch-bench, above) | {e50:.0f} | {e99:.0f} |",
+              f"| end to end − queue − computation: parse, reply, loopback | "
+              f"{e50 - st['queue_us'][0] - st['micros'][0]:.0f} | |",
+              "",
+              f"Computation p50 / bandwidth floor: {st['micros'][0] / floor:.2f}; "
+              f"goal (issue 32): p50 ≤ 500 µs, p99 ≤ 1000 µs end to end — "
+              f"{'met' if e50 <= 500 and e99 <= 1000 else 'not met'} in this run."]
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -787,6 +787,15 @@ def test_split_k_over_large_slots(pion_factory):
         assert_lse(lse, ref_lse)
         assert rc["rows_attended"] == rc["visible_rows"] == int(att.sum())
         splits.append(rc["splits"])
+        # Stage times: every piece started and ended inside the computation, the merge too.
+        stages = [float(rc[f]) for f in ("queue_us", "piece_start_max_us", "piece_max_us",
+                                         "merge_us", "micros")]
+        assert min(stages) >= 0, rc
+        if rc["splits"] > 1:
+            micros = float(rc["micros"])
+            assert 0 < float(rc["piece_max_us"]) <= micros, rc
+            assert float(rc["piece_start_max_us"]) < micros, rc
+            assert float(rc["merge_us"]) <= micros, rc
         allow, _ = topk_allow(q, k, hm, np.arange(p0, p0 + m), w, 40)
         out = r.execute_command("ATTEND.PREFIX.QUERY", "big", 0, hq, d, 40, f32(q), *tail)
         ref, ref_lse, _ = attend_ref(q, k, v, hm, np.arange(p0, p0 + m), np.arange(n), w, allow)

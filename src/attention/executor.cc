@@ -37,7 +37,10 @@ uint32_t SplitsFor(uint64_t bytes_read, uint64_t rows, int threads) {
   constexpr uint64_t kMinBytesPerPiece = 256 << 10;  // below this, a thread hop costs more
   constexpr uint64_t kMinRowsPerPiece = 64;
   if (threads <= 1) return 1;
-  uint64_t pieces = std::min<uint64_t>(threads, bytes_read / kMinBytesPerPiece);
+  // A few pieces per thread, claimed as threads come free: a thread that starts late (woken
+  // late, or preempted on a busy box) costs the pass a fraction of a piece, not half of it.
+  constexpr uint64_t kPiecesPerThread = 4;
+  uint64_t pieces = std::min<uint64_t>(threads * kPiecesPerThread, bytes_read / kMinBytesPerPiece);
   pieces = std::min<uint64_t>(pieces, rows / kMinRowsPerPiece);
   return static_cast<uint32_t>(std::max<uint64_t>(pieces, 1));
 }
@@ -70,13 +73,24 @@ void DensePass(const kernels::AttentionKernels& kern, const Parallel& par, const
   std::vector<PartialBuf> parts;
   parts.reserve(pieces - 1);
   for (uint32_t i = 1; i < pieces; ++i) parts.emplace_back(out.n, out.d);
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  std::vector<double> start_us(pieces), took_us(pieces);
   par.For(pieces, [&](size_t i) {
+    const auto a = Clock::now();
     Keys piece = keys;
     piece.begin = static_cast<uint32_t>(begin + rows * i / pieces);
     piece.end = static_cast<uint32_t>(begin + rows * (i + 1) / pieces);
     kern.Attend(q, piece, scale, window, i == 0 ? out : parts[i - 1].View(out.d));
+    start_us[i] = std::chrono::duration<double, std::micro>(a - t0).count();
+    took_us[i] = std::chrono::duration<double, std::micro>(Clock::now() - a).count();
   });
+  const auto m0 = Clock::now();
   for (auto& p : parts) kernels::MergePartial(out, p.View(out.d));
+  r->merge_us += std::chrono::duration<double, std::micro>(Clock::now() - m0).count();
+  r->piece_start_max_us =
+      std::max(r->piece_start_max_us, *std::max_element(start_us.begin(), start_us.end()));
+  r->piece_max_us = std::max(r->piece_max_us, *std::max_element(took_us.begin(), took_us.end()));
 }
 
 // Query rows of head h only (a view into q).

@@ -56,7 +56,14 @@ struct Receipt {
   uint32_t blocks_total = 0;                  // sparse-auto: blocks visible per head
   double omitted_mass_estimate = 0;  // block-mean proxy (sparse-auto), exact scores (top_k)
   uint32_t splits = 1;               // key-range pieces computed in parallel
-  double micros = 0;
+  double micros = 0;                 // the whole computation (pieces, merge)
+  // Where the time of a split dense pass went (0 when it was not split): the latest start of a
+  // piece after the pass began (the hand-off to the other threads), the longest piece, and the
+  // merge of the pieces' partials.
+  double piece_start_max_us = 0;
+  double piece_max_us = 0;
+  double merge_us = 0;
+  double queue_us = 0;  // set by the server: admitted -> a compute thread started the query
 };
 
 // Runs pieces in parallel: WorkerPool::ParallelFor in the server, a plain loop in tests.

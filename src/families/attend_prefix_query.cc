@@ -38,6 +38,8 @@ struct QueryJob {
   size_t out_rows = 0;
   bool with_lse = false;
   bool receipt = false;
+  // When it was handed to the compute pool (queue_us in the receipt); unset when it ran inline.
+  std::optional<std::chrono::steady_clock::time_point> submitted;
 };
 
 // Positions stay far from int64 overflow: QPOS + M, and position − window, are always exact.
@@ -194,7 +196,7 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
                   std::string_view backend) {
   const bool auto_form =
       job.plan.form == Form::kSparseAuto || job.plan.form == Form::kSparseAutoFused;
-  rb.Map(auto_form ? 19 : 16);
+  rb.Map(auto_form ? 23 : 20);
   rb.Bulk("exact");
   rb.Bool(r.exact);
   rb.Bulk("form");
@@ -242,6 +244,14 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
   rb.Integer(r.splits);
   rb.Bulk("micros");
   rb.Double(r.micros);
+  rb.Bulk("queue_us");  // handed to the compute pool -> a compute thread started it
+  rb.Double(r.queue_us);
+  rb.Bulk("piece_start_max_us");
+  rb.Double(r.piece_start_max_us);
+  rb.Bulk("piece_max_us");
+  rb.Double(r.piece_max_us);
+  rb.Bulk("merge_us");
+  rb.Double(r.merge_us);
 }
 
 uint64_t EstimatedMacs(const QueryJob& job);
@@ -284,12 +294,16 @@ QueryResult Execute(server::Server* srv, const QueryJob& job, const attention::P
   float* lse = job.with_lse ? o + job.out_rows * d : nullptr;
   res.receipt = std::make_shared<attention::Receipt>();
   attention::Receipt* r = res.receipt.get();
+
   if (job.gpu) {
     // The replica is pinned by the job: it stays on the GPU until the job is done.
     res.status = attention::RunGpu(job.plan, slot, **job.gpu, job.summaries.get(), o, lse, r);
   } else {
     res.status =
         attention::Run(kern, par, job.plan, slot.Tensor(job.k), slot.Tensor(job.v), o, lse, r);
+  }
+  if (job.submitted) {  // after Run, which starts the receipt afresh
+    r->queue_us = std::chrono::duration<double, std::micro>(started - *job.submitted).count();
   }
   auto& c = srv->attention_counters();
   if (res.status.ok()) {
@@ -475,6 +489,7 @@ void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
     return WriteResult(*ctx.rb, *job, res, BackendName(*srv));
   }
   auto reply = ctx.Defer();
+  job->submitted = std::chrono::steady_clock::now();
   bool queued = srv->compute()->Submit([srv, job, reply]() {
     server::WorkerPool* pool = srv->compute();
     attention::Parallel par{
