@@ -786,6 +786,44 @@ def test_shm_kv_fetch_layer_equals_tcp(unix_srv):
         assert _wait_leases(tcp, 0) == 0
 
 
+def test_shm_decode_from_the_mapping_equals_the_server(unix_srv):
+    """On a Unix-socket client, v.fetch / fetch_raw / fetch_layer decode fp32, fp16 and bf16
+    rows straight from the mapping (pion.codecs.decode_pieces, spread over threads for large
+    fetches): bit for bit the server's decode over TCP, specials included (inf, NaN,
+    subnormals, signed zeros, the largest finite values), across rows in several pieces."""
+    from pion import codecs
+    rng = np.random.default_rng(12)
+    with pion.Client(port=unix_srv.port) as tcp, \
+            pion.Client(unix_socket_path=unix_srv.sock_path) as u:
+        dim, n = 1024, 6 * 320  # 7.5 MiB of fp32 rows: several pieces, the parallel decode
+        for fmt in ("fp16", "bf16", "fp32"):
+            for sid in ("d_" + fmt, "e_" + fmt):
+                tcp.v.create(sid, dim, fmt)
+            for r in range(6):  # the two sessions' chunks interleave: non-adjacent pieces
+                for sid in ("d_" + fmt, "e_" + fmt):
+                    rows = rnd(rng, 320, dim) * np.float32(100.0)
+                    rows[0, :12] = [np.inf, -np.inf, np.nan, 0.0, -0.0, 6e-8, -3e-5, 65504.0,
+                                    -65504.0, 1e-40, 3.0e38, -1.5e-45]
+                    u.v.store_batch(sid, r * 320, rows)
+            sid = "d_" + fmt
+            assert n * dim >= codecs.PARALLEL_ELEMS
+            for a, b in ((0, n), (7, n - 5), (319, 321)):
+                want = tcp.v.fetch(sid, a, b)
+                assert tcp.last_fetch_path == "tcp"
+                got = u.v.fetch(sid, a, b)
+                assert u.last_fetch_path == "shm" and got.shape == (b - a, dim)
+                np.testing.assert_array_equal(bits(got), bits(want), err_msg=fmt)
+                np.testing.assert_array_equal(bits(u.v.fetch_raw(sid, a, b)), bits(want))
+        # Formats that are not element-wise are decoded by the server on the Unix socket too.
+        tcp.v.create("q8", 64, "int8")
+        tcp.v.store_batch("q8", 0, rnd(rng, 10, 64))
+        np.testing.assert_array_equal(bits(u.v.fetch("q8", 0, 10)), bits(tcp.v.fetch("q8", 0, 10)))
+        assert u.last_fetch_path == "tcp"
+        with pytest.raises(pion.PionError):
+            u.v.fetch("d_fp16", 0, n + 1)  # past the written rows: the server's error
+        assert _wait_leases(tcp, 0) == 0
+
+
 def test_shm_lease_range_is_stable_and_released(unix_srv):
     with pion.Client(port=unix_srv.port) as tcp, \
             pion.Client(unix_socket_path=unix_srv.sock_path) as u:

@@ -27,7 +27,7 @@ import redis
 import redis.exceptions as rex
 from redis.connection import DefaultParser
 
-from . import _wire, errors
+from . import _wire, codecs, errors
 
 
 class _FullTextParser(DefaultParser):
@@ -201,6 +201,23 @@ class Client:
         finally:
             ch.release_later(lease)  # its reply is read with the channel's next command
         return out
+
+
+    def _shm_decode(self, ch, ranges, fmt, dim, model=None, generation=None):
+        """Rows [(sid, start, end), ...] of an element-wise format (fp32/fp16/bf16) decoded
+        into fresh float32 [n, dim] arrays straight from the shared-memory mapping, under
+        leases taken in one round trip and released after (no copy of the stored bytes first;
+        all ranges decode together over the copy threads); bit-identical to
+        pion.codecs.decode."""
+        got = ch.fetch_ranges(ranges, model, generation)
+        try:
+            outs = [np.empty(nbytes // codecs.ELEMENTWISE[fmt], np.float32)
+                    for _lease, _pieces, _rb, nbytes in got]
+            codecs.decode_pieces_many(fmt, [(ch.views(pieces), out)
+                                            for (_l, pieces, _rb, _n), out in zip(got, outs)])
+        finally:
+            ch.release_later(*(lease for lease, *_ in got))
+        return [out.reshape(-1, dim) for out in outs]
 
 
 def _byte_view(a) -> np.ndarray:

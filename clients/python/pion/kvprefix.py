@@ -139,7 +139,12 @@ class KVPrefix:
         if device is not None and str(device) != "cpu":
             return self._fetch_layer_device(ns, ch, vi, lo, hi, t, h, d, layout, raw, model,
                                             generation, device)
-        if ch is not None:
+        if ch is not None and vi["format"] in codecs.ELEMENTWISE:
+            # Decoded straight from the mapping, K and V each under its lease.
+            self._c.last_fetch_path = "shm"
+            kr, vr = self._c._shm_decode(ch, [(ns + "_pk", lo, hi), (ns + "_pv", lo, hi)],
+                                         vi["format"], vi["dim"], model, generation)
+        elif ch is not None:
             kb = self._c._shm_copy(ch, ns + "_pk", lo, hi, model, generation)
             vb = self._c._shm_copy(ch, ns + "_pv", lo, hi, model, generation)
             self._c.last_fetch_path = "shm"

@@ -71,9 +71,21 @@ class VStore:
 
     def fetch(self, sid: str, start: int, end: int, *, model: str | None = None,
               generation: int | None = None, as_torch: bool | None = None):
-        """Rows start <= id < end decoded by the server: float32 [end-start, dim].
+        """Rows start <= id < end decoded: float32 [end-start, dim].
         `model`/`generation` state the identity expected of a KV.PREFIX session
-        (MismatchError otherwise)."""
+        (MismatchError otherwise). Over TCP the server decodes them. On a Unix-socket Client
+        (shm=True) fp32/fp16/bf16 rows are decoded here, straight from the shared-memory
+        mapping under a lease (half the bytes of decoded fp16 through the socket; the same
+        floats: `last_fetch_path` "shm"); other formats are decoded by the server ("tcp")."""
+        ch = self._c._shm_channel()
+        if ch is not None:
+            info = _wire.parse_map(self._c.execute("V.INFO", sid))
+            if info["format"] in codecs.ELEMENTWISE:
+                self._c.last_fetch_path = "shm"
+                rows, = self._c._shm_decode(ch, [(sid, int(start), int(end))], info["format"],
+                                            info["dim"], model, generation)
+                return self._c._out(rows, as_torch)
+        self._c.last_fetch_path = "tcp"
         data = self._c.fetch_many([("V.FETCH", sid, "RANGE", int(start), int(end),
                                     *_identity(model, generation))])[0]
         return self._c._out(_wire.from_f32(data, (int(end) - int(start), -1)), as_torch)
@@ -118,8 +130,14 @@ class VStore:
             buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
         else:
             info_reply = self._c.execute("V.INFO", sid) if decode else None
-            buf = self._c._shm_copy(ch, sid, start, end, model, generation, into)
             self._c.last_fetch_path = "shm"
+            if decode and into is None:
+                info = _wire.parse_map(info_reply)
+                if info["format"] in codecs.ELEMENTWISE:  # decoded straight from the mapping
+                    rows, = self._c._shm_decode(ch, [(sid, start, end)], info["format"],
+                                                info["dim"], model, generation)
+                    return self._c._out(rows, as_torch)
+            buf = self._c._shm_copy(ch, sid, start, end, model, generation, into)
         if not decode and into is None:
             return memoryview(buf)
         if not decode:
