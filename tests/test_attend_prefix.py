@@ -9,7 +9,14 @@ Tolerances (elementwise, err = |got - ref| / (1 + |ref|)):
   float16 (np.float16 and back), and err <= 2e-2 against the fp32 reference; the output must
   also be measurably closer to the fp16 reference than to the fp32 one (a slot that silently
   keeps fp32 is a bug).
-- STORE ... FROM vs a blob STORE of the same (decoded) values: bitwise-equal replies.
+- fp8 slots (STORE ... DTYPE fp8, or FROM an fp8 namespace): every form is run on fp8 slots too
+  and checked with the fp32 tolerances against the reference computed on the dequantized rows
+  (e4m3 value × row scale, by an encoder independent of the server's); against the fp32
+  reference on the unquantized Gaussian rows, the output's relative MSE
+  Σ(o − o32)² / Σ o32² is at most FP8_REL_MSE_BOUND (4e-3, docs/PROTOCOL.md) and at least
+  FP8_REL_MSE_FLOOR (3e-4: a slot that kept more than fp8 is a bug).
+- STORE ... FROM vs a blob STORE of the same (decoded) values: bitwise-equal replies (fp8: the
+  blob is the namespace's RAW bytes, one scale per row).
 - Sparse-auto block choice: the server's chosen blocks per head equal the reference's exactly
   (random data; sparse_auto_ref asserts there is no near-tie at the K_top cut).
 - Receipt omitted_mass_estimate: 0 for exact results; for top_k within [min, max] of the exact
@@ -95,6 +102,64 @@ def err(srv, *args) -> str:
 def store(r, sid, layer, k, v):
     h, n, d = k.shape
     assert r.execute_command("ATTEND.PREFIX.STORE", sid, layer, h, n, d, f32(k), f32(v)) == b"OK"
+
+
+# ------------------------------------------------------------------------------------------
+# fp8 (e4m3fn, one f32 scale per row): an encoder written from src/store/codec/README.md alone
+# ------------------------------------------------------------------------------------------
+
+SLOT_DTYPES = ("fp32", "fp8")
+# Seed offsets of the sparse-auto cases on fp8 slots: fp8's coarser keys put some of the fp32
+# seeds' block scores within sparse_auto_ref's near-tie margin at the K_top cut.
+FP8_SEED = {"fp32": 0, "fp8": 2000}
+FP8_REL_MSE_BOUND = 4e-3
+FP8_REL_MSE_FLOOR = 3e-4
+# The 127 non-negative finite e4m3 magnitudes, code c = e.m: m/8·2^-6 (e = 0), else (1+m/8)·2^(e-7).
+E4M3_MAGS = np.array([np.ldexp(c & 7, -9) if c >> 3 == 0 else np.ldexp(8 + (c & 7), (c >> 3) - 10)
+                      for c in range(127)], np.float64)
+
+
+def fp8_rows(x):
+    """x [..., D] float32 → (bytes of the rows [f32 scale][D e4m3] in x's order, the values
+    they decode to as float32 of x's shape). scale = amax/448; each value times 448/amax to
+    the nearest e4m3 magnitude, ties to the even code."""
+    x = np.ascontiguousarray(x, np.float32)
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    amax = np.abs(rows).max(axis=1, keepdims=True)
+    scale = (amax / np.float32(448)).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(448) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    mag = np.abs(rows * inv).astype(np.float64)
+    hi = np.clip(np.searchsorted(E4M3_MAGS, mag), 1, 126)
+    lo = hi - 1
+    dl, dh = mag - E4M3_MAGS[lo], E4M3_MAGS[hi] - mag
+    code = np.where((dh < dl) | ((dh == dl) & (hi % 2 == 0)), hi, lo)
+    code = np.where(mag >= 448, 126, code).astype(np.uint8)
+    code |= np.signbit(rows).astype(np.uint8) << 7
+    deq = (np.where(code & 0x80, -1, 1) * E4M3_MAGS[code & 0x7F]).astype(np.float32) * scale
+    out = np.empty((rows.shape[0], 4 + d), np.uint8)
+    out[:, :4] = scale.astype("<f4").view(np.uint8).reshape(-1, 4)
+    out[:, 4:] = code
+    return out.tobytes(), deq.reshape(x.shape)
+
+
+def store_as(r, sid, layer, k, v, dtype):
+    """Stores k/v [H][N][D] as an fp32 or fp8 slot; returns the K/V values the slot holds."""
+    if dtype == "fp32":
+        store(r, sid, layer, k, v)
+        return k, v
+    h, n, d = k.shape
+    kb, kd = fp8_rows(k)
+    vb, vd = fp8_rows(v)
+    assert r.execute_command("ATTEND.PREFIX.STORE", sid, layer, h, n, d, kb, vb, "DTYPE",
+                             dtype) == b"OK"
+    return kd, vd
+
+
+def rel_mse(got, ref):
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(((got - ref) ** 2).sum() / (ref ** 2).sum())
 
 
 def flat_map(flat) -> dict:
@@ -284,14 +349,15 @@ DENSE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", SLOT_DTYPES)
 @pytest.mark.parametrize("case", DENSE_CASES, ids=[str(i) for i in range(len(DENSE_CASES))])
-def test_query_dense_and_topk_match_reference(shared_pion, case):
+def test_query_dense_and_topk_match_reference(shared_pion, case, dtype):
     hq, hkv, n, d, m, w, qpos, top_ks = case
     r = shared_pion.client()
     rng = np.random.default_rng(100 + DENSE_CASES.index(case))
     k, v, q = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d), rnd(rng, hq, m, d, scale=2.0)
-    sid = "dense%d" % DENSE_CASES.index(case)
-    store(r, sid, 0, k, v)
+    sid = "dense%d%s" % (DENSE_CASES.index(case), dtype)
+    k, v = store_as(r, sid, 0, k, v, dtype)
     hm = contiguous_map(hq, hkv)
     p0 = n if qpos is None else qpos
     pos_q = np.arange(p0, p0 + m)
@@ -310,7 +376,7 @@ def test_query_dense_and_topk_match_reference(shared_pion, case):
     # Without RECEIPT the bytes are the same.
     assert r.execute_command("ATTEND.PREFIX.QUERY", sid, 0, hq, d, 0, f32(q), *tail) == out
     assert rc["exact"] == 1 and rc["form"] == "dense" and rc["backend"] == ATTENTION_BACKEND
-    assert rc["dtype"] == "fp32" and rc["prefix_rows"] == n and rc["suffix_rows"] == 0
+    assert rc["dtype"] == dtype and rc["prefix_rows"] == n and rc["suffix_rows"] == 0
     assert rc["query_rows"] == hq * m
     assert rc["rows_attended"] == rc["visible_rows"] == int(nvis.sum())
     assert rc["support"] == [int(x) for x in nvis.sum(axis=1)]
@@ -368,8 +434,9 @@ FUSED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", SLOT_DTYPES)
 @pytest.mark.parametrize("case", FUSED_CASES, ids=[str(i) for i in range(len(FUSED_CASES))])
-def test_query_fused_matches_reference_and_client_merge(shared_pion, case):
+def test_query_fused_matches_reference_and_client_merge(shared_pion, case, dtype):
     hq, hkv, n, d, s, m, w, hm = case
     idx = FUSED_CASES.index(case)
     r = shared_pion.client()
@@ -378,8 +445,8 @@ def test_query_fused_matches_reference_and_client_merge(shared_pion, case):
     ks, vs, q = rnd(rng, hkv, s, d), rnd(rng, hkv, s, d), rnd(rng, hq, m, d, scale=2.0)
     hm = np.asarray(contiguous_map(hq, hkv) if hm is None else hm)
     contiguous = np.array_equal(hm, contiguous_map(hq, hkv))
-    sid = "fused%d" % idx
-    store(r, sid, 0, k, v)
+    sid = "fused%d%s" % (idx, dtype)
+    k, v = store_as(r, sid, 0, k, v, dtype)
     pos_q = np.arange(n + s - m, n + s)
     tail = [w] if w else []
     ref, _, att = attend_ref(q, np.concatenate([k, ks], 1), np.concatenate([v, vs], 1), hm,
@@ -422,15 +489,16 @@ SPARSE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", SLOT_DTYPES)
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=[str(i) for i in range(len(SPARSE_CASES))])
-def test_query_sparse_matches_reference(shared_pion, case):
+def test_query_sparse_matches_reference(shared_pion, case, dtype):
     hq, hkv, n, d, kmax, w, qpos = case
     idx_case = SPARSE_CASES.index(case)
     r = shared_pion.client()
     rng = np.random.default_rng(300 + idx_case)
     k, v, q = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d), rnd(rng, hq, 1, d, scale=2.0)
-    sid = "sparse%d" % idx_case
-    store(r, sid, 0, k, v)
+    sid = "sparse%d%s" % (idx_case, dtype)
+    k, v = store_as(r, sid, 0, k, v, dtype)
     hm = contiguous_map(hq, hkv)
     indices = np.stack([rng.permutation(n)[:kmax] for _ in range(hq)]).astype(np.int32)
     counts = rng.integers(0, kmax + 1, hq).astype(np.int32)
@@ -477,27 +545,30 @@ AUTO_CASES = [
 ]
 
 
-def sparse_auto_setup(r, case, seed, sid):
-    """Random K/V stored as `sid` and an M=1 query for an AUTO_CASES entry: (rng, k, v, q,
-    head map, query position, the command's window/QPOS arguments)."""
+def sparse_auto_setup(r, case, seed, sid, dtype="fp32"):
+    """Random K/V stored as `sid` (a `dtype` slot) and an M=1 query for an AUTO_CASES entry:
+    (rng, k, v as the slot holds them, q, head map, query position, the command's window/QPOS
+    arguments)."""
     hq, hkv, n, d, _, _, w, qpos, hm = case
     rng = np.random.default_rng(seed)
     k, v, q = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d), rnd(rng, hq, 1, d, scale=2.0)
     hm = np.asarray(contiguous_map(hq, hkv) if hm is None else hm)
-    store(r, sid, 0, k, v)
+    k, v = store_as(r, sid, 0, k, v, dtype)
     p = n if qpos is None else qpos
     tail = ([w] if w else []) + (["QPOS", qpos] if qpos is not None else [])
     return rng, k, v, q, hm, p, tail
 
 
+@pytest.mark.parametrize("dtype", SLOT_DTYPES)
 @pytest.mark.parametrize("select", ["mean", "quest"])
 @pytest.mark.parametrize("case", AUTO_CASES, ids=[str(i) for i in range(len(AUTO_CASES))])
-def test_query_sparse_auto_matches_reference(shared_pion, case, select):
+def test_query_sparse_auto_matches_reference(shared_pion, case, select, dtype):
     hq, hkv, n, d, b, k_top, w, qpos, _ = case
     idx = AUTO_CASES.index(case)
     r = shared_pion.client()
-    sid = "auto%d%s" % (idx, select)
-    _, k, v, q, hm, p, tail = sparse_auto_setup(r, case, 400 + idx, sid)
+    sid = "auto%d%s%s" % (idx, select, dtype)
+    _, k, v, q, hm, p, tail = sparse_auto_setup(r, case, 400 + idx + FP8_SEED[dtype], sid,
+                                                dtype)
     if select == "quest":
         tail += ["SELECT", "quest"]
     chosen, nvis_blocks, allow, omitted = sparse_auto_ref(q[:, 0], k, hm, b, k_top, p, w, select)
@@ -536,15 +607,17 @@ def test_query_sparse_auto_matches_reference(shared_pion, case, select):
     assert rc["rows_attended"] == rc["visible_rows"] == int(vis.sum())
 
 
+@pytest.mark.parametrize("dtype", SLOT_DTYPES)
 @pytest.mark.parametrize("select", ["mean", "quest"])
 @pytest.mark.parametrize("case", [1, 2, 3, 4])
-def test_query_sparse_auto_shared_matches_reference(shared_pion, case, select):
+def test_query_sparse_auto_shared_matches_reference(shared_pion, case, select, dtype):
     """SHARED: the query heads of one K/V head choose one set of blocks, each block ranked by
     the highest of their scores; each head then attends exactly those rows."""
     hq, hkv, n, d, b, k_top, w, qpos, _ = AUTO_CASES[case]
     r = shared_pion.client()
-    sid = "autoshared%d%s" % (case, select)
-    rng, k, v, q, hm, p, tail = sparse_auto_setup(r, AUTO_CASES[case], 900 + case, sid)
+    sid = "autoshared%d%s%s" % (case, select, dtype)
+    rng, k, v, q, hm, p, tail = sparse_auto_setup(r, AUTO_CASES[case],
+                                                  900 + case + FP8_SEED[dtype], sid, dtype)
     tail += ["SELECT", select, "SHARED"]
     chosen, nvis_blocks, allow, omitted = sparse_auto_ref(q[:, 0], k, hm, b, k_top, p, w, select,
                                                           shared=True)
@@ -586,19 +659,20 @@ AUTO_FUSED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", SLOT_DTYPES)
 @pytest.mark.parametrize("select", ["mean", "quest"])
 @pytest.mark.parametrize("case", AUTO_FUSED_CASES,
                          ids=[str(i) for i in range(len(AUTO_FUSED_CASES))])
-def test_query_sparse_auto_fused_matches_reference(shared_pion, case, select):
+def test_query_sparse_auto_fused_matches_reference(shared_pion, case, select, dtype):
     hq, hkv, n, d, b, k_top, s, w, hm = case
     idx = AUTO_FUSED_CASES.index(case)
     r = shared_pion.client()
-    rng = np.random.default_rng(500 + idx)
+    rng = np.random.default_rng(500 + idx + FP8_SEED[dtype])
     k, v = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d)
     ks, vs, q = rnd(rng, hkv, s, d), rnd(rng, hkv, s, d), rnd(rng, hq, 1, d, scale=2.0)
     hm = np.asarray(contiguous_map(hq, hkv) if hm is None else hm)
-    sid = "autof%d%s" % (idx, select)
-    store(r, sid, 0, k, v)
+    sid = "autof%d%s%s" % (idx, select, dtype)
+    k, v = store_as(r, sid, 0, k, v, dtype)
     p = n + s - 1
     tail = ([w] if w else []) + (["SELECT", "quest"] if select == "quest" else [])
     chosen, nvis_blocks, allow, _ = sparse_auto_ref(q[:, 0], k, hm, b, k_top, p, w, select)
@@ -629,6 +703,128 @@ def test_query_sparse_auto_fused_matches_reference(shared_pion, case, select):
     fused = r.execute_command("ATTEND.PREFIX.QUERY_FUSED", sid, 0, hq, d, s, hkv, f32(q),
                               f32(ks), f32(vs), i32(hm), *([w] if w else []))
     assert_close(parse_out(a, hq, 1, d, False)[0], parse_out(fused, hq, 1, d, False)[0])
+
+
+# ------------------------------------------------------------------------------------------
+# fp8 slots: what fp8 storage costs against fp32, persistence, the approximate fallback
+# ------------------------------------------------------------------------------------------
+
+# (H_q, H_kv, N, D, M, window, qpos or None)
+FP8_ERROR_CASES = [
+    (8, 8, 600, 64, 1, 0, None),
+    (32, 8, 1000, 128, 1, 0, None),     # GQA 4
+    (8, 1, 900, 128, 1, 200, None),     # GQA 8, window
+    (4, 2, 500, 256, 17, 0, 250),       # M > 1, causal inside the prefix
+    (16, 4, 700, 96, 8, 64, None),      # M > 1, window
+    (4, 4, 300, 512, 2, 0, None),
+    (4, 2, 800, 32, 33, 100, 400),
+]
+
+
+def test_fp8_slots_error_against_fp32_is_bounded(shared_pion):
+    """fp8 slots against the float64 reference on the unquantized Gaussian rows, for the forms
+    whose key set does not depend on the scores — dense (M = 1 and M > 1, causal, windows, GQA),
+    fused with an fp32 suffix, sparse lists: relative MSE within [FP8_REL_MSE_FLOOR,
+    FP8_REL_MSE_BOUND]; and each within TOL of the reference on the dequantized rows. (top_k
+    and sparse-auto choose keys by the fp8 scores: the parametrized tests above check them on
+    fp8 slots against the reference over the dequantized rows.)"""
+    r = shared_pion.client()
+    rng = np.random.default_rng(31)
+    errs = []
+    for i, (hq, hkv, n, d, m, w, qpos) in enumerate(FP8_ERROR_CASES):
+        k, v, q = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d), rnd(rng, hq, m, d)
+        sid = "fp8err%d" % i
+        k8, v8 = store_as(r, sid, 0, k, v, "fp8")
+        [info] = info_slots(r, sid)
+        assert (info["dtype"], info["bytes"]) == ("fp8", 2 * hkv * n * (d + 4))
+        hm = contiguous_map(hq, hkv)
+        p0 = n if qpos is None else qpos
+        pos_q = np.arange(p0, p0 + m)
+        tail = ([w] if w else []) + (["QPOS", qpos] if qpos is not None else [])
+
+        def check(form, got, args32, args8):
+            assert_close(got, attend_ref(*args8)[0], what=form)
+            errs.append((form, i, rel_mse(got, attend_ref(*args32)[0])))
+
+        out = r.execute_command("ATTEND.PREFIX.QUERY", sid, 0, hq, d, 0, f32(q), *tail)
+        check("dense", parse_out(out, hq, m, d, m > 1)[0],
+              (q, k, v, hm, pos_q, np.arange(n), w), (q, k8, v8, hm, pos_q, np.arange(n), w))
+
+        s_suf = 4
+        mf = min(m, s_suf)
+        qf = q[:, :mf]
+        ks, vs = rnd(rng, hkv, s_suf, d), rnd(rng, hkv, s_suf, d)
+        out = r.execute_command("ATTEND.PREFIX.QUERY_FUSED", sid, 0, hq, d, s_suf, hkv, f32(qf),
+                                f32(ks), f32(vs), i32(hm), *([w] if w else []))
+        pos_f, pos_k = np.arange(n + s_suf - mf, n + s_suf), np.arange(n + s_suf)
+        check("fused", parse_out(out, hq, mf, d, False)[0],
+              (qf, np.concatenate([k, ks], 1), np.concatenate([v, vs], 1), hm, pos_f, pos_k, w),
+              (qf, np.concatenate([k8, ks], 1), np.concatenate([v8, vs], 1), hm, pos_f, pos_k, w))
+
+        if m == 1:
+            kmax = n // 2
+            idx = np.stack([rng.permutation(n)[:kmax] for _ in range(hq)]).astype(np.int32)
+            allow = np.zeros((hq, 1, n), bool)
+            for h in range(hq):
+                allow[h, 0, idx[h]] = True
+            out = r.execute_command("ATTEND.PREFIX.QUERY_SPARSE", sid, 0, hq, d, kmax, f32(q),
+                                    i32(idx), i32(np.full(hq, kmax)), *tail)
+            check("sparse", parse_out(out, hq, 1, d, False)[0],
+                  (q, k, v, hm, pos_q, np.arange(n), w, allow),
+                  (q, k8, v8, hm, pos_q, np.arange(n), w, allow))
+    for form, i, e in errs:
+        assert e <= FP8_REL_MSE_BOUND, (form, FP8_ERROR_CASES[i], e)
+        assert e >= FP8_REL_MSE_FLOOR, ("too exact for fp8", form, FP8_ERROR_CASES[i], e)
+
+
+def test_fp8_slot_is_saved_and_restored_bit_identically(pion_factory):
+    srv = pion_factory("-w", "2")
+    r = srv.client()
+    rng = np.random.default_rng(32)
+    k, v, q = rnd(rng, 2, 300, 64), rnd(rng, 2, 300, 64), rnd(rng, 4, 3, 64)
+    store_as(r, "f8s", 0, k, v, "fp8")
+    answer = r.execute_command("ATTEND.PREFIX.QUERY", "f8s", 0, 4, 64, 0, f32(q))
+    auto = r.execute_command("ATTEND.PREFIX.QUERY_SPARSE_AUTO", "f8s", 0, 4, 64, 16, 3, 2,
+                             f32(q[:, :1]), i32(contiguous_map(4, 2)), "SELECT", "quest")
+    assert r.execute_command("ATTEND.PREFIX.SAVE", "f8s") == b"OK"
+    srv.stop()
+    srv.start()
+    r = srv.client()
+    [info] = info_slots(r, "f8s")
+    assert (info["dtype"], info["bytes"], info["tier"]) == ("fp8", 2 * 2 * 300 * 68, "disk")
+    assert r.execute_command("ATTEND.PREFIX.QUERY", "f8s", 0, 4, 64, 0, f32(q)) == answer
+    assert r.execute_command("ATTEND.PREFIX.QUERY_SPARSE_AUTO", "f8s", 0, 4, 64, 16, 3, 2,
+                             f32(q[:, :1]), i32(contiguous_map(4, 2)), "SELECT", "quest") == auto
+
+
+@HOST_SLOTS
+def test_fp8_exact_query_refused_and_allow_approx_answers_sparse(pion_factory):
+    """ALLOW APPROX on an fp8 slot: a dense decode step that cannot meet its deadline answers
+    sparse-auto over the fp8 rows, bit-identical to the explicit QUERY_SPARSE_AUTO."""
+    srv = pion_factory("-w", "1", "--attention-backend", "cpu")
+    r = srv.client()
+    rng = np.random.default_rng(33)
+    h, n, d = 8, 16384, 128  # 34 MiB of fp8 K/V: a dense decode step takes milliseconds here
+    k, v = rnd(rng, h, n, d), rnd(rng, h, n, d)
+    store_as(r, "big8", 0, k, v, "fp8")
+    q = rnd(rng, h, 1, d)
+    for _ in range(3):  # the measured rate the admission uses
+        exact, rc = split_reply(r.execute_command("ATTEND.PREFIX.QUERY", "big8", 0, h, d, 0,
+                                                  f32(q), "RECEIPT"))
+    # A third of the dense step's time (2 ms at least): never enough for it, room for sparse.
+    deadline = max(2, int(rc["micros"] / 3000))
+    with srv.raw() as c:
+        reply = c.call("ATTEND.PREFIX.QUERY", "big8", 0, h, d, 0, f32(q), "DEADLINE", deadline)
+    assert isinstance(reply, RespError) and str(reply).startswith("TIMEOUT "), reply
+    out, rc = split_reply(r.execute_command("ATTEND.PREFIX.QUERY", "big8", 0, h, d, 0, f32(q),
+                                            "RECEIPT", "DEADLINE", deadline, "ALLOW", "APPROX"))
+    assert rc["exact"] == 0 and rc["form"] == "sparse_auto" and rc["dtype"] == "fp8", rc
+    assert "approx" in rc["fallback"] and rc["blocks_chosen"] > 0, rc
+    k_top = int(rc["fallback"].split(" over ")[2].split(" blocks")[0])
+    same = r.execute_command("ATTEND.PREFIX.QUERY_SPARSE_AUTO", "big8", 0, h, d, 64, k_top, h,
+                             f32(q), i32(np.arange(h)))
+    assert same == out
+    assert np.abs(np.frombuffer(out, np.float32) - np.frombuffer(exact, np.float32)).max() < 1.0
 
 
 def test_sparse_auto_summaries_rebuilt_when_slot_replaced(shared_pion):
@@ -873,6 +1069,19 @@ def decoded_layer(r, ns, part, l, tokens, heads, dim):
     return np.ascontiguousarray(x.transpose(1, 0, 2))
 
 
+def fp8_blob_of_layer(r, ns, part, l, tokens, heads, dim):
+    """Layer l of an fp8 namespace as a DTYPE fp8 STORE blob: its RAW rows ([f32 scale][H*D
+    e4m3] per token) rearranged to [H][N] rows of [scale][D e4m3] (each head's row takes its
+    token's scale) — the bytes an fp8 slot bound FROM the namespace holds."""
+    raw = np.frombuffer(r.execute_command("V.FETCH", f"{ns}_{part}", "RANGE", l * tokens,
+                                          (l + 1) * tokens, "RAW"), np.uint8)
+    raw = raw.reshape(tokens, 4 + heads * dim)
+    out = np.empty((heads, tokens, 4 + dim), np.uint8)
+    out[:, :, :4] = raw[None, :, :4]
+    out[:, :, 4:] = raw[:, 4:].reshape(tokens, heads, dim).transpose(1, 0, 2)
+    return out.tobytes()
+
+
 def kv_prefix_info(r, ns):
     flat = r.execute_command("KV.PREFIX.INFO", ns)
     return {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
@@ -921,7 +1130,12 @@ def test_store_from_namespace_equals_blob_store(shared_pion, fmt):
             assert np.array_equal(k, written_k)
         elif fmt == "fp16":
             assert np.array_equal(k, written_k.astype(np.float16).astype(np.float32))
-        store(r, "blob_" + fmt, l, k, v)
+        if fmt == "fp8":  # the namespace's own bytes, as an fp8 blob STORE
+            blobs = [fp8_blob_of_layer(r, ns, part, l, T, H, D) for part in ("pk", "pv")]
+            assert r.execute_command("ATTEND.PREFIX.STORE", "blob_" + fmt, l, H, T, D, *blobs,
+                                     "DTYPE", "fp8") == b"OK"
+        else:
+            store(r, "blob_" + fmt, l, k, v)
         q, outs = same_replies(r, "from_" + fmt, "blob_" + fmt, l, 4, H, T, D, rng,
                                exact=fmt != "bf16" or ATTENTION_BACKEND != "cuda")
         # And the slot is the namespace's layer (not another layer, not untransposed).
@@ -937,9 +1151,11 @@ def test_store_from_namespace_equals_blob_store(shared_pion, fmt):
     for s in slots:
         assert s["source"] == "%s@%d" % (ns, pub)
         assert (s["heads"], s["rows"], s["head_dim"]) == (H, T, D)
-        # A bf16 namespace keeps its bf16 (exact, half the bytes); others decode to fp32.
-        want = ("bf16", 2) if fmt == "bf16" else ("fp32", 4)
-        assert (s["dtype"], s["bytes"]) == (want[0], 2 * H * T * D * want[1])
+        # A bf16 namespace keeps its bf16 (exact, half the bytes), an fp8 one its e4m3 bytes
+        # and a scale per row (D + 4 bytes a row); others decode to fp32.
+        want = {"bf16": ("bf16", 2 * H * T * D * 2),
+                "fp8": ("fp8", 2 * H * T * (D + 4))}.get(fmt, ("fp32", 2 * H * T * D * 4))
+        assert (s["dtype"], s["bytes"]) == want
     assert all(s["source"] == "" for s in info_slots(r, "blob_" + fmt))
 
 
@@ -1098,8 +1314,40 @@ HM = i32([0, 1, 0, 1])
 IDX = i32(np.arange(16).reshape(2, 8))
 CNT = i32([8, 8])
 STORE_K = Z(E_H * E_N * E_D * 4)
+STORE_F8 = Z(E_H * E_N * (E_D + 4))  # fp8 rows: scale 0, values 0
+F8_NAN = bytearray(STORE_F8)
+F8_NAN[5 * (E_D + 4):5 * (E_D + 4) + 4] = np.float32(np.nan).tobytes()  # head 0 row 5
+F8_NEG = bytearray(STORE_F8)
+F8_NEG[(E_N + 2) * (E_D + 4):(E_N + 2) * (E_D + 4) + 4] = np.float32(-1.5).tobytes()  # h1 r2
+F8_INF = bytearray(STORE_F8)
+F8_INF[0:4] = np.float32(np.inf).tobytes()
 
 BAD = [
+    # STORE ... DTYPE
+    (("ATTEND.PREFIX.STORE", "s", 0, 2, 16, 32, STORE_F8[:-1], STORE_F8, "DTYPE", "fp8"),
+     "=ERR K_blob must be H*N*(D+4) (H=2 N=16 D=32), rows of [f32 scale][D e4m3] = 1152 bytes, "
+     "got 1151"),
+    (("ATTEND.PREFIX.STORE", "s", 0, 2, 16, 32, STORE_F8, STORE_K, "DTYPE", "fp8"),
+     "=ERR V_blob must be H*N*(D+4) (H=2 N=16 D=32), rows of [f32 scale][D e4m3] = 1152 bytes, "
+     "got 4096"),
+    (("ATTEND.PREFIX.STORE", "s", 0, 2, 16, 32, STORE_K, STORE_K, "DTYPE", "fp8"),
+     "=ERR K_blob must be H*N*(D+4) (H=2 N=16 D=32), rows of [f32 scale][D e4m3] = 1152 bytes, "
+     "got 4096"),
+    (("ATTEND.PREFIX.STORE", "s", 0, 2, 16, 32, STORE_K, STORE_K, "DTYPE", "fp16"),
+     "=ERR K_blob must be H*N*D*2 (H=2 N=16 D=32) = 2048 bytes, got 4096"),
+    (("ATTEND.PREFIX.STORE", "s", 0, 2, 16, 32, STORE_K, STORE_K, "DTYPE", "fp4"),
+     "=ERR DTYPE must be one of fp32, fp16, bf16, fp8, got 'fp4'"),
+    (("ATTEND.PREFIX.STORE", "s", 0, 2, 16, 32, STORE_K, STORE_K, "TYPE", "fp8"),
+     "=ERR unknown option 'TYPE'; expected DTYPE"),
+    (("ATTEND.PREFIX.STORE", "s", 0, 2, 16, 32, STORE_K, STORE_K, "DTYPE"),
+     "^ERR wrong number of arguments for 'attend.prefix.store'"),
+    (("ATTEND.PREFIX.STORE", "s", 0, 2, 16, 32, bytes(F8_NAN), STORE_F8, "DTYPE", "fp8"),
+     "=ERR K_blob row 5 (head 0 row 5) has scale nan; fp8 row scales must be finite and >= 0"),
+    (("ATTEND.PREFIX.STORE", "s", 0, 2, 16, 32, STORE_F8, bytes(F8_NEG), "DTYPE", "fp8"),
+     "=ERR V_blob row 18 (head 1 row 2) has scale -1.500000; fp8 row scales must be finite and "
+     ">= 0"),
+    (("ATTEND.PREFIX.STORE", "s", 0, 2, 16, 32, bytes(F8_INF), STORE_F8, "DTYPE", "fp8"),
+     "=ERR K_blob row 0 (head 0 row 0) has scale inf; fp8 row scales must be finite and >= 0"),
     # STORE
     (("ATTEND.PREFIX.STORE", "s", 0, "x", 16, 32, STORE_K, STORE_K),
      "=ERR H must be an integer in [1, 1024], got 'x'"),

@@ -61,17 +61,19 @@ struct Slot {
   uint32_t rows = 0;  // N, prefix tokens
   uint32_t d = 0;
   kernels::DType dtype = kernels::DType::kF32;
-  // K then V, [heads][rows][d] of dtype each: two blocks of one residency object.
+  // K then V, [heads][rows][d] of dtype each (fp8: the e4m3 bytes, then the f32 row scales
+  // [heads][rows]; kernels::MakeTensor): two blocks of one residency object.
   residency::ObjectRef obj;
   bool gpu = false;         // the cuda backend computes over it (its summaries live there too)
   uint64_t generation = 0;  // unique per published slot, store-wide
   std::string source;       // "" for STORE with blobs; "<ns>@<publication>" for STORE FROM
 
-  uint64_t bytes_each() const { return uint64_t{heads} * rows * d * kernels::DTypeSize(dtype); }
+  // fp8: heads · rows · (d + 4) — the bytes and the scales.
+  uint64_t bytes_each() const { return kernels::TensorBytes(dtype, heads, rows, d); }
   uint64_t bytes() const { return 2 * bytes_each(); }
   // A tensor over host bytes of this slot's shape (a block the caller holds).
   kernels::Tensor3 Tensor(const BufferRef& block) const {
-    return {block->data(), dtype, heads, rows, d};
+    return kernels::MakeTensor(block->data(), dtype, heads, rows, d);
   }
 
   // Shard thread only: the summaries for block size b, creating (and charging) them if needed.

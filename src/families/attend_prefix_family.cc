@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -102,7 +104,10 @@ kernels::DType StorageType(server::Server& srv) {
 // The storage type of a slot bound from a namespace stored in `source`: a bf16 namespace keeps
 // bf16 (exact, half of fp32's bytes; a bf16 model's cache can alias it) unless --attention-fp16
 // asks for fp16.
+// An fp8 namespace keeps fp8 (its e4m3 bytes and row scales as they are: a quarter of fp32's
+// bytes; --attention-fp16 would widen it, so it does not apply).
 kernels::DType StorageType(server::Server& srv, codec::Format source) {
+  if (source == codec::Format::kFp8) return kernels::DType::kFP8;
   if (source == codec::Format::kBf16 && !srv.config().attention_fp16) return kernels::DType::kBF16;
   return StorageType(srv);
 }
@@ -123,6 +128,46 @@ void ConvertRows(const float* src, size_t n_rows, uint32_t d, kernels::DType t, 
   static const codec::RowCodec bf16 = codec::RowCodec::Create(codec::Format::kBf16, 1).value();
   // A dim-1 codec: n_rows * d independent elements.
   (t == kernels::DType::kBF16 ? bf16 : fp16).Encode(src, n_rows * d, dst);
+}
+
+// Rows [r0, r1) of a blob STORE's tensor ([heads·rows] rows of d elements of `in`) into the
+// slot's block `dst` of type `out` (n_rows rows in all): fp32 converted to the storage type;
+// 16-bit types copied; fp8 rows ([f32 scale][d e4m3], the codec's layout) split into the
+// block's e4m3 bytes and its scales after them (kernels::MakeTensor).
+void CopyBlobRows(kernels::DType in, const uint8_t* src, uint64_t r0, uint64_t r1, uint32_t d,
+                  uint64_t n_rows, kernels::DType out, uint8_t* dst) {
+  const size_t esize = kernels::DTypeSize(out);
+  if (in == kernels::DType::kF32) {
+    return ConvertRows(reinterpret_cast<const float*>(src) + r0 * d, r1 - r0, d, out,
+                       dst + r0 * d * esize);
+  }
+  if (in != kernels::DType::kFP8) {
+    std::memcpy(dst + r0 * d * esize, src + r0 * d * esize, (r1 - r0) * d * esize);
+    return;
+  }
+  uint8_t* scales = dst + n_rows * d;
+  for (uint64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = src + r * (d + 4);
+    std::memcpy(scales + r * 4, row, 4);
+    std::memcpy(dst + r * d, row + 4, d);
+  }
+}
+
+// An fp8 blob's row scales: finite and not negative (what the codec's encoder writes), or an
+// error naming the first row that is not.
+Status CheckFp8Scales(std::string_view what, const uint8_t* blob, uint32_t heads, uint32_t rows,
+                      uint32_t d) {
+  const uint64_t n = uint64_t{heads} * rows;
+  for (uint64_t r = 0; r < n; ++r) {
+    float scale;
+    std::memcpy(&scale, blob + r * (d + 4), 4);
+    if (!(scale >= 0.0f) || !std::isfinite(scale)) {
+      return Error(std::string(what) + " row " + std::to_string(r) + " (head " +
+                   std::to_string(r / rows) + " row " + std::to_string(r % rows) + ") has scale " +
+                   std::to_string(scale) + "; fp8 row scales must be finite and >= 0");
+    }
+  }
+  return Status::Ok();
 }
 
 // The last step of every STORE, from any thread: under the cuda backend the slot's GPU copy is
@@ -153,7 +198,8 @@ void Finish(server::Server* srv, int shard_id, std::shared_ptr<attention::Slot> 
                             [publish](const Status& s, residency::PinSet) { publish(s); });
 }
 
-// ATTEND.PREFIX.STORE <sid> <layer> <H> <N> <D> <K_blob> <V_blob>
+// ATTEND.PREFIX.STORE <sid> <layer> <H> <N> <D> <K_blob> <V_blob> [DTYPE fp32|fp16|bf16|fp8]
+// DTYPE names the blobs' element type (default fp32); fp16, bf16 and fp8 slots keep it.
 void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
   uint32_t layer, heads, rows, d;
   Status s = ParseLayer(args[2], &layer);
@@ -161,11 +207,36 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
   if (s.ok()) s = ParseCount(args[4], "N", kMaxRows, &rows);
   if (s.ok()) s = ParseHeadDim(args[5], &d);
   if (!s.ok()) return ctx.Error(s);
+  kernels::DType in = kernels::DType::kF32;
+  if (args.size() == 10) {
+    if (!EqualsIgnoreCase(args[8], "DTYPE")) {
+      return ctx.Error(
+          Error("unknown option '" + std::string(args[8].substr(0, 32)) + "'; expected DTYPE"));
+    }
+    std::string name(args[9].substr(0, 32));
+    for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (!kernels::ParseDType(name, &in)) {
+      return ctx.Error(Error("DTYPE must be one of fp32, fp16, bf16, fp8, got '" +
+                             std::string(args[9].substr(0, 32)) + "'"));
+    }
+  }
   const uint64_t elems = uint64_t{heads} * rows * d;
-  const std::string formula = "H*N*D*4 (H=" + std::to_string(heads) + " N=" + std::to_string(rows) +
-                              " D=" + std::to_string(d) + ")";
-  s = CheckBlobSize("K_blob", formula, elems * 4, args[6].size());
-  if (s.ok()) s = CheckBlobSize("V_blob", formula, elems * 4, args[7].size());
+  const std::string shape = " (H=" + std::to_string(heads) + " N=" + std::to_string(rows) +
+                            " D=" + std::to_string(d) + ")";
+  const std::string formula = in == kernels::DType::kF32 ? "H*N*D*4" + shape
+                              : in == kernels::DType::kFP8
+                                  ? "H*N*(D+4)" + shape + ", rows of [f32 scale][D e4m3]"
+                                  : "H*N*D*2" + shape;
+  const uint64_t blob_bytes = kernels::TensorBytes(in, heads, rows, d);
+  s = CheckBlobSize("K_blob", formula, blob_bytes, args[6].size());
+  if (s.ok()) s = CheckBlobSize("V_blob", formula, blob_bytes, args[7].size());
+  if (s.ok() && in == kernels::DType::kFP8) {
+    s = CheckFp8Scales("K_blob", reinterpret_cast<const uint8_t*>(args[6].data()), heads, rows, d);
+    if (s.ok()) {
+      s = CheckFp8Scales("V_blob", reinterpret_cast<const uint8_t*>(args[7].data()), heads, rows,
+                         d);
+    }
+  }
   if (!s.ok()) return ctx.Error(s);
 
   server::Server& srv = *ctx.server;
@@ -173,7 +244,7 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
   slot->heads = heads;
   slot->rows = rows;
   slot->d = d;
-  slot->dtype = StorageType(srv);
+  slot->dtype = in == kernels::DType::kF32 ? StorageType(srv) : in;
   slot->gpu = srv.gpu_attention();
   std::unique_ptr<Charge> charge;
   if (!ChargeHost(ctx, residency::Family::kAttention, slot->bytes(), &charge)) return;
@@ -187,7 +258,8 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
   server::Server* srvp = &srv;
   const int shard_id = ctx.shard->id();
   const residency::Deadline deadline = ctx.deadline;
-  if (slot->dtype == kernels::DType::kF32 && !slot->gpu) {
+  // The received bytes are the slot's (fp32, fp16, bf16 kept as sent): adopted as they are.
+  if (slot->dtype == in && in != kernels::DType::kFP8 && !slot->gpu) {
     slot->obj = srv.residency()->CreateInHost(residency::Family::kAttention, {src[0], src[1]},
                                               std::move(charge));
     slot->generation = attention::NextSlotGeneration();
@@ -195,7 +267,8 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
     srv.attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
     return ctx.rb->Ok();
   }
-  // Converted (fp16), or copied into page-locked memory under the cuda backend.
+  // Converted (fp16 from fp32, fp8 rows split into bytes and scales), or copied into
+  // page-locked memory under the cuda backend.
   BufferRef dst[2];
   for (BufferRef& b : dst) {
     auto a = HostAllocator(*slot)->Allocate(slot->bytes_each());
@@ -204,13 +277,15 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
   }
   // fp16: a large conversion runs on the compute pool (it is O(bytes), like a query).
   auto shared_charge = std::make_shared<std::unique_ptr<Charge>>(std::move(charge));
-  auto convert = [srvp, slot, src, dst, elems, shared_charge](server::WorkerPool* pool) {
-    const size_t pieces = pool == nullptr ? 1 : std::max<size_t>(1, elems >> 22);
+  const uint64_t n_rows = uint64_t{heads} * rows;
+  auto convert = [srvp, slot, src, dst, elems, n_rows, in, d](server::WorkerPool* pool,
+                                                              std::unique_ptr<Charge> charge) {
+    const size_t pieces =
+        pool == nullptr ? 1 : std::clamp<size_t>(elems >> 22, 1, static_cast<size_t>(n_rows));
     auto run = [&](size_t p) {
-      const size_t a = elems * p / pieces, b = elems * (p + 1) / pieces;
+      const uint64_t a = n_rows * p / pieces, b = n_rows * (p + 1) / pieces;
       for (int i = 0; i < 2; ++i) {
-        ConvertRows(reinterpret_cast<const float*>(src[i]->data()) + a, b - a, 1, slot->dtype,
-                    dst[i]->data() + a * kernels::DTypeSize(slot->dtype));
+        CopyBlobRows(in, src[i]->data(), a, b, d, n_rows, slot->dtype, dst[i]->data());
       }
     };
     if (pool != nullptr) {
@@ -219,19 +294,19 @@ void StoreBlobs(CommandContext& ctx, CmdArgs& args) {
       run(0);
     }
     slot->obj = srvp->residency()->CreateInHost(residency::Family::kAttention, {dst[0], dst[1]},
-                                                std::move(*shared_charge), HostAllocator(*slot));
+                                                std::move(charge), HostAllocator(*slot));
   };
   if (elems < (1u << 20) && !slot->gpu) {
-    convert(nullptr);
+    convert(nullptr, std::move(*shared_charge));
     slot->generation = attention::NextSlotGeneration();
     ctx.shard->store().attention.Publish(sid, layer, std::move(slot));
     srv.attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
     return ctx.rb->Ok();
   }
   auto reply = ctx.Defer();
-  bool queued =
-      srv.compute()->Submit([srvp, shard_id, slot, sid, layer, convert, deadline, reply]() {
-        convert(srvp->compute());
+  bool queued = srv.compute()->Submit(
+      [srvp, shard_id, slot, sid, layer, convert, shared_charge, deadline, reply]() {
+        convert(srvp->compute(), std::move(*shared_charge));
         Finish(srvp, shard_id, slot, sid, layer, false, deadline, reply);
       });
   if (!queued) {
@@ -316,7 +391,10 @@ void PrepareSource(server::Server& srv, server::Shard& shard, const store::Tenan
 }
 
 // Runs on a compute thread: decodes layer `layer` of the source (token-major rows of
-// kv_heads*head_dim) into head-major [H][T][D] slot buffers of the storage type.
+// kv_heads*head_dim) into head-major [H][T][D] slot buffers of the storage type. An fp8
+// source into an fp8 slot is not decoded: each token's e4m3 bytes are moved to their heads'
+// rows as they are, and its scale (one per token row of the namespace) becomes the scale of
+// each of its heads' rows.
 void DecodeLayer(server::WorkerPool& pool, const Source& src, uint32_t layer,
                  const attention::Slot& slot, const BufferRef& k, const BufferRef& v) {
   const store::PrefixManifest& m = src.manifest;
@@ -331,6 +409,33 @@ void DecodeLayer(server::WorkerPool& pool, const Source& src, uint32_t layer,
   vs.ViewRange(base, base + T, &vview, &missing);
   const size_t esize = kernels::DTypeSize(slot.dtype);
   const uint32_t pieces = std::max<uint32_t>(1, std::min<uint32_t>(pool.threads(), T / 256));
+  if (slot.dtype == kernels::DType::kFP8) {
+    const size_t rb = src.codec.row_bytes();  // 4 + H*D
+    pool.ParallelFor(pieces, [&](size_t p) {
+      const uint32_t t_begin = static_cast<uint32_t>(uint64_t{T} * p / pieces);
+      const uint32_t t_end = static_cast<uint32_t>(uint64_t{T} * (p + 1) / pieces);
+      constexpr uint32_t kStep = store::kRowsPerChunk;
+      std::vector<int64_t> ids(kStep);
+      std::vector<uint8_t> raw(kStep * rb);
+      for (uint32_t t0 = t_begin; t0 < t_end; t0 += kStep) {
+        const uint32_t n = std::min(kStep, t_end - t0);
+        for (uint32_t t = 0; t < n; ++t) ids[t] = base + t0 + t;
+        for (int kv = 0; kv < 2; ++kv) {
+          (kv == 0 ? ks : vs).RawIds(kv == 0 ? kview : vview, ids.data(), n, raw.data());
+          uint8_t* dst = (kv == 0 ? k : v)->data();
+          uint8_t* scales = dst + size_t{H} * T * D;
+          for (uint32_t h = 0; h < H; ++h) {
+            for (uint32_t t = 0; t < n; ++t) {
+              const uint8_t* row = raw.data() + t * rb;
+              std::memcpy(dst + (size_t{h} * T + t0 + t) * D, row + 4 + size_t{h} * D, D);
+              std::memcpy(scales + (size_t{h} * T + t0 + t) * 4, row, 4);
+            }
+          }
+        }
+      }
+    });
+    return;
+  }
   pool.ParallelFor(pieces, [&](size_t p) {
     const uint32_t t_begin = static_cast<uint32_t>(uint64_t{T} * p / pieces);
     const uint32_t t_end = static_cast<uint32_t>(uint64_t{T} * (p + 1) / pieces);
@@ -440,10 +545,11 @@ void StoreFrom(CommandContext& ctx, CmdArgs& args) {
 
 void Store(CommandContext& ctx, CmdArgs& args) {
   if (args.size() >= 5 && EqualsIgnoreCase(args[3], "FROM")) return StoreFrom(ctx, args);
-  if (args.size() != 8) {
+  if (args.size() != 8 && args.size() != 10) {
     return ctx.Error(Error(
         "wrong number of arguments for 'attend.prefix.store': expected <sid> <layer> <H> <N> <D> "
-        "<K_blob> <V_blob> or <sid> <layer> FROM <ns> [MODEL <id>] [POSITION <digest>]"));
+        "<K_blob> <V_blob> [DTYPE fp32|fp16|bf16|fp8] or <sid> <layer> FROM <ns> [MODEL <id>] "
+        "[POSITION <digest>]"));
   }
   StoreBlobs(ctx, args);
 }
@@ -606,11 +712,7 @@ Status LoadSaved(server::Server& srv) {
         slot->heads = static_cast<uint32_t>(heads.value());
         slot->rows = static_cast<uint32_t>(rows.value());
         slot->d = static_cast<uint32_t>(d.value());
-        const std::string& t = dtype.value();
-        slot->dtype = t == "fp16"   ? kernels::DType::kF16
-                      : t == "bf16" ? kernels::DType::kBF16
-                                    : kernels::DType::kF32;
-        if (kernels::DTypeName(slot->dtype) != t || file->file().block_count() != 2 ||
+        if (!kernels::ParseDType(dtype.value(), &slot->dtype) || file->file().block_count() != 2 ||
             file->file().block_length(0) != slot->bytes_each() ||
             file->file().block_length(1) != slot->bytes_each()) {
           return Status(ErrorKind::kCorrupt, "its blocks do not match its shape");
@@ -657,7 +759,8 @@ struct Exported {
 // The PACKED form's record of one exported layer: kPackedExportBytes little-endian bytes.
 //   0 handle[64]   64 device (PCI bus id, NUL-padded)[16]   80 k_offset u64   88 v_offset u64
 //   96 bytes u64   104 heads u32   108 rows u32   112 head_dim u32   116 dtype u32 (0 fp32,
-//   1 fp16, 2 bf16)   120 generation u64   128 lease u64   136 ttl_ms u64   144 zero[16]
+//   1 fp16, 2 bf16, 3 fp8: bytes then scales)   120 generation u64   128 lease u64   136 ttl_ms u64
+//   144 zero[16]
 constexpr size_t kPackedExportBytes = 160;
 
 void PackExport(const Exported& e, uint64_t ttl_ms, uint8_t* out) {
@@ -802,8 +905,8 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
               Store, "attend_prefix",
               "Makes one layer's K/V resident for server-side attention (blobs, or bound from a "
               "KV.PREFIX namespace).",
-              "<sid> <layer> <H> <N> <D> <K_blob> <V_blob> | <sid> <layer> FROM <ns> [MODEL <id>] "
-              "[POSITION <digest>], then [DEADLINE <ms>]"});
+              "<sid> <layer> <H> <N> <D> <K_blob> <V_blob> [DTYPE fp32|fp16|bf16|fp8] | <sid> "
+              "<layer> FROM <ns> [MODEL <id>] [POSITION <digest>], then [DEADLINE <ms>]"});
   r.Register({"ATTEND.PREFIX.LOOKUP", 3, kKv | kCmdReadOnly | kCmdFast, 1, 1, 1, Lookup,
               "attend_prefix", "+HIT when the slot is resident, +MISS otherwise.",
               "<sid> <layer>"});

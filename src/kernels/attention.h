@@ -10,7 +10,8 @@
 // Shapes and conventions (all little-endian, row-major):
 //   d             the head dim: a multiple of 16 (the CPU backend's vector loops have no scalar
 //                 tail; 32..512 are tested); key rows below 2^24 per head
-//   K, V          [heads][rows][d], fp32, fp16 or bf16 elements (Tensor3)
+//   K, V          [heads][rows][d], fp32, fp16, bf16 or fp8 (e4m3fn with a scale per row)
+//                 elements (Tensor3)
 //   Q             [hq][m][d] fp32; query head h reads K/V head head_map[h]
 //   scores        s = scale · (q · k), scale usually 1/√d
 //   positions     query row i is at absolute position q.pos0 + i, key row t at keys.pos0 + t;
@@ -26,24 +27,57 @@
 
 namespace pion::kernels {
 
-enum class DType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
-inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
+// Element types of stored K/V. kFP8 is e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa
+// bits, no infinities, 0x7F/0xFF NaN; the codec README's "fp8") with one f32 scale per row:
+// element j of row t of head h is f32(e4m3(byte)) · scale[h][t].
+enum class DType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kFP8 = 3 };
+// Bytes of one element (fp8: the e4m3 byte; its row's scale is counted by TensorBytes).
+inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : t == DType::kFP8 ? 1 : 2; }
 std::string_view DTypeName(DType t);
+// "fp32", "fp16", "bf16", "fp8" → the type; false for anything else.
+bool ParseDType(std::string_view name, DType* out);
+
+// The bytes of one [heads][rows][d] tensor of `t`: elements, plus for fp8 the scales
+// (heads · rows · (d + 4)).
+inline uint64_t TensorBytes(DType t, uint32_t heads, uint32_t rows, uint32_t d) {
+  const uint64_t n = uint64_t{heads} * rows;
+  return n * d * DTypeSize(t) + (t == DType::kFP8 ? n * sizeof(float) : 0);
+}
 
 // One stored K or V tensor: [heads][rows][d] elements of `dtype` (fp16 = IEEE binary16, bf16 =
-// the top half of a binary32).
+// the top half of a binary32, fp8 = e4m3fn bytes). An fp8 tensor's buffer (TensorBytes) holds
+// the e4m3 bytes [heads][rows][d] and then the f32 row scales [heads][rows] — elements and
+// scales apart, so every row's bytes stay 16-byte aligned for vector and tensor-copy loads;
+// `scales` points at them (MakeTensor sets it).
 struct Tensor3 {
   const void* data = nullptr;
   DType dtype = DType::kF32;
   uint32_t heads = 0;
   uint32_t rows = 0;
   uint32_t d = 0;
+  const float* scales = nullptr;  // kFP8: [heads][rows]; null otherwise
 
   const uint8_t* Row(uint32_t head, uint32_t row) const {
     return static_cast<const uint8_t*>(data) +
            ((static_cast<size_t>(head) * rows + row) * d) * DTypeSize(dtype);
   }
+  // kFP8: the scale of one row.
+  float Scale(uint32_t head, uint32_t row) const {
+    return scales[static_cast<size_t>(head) * rows + row];
+  }
 };
+
+// A tensor over one buffer of TensorBytes(dtype, heads, rows, d) bytes (for fp8, scales after
+// the elements).
+inline Tensor3 MakeTensor(const void* block, DType dtype, uint32_t heads, uint32_t rows,
+                          uint32_t d) {
+  Tensor3 t{block, dtype, heads, rows, d, nullptr};
+  if (dtype == DType::kFP8 && block != nullptr) {
+    t.scales = reinterpret_cast<const float*>(static_cast<const uint8_t*>(block) +
+                                              uint64_t{heads} * rows * d);
+  }
+  return t;
+}
 
 // The query rows of one call. head_map is required: the caller builds the contiguous GQA map
 // (h / (hq / heads)) when the command has none.

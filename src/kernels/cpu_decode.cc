@@ -348,8 +348,10 @@ void AttendDecodeGroup(const Queries& q, const Keys& keys, float scale, int64_t 
   const size_t block = DecodeBlockRows(d);
   float* s = Grow(scratch.s, rows.n * kPStride);
   // fp32 and fp16 rows are read in place where F16C converts fp16 in registers; everything
-  // else (bf16, or fp16 without F16C) is widened into fp32 blocks first.
-  const bool in_place = kHaveF16C && keys.k.dtype != DType::kBF16 && keys.v.dtype != DType::kBF16;
+  // else (bf16, fp8 with its row scales, or fp16 without F16C) is widened into fp32 blocks
+  // first, a block at a time (in L1/L2).
+  auto native = [](DType t) { return t == DType::kF32 || t == DType::kF16; };
+  const bool in_place = kHaveF16C && native(keys.k.dtype) && native(keys.v.dtype);
   float* kbuf = !in_place && keys.k.dtype != DType::kF32 ? Grow(scratch.k, block * d) : nullptr;
   float* vbuf = !in_place && keys.v.dtype != DType::kF32 ? Grow(scratch.v, block * d) : nullptr;
   for (int64_t t0 = lo; t0 < hi; t0 += block) {

@@ -50,32 +50,69 @@ inline void HalfToFloat(const uint8_t* HWY_RESTRICT src, size_t n, float* HWY_RE
   for (; i < n; ++i) dst[i] = internal::LoadF16(src + 2 * i);
 }
 
-// 16-bit elements of `t` (fp16 or bf16) → fp32.
-inline void Widen(const Tensor3& t, const uint8_t* HWY_RESTRICT src, size_t n,
-                  float* HWY_RESTRICT dst) {
-  if (t.dtype == DType::kBF16) {
+// n e4m3fn bytes → fp32 times `scale` (one row of an fp8 tensor), converted in registers: the
+// byte's exponent and mantissa bits shifted into a binary32's place and multiplied by 2^120
+// (the bias difference; e4m3 subnormals become binary32 subnormals, exact), NaN where the
+// bits are S.1111.111, the sign or'ed back, then the one multiplication by the row's scale —
+// the codec's decode, bit for bit.
+inline void Fp8ToFloat(const uint8_t* HWY_RESTRICT src, size_t n, float scale,
+                       float* HWY_RESTRICT dst) {
+  size_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint8_t, DF> d8;
+  const size_t lanes = hn::Lanes(df);
+  const auto k7f = hn::Set(du, 0x7Fu);
+  const auto k80 = hn::Set(du, 0x80u);
+  const VF bias = hn::Set(df, 0x1p120f);
+  const VF nan = hn::BitCast(df, hn::Set(du, 0x7FC00000u));
+  const VF vs = hn::Set(df, scale);
+  for (; i + lanes <= n; i += lanes) {
+    const auto b = hn::PromoteTo(du, hn::LoadU(d8, src + i));
+    const auto em = hn::And(b, k7f);
+    VF f = hn::Mul(hn::BitCast(df, hn::ShiftLeft<20>(em)), bias);
+    f = hn::IfThenElse(hn::RebindMask(df, hn::Eq(em, k7f)), nan, f);
+    f = hn::Or(f, hn::BitCast(df, hn::ShiftLeft<24>(hn::And(b, k80))));
+    hn::StoreU(hn::Mul(f, vs), df, dst + i);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = internal::LoadFp8(src + i, scale);
+}
+
+// `count` rows of `t` from (head, row) on — 16-bit elements (fp16 or bf16) or fp8 rows with
+// their scales — → fp32.
+inline void WidenRows(const Tensor3& t, uint32_t head, size_t row, size_t count,
+                      float* HWY_RESTRICT dst) {
+  const uint8_t* src = t.Row(head, static_cast<uint32_t>(row));
+  const size_t n = count * t.d;
+  if (t.dtype == DType::kFP8) {
+    for (size_t r = 0; r < count; ++r) {
+      Fp8ToFloat(src + r * t.d, t.d, t.Scale(head, static_cast<uint32_t>(row + r)), dst + r * t.d);
+    }
+  } else if (t.dtype == DType::kBF16) {
     simd::HWY_NAMESPACE::WidenBf16(src, n, dst);
   } else {
     HalfToFloat(src, n, dst);
   }
 }
 
-// Rows [row, row + count) of one head as fp32: in place for fp32, converted into buf for fp16
-// and bf16.
+// Rows [row, row + count) of one head as fp32: in place for fp32, converted into buf for fp16,
+// bf16 and fp8.
 inline const float* RowsF32(const Tensor3& t, uint32_t head, size_t row, size_t count, float* buf) {
-  const uint8_t* p = t.Row(head, static_cast<uint32_t>(row));
-  if (t.dtype == DType::kF32) return reinterpret_cast<const float*>(p);
-  Widen(t, p, count * t.d, buf);
+  if (t.dtype == DType::kF32) {
+    return reinterpret_cast<const float*>(t.Row(head, static_cast<uint32_t>(row)));
+  }
+  WidenRows(t, head, row, count, buf);
   return buf;
 }
 
 // One row, gathered into dst as fp32.
 inline void CopyRowF32(const Tensor3& t, uint32_t head, uint32_t row, float* dst) {
-  const uint8_t* p = t.Row(head, row);
   if (t.dtype == DType::kF32) {
-    std::memcpy(dst, p, t.d * sizeof(float));
+    std::memcpy(dst, t.Row(head, row), t.d * sizeof(float));
   } else {
-    Widen(t, p, t.d, dst);
+    WidenRows(t, head, row, 1, dst);
   }
 }
 

@@ -14,9 +14,21 @@ std::string_view DTypeName(DType t) {
       return "fp16";
     case DType::kBF16:
       return "bf16";
+    case DType::kFP8:
+      return "fp8";
     default:
       return "fp32";
   }
+}
+
+bool ParseDType(std::string_view name, DType* out) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
+    if (name == DTypeName(t)) {
+      *out = t;
+      return true;
+    }
+  }
+  return false;
 }
 
 void ClearPartial(const Partial& p) {

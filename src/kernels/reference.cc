@@ -16,6 +16,7 @@ double Element(const Tensor3& t, uint32_t head, uint32_t row, uint32_t j) {
   const uint8_t* p = t.Row(head, row);
   if (t.dtype == DType::kF16) return internal::LoadF16(p + 2 * j);
   if (t.dtype == DType::kBF16) return internal::LoadBF16(p + 2 * j);
+  if (t.dtype == DType::kFP8) return internal::LoadFp8(p + j, t.Scale(head, row));
   float f;
   std::memcpy(&f, p + 4 * j, sizeof(f));
   return f;
