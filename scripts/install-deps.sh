@@ -11,6 +11,7 @@ PKGS=(
   python3 python3-pytest python3-redis python3-numpy python3-psutil
   curl
   prometheus
+  etcd-server etcd-client
   libhwy-dev libbenchmark-dev
 )
 

@@ -34,6 +34,8 @@ std::string_view ErrorPrefix(ErrorKind kind) {
       return "DEVERR";
     case ErrorKind::kTimeout:
       return "TIMEOUT";
+    case ErrorKind::kClusterDown:
+      return "CLUSTERDOWN";
   }
   return "ERR";
 }

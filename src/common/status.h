@@ -15,20 +15,21 @@ namespace pion {
 
 enum class ErrorKind : unsigned char {
   kOk = 0,
-  kErr,        // -ERR: generic client error (bad argument, unknown session, ...)
-  kWrongType,  // -WRONGTYPE
-  kOom,        // -OOM: a write did not fit under --maxmemory
-  kBusy,       // -BUSY: a bounded queue is full; retry later
-  kNoAuth,     // -NOAUTH: command needs authentication
-  kWrongPass,  // -WRONGPASS
-  kMismatch,   // -MISMATCH: identity fence (model/layout/generation) refused
-  kNoPerm,     // -NOPERM
-  kProtocol,   // -ERR Protocol error: ...; the connection is closed after replying
-  kIo,         // -IOERR: the disk tier failed
-  kCorrupt,    // -CORRUPT: stored bytes failed validation and are not served
-  kMiss,       // -MISS: the object a computation needs is not resident (store it first)
-  kDevice,     // -DEVERR: the accelerator (CUDA) failed a copy or a kernel
-  kTimeout,    // -TIMEOUT: the request's deadline cannot be (or was not) met; nothing changed
+  kErr,          // -ERR: generic client error (bad argument, unknown session, ...)
+  kWrongType,    // -WRONGTYPE
+  kOom,          // -OOM: a write did not fit under --maxmemory
+  kBusy,         // -BUSY: a bounded queue is full; retry later
+  kNoAuth,       // -NOAUTH: command needs authentication
+  kWrongPass,    // -WRONGPASS
+  kMismatch,     // -MISMATCH: identity fence (model/layout/generation) refused
+  kNoPerm,       // -NOPERM
+  kProtocol,     // -ERR Protocol error: ...; the connection is closed after replying
+  kIo,           // -IOERR: the disk tier failed
+  kCorrupt,      // -CORRUPT: stored bytes failed validation and are not served
+  kMiss,         // -MISS: the object a computation needs is not resident (store it first)
+  kDevice,       // -DEVERR: the accelerator (CUDA) failed a copy or a kernel
+  kTimeout,      // -TIMEOUT: the request's deadline cannot be (or was not) met; nothing changed
+  kClusterDown,  // -CLUSTERDOWN: the cluster's slot map cannot be read or changed (etcd is down)
 };
 
 // The RESP prefix for an error kind, e.g. "ERR", "OOM".

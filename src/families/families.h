@@ -21,6 +21,7 @@ void RegisterAttendPrefixFamily(server::Server& server);  // ATTEND.PREFIX.*
 void RegisterKvCacheFamily(server::Server& server);       // KV.STORE KV.FETCH KV.INFO KV.EVICT
 void RegisterAttendIndexFamily(server::Server& server);   // ATTEND.CREATE/STORE/FINALIZE/QUERY/...
 void RegisterShmFamily(server::Server& server);           // SHM.* (same-host data plane)
+void RegisterClusterFamily(server::Server& server);  // CLUSTER ASKING READONLY READWRITE CLUSTER.*
 
 // Every family, in table order.
 void RegisterAll(server::Server& server);

@@ -315,6 +315,13 @@ void ResidencySection(server::Server& srv, std::string& out) {
   Kv(out, "residency_refused", total);
 }
 
+// As Redis: cluster clients (redis-py's RedisCluster) check cluster_enabled; the rest of the
+// cluster's state is CLUSTER INFO's.
+void ClusterSection(server::Server& srv, std::string& out) {
+  out += "# Cluster\r\n";
+  Kv(out, "cluster_enabled", srv.cluster() != nullptr ? 1 : 0);
+}
+
 struct Section {
   const char* name;
   void (*render)(server::Server&, std::string&);
@@ -325,7 +332,7 @@ constexpr Section kSections[] = {
     {"memory", MemorySection, true},       {"persistence", PersistenceSection, true},
     {"stats", StatsSection, true},         {"commandstats", CommandStatsSection, false},
     {"keyspace", KeyspaceSection, true},   {"attention", AttentionSection, true},
-    {"residency", ResidencySection, true},
+    {"residency", ResidencySection, true}, {"cluster", ClusterSection, true},
 };
 
 void Info(CommandContext& ctx, CmdArgs& args) {

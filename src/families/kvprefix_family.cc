@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "cluster/key_slot.h"
 #include "families/args.h"
+#include "families/cluster_internal.h"
 #include "families/families.h"
 #include "families/kvprefix_internal.h"
 #include "families/shard_sum.h"
@@ -113,6 +115,17 @@ Status ParseDim(std::string_view text, const char* what, uint32_t max, uint32_t*
 }
 
 void Register(CommandContext& ctx, CmdArgs& args) {
+  if (ctx.server->cluster() != nullptr) {
+    // Clients route <ns>_pk and <ns>_pv by their own slots: they must be the namespace's.
+    const std::string ns(args[1]);
+    const int slot = cluster::KeySlot(ns);
+    if (cluster::KeySlot(ns + "_pk") != slot || cluster::KeySlot(ns + "_pv") != slot) {
+      return ctx.Error(Error("in cluster mode a namespace and its sessions '" + ns.substr(0, 64) +
+                             "_pk', '" + ns.substr(0, 64) +
+                             "_pv' must hash to one slot: give it a hash tag, e.g. '{" +
+                             ns.substr(0, 64) + "}' (see PROTOCOL.md § Cluster)"));
+    }
+  }
   PrefixManifest m;
   Status s = ParseDim(args[2], "n_layers", 4096, &m.n_layers);
   if (s.ok()) s = ParseDim(args[3], "n_tokens", 1u << 28, &m.n_tokens);
@@ -393,7 +406,9 @@ void Owner(CommandContext& ctx, CmdArgs& args) { ctx.rb->Integer(ctx.shard->id()
 
 void Drop(CommandContext& ctx, CmdArgs& args) {
   std::string ns(args[1]);
+  uint64_t saved_version = 0;
   if (PrefixEntry* e = ctx.shard->store().prefixes.Find(ctx.Key(ns))) {
+    saved_version = e->saved_version;
     if (e->opening) kvprefix::CancelOpen(e, Error("namespace '" + ns + "' was dropped"));
     if (e->saved_version > 0 || !e->corrupt.empty()) {
       // Delete everywhere, disk included (a few file unlinks and one directory fsync).
@@ -408,6 +423,10 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
     auto& vs = ctx.shard->store().vstore;
     vs.Drop(ctx.Key(ns + "_pk"));
     vs.Drop(ctx.Key(ns + "_pv"));
+    if (saved_version > 0 && cluster_sync::Enabled(*ctx.server)) {
+      cluster_sync::ReplicateDrop(*ctx.server, ctx.server->users().TenantName(ctx.tenant), ns,
+                                  saved_version);
+    }
   }
   ctx.rb->Integer(existed ? 1 : 0);
 }

@@ -49,4 +49,38 @@ bool ParkUntilOpen(server::CommandContext& ctx, const store::TenantKey& ns);
 
 void RegisterTierCommands(server::Server& srv);
 
+// Cluster mode (families/cluster_sync.cc). Each runs on the shard that owns the namespace.
+struct HeldPrefix {
+  store::TenantKey key;
+  std::string tenant;          // the tenant's name
+  uint64_t saved_version = 0;  // 0: never saved
+  std::string disk_path;
+  bool resident = false;
+  bool dirty = false;
+  bool corrupt = false;
+};
+// Every namespace of this shard.
+std::vector<HeldPrefix> HeldPrefixes(server::Server& srv, server::Shard& shard);
+// Whether a copy of version `version` pushed by another node may replace what is held here:
+// kMismatch ("stale") when the held version is as new, kBusy when a client registered the
+// name here meanwhile (a slot being imported).
+Status CheckPushable(server::Shard& shard, const store::TenantKey& key, uint64_t version);
+// Installs that copy, already durable at `path` (its final name in PrefixDir): the namespace
+// becomes known by its disk copy (opened on first use), replacing an older one. Fenced like
+// CheckPushable (the file is removed when refused).
+Status InstallPushed(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+                     uint64_t version, const std::string& path);
+// Forgets the namespace here, with its saved files (its slot is not this node's any more).
+// With max_version > 0, only when the version held is at most that.
+Status DiscardHere(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+                   uint64_t max_version);
+// Keeps only the saved file of version `version` (a replica's copy): the sessions leave
+// memory, the namespace is known by its disk copy again. Anything else is discarded.
+Status KeepDiskCopyOnly(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+                        uint64_t version);
+// The namespace's content as of now, durable: its saved file when nothing changed since the
+// save, else a new save. `done` runs on the shard with the file's path and version.
+void SaveForMove(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+                 std::function<void(StatusOr<std::pair<std::string, uint64_t>>)> done);
+
 }  // namespace pion::families::kvprefix

@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "families/args.h"
+#include "families/cluster_internal.h"
 #include "families/kvprefix_internal.h"
 #include "families/tiering.h"
 #include "server/server.h"
@@ -75,6 +76,74 @@ void FinishOpen(server::Server& srv, server::Shard& shard, const store::TenantKe
   for (auto& w : waiters) w(s);
 }
 
+// What a save of one namespace writes, taken on the owning shard.
+struct SaveJob {
+  std::string name;  // the object's name
+  uint64_t version = 0;
+  std::string meta;
+  std::vector<residency::Engine::SaveItem> items;
+  uint64_t generation = 0;
+  bool complete = false;
+  std::string tenant;
+};
+
+// Snapshots the namespace's sessions (copy-on-write chunks: exactly this moment's content) for
+// a save. Runs on the owning shard; kErr when the namespace lost its sessions.
+StatusOr<SaveJob> PrepareSave(server::Server& srv, server::Shard& shard,
+                              const store::TenantKey& key, PrefixEntry* e) {
+  PrefixSessions s = SessionsOf(shard, key.tenant, key.name, e->manifest);
+  if (!s.ok()) {
+    return Error("namespace '" + key.name +
+                 "' has lost its sessions (V.DROP); "
+                 "KV.PREFIX.DROP and register it again");
+  }
+  store::PrefixRecord rec;
+  rec.tenant = srv.users().TenantName(key.tenant);
+  rec.ns = key.name;
+  rec.manifest = e->manifest;
+  rec.prefill_ms = e->prefill_ms;
+  rec.complete = Complete(s, e->manifest);
+  const store::VSession::Snapshot snap_k = s.k->TakeSnapshot(), snap_v = s.v->TakeSnapshot();
+  std::vector<residency::ObjectRef> chunks;
+  SaveJob job;
+  job.items.resize(1);
+  job.items[0].bytes = store::ChunkIndex({&snap_k, &snap_v}, &chunks);
+  for (auto& c : chunks) job.items.push_back({"", std::move(c)});
+  job.version = shard.store().prefixes.NextVersion(key);
+  job.generation = e->manifest.cache_generation;
+  job.complete = rec.complete;
+  job.tenant = rec.tenant;
+  job.name = store::PrefixObjectName(rec.tenant, rec.ns);
+  job.meta = store::EncodePrefixMeta(rec);
+  e->dirty = false;  // a write from now on sets it again
+  return job;
+}
+
+// On the owning shard once the save's file is durable (or failed): publishes the version.
+// Returns what the save's reply says.
+Status FinishSave(server::Shard& sh, const store::TenantKey& key, uint64_t version,
+                  uint64_t generation, bool complete,
+                  const StatusOr<std::shared_ptr<residency::DiskFile>>& file) {
+  PrefixEntry* cur = sh.store().prefixes.Find(key);
+  if (cur == nullptr || cur->manifest.cache_generation != generation) {
+    if (file.ok()) unlink(file.value()->path().c_str());  // dropped meanwhile: the drop wins
+    return Error("namespace '" + key.name + "' was dropped during the save");
+  }
+  if (!file.ok()) {
+    cur->dirty = true;  // the snapshot never reached the disk
+    spdlog::error("disk tier: saving prefix '{}' failed: {}", key.name, file.status().message());
+    return file.status();
+  }
+  if (version > cur->saved_version) {
+    cur->saved_version = version;
+    cur->saved_file = file.value();
+    cur->disk_path = file.value()->path();
+    cur->disk_bytes = file.value()->file().data_bytes();
+    cur->saved_complete = complete;
+  }
+  return Status::Ok();
+}
+
 void Save(CommandContext& ctx, CmdArgs& args) {
   auto& srv = *ctx.server;
   const store::TenantKey key = ctx.Key(args[1]);
@@ -82,53 +151,31 @@ void Save(CommandContext& ctx, CmdArgs& args) {
   if (e == nullptr) return ctx.Error(Error("no such prefix namespace '" + key.name + "'"));
   if (!e->corrupt.empty()) return ctx.Error(Status(ErrorKind::kCorrupt, e->corrupt));
   if (!e->resident) return ctx.rb->Ok();  // only on disk: already saved
-  PrefixSessions s = SessionsOf(*ctx.shard, ctx.tenant, key.name, e->manifest);
-  if (!s.ok()) {
-    return ctx.Error(Error("namespace '" + key.name +
-                           "' has lost its sessions (V.DROP); "
-                           "KV.PREFIX.DROP and register it again"));
-  }
-  store::PrefixRecord rec;
-  rec.tenant = srv.users().TenantName(ctx.tenant);
-  rec.ns = key.name;
-  rec.manifest = e->manifest;
-  rec.prefill_ms = e->prefill_ms;
-  rec.complete = Complete(s, e->manifest);
-  // Snapshots share the chunks: what is saved is exactly this moment's content.
-  const store::VSession::Snapshot snap_k = s.k->TakeSnapshot(), snap_v = s.v->TakeSnapshot();
-  std::vector<residency::ObjectRef> chunks;
-  std::vector<residency::Engine::SaveItem> items(1);
-  items[0].bytes = store::ChunkIndex({&snap_k, &snap_v}, &chunks);
-  for (auto& c : chunks) items.push_back({"", std::move(c)});
-  const uint64_t version = ctx.shard->store().prefixes.NextVersion(key);
-  e->dirty = false;  // a write from now on sets it again
-  const uint64_t generation = e->manifest.cache_generation;
-  const bool complete = rec.complete;
-  SaveObjects(ctx, PrefixDir(srv), store::PrefixObjectName(rec.tenant, rec.ns), version,
-              store::EncodePrefixMeta(rec), std::move(items),
-              [key, version, generation, complete](server::Shard& sh, auto file, auto reply) {
-                PrefixEntry* cur = sh.store().prefixes.Find(key);
-                if (cur == nullptr || cur->manifest.cache_generation != generation) {
-                  if (file.ok())
-                    unlink(file.value()->path().c_str());  // dropped meanwhile: the drop wins
-                  return reply([key](proto::ReplyBuilder& rb) {
-                    rb.ErrorLine("ERR namespace '" + key.name + "' was dropped during the save");
-                  });
+  auto job = PrepareSave(srv, *ctx.shard, key, e);
+  if (!job.ok()) return ctx.Error(job.status());
+  const uint64_t version = job->version, generation = job->generation;
+  const bool complete = job->complete;
+  const std::string tenant = job->tenant;
+  server::Server* srv_ptr = &srv;
+  SaveObjects(ctx, PrefixDir(srv), job->name, version, std::move(job->meta), std::move(job->items),
+              [srv_ptr, key, tenant, version, generation, complete](server::Shard& sh, auto file,
+                                                                    auto reply) {
+                Status s = FinishSave(sh, key, version, generation, complete, file);
+                if (!s.ok()) return reply([s](proto::ReplyBuilder& rb) { rb.Error(s); });
+                if (!cluster_sync::Enabled(*srv_ptr)) {
+                  return reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
                 }
-                if (!file.ok()) {
-                  cur->dirty = true;  // the snapshot never reached the disk
-                  spdlog::error("disk tier: saving prefix '{}' failed: {}", key.name,
-                                file.status().message());
-                  return reply([st = file.status()](proto::ReplyBuilder& rb) { rb.Error(st); });
-                }
-                if (version > cur->saved_version) {
-                  cur->saved_version = version;
-                  cur->saved_file = file.value();
-                  cur->disk_path = file.value()->path();
-                  cur->disk_bytes = file.value()->file().data_bytes();
-                  cur->saved_complete = complete;
-                }
-                reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
+                // Cluster mode: acknowledged once the replicas hold it too.
+                cluster_sync::ReplicateSaved(*srv_ptr, tenant, key.name, version,
+                                             file.value()->path(), [reply](const Status& r) {
+                                               reply([r](proto::ReplyBuilder& rb) {
+                                                 if (r.ok()) {
+                                                   rb.Ok();
+                                                 } else {
+                                                   rb.Error(r);
+                                                 }
+                                               });
+                                             });
               });
 }
 
@@ -250,6 +297,125 @@ bool ParkUntilOpen(CommandContext& ctx, const store::TenantKey& ns) {
     Open(*srv, *shard, ns, std::move(done));
   });
   return true;
+}
+
+std::vector<HeldPrefix> HeldPrefixes(server::Server& srv, server::Shard& shard) {
+  std::vector<HeldPrefix> out;
+  shard.store().prefixes.ForEachEntry([&](const store::TenantKey& k, PrefixEntry& e) {
+    out.push_back({k, srv.users().TenantName(k.tenant), e.saved_version, e.disk_path, e.resident,
+                   e.dirty, !e.corrupt.empty()});
+  });
+  return out;
+}
+
+Status CheckPushable(server::Shard& shard, const store::TenantKey& key, uint64_t version) {
+  PrefixEntry* e = shard.store().prefixes.Find(key);
+  if (e == nullptr) return Status::Ok();
+  if (e->saved_version >= version && e->corrupt.empty()) {
+    return Status(ErrorKind::kMismatch, "stale: namespace '" + key.name + "' is at version " +
+                                            std::to_string(e->saved_version) + " here, not below " +
+                                            std::to_string(version));
+  }
+  if (e->resident && e->saved_version == 0 && e->dirty) {
+    return Status(ErrorKind::kBusy, "namespace '" + key.name +
+                                        "' was registered on this node meanwhile; not replaced");
+  }
+  return Status::Ok();
+}
+
+Status InstallPushed(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+                     uint64_t version, const std::string& path) {
+  Status ok = CheckPushable(shard, key, version);
+  if (!ok.ok()) {
+    unlink(path.c_str());
+    return ok;
+  }
+  auto f = srv.residency()->OpenSaved(path);
+  StatusOr<store::PrefixRecord> rec = f.ok() ? store::DecodePrefixMeta(f.value()->file().meta())
+                                             : StatusOr<store::PrefixRecord>(f.status());
+  if (!rec.ok()) {
+    unlink(path.c_str());
+    return Status(ErrorKind::kCorrupt, "the copy of namespace '" + key.name +
+                                           "' does not open: " + rec.status().message());
+  }
+  auto& reg = shard.store().prefixes;
+  std::string old_path;
+  if (PrefixEntry* e = reg.Find(key)) {
+    if (e->opening) CancelOpen(e, Error("namespace '" + key.name + "' was replaced by its owner"));
+    old_path = e->disk_path;
+    reg.Drop(key);
+    shard.store().vstore.Drop({key.tenant, key.name + "_pk"});
+    shard.store().vstore.Drop({key.tenant, key.name + "_pv"});
+  }
+  reg.NoteVersion(key, version);
+  PrefixEntry* e = reg.AddFromDisk(key, rec->manifest, rec->prefill_ms);
+  e->saved_version = version;
+  e->disk_path = path;
+  e->saved_file = f.value();
+  e->disk_bytes = f.value()->file().data_bytes();
+  e->saved_complete = rec->complete;
+  e->dirty = false;
+  if (!old_path.empty() && old_path != path) unlink(old_path.c_str());
+  return Status::Ok();
+}
+
+Status DiscardHere(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+                   uint64_t max_version) {
+  auto& reg = shard.store().prefixes;
+  PrefixEntry* e = reg.Find(key);
+  if (e == nullptr) return Status::Ok();
+  if (max_version != 0 && e->saved_version > max_version) return Status::Ok();  // newer here
+  if (e->opening) CancelOpen(e, Error("namespace '" + key.name + "' left this node"));
+  if (e->saved_version > 0 || !e->corrupt.empty()) {
+    Status s = store::disk::RemoveObject(
+        PrefixDir(srv), store::PrefixObjectName(srv.users().TenantName(key.tenant), key.name));
+    if (!s.ok()) return s;
+  }
+  reg.Drop(key);
+  shard.store().vstore.Drop({key.tenant, key.name + "_pk"});
+  shard.store().vstore.Drop({key.tenant, key.name + "_pv"});
+  return Status::Ok();
+}
+
+Status KeepDiskCopyOnly(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+                        uint64_t version) {
+  PrefixEntry* e = shard.store().prefixes.Find(key);
+  if (e == nullptr) return Status::Ok();
+  if (e->saved_version != version || !e->saved_file || !e->corrupt.empty()) {
+    return DiscardHere(srv, shard, key, 0);
+  }
+  if (e->opening) CancelOpen(e, Error("namespace '" + key.name + "' left this node"));
+  shard.store().vstore.Drop({key.tenant, key.name + "_pk"});
+  shard.store().vstore.Drop({key.tenant, key.name + "_pv"});
+  e->resident = false;
+  e->dirty = false;
+  return Status::Ok();
+}
+
+void SaveForMove(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+                 std::function<void(StatusOr<std::pair<std::string, uint64_t>>)> done) {
+  PrefixEntry* e = shard.store().prefixes.Find(key);
+  if (e == nullptr) return done(Status(ErrorKind::kMiss, "namespace '" + key.name + "' is gone"));
+  if (!e->corrupt.empty()) return done(Status(ErrorKind::kCorrupt, e->corrupt));
+  if (!e->resident || !e->dirty) {
+    if (e->saved_version > 0) return done(std::make_pair(e->disk_path, e->saved_version));
+  }
+  auto job = PrepareSave(srv, shard, key, e);
+  if (!job.ok()) return done(job.status());
+  const uint64_t version = job->version, generation = job->generation;
+  const bool complete = job->complete;
+  bool queued = WriteObjectsLater(
+      srv, shard, PrefixDir(srv), job->name, version, std::move(job->meta), std::move(job->items),
+      [key, version, generation, complete, done](server::Shard& sh,
+                                                 StatusOr<std::shared_ptr<residency::DiskFile>> f) {
+        Status s = FinishSave(sh, key, version, generation, complete, f);
+        if (!s.ok()) return done(s);
+        done(std::make_pair(f.value()->path(), version));
+      });
+  if (!queued) {
+    e->dirty = true;
+    done(Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
+  }
 }
 
 void RegisterTierCommands(server::Server& srv) {

@@ -15,6 +15,7 @@ void RegisterAll(server::Server& server) {
   RegisterAttendIndexFamily(server);
   RegisterKvCacheFamily(server);
   RegisterShmFamily(server);
+  RegisterClusterFamily(server);  // last: it joins after every family found its saved objects
 }
 
 }  // namespace pion::families

@@ -133,7 +133,7 @@ void Hello(CommandContext& ctx, CmdArgs& args) {
   rb.Bulk("id");
   rb.Integer(static_cast<int64_t>(conn.id()));
   rb.Bulk("mode");
-  rb.Bulk("standalone");
+  rb.Bulk(ctx.server->cluster() != nullptr ? "cluster" : "standalone");
   rb.Bulk("role");
   rb.Bulk("master");
   rb.Bulk("modules");

@@ -82,8 +82,9 @@ Status LoadSavedObjects(server::Server& srv, const std::string& dir, std::string
   return Status::Ok();
 }
 
-void SaveObjects(server::CommandContext& ctx, std::string dir, std::string name, uint64_t version,
-                 std::string meta, std::vector<residency::Engine::SaveItem> items, SaveDone done) {
+bool WriteObjectsLater(server::Server& srv, server::Shard& owner_shard, std::string dir,
+                       std::string name, uint64_t version, std::string meta,
+                       std::vector<residency::Engine::SaveItem> items, WriteDone done) {
   // Hold the bytes as of now: host blocks by ref (a write then copies), the objects' own
   // generations to fence the disk copies attached after.
   std::vector<uint64_t> generations;
@@ -92,27 +93,39 @@ void SaveObjects(server::CommandContext& ctx, std::string dir, std::string name,
     if (items[i].obj) items[i].obj->HostBlocks(&host[i]);
     generations.push_back(items[i].obj ? items[i].obj->generation() : 0);
   }
-  server::Server* srv = ctx.server;
-  server::Shard* owner = ctx.shard;
-  auto reply = ctx.Defer();
+  server::Server* server = &srv;
+  server::Shard* owner = &owner_shard;
   auto job = [=, items = std::move(items), generations = std::move(generations),
               host = std::move(host)]() {
     std::vector<std::vector<uint32_t>> blocks;
-    auto file = srv->residency()->WriteSaved(dir, name, version, meta, items, &blocks);
+    auto file = server->residency()->WriteSaved(dir, name, version, meta, items, &blocks);
     owner->PostControl([=](server::Shard& sh) {
       if (file.ok()) {
         for (size_t i = 0; i < items.size(); ++i) {
           if (!items[i].obj) continue;
-          srv->residency()->AttachDisk(items[i].obj, generations[i], file.value(), blocks[i]);
+          server->residency()->AttachDisk(items[i].obj, generations[i], file.value(), blocks[i]);
         }
-        srv->disk_stats().saves.fetch_add(1);
+        server->disk_stats().saves.fetch_add(1);
       } else {
-        srv->disk_stats().save_failures.fetch_add(1);
+        server->disk_stats().save_failures.fetch_add(1);
       }
-      done(sh, file, reply);
+      done(sh, file);
     });
   };
-  if (!srv->io()->Submit(std::move(job))) {
+  return srv.io()->Submit(std::move(job));
+}
+
+void SaveObjects(server::CommandContext& ctx, std::string dir, std::string name, uint64_t version,
+                 std::string meta, std::vector<residency::Engine::SaveItem> items, SaveDone done) {
+  auto reply = ctx.Defer();
+  bool queued = WriteObjectsLater(
+      *ctx.server, *ctx.shard, std::move(dir), std::move(name), version, std::move(meta),
+      std::move(items),
+      [done = std::move(done), reply](server::Shard& sh,
+                                      StatusOr<std::shared_ptr<residency::DiskFile>> file) {
+        done(sh, std::move(file), reply);
+      });
+  if (!queued) {
     reply([](proto::ReplyBuilder& rb) {
       rb.Error(Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
     });

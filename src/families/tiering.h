@@ -62,4 +62,13 @@ using SaveDone =
 void SaveObjects(server::CommandContext& ctx, std::string dir, std::string name, uint64_t version,
                  std::string meta, std::vector<residency::Engine::SaveItem> items, SaveDone done);
 
+// The same without a command (a slot moving to another node saves what it moves): `done` runs
+// on `owner_shard` with the durable file or why there is none. False when the I/O queue is
+// full (nothing was started).
+using WriteDone =
+    std::function<void(server::Shard& shard, StatusOr<std::shared_ptr<residency::DiskFile>> file)>;
+bool WriteObjectsLater(server::Server& srv, server::Shard& owner_shard, std::string dir,
+                       std::string name, uint64_t version, std::string meta,
+                       std::vector<residency::Engine::SaveItem> items, WriteDone done);
+
 }  // namespace pion::families

@@ -101,6 +101,7 @@ class Connection final : public EventHandler {
   uint32_t tenant = 0;
   bool authenticated = false;
   bool unix_socket = false;  // accepted on --unixsocket: a same-host client
+  bool asking = false;       // cluster mode: the last command was ASKING (one command only)
   bool binary() const { return protocol_ == Protocol::kBinary; }
   std::string last_command;
   int resp_version() const { return resp_version_; }

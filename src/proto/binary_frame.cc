@@ -54,7 +54,8 @@ bool DecodeHeader(const uint8_t in[kHeaderSize], FrameHeader* h) {
 
 uint16_t StatusOfError(std::string_view line) {
   const std::string_view prefix = line.substr(0, line.find(' '));
-  for (int k = static_cast<int>(ErrorKind::kErr); k <= static_cast<int>(ErrorKind::kTimeout); ++k) {
+  for (int k = static_cast<int>(ErrorKind::kErr); k <= static_cast<int>(ErrorKind::kClusterDown);
+       ++k) {
     const auto kind = static_cast<ErrorKind>(k);
     if (kind != ErrorKind::kProtocol && ErrorPrefix(kind) == prefix)
       return static_cast<uint16_t>(k);

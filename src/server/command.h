@@ -123,6 +123,9 @@ struct CommandSpec {
   // Maps the key argument to the string that is hashed for routing (default: the key).
   // Lets a family co-locate related keys, e.g. "<ns>_pk" with "<ns>".
   std::string_view (*route_key)(std::string_view key) = nullptr;
+  // Keys beyond first_key..last_key, at positions that depend on the arguments (ATTEND.PREFIX.
+  // STORE ... FROM <ns>): cluster mode requires them in the routing key's slot (-CROSSSLOT).
+  void (*more_keys)(const proto::CmdArgs& args, std::vector<std::string_view>* keys) = nullptr;
 };
 
 class CommandRegistry {
@@ -131,6 +134,10 @@ class CommandRegistry {
   void Register(CommandSpec spec);
   // Case-insensitive lookup; does not allocate. Returns nullptr if unknown.
   const CommandSpec* Find(std::string_view name) const;
+  // The same, for a family that amends another family's command at registration (before Init).
+  CommandSpec* FindMutable(std::string_view name) {
+    return const_cast<CommandSpec*>(static_cast<const CommandRegistry*>(this)->Find(name));
+  }
   const std::vector<CommandSpec>& all() const { return specs_; }
   size_t size() const { return specs_.size(); }
 

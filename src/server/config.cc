@@ -247,6 +247,25 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
       ->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
 
+  app.add_option("--cluster", c.cluster,
+                 "Run as a cluster node: etcd://host:port of the etcd that holds membership, the "
+                 "slot map and leases (empty = a single node, no etcd)");
+  app.add_option("--cluster-name", c.cluster_name,
+                 "Name of the cluster in etcd (keys under /pion/<name>/)")
+      ->capture_default_str();
+  app.add_option("--node-id", c.node_id,
+                 "This node's name in the cluster: 1-64 of [A-Za-z0-9_.-] (needed with --cluster)");
+  app.add_option("--announce", c.announce,
+                 "host:port where clients and other nodes reach this node (default: bind:port)");
+  app.add_option("--replicas", c.replicas,
+                 "Nodes that keep a copy of each saved object besides its owner")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 8));
+  app.add_option("--cluster-lease-ttl", c.cluster_lease_ttl_s,
+                 "Seconds a node may be silent before its slots fail over to its replica")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 300));
+
   // First pass: find --config, then re-parse with the file's keys in front of argv.
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
@@ -268,6 +287,20 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
     *should_exit = true;
     *exit_code = app.exit(e);
     return Error("exit");
+  }
+  if (!c.cluster.empty()) {
+    if (c.node_id.empty() || c.node_id.size() > 64 ||
+        c.node_id.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                    "0123456789_.-") != std::string::npos) {
+      return Error("--cluster needs --node-id of 1-64 characters of [A-Za-z0-9_.-], got '" +
+                   c.node_id + "'");
+    }
+    if (c.cluster_name.empty() || c.cluster_name.find('/') != std::string::npos) {
+      return Error("--cluster-name must be non-empty and without '/', got '" + c.cluster_name +
+                   "'");
+    }
+  } else if (!c.node_id.empty() || !c.announce.empty()) {
+    return Error("--node-id and --announce need --cluster etcd://host:port");
   }
   const unsigned hw = std::thread::hardware_concurrency();
   if (c.workers == 0) c.workers = hw == 0 ? 1 : static_cast<int>(hw);

@@ -69,6 +69,14 @@ struct Config {
   int64_t slowlog_log_slower_than_us = 10000;
   int64_t slowlog_max_len = 128;
   std::string config_file;
+  // Cluster mode (--cluster etcd://host:port): empty runs a single node, without etcd.
+  std::string cluster;
+  std::string cluster_name =
+      "pion";                   // the etcd key prefix /pion/<name>/: several clusters per etcd
+  std::string node_id;          // this node's name in the cluster (required with --cluster)
+  std::string announce;         // host:port clients reach this node at; default bind:port
+  int replicas = 1;             // nodes that keep a copy of each saved object, besides its owner
+  int cluster_lease_ttl_s = 5;  // a node silent this long loses its slots to its replica
 };
 
 // Parses argv (and the --config file it names). On --help/--version prints and sets

@@ -1,8 +1,11 @@
 // The command pipeline (Server::Dispatch / Server::Execute).
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdlib>
+#include <vector>
 
+#include "cluster/key_slot.h"
 #include "server/server.h"
 
 namespace pion::server {
@@ -25,6 +28,10 @@ struct RemoteCall {
   std::string peer;
   std::string client_name;
   bool unix_socket = false;
+  // Cluster mode: the key decides, on its shard, whether the command runs (ClusterRouting).
+  bool check_key = false;
+  int slot = -1;
+  SlotRoute route;
 };
 
 // Strips the trailing admission options of a kCmdDeadline / kCmdApprox command — DEADLINE <ms>
@@ -107,16 +114,40 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
     return;
   }
 
+  const bool keyed = spec->first_key > 0 && args.size() > static_cast<size_t>(spec->first_key);
+  // Cluster mode: the key's hash slot decides the node before anything runs.
+  SlotRoute route;
+  int slot = -1;
+  if (cluster_ != nullptr) {
+    const bool asking = conn.asking && spec->name != "ASKING";
+    if (asking) conn.asking = false;
+    std::string error;
+    if (keyed && !ClusterCheck(*spec, args, asking, &slot, &route, &error)) {
+      Bump(cs.rejected);
+      rb.ErrorLine(error);
+      return;
+    }
+  }
+  const bool check_key = keyed && route.kind == SlotRoute::Kind::kCheckKey;
+
   // Commands route by their key when it is present (V.INFO <sid>); without it (or keyless)
   // they run on the connection's shard, which is also where kCmdConnection handlers get
   // the Connection.
   int owner = shard.id();
-  if (spec->first_key > 0 && args.size() > static_cast<size_t>(spec->first_key)) {
+  if (keyed) {
     std::string_view key = args[static_cast<size_t>(spec->first_key)];
     if (spec->route_key != nullptr) key = spec->route_key(key);
     owner = OwnerOf(conn.tenant, key);
   }
   if (owner == shard.id()) {
+    if (check_key) {
+      std::string why = cluster_->CheckKey(shard, conn.tenant, *spec,
+                                           args[static_cast<size_t>(spec->first_key)], slot, route);
+      if (!why.empty()) {
+        rb.ErrorLine(why);
+        return;
+      }
+    }
     if (Execute(*spec, shard, (spec->flags & kCmdConnection) ? &conn : nullptr, conn.tenant,
                 conn.id(), shard.id(), args, rb, conn.peer(), conn.name, conn.unix_socket)) {
       conn.BeginAsync();  // the reply arrives through the deferred writer
@@ -134,12 +165,25 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
   call->peer = conn.peer();
   call->client_name = conn.name;
   call->unix_socket = conn.unix_socket;
+  call->check_key = check_key;
+  call->slot = slot;
+  call->route = std::move(route);
   const uint64_t conn_id = conn.id();
   bool posted = shards_[owner]->Post([this, call, conn_id](Shard& target) {
     proto::ReplyBuilder remote_rb(&call->reply, call->resp);
-    bool deferred =
-        Execute(*call->spec, target, nullptr, call->tenant, call->client_id, call->origin,
-                call->args, remote_rb, call->peer, call->client_name, call->unix_socket);
+    bool deferred = false;
+    std::string why;
+    if (call->check_key) {
+      why = cluster_->CheckKey(target, call->tenant, *call->spec,
+                               call->args[static_cast<size_t>(call->spec->first_key)], call->slot,
+                               call->route);
+    }
+    if (!why.empty()) {
+      remote_rb.ErrorLine(why);
+    } else {
+      deferred = Execute(*call->spec, target, nullptr, call->tenant, call->client_id, call->origin,
+                         call->args, remote_rb, call->peer, call->client_name, call->unix_socket);
+    }
     call->args.Clear();
     if (deferred) return;  // the deferred writer delivers to the origin shard itself
     shards_[call->origin]->PostControl([call, conn_id](Shard& home) {
@@ -157,6 +201,42 @@ void Server::Dispatch(Shard& shard, net::Connection& conn, proto::CmdArgs& args)
   }
   Bump(st.forwarded_commands);
   conn.BeginAsync();
+}
+
+bool Server::ClusterCheck(const CommandSpec& spec, const proto::CmdArgs& args, bool asking,
+                          int* slot, SlotRoute* route, std::string* error) {
+  const int n = static_cast<int>(args.size());
+  const int first = spec.first_key;
+  int last = spec.last_key < 0 ? n + spec.last_key : std::max(spec.last_key, first);
+  if (last >= n) last = n - 1;
+  const int step = spec.key_step > 0 ? spec.key_step : 1;
+  *slot = cluster::KeySlot(args[static_cast<size_t>(first)]);
+  bool cross = false;
+  for (int i = first + step; i <= last && !cross; i += step) {
+    cross = cluster::KeySlot(args[static_cast<size_t>(i)]) != *slot;
+  }
+  if (spec.more_keys != nullptr && !cross) {
+    std::vector<std::string_view> more;
+    spec.more_keys(args, &more);
+    for (std::string_view k : more) cross = cross || cluster::KeySlot(k) != *slot;
+  }
+  if (cross) {
+    *error = "CROSSSLOT Keys in request don't hash to the same slot";
+    return false;
+  }
+  *route = cluster_->Route(*slot, asking);
+  switch (route->kind) {
+    case SlotRoute::Kind::kServe:
+    case SlotRoute::Kind::kCheckKey:
+      return true;
+    case SlotRoute::Kind::kMoved:
+      *error = "MOVED " + std::to_string(*slot) + " " + route->addr;
+      return false;
+    case SlotRoute::Kind::kUnassigned:
+      break;
+  }
+  *error = "CLUSTERDOWN Hash slot not served";
+  return false;
 }
 
 bool Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn, uint32_t tenant,

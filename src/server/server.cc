@@ -189,6 +189,7 @@ int Server::Run() {
       RequestShutdown();
     }
   }
+  for (auto& hook : shutdown_hooks_) hook();
   for (auto& s : shards_) s->Stop();
   for (auto& s : shards_) s->Join();
   if (metrics_) metrics_->Stop();  // it reads the pools' counters: stop it before they go

@@ -14,6 +14,7 @@
 #include "attention/counters.h"
 #include "residency/engine.h"
 #include "server/auth.h"
+#include "server/cluster_routing.h"
 #include "server/command.h"
 #include "server/config.h"
 #include "server/memory.h"
@@ -83,6 +84,14 @@ class Server {
   // Families add start-up work (loading the disk tier) that runs in Init() after the shards
   // exist and before any of them runs, on the main thread.
   void AddStartupHook(std::function<Status(Server&)> hook) { startup_.push_back(std::move(hook)); }
+  // Work that runs in Run() once shutdown is requested, while the shards still run (stopping
+  // threads that post to them), in the order added.
+  void AddShutdownHook(std::function<void()> hook) { shutdown_hooks_.push_back(std::move(hook)); }
+
+  // Cluster mode (--cluster): the slot routing the dispatcher applies before a command runs
+  // (-MOVED, -ASK, -CROSSSLOT). Null for a single node. Set at registration, before Init().
+  ClusterRouting* cluster() { return cluster_.get(); }
+  void set_cluster(std::unique_ptr<ClusterRouting> c) { cluster_ = std::move(c); }
 
   uint64_t NextClientId() { return next_client_id_.fetch_add(1, std::memory_order_relaxed); }
   uint64_t connected_clients() const;
@@ -118,6 +127,10 @@ class Server {
   bool Execute(const CommandSpec& spec, Shard& shard, net::Connection* conn, uint32_t tenant,
                uint64_t client_id, int origin_shard, proto::CmdArgs& args, proto::ReplyBuilder& rb,
                std::string_view peer, std::string_view client_name, bool unix_socket);
+  // Cluster mode: false with *error set (-CROSSSLOT, -MOVED, -CLUSTERDOWN) when the command
+  // must not run here; *route is kCheckKey when its key decides (on the key's shard).
+  bool ClusterCheck(const CommandSpec& spec, const proto::CmdArgs& args, bool asking, int* slot,
+                    SlotRoute* route, std::string* error);
 
   Config config_;
   RuntimeSettings settings_;
@@ -133,6 +146,8 @@ class Server {
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<std::function<void(Shard&)>> shard_inits_;
   std::vector<std::function<Status(Server&)>> startup_;
+  std::vector<std::function<void()>> shutdown_hooks_;
+  std::unique_ptr<ClusterRouting> cluster_;
   std::unique_ptr<WorkerPool> io_;
   std::unique_ptr<WorkerPool> compute_;
   std::unique_ptr<WorkerPool> gpu_copy_;  // host <-> GPU copies of the residency engine

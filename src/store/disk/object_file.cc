@@ -251,6 +251,30 @@ Status WriteObjectFrom(const std::string& dir, std::string_view name, uint64_t v
   return Status::Ok();
 }
 
+Status WriteObjectBytes(const std::string& dir, std::string_view name, uint64_t version,
+                        std::string_view bytes) {
+  Status s = EnsureDir(dir);
+  if (!s.ok()) return s;
+  const std::string_view target = TargetOf(dir);
+  const std::string base = dir + "/" + HexName(name) + "." + std::to_string(version);
+  const std::string final_path = base + kSuffix;
+  const std::string tmp_path = base + ".tmp";
+  int fd = open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return IoError("cannot create", tmp_path);
+  s = WriteAll(fd, bytes.data(), bytes.size(), tmp_path, target);
+  if (s.ok() && CheckedFsync(fd, target) != 0) s = IoError("cannot fsync", tmp_path);
+  close(fd);
+  if (s.ok() && rename(tmp_path.c_str(), final_path.c_str()) != 0) {
+    s = IoError("cannot rename into", final_path);
+  }
+  if (s.ok()) s = FsyncDir(dir);
+  if (!s.ok()) {
+    unlink(tmp_path.c_str());
+    unlink(final_path.c_str());
+  }
+  return s;
+}
+
 ObjectFile::ObjectFile(ObjectFile&& o) noexcept
     : path_(std::move(o.path_)),
       target_(std::move(o.target_)),

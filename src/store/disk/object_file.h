@@ -46,6 +46,12 @@ Status WriteObject(const std::string& dir, std::string_view name, uint64_t versi
                    std::string_view meta, const std::vector<std::span<const uint8_t>>& blocks,
                    WriteOptions options = {});
 
+// Writes a whole object file as `bytes` (one another node wrote and sent: a replica's copy)
+// as version `version` of `name`, durably (temp file, fsync, rename, directory fsync). Older
+// versions stay: the caller removes them once the new one is validated and in use.
+Status WriteObjectBytes(const std::string& dir, std::string_view name, uint64_t version,
+                        std::string_view bytes);
+
 // One block of an object being written: its bytes in memory (`data`), or produced on demand
 // by `read` (e.g. a block of another object file, checked by its reader) — so a save can
 // stream an object larger than memory. `hash` is the block's xxh3 when known (`hashed`), else

@@ -1,0 +1,525 @@
+// Cluster mode's replication thread and slot routing (see cluster_node.h).
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <fstream>
+#include <future>
+#include <set>
+#include <sstream>
+
+#include "cluster/key_slot.h"
+#include "families/cluster_internal.h"
+#include "families/cluster_node.h"
+#include "families/kvprefix_internal.h"
+#include "families/vstore_internal.h"
+#include "store/prefix_object.h"
+
+namespace pion::families::cluster_sync {
+namespace {
+
+using cluster::Reply;
+using cluster::SlotMap;
+
+StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status(ErrorKind::kIo, "cannot open " + path + " to send it");
+  std::ostringstream out;
+  out << in.rdbuf();
+  if (!in.good() && !in.eof()) return Status(ErrorKind::kIo, "cannot read " + path);
+  return out.str();
+}
+
+bool InList(const std::vector<int16_t>& list, int i) {
+  for (int16_t x : list) {
+    if (x == i) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+ClusterNode* NodeOf(server::Server& srv) { return static_cast<ClusterNode*>(srv.cluster()); }
+
+bool Enabled(server::Server& srv) { return srv.cluster() != nullptr; }
+
+ClusterNode::ClusterNode(server::Server& srv, cluster::MembershipOptions options)
+    : srv_(srv),
+      membership_(std::move(options)),
+      in_flight_(static_cast<size_t>(srv.shard_count())),
+      owned_(cluster::kSlots, false) {}
+
+ClusterNode::~ClusterNode() { Stop(); }
+
+server::SlotRoute ClusterNode::Route(int slot, bool asking) {
+  // Each thread keeps the map it last read until the version moves: no lock per command.
+  struct Cache {
+    const ClusterNode* node = nullptr;
+    uint64_t version = 0;
+    std::shared_ptr<const SlotMap> map;
+    int self = -1;
+  };
+  thread_local Cache cache;
+  const uint64_t v = membership_.map_version();
+  if (cache.node != this || cache.version != v || !cache.map) {
+    cache.map = membership_.map();
+    cache.version = v;
+    cache.node = this;
+    cache.self = cache.map->IndexOf(node_id());
+  }
+  const SlotMap& m = *cache.map;
+  const int owner = m.owner[slot];
+  const int from = m.moving_from[slot];
+  server::SlotRoute r;
+  if (owner < 0) {
+    r.kind = server::SlotRoute::Kind::kUnassigned;
+  } else if (owner == cache.self) {
+    // Keys of the slot still coming from `from`: one that is not here is asked there (unless
+    // the old owner just sent the client here with -ASK: then it is nowhere else).
+    if (from >= 0 && !asking) {
+      r.kind = server::SlotRoute::Kind::kCheckKey;
+      r.importing = true;
+      r.addr = m.nodes[from].addr;
+    }
+  } else if (asking && from == cache.self) {
+    r.kind = server::SlotRoute::Kind::kCheckKey;  // here if not sent yet, else at the owner
+    r.addr = m.nodes[owner].addr;
+  } else {
+    r.kind = server::SlotRoute::Kind::kMoved;
+    r.addr = m.nodes[owner].addr;
+  }
+  return r;
+}
+
+bool ClusterNode::KeyPresent(server::Shard& shard, uint32_t tenant, std::string_view key) {
+  server::ShardStore& st = shard.store();
+  const store::TenantKey k{tenant, std::string(key)};
+  if (st.prefixes.Find(k) != nullptr) return true;
+  const std::string_view ns = vstore::SessionRouteKey(key);
+  if (ns.size() != key.size() && st.prefixes.Find({tenant, std::string(ns)}) != nullptr)
+    return true;
+  if (st.vstore.Find(k) != nullptr) return true;
+  if (st.state.Find(k).ok()) return true;
+  if (st.ssm.Find(k) != nullptr) return true;
+  if (!st.attention.Layers(k).empty()) return true;
+  return st.index.Find(k) != nullptr;
+}
+
+std::string ClusterNode::CheckKey(server::Shard& shard, uint32_t tenant,
+                                  const server::CommandSpec& spec, std::string_view key, int slot,
+                                  const server::SlotRoute& route) {
+  // A namespace in flight is still whole here: reads go on, writes wait for it to arrive.
+  const auto& moving = in_flight_[static_cast<size_t>(shard.id())];
+  if (!moving.empty() && (spec.flags & server::kCmdWrite) &&
+      moving.count({tenant, std::string(vstore::SessionRouteKey(key))}) != 0) {
+    return "TRYAGAIN namespace '" + std::string(vstore::SessionRouteKey(key)).substr(0, 64) +
+           "' is being moved to slot " + std::to_string(slot) + "'s new owner";
+  }
+  if (KeyPresent(shard, tenant, key)) return "";
+  return "ASK " + std::to_string(slot) + " " + route.addr;
+}
+
+Status ClusterNode::Start() {
+  Status s = membership_.Join();
+  if (!s.ok()) {
+    return Status(s.kind(), "cannot join the cluster: " + s.message() +
+                                " (a node starts only with etcd reachable)");
+  }
+  auto m = membership_.map();
+  const int self = m->IndexOf(node_id());
+  // What the disk held at start-up for slots that are not this node's any more is stale, and
+  // copies for other nodes' slots may have missed drops while this node was down: keep only
+  // this node's own slots; owners send their replicas everything again.
+  std::vector<std::pair<int, store::TenantKey>> drop;
+  for (int i = 0; i < srv_.shard_count(); ++i) {
+    for (const auto& p : kvprefix::HeldPrefixes(srv_, srv_.shard(i))) {
+      const int slot = cluster::KeySlot(p.key.name);
+      if (self < 0 || (m->owner[slot] != self && m->moving_from[slot] != self)) {
+        drop.emplace_back(i, p.key);
+      }
+    }
+  }
+  for (const auto& [i, key] : drop) {
+    Status d = kvprefix::DiscardHere(srv_, srv_.shard(i), key, 0);
+    if (!d.ok()) spdlog::warn("cluster: could not drop '{}': {}", key.name, d.message());
+  }
+  if (!drop.empty()) {
+    spdlog::info("cluster: dropped {} saved namespace(s) of slots this node no longer owns",
+                 drop.size());
+    counters_.discarded.fetch_add(drop.size());
+  }
+  for (int slot = 0; slot < cluster::kSlots; ++slot)
+    owned_[slot] = self >= 0 && m->owner[slot] == self;
+  thread_ = std::thread([this] { Loop(); });
+  membership_.Start([this](std::shared_ptr<const SlotMap>) { OnMap(); });
+  return Status::Ok();
+}
+
+void ClusterNode::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  membership_.Stop(/*leave=*/true);
+  // Jobs never run (a save waiting for its replicas) still get their answer.
+  std::deque<std::function<void()>> left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    left.swap(jobs_);
+  }
+  for (auto& j : left) j();
+}
+
+void ClusterNode::OnMap() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    map_changed_ = true;
+  }
+  cv_.notify_all();
+}
+
+void ClusterNode::Enqueue(std::function<void()> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_all();
+}
+
+void ClusterNode::Loop() {
+  for (;;) {
+    std::function<void()> job;
+    bool apply = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(500),
+                   [this] { return stop_ || map_changed_ || !jobs_.empty(); });
+      if (stop_) return;
+      if (!jobs_.empty()) {
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      } else if (map_changed_ || retry_) {
+        map_changed_ = false;
+        apply = true;
+      }
+    }
+    if (job) job();
+    if (apply) Apply();
+  }
+}
+
+StatusOr<Reply> ClusterNode::Call(const std::string& addr,
+                                  const std::vector<std::string_view>& args) {
+  auto& c = clients_[addr];
+  if (!c) {
+    c = std::make_unique<cluster::NodeClient>(addr, 5000);
+    c->set_password(srv_.settings().requirepass());
+  }
+  return c->Call(args);
+}
+
+void ClusterNode::OnEveryShard(const std::function<void(server::Shard&)>& f) {
+  // Shared with the tasks: a node stopped before its shards ever ran (a start-up that failed
+  // later) must not wait for them, nor leave them pointing at this frame.
+  struct Pending {
+    std::function<void(server::Shard&)> f;
+    std::mutex mu;
+    std::condition_variable cv;
+    int left = 0;
+  };
+  auto p = std::make_shared<Pending>();
+  p->f = f;
+  p->left = srv_.shard_count();
+  for (int i = 0; i < srv_.shard_count(); ++i) {
+    srv_.shard(i).PostControl([p](server::Shard& sh) {
+      p->f(sh);
+      std::lock_guard<std::mutex> lock(p->mu);
+      if (--p->left == 0) p->cv.notify_all();
+    });
+  }
+  std::unique_lock<std::mutex> lock(p->mu);
+  while (p->left > 0) {
+    p->cv.wait_for(lock, std::chrono::milliseconds(100));
+    // Only when the shards never ran (Run() sets the start time before starting them) is
+    // there nothing to wait for: otherwise the tasks reference the caller's frame.
+    std::lock_guard<std::mutex> stop(mu_);
+    if (stop_ && srv_.start_time() == std::chrono::steady_clock::time_point{}) return;
+  }
+}
+
+Status ClusterNode::Push(const std::string& addr, const std::string& tenant, const std::string& ns,
+                         uint64_t version, const std::string& path) {
+  auto bytes = ReadFile(path);
+  if (!bytes.ok()) return bytes.status();
+  const std::string v = std::to_string(version);
+  auto r = Call(addr, {"CLUSTER.PUT", "PREFIX", tenant, ns, v, bytes.value()});
+  if (!r.ok()) {
+    counters_.push_failures.fetch_add(1);
+    return r.status();
+  }
+  if (r->type == Reply::Type::kError && r->text.rfind("MISMATCH stale", 0) != 0) {
+    counters_.push_failures.fetch_add(1);
+    return Status(ErrorKind::kIo, "node " + addr + " refused the copy: " + r->text);
+  }
+  counters_.pushed.fetch_add(1);
+  return Status::Ok();
+}
+
+void ClusterNode::Apply() {
+  auto m = membership_.map();
+  const int self = m->IndexOf(node_id());
+  retry_ = false;
+  Discard(*m, self);
+  if (self < 0) return;
+  if (!SyncReplicas(*m, self)) retry_ = true;
+  if (!MoveSlots(*m, self)) retry_ = true;
+}
+
+void ClusterNode::Discard(const SlotMap& m, int self) {
+  // Keep: own slots, slots whose keys this node still sends to their new owner, and saved
+  // copies of the slots whose owner lists this node as a replica. An open (client-written)
+  // namespace is kept only in the first two.
+  std::vector<char> keep(cluster::kSlots, 0), own(cluster::kSlots, 0);
+  for (int s = 0; s < cluster::kSlots; ++s) {
+    const int o = m.owner[s];
+    own[s] = self >= 0 && (o == self || m.moving_from[s] == self);
+    keep[s] = own[s] || (self >= 0 && o >= 0 && InList(m.replicas[o], self));
+  }
+  std::atomic<uint64_t> dropped{0};
+  OnEveryShard([&](server::Shard& sh) {
+    for (const auto& p : kvprefix::HeldPrefixes(srv_, sh)) {
+      const int slot = cluster::KeySlot(p.key.name);
+      if (own[slot] || (keep[slot] && !p.resident)) continue;
+      Status s = kvprefix::DiscardHere(srv_, sh, p.key, 0);
+      if (s.ok()) {
+        dropped.fetch_add(1);
+      } else {
+        spdlog::warn("cluster: could not drop '{}' (slot {}): {}", p.key.name, slot, s.message());
+      }
+    }
+  });
+  if (dropped.load() > 0) {
+    counters_.discarded.fetch_add(dropped.load());
+    spdlog::info("cluster: dropped {} namespace(s) of slots that left this node", dropped.load());
+  }
+}
+
+bool ClusterNode::SyncReplicas(const SlotMap& m, int self) {
+  struct Saved {
+    std::string tenant, ns, path;
+    uint64_t version;
+    int slot;
+  };
+  std::vector<std::string> need_all;  // replica addrs that need every saved namespace
+  std::set<int> new_slots;            // slots newly this node's: their saves go to every replica
+  for (int16_t r : m.replicas[self]) {
+    auto it = synced_.find(m.nodes[r].id);
+    if (it == synced_.end() || it->second != m.nodes[r].incarnation)
+      need_all.push_back(m.nodes[r].addr);
+  }
+  for (int s = 0; s < cluster::kSlots; ++s) {
+    if (m.owner[s] == self && !owned_[s]) new_slots.insert(s);
+  }
+  if (need_all.empty() && new_slots.empty()) {
+    counters_.pending_syncs.store(0);
+    return true;
+  }
+  std::vector<Saved> saved;
+  std::mutex mu;
+  OnEveryShard([&](server::Shard& sh) {
+    for (const auto& p : kvprefix::HeldPrefixes(srv_, sh)) {
+      const int slot = cluster::KeySlot(p.key.name);
+      if (m.owner[slot] != self || p.saved_version == 0 || p.corrupt) continue;
+      std::lock_guard<std::mutex> lock(mu);
+      saved.push_back({p.tenant, p.key.name, p.disk_path, p.saved_version, slot});
+    }
+  });
+  bool all_ok = true;
+  for (int16_t r : m.replicas[self]) {
+    const cluster::NodeInfo& node = m.nodes[r];
+    const bool whole = std::find(need_all.begin(), need_all.end(), node.addr) != need_all.end();
+    bool ok = true;
+    size_t sent = 0;
+    for (const Saved& s : saved) {
+      if (!whole && new_slots.count(s.slot) == 0) continue;
+      Status st = Push(node.addr, s.tenant, s.ns, s.version, s.path);
+      if (!st.ok() && st.kind() == ErrorKind::kIo && st.message().find("cannot open") == 0) {
+        continue;  // saved again meanwhile: that save sends its own copy
+      }
+      if (!st.ok()) {
+        spdlog::warn("cluster: copying saved namespaces to replica '{}' ({}): {}", node.id,
+                     node.addr, st.message());
+        ok = false;
+        break;
+      }
+      ++sent;
+    }
+    if (ok && whole) {
+      synced_[node.id] = node.incarnation;
+      spdlog::info("cluster: replica '{}' holds this node's {} saved namespace(s)", node.id, sent);
+    }
+    all_ok = all_ok && ok;
+  }
+  if (all_ok) {
+    for (int s : new_slots) owned_[s] = true;
+  }
+  for (int s = 0; s < cluster::kSlots; ++s) {
+    if (m.owner[s] != self) owned_[s] = false;
+  }
+  counters_.pending_syncs.store(all_ok ? 0 : 1);
+  return all_ok;
+}
+
+bool ClusterNode::MoveSlots(const SlotMap& m, int self) {
+  std::map<int, std::vector<int>> by_owner;
+  for (int s = 0; s < cluster::kSlots; ++s) {
+    if (m.moving_from[s] == self && m.owner[s] >= 0 && m.owner[s] != self) {
+      by_owner[m.owner[s]].push_back(s);
+    }
+  }
+  if (by_owner.empty()) return true;
+  bool all_done = true;
+  for (const auto& entry : by_owner) {
+    // Named copies: lambdas below capture them (clang 14 cannot capture structured bindings).
+    const int target = entry.first;
+    const std::vector<int>& slots = entry.second;
+    const cluster::NodeInfo& to = m.nodes[target];
+    std::vector<char> in_batch(cluster::kSlots, 0);
+    for (int s : slots) in_batch[s] = 1;
+    bool done = true;
+    size_t moved = 0;
+    // Passes until none is left: a client sent here with -ASK may have created one meanwhile
+    // only before the owner had the slot (after that, new keys are the owner's).
+    for (int pass = 0; pass < 3; ++pass) {
+      std::vector<std::pair<int, store::TenantKey>> keys;
+      std::vector<std::string> tenants;
+      std::mutex mu;
+      OnEveryShard([&](server::Shard& sh) {
+        for (const auto& p : kvprefix::HeldPrefixes(srv_, sh)) {
+          if (!in_batch[cluster::KeySlot(p.key.name)]) continue;
+          std::lock_guard<std::mutex> lock(mu);
+          keys.emplace_back(sh.id(), p.key);
+          tenants.push_back(p.tenant);
+        }
+      });
+      if (keys.empty()) break;
+      for (size_t i = 0; i < keys.size() && done; ++i) {
+        const int shard_id = keys[i].first;
+        const store::TenantKey key = keys[i].second;
+        server::Shard& sh = srv_.shard(shard_id);
+        // Held in flight (clients get -TRYAGAIN) from its snapshot until it is dropped here, so
+        // no write lands between the copy and the drop.
+        std::promise<StatusOr<std::pair<std::string, uint64_t>>> saved;
+        sh.PostControl([this, &saved, key](server::Shard& s) {
+          in_flight_[static_cast<size_t>(s.id())].insert(key);
+          kvprefix::SaveForMove(srv_, s, key, [&saved](auto r) { saved.set_value(std::move(r)); });
+        });
+        auto file = saved.get_future().get();
+        Status st = file.ok() ? Push(to.addr, tenants[i], key.name, file->second, file->first)
+                              : file.status();
+        // A replica of the new owner keeps the file as its copy; others let go of it.
+        const bool replica = InList(m.replicas[target], self);
+        const uint64_t version = file.ok() ? file->second : 0;
+        std::promise<Status> dropped;
+        sh.PostControl([this, &dropped, key, st, replica, version](server::Shard& s) {
+          Status d = st;
+          if (st.ok() && replica) {
+            d = kvprefix::KeepDiskCopyOnly(srv_, s, key, version);
+          } else if (st.ok() || st.kind() == ErrorKind::kMiss) {
+            d = kvprefix::DiscardHere(srv_, s, key, 0);
+          }
+          in_flight_[static_cast<size_t>(s.id())].erase(key);
+          dropped.set_value(d);
+        });
+        Status d = dropped.get_future().get();
+        if (d.ok()) {
+          ++moved;
+        } else {
+          spdlog::warn("cluster: moving '{}' to '{}': {}", key.name, to.id, d.message());
+          done = false;
+        }
+      }
+      if (!done) break;
+    }
+    counters_.moved_out.fetch_add(moved);
+    if (!done) {
+      all_done = false;
+      continue;
+    }
+    const std::string to_addr = to.addr, to_id = to.id;
+    Status c = membership_.Change(
+        [&](SlotMap& next) {
+          const int me = next.IndexOf(node_id());
+          bool any = false;
+          for (int s : slots) {
+            if (next.moving_from[s] == me && me >= 0) {
+              next.moving_from[s] = -1;
+              any = true;
+            }
+          }
+          return any;
+        },
+        [&](const SlotMap&) { (void)Call(to_addr, {"CLUSTER.REFRESH"}); });
+    if (c.ok()) {
+      spdlog::info("cluster: {} slot(s) handed to '{}' with {} namespace(s)", slots.size(), to_id,
+                   moved);
+    } else {
+      spdlog::warn("cluster: could not finish moving {} slot(s) to '{}': {}", slots.size(), to_id,
+                   c.message());
+      all_done = false;
+    }
+  }
+  return all_done;
+}
+
+void ReplicateSaved(server::Server& srv, std::string tenant, std::string ns, uint64_t version,
+                    std::string path, std::function<void(const Status&)> done) {
+  ClusterNode* node = NodeOf(srv);
+  node->Enqueue([node, tenant = std::move(tenant), ns = std::move(ns), version,
+                 path = std::move(path), done = std::move(done)]() {
+    auto m = node->map();
+    const int self = m->IndexOf(node->node_id());
+    if (self < 0) return done(Status::Ok());
+    for (int16_t r : m->replicas[self]) {
+      const cluster::NodeInfo& rep = m->nodes[r];
+      auto bytes = ReadFile(path);
+      if (!bytes.ok()) return done(Status::Ok());  // a newer save replaced it: that one replicates
+      const std::string v = std::to_string(version);
+      auto reply = node->Call(rep.addr, {"CLUSTER.PUT", "PREFIX", tenant, ns, v, bytes.value()});
+      Status st = reply.ok() ? Status::Ok() : reply.status();
+      if (st.ok() && reply->type == Reply::Type::kError &&
+          reply->text.rfind("MISMATCH stale", 0) != 0) {
+        st = Status(ErrorKind::kIo, reply->text);
+      }
+      if (!st.ok()) {
+        node->counters().push_failures.fetch_add(1);
+        return done(Status(ErrorKind::kIo, "saved on this node, but its copy to replica '" +
+                                               rep.id + "' (" + rep.addr +
+                                               ") failed: " + st.message()));
+      }
+      node->counters().pushed.fetch_add(1);
+    }
+    done(Status::Ok());
+  });
+}
+
+void ReplicateDrop(server::Server& srv, std::string tenant, std::string ns, uint64_t version) {
+  ClusterNode* node = NodeOf(srv);
+  node->Enqueue([node, tenant = std::move(tenant), ns = std::move(ns), version]() {
+    auto m = node->map();
+    const int self = m->IndexOf(node->node_id());
+    if (self < 0) return;
+    const std::string v = std::to_string(version);
+    for (int16_t r : m->replicas[self]) {
+      auto reply = node->Call(m->nodes[r].addr, {"CLUSTER.DEL", "PREFIX", tenant, ns, v});
+      if (!reply.ok() || reply->type == Reply::Type::kError) {
+        spdlog::warn("cluster: replica '{}' did not drop '{}': {}", m->nodes[r].id, ns,
+                     reply.ok() ? reply->text : reply.status().message());
+      }
+    }
+  });
+}
+
+}  // namespace pion::families::cluster_sync

@@ -1,0 +1,423 @@
+"""Pion as a cluster (issue 30): etcd holds membership, the slot map and leases; unmodified Redis
+Cluster clients route.
+
+Every test starts its own etcd (loopback, a temporary data directory, free ports) and its own
+nodes (`--cluster etcd://127.0.0.1:PORT`), and stops them all. Skipped only when etcd is not
+installed (scripts/install-deps.sh installs etcd-server).
+
+- three nodes: redis-py's RedisCluster stores and fetches 1,000 namespaces across them,
+  byte-exact; `redis-cli -c` follows -MOVED; key slots equal redis-py's own CRC16; -CROSSSLOT;
+- kill -9 of a node: within the lease TTL + 5 s every saved namespace it held is a HIT on its
+  replica, byte-exact; nothing unsaved is a hit anywhere; a namespace dropped meanwhile stays
+  dropped when the killed node comes back and rejoins;
+- a node joining under load: no request fails (redis-py follows -ASK and -MOVED), every
+  namespace is where the counts say;
+- etcd down: nodes keep serving their slots; map changes are refused with -CLUSTERDOWN; etcd
+  back: they are accepted again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import redis
+from redis.cluster import RedisCluster, ClusterNode
+from redis.crc import key_slot
+
+from pionlib import HOST, _LIVE, _die_with_parent, _stop_process, free_port, wait_for
+
+ETCD = shutil.which("etcd")
+pytestmark = pytest.mark.skipif(ETCD is None, reason="etcd is not installed "
+                                "(scripts/install-deps.sh installs etcd-server)")
+
+TTL = 3  # --cluster-lease-ttl of the test nodes (seconds)
+LAYERS, TOKENS, HEADS, DIM = 1, 64, 1, 8  # a small namespace: 64 rows of 8 fp32 per session
+
+
+class Etcd:
+    """One etcd member on loopback ports, data under `workdir`."""
+
+    def __init__(self, workdir):
+        self.workdir = workdir
+        self.data = workdir / "etcd-data"
+        self.port = 0
+        self.proc = None
+
+    def start(self) -> "Etcd":
+        if not self.port:
+            self.port, self.peer = free_port(), free_port()
+        log = open(self.workdir / "etcd.log", "ab")
+        url, peer = "http://%s:%d" % (HOST, self.port), "http://%s:%d" % (HOST, self.peer)
+        self.proc = subprocess.Popen(
+            [ETCD, "--name", "t", "--data-dir", str(self.data), "--listen-client-urls", url,
+             "--advertise-client-urls", url, "--listen-peer-urls", peer,
+             "--initial-advertise-peer-urls", peer, "--initial-cluster", "t=" + peer,
+             "--log-level", "warn"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent)
+        log.close()
+        _LIVE.add(self.proc)
+        wait_for(self.healthy, timeout=15, what="etcd to answer")
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            body = json.dumps({"key": "eA=="}).encode()
+            req = urllib.request.Request("http://%s:%d/v3/kv/range" % (HOST, self.port), body)
+            with urllib.request.urlopen(req, timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc is not None:
+            _stop_process(self.proc, sig)
+            self.proc = None
+
+    @property
+    def url(self) -> str:
+        return "etcd://%s:%d" % (HOST, self.port)
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    e = Etcd(tmp_path).start()
+    try:
+        yield e
+    finally:
+        e.stop()
+
+
+class Cluster:
+    def __init__(self, factory, etcd: Etcd):
+        self.factory = factory
+        self.etcd = etcd
+        self.nodes: dict[str, object] = {}
+
+    def add(self, node_id: str, *extra: str):
+        srv = self.factory("--workers", "2", "--cluster", self.etcd.url, "--node-id", node_id,
+                           "--cluster-lease-ttl", str(TTL), "--replicas", "1", *extra)
+        self.nodes[node_id] = srv
+        return srv
+
+    def live(self):
+        return [s for s in self.nodes.values() if s.alive()]
+
+    def info(self, srv) -> dict[str, str]:
+        text = srv.client().execute_command("CLUSTER", "INFO").decode()
+        return dict(line.split(":", 1) for line in text.strip().splitlines())
+
+    def settled(self) -> bool:
+        live = self.live()
+        infos = [self.info(s) for s in live]
+        return (all(i["cluster_state"] == "ok" and i["cluster_slots_migrating"] == "0"
+                    and i["cluster_known_nodes"] == str(len(live))
+                    and int(i["cluster_my_slots"]) > 0 for i in infos)
+                and len({i["cluster_current_epoch"] for i in infos}) == 1)
+
+    def wait_settled(self, timeout=30):
+        wait_for(self.settled, timeout=timeout, interval=0.1, what="the slot map to settle")
+
+    def client(self, **kw) -> RedisCluster:
+        nodes = [ClusterNode(HOST, s.port) for s in self.live()]
+        return RedisCluster(startup_nodes=nodes, socket_timeout=20, **kw)
+
+    def owner_of(self, key: str):
+        """The live node whose CLUSTER SLOTS says it owns key's slot."""
+        slot = key_slot(key.encode())
+        for r in self.live()[0].client().execute_command("CLUSTER", "SLOTS"):
+            if r[0] <= slot <= r[1]:
+                port = r[2][1]
+                return next(s for s in self.live() if s.port == port)
+        raise AssertionError("no owner for slot %d" % slot)
+
+
+@pytest.fixture
+def cluster(pion_factory, etcd):
+    return Cluster(pion_factory, etcd)
+
+
+def rows(seed: int) -> tuple[bytes, bytes]:
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((LAYERS * TOKENS, HEADS * DIM)).astype(np.float32)
+    v = rng.standard_normal((LAYERS * TOKENS, HEADS * DIM)).astype(np.float32)
+    return k.tobytes(), v.tobytes()
+
+
+def store_prefix(rc, ns: str, seed: int) -> None:
+    k, v = rows(seed)
+    assert rc.execute_command("KV.PREFIX.REGISTER", ns, LAYERS, TOKENS, HEADS, DIM, "fp32") == b"OK"
+    assert rc.execute_command("V.STOREBATCH", ns + "_pk", 0, k) == LAYERS * TOKENS
+    assert rc.execute_command("V.STOREBATCH", ns + "_pv", 0, v) == LAYERS * TOKENS
+
+
+def check_prefix(rc, ns: str, seed: int) -> None:
+    k, v = rows(seed)
+    assert rc.execute_command("KV.PREFIX.LOOKUP", ns) == b"HIT", ns
+    assert rc.execute_command("V.FETCH", ns + "_pk", "RANGE", 0, LAYERS * TOKENS, "RAW") == k, ns
+    assert rc.execute_command("V.FETCH", ns + "_pv", "RANGE", 0, LAYERS * TOKENS, "RAW") == v, ns
+
+
+def owned_counts(cluster: Cluster, names) -> dict[str, int]:
+    """Per node, the namespaces it holds in the slots it owns (CLUSTER COUNTKEYSINSLOT on the
+    owner of each slot the names use): every one must be exactly where its slot is served."""
+    owner = {}
+    for r in cluster.live()[0].client().execute_command("CLUSTER", "SLOTS"):
+        for s in range(r[0], r[1] + 1):
+            owner[s] = r[2][2].decode()
+    out = {nid: 0 for nid, s in cluster.nodes.items() if s.alive()}
+    for slot in sorted({key_slot(n.encode()) for n in names}):
+        nid = owner[slot]
+        out[nid] += cluster.nodes[nid].client().execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)
+    return out
+
+
+def prefix_counts(cluster: Cluster) -> dict[str, int]:
+    out = {}
+    for nid, s in cluster.nodes.items():
+        if s.alive():
+            info = s.client().execute_command("KV.PREFIX.INFO")
+            out[nid] = dict(zip(info[::2], info[1::2]))[b"prefixes"]
+    return out
+
+
+@pytest.mark.time_limit(150)
+def test_three_nodes_route_redis_cluster_clients(cluster):
+    for nid in ("n1", "n2", "n3"):
+        cluster.add(nid)
+    cluster.wait_settled()
+    rc = cluster.client()
+    n = 1000
+    for i in range(n):
+        store_prefix(rc, "{doc%d}" % i, i)
+    for i in range(n):
+        check_prefix(rc, "{doc%d}" % i, i)
+    counts = owned_counts(cluster, ["{doc%d}" % i for i in range(n)])
+    assert sum(counts.values()) == n, counts
+    assert all(c > 200 for c in counts.values()), counts  # spread over all three
+
+    # Key slots are Redis' (redis-py's own CRC16), hash tags included.
+    a = cluster.live()[0].client()
+    for key in ["foo", "{doc7}_pk", "x{y}z", "{}q", "a{b}{c}", "ü"]:
+        assert a.execute_command("CLUSTER", "KEYSLOT", key) == key_slot(key.encode())
+    # CLUSTER SLOTS covers every slot once; SHARDS and NODES agree on the owners.
+    slots = a.execute_command("CLUSTER", "SLOTS")
+    assert sum(r[1] - r[0] + 1 for r in slots) == 16384
+    assert len(a.execute_command("CLUSTER", "SHARDS")) == 3
+    assert a.execute_command("CLUSTER", "NODES").decode().count("master") == 3
+
+    # redis-cli -c follows -MOVED; without -c the redirection is what it prints.
+    ns = next("{doc%d}" % i for i in range(n) if cluster.owner_of("{doc%d}" % i) is not cluster.live()[0])
+    first = cluster.live()[0]
+    out = subprocess.run(["redis-cli", "-c", "-h", HOST, "-p", str(first.port), "KV.PREFIX.LOOKUP", ns],
+                         capture_output=True, text=True, timeout=10).stdout
+    assert out.strip() == "HIT", out
+    out = subprocess.run(["redis-cli", "-h", HOST, "-p", str(first.port), "KV.PREFIX.LOOKUP", ns],
+                         capture_output=True, text=True, timeout=10).stdout
+    owner = cluster.owner_of(ns)
+    assert out.strip() == "MOVED %d %s:%d" % (key_slot(ns.encode()), HOST, owner.port), out
+
+    # Clear errors: keys of two slots in one command; a namespace whose sessions would land
+    # elsewhere; CLUSTER misuse.
+    with pytest.raises(redis.ResponseError, match="CROSSSLOT"):
+        owner.client().execute_command("ATTEND.PREFIX.STORE", ns, 0, "FROM", "{other}")
+    with pytest.raises(redis.ResponseError, match="hash tag"):
+        rc.execute_command("KV.PREFIX.REGISTER", "plainname", 1, 64, 1, 8, "fp32")
+    with pytest.raises(redis.ResponseError, match="out of range slot"):
+        a.execute_command("CLUSTER", "SETSLOT", 16384, "NODE", "n1")
+    with pytest.raises(redis.ResponseError, match="Unknown node"):
+        a.execute_command("CLUSTER", "SETSLOT", 1, "NODE", "nobody")
+    rc.close()
+
+
+@pytest.mark.time_limit(150)
+def test_kill_fails_over_saved_prefixes_to_the_replica(cluster):
+    for nid in ("n1", "n2", "n3"):
+        cluster.add(nid)
+    cluster.wait_settled()
+    rc = cluster.client()
+    saved = ["{s%d}" % i for i in range(90)]
+    unsaved = ["{u%d}" % i for i in range(30)]
+    for i, ns in enumerate(saved):
+        store_prefix(rc, ns, i)
+        assert rc.execute_command("KV.PREFIX.SAVE", ns) == b"OK"
+    for i, ns in enumerate(unsaved):
+        store_prefix(rc, ns, 1000 + i)
+    victim = cluster.nodes["n2"]
+    held = [ns for ns in saved if cluster.owner_of(ns) is victim]
+    held_unsaved = [ns for ns in unsaved if cluster.owner_of(ns) is victim]
+    assert len(held) > 10 and held_unsaved, (len(held), held_unsaved)
+    rc.close()
+
+    victim.stop(signal.SIGKILL)
+    t0 = time.monotonic()
+
+    def all_hits():
+        try:
+            c = cluster.client()
+            try:
+                for ns in held:
+                    check_prefix(c, ns, saved.index(ns))
+            finally:
+                c.close()
+            return True
+        except (redis.RedisError, AssertionError, OSError):
+            return False
+
+    wait_for(all_hits, timeout=TTL + 5, interval=0.2, what="the victim's saved prefixes on its replica")
+    failover_s = time.monotonic() - t0
+    rc = cluster.client()
+    for ns in held_unsaved:  # never saved: nowhere a hit
+        assert rc.execute_command("KV.PREFIX.LOOKUP", ns) == b"MISS", ns
+    for ns in saved:
+        check_prefix(rc, ns, saved.index(ns))
+    # Dropped while the victim is away: its old copy must not come back.
+    gone = held[0]
+    assert rc.execute_command("KV.PREFIX.DROP", gone) == 1
+    rc.close()
+
+    victim.start()  # same --dir: its stale files are there
+    cluster.wait_settled()
+    rc = cluster.client()
+    assert int(cluster.info(victim)["cluster_my_slots"]) > 0  # it rejoined and took a share
+    assert rc.execute_command("KV.PREFIX.LOOKUP", gone) == b"MISS"
+    for ns in saved:
+        if ns != gone:
+            check_prefix(rc, ns, saved.index(ns))
+    for ns in held_unsaved:
+        assert rc.execute_command("KV.PREFIX.LOOKUP", ns) == b"MISS", ns
+    rc.close()
+    print("fail-over after kill -9: %.2f s (lease TTL %d s)" % (failover_s, TTL))
+
+
+@pytest.mark.time_limit(150)
+def test_node_joining_under_load_fails_no_request(cluster):
+    cluster.add("n1")
+    cluster.add("n2")
+    cluster.wait_settled()
+    done = threading.Event()
+    errors: list[str] = []
+    created: list[int] = []
+
+    def load():
+        rc = cluster.client()
+        i = 0
+        try:
+            while not done.is_set():
+                ns = "{j%d}" % i
+                try:
+                    store_prefix(rc, ns, i)
+                    if i % 3 == 0:
+                        assert rc.execute_command("KV.PREFIX.SAVE", ns) == b"OK"
+                    created.append(i)
+                    j = created[(i * 7919) % len(created)]  # an earlier one reads back
+                    check_prefix(rc, "{j%d}" % j, j)
+                except Exception as e:  # noqa: BLE001 - any failure is the finding
+                    errors.append("%s: %r" % (ns, e))
+                    return
+                i += 1
+        finally:
+            rc.close()
+
+    t = threading.Thread(target=load)
+    t.start()
+    time.sleep(1.0)
+    cluster.add("n3")
+    try:
+        cluster.wait_settled(timeout=60)
+        time.sleep(0.5)
+    finally:
+        done.set()
+        t.join(timeout=30)
+    assert not errors, errors[:3]
+    assert len(created) > 50, len(created)
+    counts = owned_counts(cluster, ["{j%d}" % i for i in created])
+    assert sum(counts.values()) == len(created), (counts, len(created))
+    assert counts["n3"] > 0, counts
+    rc = cluster.client()
+    for i in created:
+        check_prefix(rc, "{j%d}" % i, i)
+    rc.close()
+
+
+@pytest.mark.time_limit(120)
+def test_etcd_down_keeps_serving_and_refuses_map_changes(cluster, etcd):
+    for nid in ("n1", "n2", "n3"):
+        cluster.add(nid)
+    cluster.wait_settled()
+    rc = cluster.client()
+    for i in range(60):
+        store_prefix(rc, "{e%d}" % i, i)
+    etcd.stop(signal.SIGKILL)
+    a = cluster.nodes["n1"]
+    wait_for(lambda: cluster.info(a)["cluster_etcd"] == "down", timeout=10, what="etcd noticed down")
+    # Serving goes on: reads, writes, saves (replication is node to node).
+    for i in range(60):
+        check_prefix(rc, "{e%d}" % i, i)
+    store_prefix(rc, "{late}", 77)
+    assert rc.execute_command("KV.PREFIX.SAVE", "{late}") == b"OK"
+    # Map changes are refused, saying why.
+    slot = key_slot(b"{late}")
+    other = next(n for n in ("n1", "n2", "n3") if cluster.owner_of("{late}") is not cluster.nodes[n])
+    with pytest.raises(redis.ResponseError, match=r"CLUSTERDOWN etcd at .* the slot map"):
+        a.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", other)
+    assert "etcd" in cluster.info(a)["cluster_etcd_last_error"]
+    time.sleep(TTL + 1)  # past the lease TTL: nobody lost its slots while etcd was away
+    for i in range(60):
+        check_prefix(rc, "{e%d}" % i, i)
+
+    etcd.start()
+    wait_for(lambda: all(cluster.info(s)["cluster_etcd"] == "up" for s in cluster.live()),
+             timeout=15, what="etcd up again")
+    assert a.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", other) == b"OK"
+    wait_for(lambda: cluster.owner_of("{late}") is cluster.nodes[other], timeout=15,
+             what="the slot to move")
+    rc.close()
+    rc = cluster.client()
+    check_prefix(rc, "{late}", 77)
+    for i in range(60):
+        check_prefix(rc, "{e%d}" % i, i)
+    rc.close()
+
+
+@pytest.mark.time_limit(120)
+def test_pion_cluster_client_typed_helpers_and_shared_memory(cluster, tmp_path):
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent
+                           / "clients" / "python"))
+    import pion
+    socks = {}
+    for nid in ("n1", "n2", "n3"):
+        path = str(tmp_path / ("%s.sock" % nid))
+        srv = cluster.add(nid, "--unixsocket", path)
+        socks["%s:%d" % (HOST, srv.port)] = path
+    cluster.wait_settled()
+    assert pion.key_slot("{doc7}_pk") == key_slot(b"{doc7}_pk")
+    cc = pion.ClusterClient([(HOST, cluster.nodes["n1"].port)], unix_sockets=socks)
+    tcp = pion.ClusterClient([(HOST, cluster.nodes["n2"].port)])
+    rng = np.random.default_rng(5)
+    used = set()
+    for i in range(30):
+        ns = "{py%d}" % i
+        k = rng.standard_normal((TOKENS, HEADS, DIM)).astype(np.float32)
+        v = rng.standard_normal((TOKENS, HEADS, DIM)).astype(np.float32)
+        cc.kv.register(ns, 1, TOKENS, HEADS, DIM, "fp32")
+        cc.kv.store_layer(ns, 0, k, v, n_tokens=TOKENS)
+        assert tcp.kv.lookup(ns)
+        for c, path in ((cc, "shm"), (tcp, "tcp")):
+            k2, v2 = c.kv.fetch_layer(ns, 0)
+            assert np.array_equal(k2, k) and np.array_equal(v2, v), ns
+            assert c.node_for(ns).last_fetch_path == path
+        used.add(cc.node_for(ns).redis.connection_pool.connection_kwargs.get("path"))
+        assert cc.execute("KV.PREFIX.LOOKUP", ns) == b"HIT"
+    assert len(used) == 3, used  # the namespaces went to all three nodes, each by its socket
+    cc.close()
+    tcp.close()
