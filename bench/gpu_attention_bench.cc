@@ -6,17 +6,20 @@
 // one split, a launch that finishes itself), or block scores + block selection + sparse partials
 // + combine (sparse-auto).
 //
-//   pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>
+//   pion-gpu-attn-bench dense <f16|f32|f8> <H_q> <H_kv> <M> <N> <D>
+//                       (f8: e4m3fn rows with an f32 scale each, kernels::MakeTensor's layout)
 //                       (comparisons, same binary: PION_BENCH_SPLITS=<n> a split count,
 //                       PION_BENCH_INTERLEAVE=0 decode warps on quarters, PION_BENCH_UNIFORM=0
 //                       items loaded as for any grouping, PION_BENCH_F32TC=0 fp32 decode on
-//                       the SIMT kernel, PION_BENCH_SKIP_COMBINE=1 the split-K
+//                       the SIMT kernel, PION_BENCH_F8TC=0 fp8 decode on the SIMT kernel,
+//                       PION_BENCH_SKIP_COMBINE=1 the split-K
 //                       launch alone, PION_BENCH_FINISH=1 the launch merging its own splits;
 //                       M = 1 over a short range: the cluster decode's one launch where the
 //                       executor takes it, with the split-K time beside it and the outputs
 //                       compared — PION_BENCH_CLUSTER_DECODE=1 at any range it takes, =0
 //                       never; PION_BENCH_CLUSTER_TILE=16|32 its keys a tile)
-//   pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> <K_top> [shared|fused]
+//   pion-gpu-attn-bench sparse_auto <f16|f32|f8> <H_q> <H_kv> <N> <D> <block> <K_top>
+//   [shared|fused]
 //                       (shared: SHARED selection — one block set per K/V head; fused: SHARED,
 //                       and the one-launch kernel beside it, compared;
 //                       PION_BENCH_CLUSTER=8|16 forces its cluster size,
@@ -94,8 +97,27 @@ double MaxAbsDiff(const std::vector<T>& x, const std::vector<T>& y) {
   return err;
 }
 
-// Random device values: fp32 normal-ish (sum of uniforms), or their fp16 bits.
-void* RandomTensor(size_t elems, DType t, uint32_t seed) {
+// e4m3fn of x (|x| <= 448): the nearest of the 127 magnitudes, ties to the even code.
+uint8_t ToE4m3(float x) {
+  static const std::vector<float> mags = [] {
+    std::vector<float> m(127);
+    for (int c = 0; c < 127; ++c) {
+      m[c] = (c >> 3) == 0 ? std::ldexp(float(c & 7), -9)
+                           : std::ldexp(float(8 + (c & 7)), (c >> 3) - 10);
+    }
+    return m;
+  }();
+  const float a = std::fabs(x);
+  const int hi = std::clamp<int>(
+      static_cast<int>(std::lower_bound(mags.begin(), mags.end(), a) - mags.begin()), 1, 126);
+  const float dl = a - mags[hi - 1], dh = mags[hi] - a;
+  const int c = a >= 448.f ? 126 : (dh < dl || (dh == dl && hi % 2 == 0)) ? hi : hi - 1;
+  return static_cast<uint8_t>((std::signbit(x) ? 0x80 : 0) | c);
+}
+
+// Random device values: fp32 normal-ish (sum of uniforms), or their fp16 bits, or (d: the row
+// length) fp8 rows — e4m3 bytes, then a scale amax/448 per row.
+void* RandomTensor(size_t elems, DType t, uint32_t seed, uint32_t d = 0) {
   std::vector<float> f(elems);
   uint64_t x = 0x9e3779b97f4a7c15ull * (seed + 1);
   for (auto& e : f) {
@@ -106,10 +128,24 @@ void* RandomTensor(size_t elems, DType t, uint32_t seed) {
     }
     e = (s - 1.5f) * 2.0f;
   }
-  void* d = nullptr;
+  void* dev = nullptr;
+  if (t == DType::kFP8) {
+    const size_t rows = elems / d;
+    std::vector<uint8_t> h(elems + rows * 4);
+    for (size_t r = 0; r < rows; ++r) {
+      float amax = 0;
+      for (uint32_t j = 0; j < d; ++j) amax = std::max(amax, std::fabs(f[r * d + j]));
+      const float scale = amax / 448.f, inv = amax > 0 ? 448.f / amax : 0.f;
+      for (uint32_t j = 0; j < d; ++j) h[r * d + j] = ToE4m3(f[r * d + j] * inv);
+      std::memcpy(h.data() + elems + r * 4, &scale, 4);
+    }
+    CK(cudaMalloc(&dev, h.size()));
+    CK(cudaMemcpy(dev, h.data(), h.size(), cudaMemcpyHostToDevice));
+    return dev;
+  }
   if (t == DType::kF32) {
-    CK(cudaMalloc(&d, elems * 4));
-    CK(cudaMemcpy(d, f.data(), elems * 4, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&dev, elems * 4));
+    CK(cudaMemcpy(dev, f.data(), elems * 4, cudaMemcpyHostToDevice));
   } else {
     std::vector<uint16_t> h(elems);
     for (size_t i = 0; i < elems; ++i) {  // round-to-nearest fp16 of small normals
@@ -128,10 +164,10 @@ void* RandomTensor(size_t elems, DType t, uint32_t seed) {
       }
       h[i] = out;
     }
-    CK(cudaMalloc(&d, elems * 2));
-    CK(cudaMemcpy(d, h.data(), elems * 2, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&dev, elems * 2));
+    CK(cudaMemcpy(dev, h.data(), elems * 2, cudaMemcpyHostToDevice));
   }
-  return d;
+  return dev;
 }
 
 // µs per call of `launch` (one iteration's launches), timed with events over `iters` calls
@@ -193,11 +229,15 @@ struct Setup {
   uint32_t parts = 0;
 };
 
+const char* TypeName(DType t) { return t == DType::kF16 ? "f16" : t == DType::kFP8 ? "f8" : "f32"; }
+
 AttendArgs Base(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d) {
   AttendArgs a;
   const size_t elems = size_t{hkv} * n * d;
-  a.k = RandomTensor(elems, t, 1);
-  a.v = RandomTensor(elems, t, 2);
+  a.k = RandomTensor(elems, t, 1, d);
+  a.v = RandomTensor(elems, t, 2, d);
+  a.k_scale = kernels::MakeTensor(a.k, t, hkv, n, d).scales;
+  a.v_scale = kernels::MakeTensor(a.v, t, hkv, n, d).scales;
   a.q = static_cast<float*>(RandomTensor(size_t{hq} * m * d, DType::kF32, 3));
   a.hq = hq;
   a.m = m;
@@ -226,6 +266,7 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   auto map = Contiguous(hq, hkv);
   a.dense_items = true;
   if (const char* f = std::getenv("PION_BENCH_F32TC")) a.f32_tensor = f[0] == '1';
+  if (const char* f = std::getenv("PION_BENCH_F8TC")) a.fp8_tensor = f[0] == '1';
   bool tc = kernels::cuda::UsesTensorCores(a);
   const int pad = tc ? kernels::cuda::FlashRowGroups(a) : 1;
   auto items = kernels::cuda::DenseItems(hq, m, map.data(), pad);
@@ -259,7 +300,7 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
     a.counters = DevAlloc<uint32_t>(kernels::cuda::GridBlocks(a));
     CK(cudaMemset(a.counters, 0, kernels::cuda::GridBlocks(a) * sizeof(uint32_t)));
   }
-  const double bytes = 2.0 * hkv * n * d * kernels::DTypeSize(t);
+  const double bytes = 2.0 * kernels::TensorBytes(t, hkv, n, d);
   // A timing experiment: the split-K launch alone (its output is not merged).
   const char* nc = std::getenv("PION_BENCH_SKIP_COMBINE");
   const bool skip_combine = nc != nullptr && nc[0] == '1';
@@ -321,8 +362,8 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
       "{\"kind\": \"dense\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": %u, \"n\": %u, "
       "\"d\": %u, \"us\": %.2f, \"us_launches\": %.2f, \"bytes\": %.0f, \"gbps\": %.1f, "
       "\"splits\": %u, \"path\": \"%s\"%s}\n",
-      t == DType::kF16 ? "f16" : "f32", hq, hkv, m, n, d, best, best_launches, bytes,
-      bytes / best / 1e3, a.splits, path, cluster.c_str());
+      TypeName(t), hq, hkv, m, n, d, best, best_launches, bytes, bytes / best / 1e3, a.splits, path,
+      cluster.c_str());
   return 0;
 }
 
@@ -339,7 +380,7 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   float* mean = DevAlloc<float>(ns);
   float* mn = DevAlloc<float>(ns);
   float* mx = DevAlloc<float>(ns);
-  Ok(kernels::cuda::LaunchSummarize(a.k, t, hkv, n, d, block, nb, mean, mn, mx, s));
+  Ok(kernels::cuda::LaunchSummarize(a.k, t, a.k_scale, hkv, n, d, block, nb, mean, mn, mx, s));
   const uint32_t stride = std::min<uint32_t>((k_top + 2) * block, n);
   float* sel = DevAlloc<float>(size_t{hq} * nb);
   float* ms = DevAlloc<float>(size_t{hq} * nb);
@@ -367,7 +408,7 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   a.out = DevAlloc<float>(size_t{hq} * d);
   a.lse = DevAlloc<float>(hq);
   // K/V rows read: per query head, or per K/V head when shared (the worst case: no overlap).
-  const double bytes = 2.0 * (shared ? hkv : hq) * stride * d * kernels::DTypeSize(t);
+  const double bytes = 2.0 * kernels::TensorBytes(t, shared ? hkv : hq, stride, d);
   // The launch sequence, or its first `stages` launches (PION_BENCH_STAGES=1 times each
   // prefix: scores, select, attend, combine — the differences place the time).
   auto run = [&](int stages) {
@@ -501,10 +542,9 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
       "%u, \"d\": %u, \"block\": %u, \"k_top\": %u, \"budget\": %u, \"us\": %.2f, "
       "\"us_launches\": %.2f, \"bytes\": %.0f, \"splits\": %u, \"shared\": %s, \"path\": \"%s\", "
       "\"stage_us\": [%s]%s}\n",
-      t == DType::kF16 ? "f16" : "f32", hq, hkv, n, d, block, k_top, stride, us, us_launches, bytes,
-      a.splits, shared ? "true" : "false",
-      kernels::cuda::UsesTensorCores(a) ? "tensor-core" : "simt", stage_us.c_str(),
-      fused_json.c_str());
+      TypeName(t), hq, hkv, n, d, block, k_top, stride, us, us_launches, bytes, a.splits,
+      shared ? "true" : "false", kernels::cuda::UsesTensorCores(a) ? "tensor-core" : "simt",
+      stage_us.c_str(), fused_json.c_str());
   return 0;
 }
 
@@ -540,7 +580,10 @@ int Empty(uint32_t kernels, uint32_t blocks) {
   return 0;
 }
 
-DType ParseType(const char* s) { return std::strcmp(s, "f16") == 0 ? DType::kF16 : DType::kF32; }
+DType ParseType(const char* s) {
+  if (std::strcmp(s, "f8") == 0) return DType::kFP8;
+  return std::strcmp(s, "f16") == 0 ? DType::kF16 : DType::kF32;
+}
 
 }  // namespace
 
@@ -561,8 +604,8 @@ int main(int argc, char** argv) {
   if (kind == "stream" && argc == 3) return Stream(std::strtoull(argv[2], nullptr, 10));
   if (kind == "empty" && argc == 4) return Empty(U(argv[2]), U(argv[3]));
   std::fprintf(stderr,
-               "usage: pion-gpu-attn-bench dense <f16|f32> <H_q> <H_kv> <M> <N> <D>\n"
-               "       pion-gpu-attn-bench sparse_auto <f16|f32> <H_q> <H_kv> <N> <D> <block> "
+               "usage: pion-gpu-attn-bench dense <f16|f32|f8> <H_q> <H_kv> <M> <N> <D>\n"
+               "       pion-gpu-attn-bench sparse_auto <f16|f32|f8> <H_q> <H_kv> <N> <D> <block> "
                "<K_top> [shared|fused]\n"
                "       pion-gpu-attn-bench stream <bytes>\n"
                "       pion-gpu-attn-bench empty <kernels> <blocks>\n");

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Packs what the GPU machine needs to run the GPU tests and benchmarks — it has CUDA, PyTorch and
-# numpy but no Debian packages: build/devcarry/{bin,lib,py} with pion-server, the GPU test and
-# bench binaries (xz-compressed: `python3 build/devcarry/unpack.py` there restores them), the
-# shared libraries they link, and the Python packages the tests use.
-#   scripts/gpu-bundle.sh [build-dir [binary ...]]      (default: build)
+# numpy but no Debian packages: <build-dir>/devcarry/{bin,lib,py} with pion-server, the GPU test
+# and bench binaries (xz-compressed: `python3 <build-dir>/devcarry/unpack.py` there restores
+# them), the shared libraries they link, and the Python packages the tests use.
+#   scripts/gpu-bundle.sh [build-dir [binary ...]]      (default: build → build/devcarry)
 # Further binaries (e.g. a pion-gpu-attn-bench of the build before a kernel change, copied to
 # another name, for `scripts/gpu-ab.sh BIN`) travel in bin/ under their file names.
 set -euo pipefail
 BUILD=${1:-build}
 shift $(($# > 0 ? 1 : 0))
-OUT=build/devcarry
+OUT=$BUILD/devcarry
 rm -rf "$OUT"
 mkdir -p "$OUT/bin" "$OUT/lib" "$OUT/py" "$OUT/pytest"
 for b in pion-server pion-server-faults gpu_attention_test pion-gpu-attn-bench pion-fetch-bench; do

@@ -8,6 +8,9 @@ Tolerances, err = |got - ref| / (1 + |ref|) against the float64 numpy reference:
   K/V rounded to float16), as in test_attend_prefix.py;
 - fp16 slots with >= 64 query rows per K/V head (tensor cores, Q and P as fp16): 4e-3 vs the
   fp16-rounded reference.
+- fp8 slots: 1e-4 vs the reference on the dequantized rows (e4m3 × row scale), and the fp8
+  bound of test_attend_prefix.py (relative MSE ≤ 4e-3, ≥ 3e-4) vs the fp32 reference on the
+  rows before encoding, at decode shapes up to N = 64K (the fast decode path's long ranges).
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ import numpy as np
 import pytest
 
 from pionlib import ATTENTION_BACKEND, RespError, parse_metrics
-from test_attend_prefix import (assert_close, assert_lse, attend_ref, contiguous_map, err, f32,
-                                info_slots, parse_out, rnd, store)
+from test_attend_prefix import (FP8_REL_MSE_BOUND, FP8_REL_MSE_FLOOR, assert_close, assert_lse,
+                                attend_ref, contiguous_map, err, f32, fp8_blob_of_layer, i32,
+                                info_slots, parse_out, rel_mse, rnd, store, store_as)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients",
                                 "python"))
@@ -133,6 +137,77 @@ def test_fp16_batched_tensor_core_path(pion_factory, hq, hkv, m, d):
                                      window)
         assert_close(got, ref, 4e-3, "fp16 batched qpos=%d window=%d" % (qpos, window))
         assert_lse(lse, ref_lse, 4e-3)
+
+
+@on_gpu
+@pytest.mark.parametrize("hq,hkv,n,d,m", [(32, 8, 65536, 128, 1), (8, 8, 20000, 64, 1),
+                                          (64, 8, 9000, 128, 1), (32, 8, 5000, 128, 3),
+                                          (8, 2, 3000, 96, 1), (4, 1, 2000, 256, 2)])
+def test_fp8_slots_on_the_gpu(pion_factory, hq, hkv, n, d, m):
+    """fp8 slots in GPU memory (e4m3 bytes + row scales, D + 4 bytes a row): decode (the fast
+    path where it applies) and a few rows, with and without a window, against the dequantized
+    reference (1e-4) and the fp32 reference (the fp8 bound); top_k and sparse-auto on the same
+    slot against the dequantized reference."""
+    srv = pion_factory("-w", "1")
+    r = srv.client()
+    rng = np.random.default_rng(hq + n + d)
+    k, v, q = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d), rnd(rng, hq, m, d)
+    k8, v8 = store_as(r, "f8", 0, k, v, "fp8")
+    [s] = info_slots(r, "f8")
+    assert (s["dtype"], s["bytes"], s["tier"]) == ("fp8", 2 * hkv * n * (d + 4), "gpu")
+    hm = contiguous_map(hq, hkv)
+    for qpos, window in ((n, 0), (n // 2, 0), (n, 1000)):
+        pos_q = np.arange(qpos, qpos + m)
+        blob, rc = r.execute_command("ATTEND.PREFIX.QUERY", "f8", 0, hq, d, 0, f32(q), window,
+                                     "QPOS", qpos, "RECEIPT")
+        assert dict(zip(rc[::2], rc[1::2]))[b"dtype"] == b"fp8"
+        got, lse = parse_out(blob, hq, m, d, m > 1)
+        ref8, lse8, _ = attend_ref(q, k8, v8, hm, pos_q, np.arange(n), window)
+        ref32, _, _ = attend_ref(q, k, v, hm, pos_q, np.arange(n), window)
+        what = "fp8 qpos=%d window=%d" % (qpos, window)
+        assert_close(got, ref8, what=what)
+        if m > 1:
+            assert_lse(lse, lse8)
+        e = rel_mse(got, ref32)
+        assert FP8_REL_MSE_FLOOR <= e <= FP8_REL_MSE_BOUND, (what, e)
+    if n <= 20000:  # top_k and sparse-auto over the fp8 scores
+        from test_attend_prefix import sparse_auto_ref, topk_allow
+        allow, _ = topk_allow(q, k8, hm, np.arange(n, n + m), 0, 50)
+        out = r.execute_command("ATTEND.PREFIX.QUERY", "f8", 0, hq, d, 50, f32(q))
+        assert_close(parse_out(out, hq, m, d, m > 1)[0],
+                     attend_ref(q, k8, v8, hm, np.arange(n, n + m), np.arange(n), 0, allow)[0],
+                     what="fp8 top_k")
+        if m == 1:
+            chosen, _, allow, _ = sparse_auto_ref(q[:, 0], k8, hm, 64, 8, n, 0, "quest")
+            out, rc = r.execute_command("ATTEND.PREFIX.QUERY_SPARSE_AUTO", "f8", 0, hq, d, 64, 8,
+                                        hkv, f32(q), i32(hm), "SELECT", "quest", "RECEIPT")
+            assert_close(parse_out(out, hq, 1, d, False)[0],
+                         attend_ref(q, k8, v8, hm, [n], np.arange(n), 0, allow)[0],
+                         what="fp8 sparse-auto")
+
+
+@on_gpu
+def test_fp8_store_from_namespace_keeps_its_bytes_on_the_gpu(pion_factory):
+    """STORE FROM an fp8 namespace: the GPU slot is fp8 and answers bit-identically to a blob
+    STORE of the namespace's own RAW bytes (DTYPE fp8)."""
+    srv = pion_factory("-w", "2")
+    r = srv.client()
+    rng = np.random.default_rng(41)
+    T, H, D = 3000, 4, 128
+    r.execute_command("KV.PREFIX.REGISTER", "n8", 1, T, H, D, "fp8")
+    r.execute_command("V.STOREBATCH", "n8_pk", 0, f32(rnd(rng, T, H * D)))
+    r.execute_command("V.STOREBATCH", "n8_pv", 0, f32(rnd(rng, T, H * D)))
+    assert r.execute_command("ATTEND.PREFIX.STORE", "from8", 0, "FROM", "n8") == b"OK"
+    blobs = [fp8_blob_of_layer(r, "n8", part, 0, T, H, D) for part in ("pk", "pv")]
+    assert r.execute_command("ATTEND.PREFIX.STORE", "blob8", 0, H, T, D, *blobs, "DTYPE",
+                             "fp8") == b"OK"
+    for sid in ("from8", "blob8"):
+        [s] = info_slots(r, sid)
+        assert (s["dtype"], s["backend"], s["bytes"]) == ("fp8", "cuda", 2 * H * T * (D + 4))
+    q = rnd(rng, 16, 1, D)
+    for args in ((16, D, 0, f32(q)), (16, D, 0, f32(q), 500), (16, D, 30, f32(q))):
+        assert (r.execute_command("ATTEND.PREFIX.QUERY", "from8", 0, *args) ==
+                r.execute_command("ATTEND.PREFIX.QUERY", "blob8", 0, *args))
 
 
 @on_gpu
@@ -261,6 +336,18 @@ def test_export_gpu_view_reads_the_slot_device_to_device(pion_factory, tmp_path)
             assert np.array_equal(view.k.cpu().numpy(), kv[1][0])
     finally:
         c.close()
+    # fp8 slots export their e4m3 bytes as float8_e4m3fn with the row scales beside them.
+    k8, v8 = store_as(r, "f8", 0, kv[2][0], kv[2][1], "fp8")
+    c8 = pion.Client(unix_socket_path=path)
+    try:
+        with c8.attend.gpu_view("f8", 0) as view:
+            assert view.export["dtype"] == "fp8" and view.export["bytes"] == h * n * (d + 4)
+            assert view.k.dtype == torch.float8_e4m3fn and tuple(view.k.shape) == (h, n, d)
+            assert tuple(view.k_scale.shape) == (h, n)
+            kd, vd = view.dense()
+            assert np.array_equal(kd.cpu().numpy(), k8) and np.array_equal(vd.cpu().numpy(), v8)
+    finally:
+        c8.close()
     # fp16 slots export as float16.
     srv16 = pion_factory("-w", "1", "--unixsocket", str(tmp_path / "p16.sock"),
                          "--attention-fp16")

@@ -108,6 +108,9 @@ AttendArgs PrefixArgs(const Plan& plan, const Slot& slot, const residency::GpuRe
   a.k = copy.block(0);
   a.v = copy.block(1);
   a.dtype = slot.dtype;
+  // fp8: each block's row scales follow its e4m3 bytes (kernels::MakeTensor).
+  a.k_scale = kernels::MakeTensor(a.k, slot.dtype, slot.heads, slot.rows, slot.d).scales;
+  a.v_scale = kernels::MakeTensor(a.v, slot.dtype, slot.heads, slot.rows, slot.d).scales;
   a.heads = slot.heads;
   a.rows = slot.rows;
   a.k_pos0 = 0;
@@ -245,6 +248,7 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
     suf.k = dk;
     suf.v = dv;
     suf.dtype = kernels::DType::kF32;
+    suf.k_scale = suf.v_scale = nullptr;
     suf.rows = s_suf;
     suf.k_pos0 = n;
     suf.begin = 0;
@@ -361,7 +365,7 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
       const uint32_t nb = summaries->nblocks, B = summaries->block;
       std::call_once(summaries->filled, [&] {
         summaries->fill_status = kernels::cuda::LaunchSummarize(
-            copy.block(0), slot.dtype, slot.heads, slot.rows, slot.d, B, nb,
+            copy.block(0), slot.dtype, base.k_scale, slot.heads, slot.rows, slot.d, B, nb,
             const_cast<float*>(summaries->dev_mean()), const_cast<float*>(summaries->dev_min()),
             const_cast<float*>(summaries->dev_max()), job.stream());
         if (summaries->fill_status.ok()) summaries->fill_status = job.ctx()->Sync();

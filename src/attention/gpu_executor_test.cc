@@ -8,6 +8,10 @@
 // stored values (fp16 slots: the reference reads the same fp16 K/V):
 //   fp32 slots, and fp16 slots on the decode path (Q and P split hi+lo)   1e-4
 //   fp16 slots, batched tensor-core path (Q and P as fp16)               4e-3
+// fp8 slots (e4m3 bytes and row scales) take the fp32 tolerance against the reference over the
+// same stored rows (e4m3 × scale), and against the reference over the fp32 rows they were
+// encoded from, the output's relative MSE stays within the documented fp8 bound (4e-3) and
+// above a floor (3e-4: a kernel that read more than the fp8 bytes would be too exact).
 // Receipts (rows attended, support, chosen blocks, exactness) must match exactly; omitted-mass
 // estimates within 1e-4.
 #include "attention/gpu_executor.h"
@@ -46,9 +50,20 @@ std::vector<float> Randn(size_t n, std::mt19937& rng, float scale = 1.f) {
 struct TestSlot {
   Slot slot;
   std::vector<uint8_t> k, v;
-  residency::GpuPin pin;  // the slot's GPU replica, held for the test
-  kernels::Tensor3 K() const { return {k.data(), slot.dtype, slot.heads, slot.rows, slot.d}; }
-  kernels::Tensor3 V() const { return {v.data(), slot.dtype, slot.heads, slot.rows, slot.d}; }
+  std::vector<float> k32, v32;  // fp8: the fp32 rows encoded
+  residency::GpuPin pin;        // the slot's GPU replica, held for the test
+  kernels::Tensor3 K() const {
+    return kernels::MakeTensor(k.data(), slot.dtype, slot.heads, slot.rows, slot.d);
+  }
+  kernels::Tensor3 V() const {
+    return kernels::MakeTensor(v.data(), slot.dtype, slot.heads, slot.rows, slot.d);
+  }
+  kernels::Tensor3 K32() const {
+    return kernels::MakeTensor(k32.data(), DType::kF32, slot.heads, slot.rows, slot.d);
+  }
+  kernels::Tensor3 V32() const {
+    return kernels::MakeTensor(v32.data(), DType::kF32, slot.heads, slot.rows, slot.d);
+  }
 };
 
 // An engine with a GPU tier whose copies run inline (the test thread does the uploads).
@@ -111,8 +126,16 @@ std::unique_ptr<TestSlot> MakeSlot(uint32_t heads, uint32_t rows, uint32_t d, DT
         }
       }
     }
-    dst->resize(elems * kernels::DTypeSize(dtype));
-    if (dtype == DType::kF32) {
+    dst->resize(kernels::TensorBytes(dtype, heads, rows, d));
+    if (dtype == DType::kFP8) {  // the codec's rows [scale][d e4m3], split into bytes and scales
+      std::vector<uint8_t> coded(size_t{heads} * rows * (d + 4));
+      codec::internal::EncodeFp8(src.data(), size_t{heads} * rows, d, coded.data());
+      for (size_t r = 0; r < size_t{heads} * rows; ++r) {
+        std::memcpy(dst->data() + r * d, coded.data() + r * (d + 4) + 4, d);
+        std::memcpy(dst->data() + elems + r * 4, coded.data() + r * (d + 4), 4);
+      }
+      (dst == &t->k ? t->k32 : t->v32) = src;
+    } else if (dtype == DType::kF32) {
       std::memcpy(dst->data(), src.data(), elems * 4);
     } else if (dtype == DType::kBF16) {  // truncated: any bf16 pattern will do
       auto* h = reinterpret_cast<uint16_t*>(dst->data());
@@ -246,12 +269,34 @@ void Check(const Case& c, uint32_t seed = 1, Receipt* receipt = nullptr) {
   EXPECT_EQ(rg.blocks_total, rr.blocks_total);
   EXPECT_NEAR(rg.omitted_mass_estimate, rr.omitted_mass_estimate, 1e-4);
   if (receipt != nullptr) *receipt = rg;
+  // fp8: what the storage costs, against the reference over the rows before encoding — for
+  // the forms whose keys do not depend on the (fp8) scores.
+  if (c.dtype == DType::kFP8 && !ts->k32.empty() &&
+      (c.form == Form::kDense || c.form == Form::kFused || c.form == Form::kSparse)) {
+    std::vector<float> exact(ref.size()), exact_lse(out_rows);
+    Receipt re;
+    ASSERT_TRUE(Run(kernels::ReferenceKernels(), Parallel{}, pref, ts->K32(), ts->V32(),
+                    exact.data(), exact_lse.data(), &re)
+                    .ok());
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      num += (double(got[i]) - exact[i]) * (double(got[i]) - exact[i]);
+      den += double(exact[i]) * exact[i];
+    }
+    if (den > 0) {
+      EXPECT_LE(num / den, 4e-3) << "fp8 relative MSE against fp32";
+      // (A fused query may see only its fp32 suffix: no floor there.)
+      if (c.form != Form::kFused) {
+        EXPECT_GE(num / den, 3e-4) << "fp8 relative MSE against fp32: too exact for fp8";
+      }
+    }
+  }
 }
 
 // One small case of every kernel variant: the compute-sanitizer (memcheck, racecheck) target.
 TEST(GpuExecutor, Smoke) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
     // m = 1: 4 rows per K/V head (packed decode); 3: 12 rows (decode); 40: 160 (batched).
     for (uint32_t m : {1u, 3u, 40u}) {
       for (Form f : {Form::kDense, Form::kTopK, Form::kFused}) {
@@ -270,7 +315,7 @@ TEST(GpuExecutor, Smoke) {
     // and 32-key tiles — fp32 GQA 32/8 and MHA 8/8, fp16 GQA.
     for (uint32_t n : {1001u, 2048u}) {
       for (uint32_t hq : {32u, 8u}) {
-        if (t == DType::kBF16 || (t == DType::kF16 && hq == 8)) continue;
+        if (t == DType::kBF16 || (t == DType::kF16 && hq == 8) || t == DType::kFP8) continue;
         Case c;
         c.hq = hq;
         c.heads = 8;
@@ -301,7 +346,7 @@ TEST(GpuExecutor, Smoke) {
 
 TEST(GpuExecutor, DenseEveryHeadDimAndDtype) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
     for (uint32_t d : {32u, 64u, 96u, 128u, 160u, 192u, 256u, 512u}) {
       Case c;
       c.d = d;
@@ -372,7 +417,7 @@ TEST(GpuExecutor, DecodeClusterGroupsAndRanges) {
 
 TEST(GpuExecutor, GqaWindowsAndPositions) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
     for (auto [hq, heads] : {std::pair{4u, 4u}, {8u, 2u}, {32u, 4u}, {16u, 2u}}) {
       for (int64_t window : {0, 1, 100}) {
         for (uint32_t m : {1u, 7u, 33u}) {
@@ -397,7 +442,7 @@ TEST(GpuExecutor, GqaWindowsAndPositions) {
 
 TEST(GpuExecutor, LongPrefixSplits) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
     Case c;
     c.hq = 32;
     c.heads = 8;
@@ -439,7 +484,7 @@ TEST(GpuExecutor, LongFp32RangesEveryHeadDim) {
 
 TEST(GpuExecutor, TopK) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
     for (uint32_t k : {1u, 17u, 300u, 5000u}) {
       Case c;
       c.form = Form::kTopK;
@@ -456,7 +501,7 @@ TEST(GpuExecutor, TopK) {
 
 TEST(GpuExecutor, FusedSuffix) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
     for (uint32_t m : {1u, 4u, 64u}) {
       Case c;
       c.form = Form::kFused;
@@ -473,7 +518,7 @@ TEST(GpuExecutor, FusedSuffix) {
 
 TEST(GpuExecutor, CallerSparse) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
     for (uint32_t d : {64u, 128u, 512u}) {
       Case c;
       c.form = Form::kSparse;
@@ -489,7 +534,7 @@ TEST(GpuExecutor, CallerSparse) {
 
 TEST(GpuExecutor, SparseAuto) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
     for (auto sel : {kernels::BlockSelector::kMean, kernels::BlockSelector::kQuest}) {
       for (uint32_t k_top : {0u, 3u, 20u, 1000u}) {
         for (bool shared : {false, true}) {

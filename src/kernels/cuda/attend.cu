@@ -10,13 +10,19 @@
 //   p·V      thread per 4 consecutive outputs of a row (of two rows, one V load for both, when
 //            D is a multiple of 64), o kept in registers across tiles
 // and the block writes its rows' (m, l, o) partials; LaunchCombine merges the splits.
+// fp8 (e4m3fn) tiles stay e4m3 in shared memory, with their rows' scales beside them (copied
+// with the rows): a score is (q · k_e4m3) · scale_k · softmax scale, and p·V takes p · scale_v,
+// so the e4m3 → fp32 conversion (through fp16, exact: cvt.f16x2.e4m3x2 on sm_89+) is the only
+// extra work per element.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_common.cuh"
@@ -29,6 +35,9 @@ namespace {
 // kLong (SimtLong: fp32 over long dense ranges, per-row lists over 2-byte K/V): tiles of ~14 KB,
 // two stages — the block fits three to a multiprocessor, where the rest do better with three
 // stages of ~16 KB tiles.
+template <typename T>
+inline constexpr bool kIsFp8 = std::is_same_v<T, __nv_fp8_e4m3>;
+
 template <typename T, int D, bool kLong = false>
 struct Simt {
   static constexpr int kThreads = 128;
@@ -47,8 +56,10 @@ struct Simt {
   static constexpr size_t kTile = size_t{kTk} * kStride * sizeof(T);
   static constexpr size_t kS = size_t{kItemRows} * kTk * 4;
   static constexpr int kStages = kLong ? 2 : 3;  // tiles in flight while one is computed
+  // fp8: the K and V row scales of every staged tile, [2][kStages][kTk] floats after the rest.
+  static constexpr size_t kScales = kIsFp8<T> ? size_t{2} * kStages * kTk * 4 : 0;
   static constexpr size_t kBytes =
-      kQ + 2 * kStages * kTile + kS + kStages * kTk * 4 + 3 * kItemRows * 4;
+      kQ + 2 * kStages * kTile + kS + kStages * kTk * 4 + 3 * kItemRows * 4 + kScales;
 };
 
 __device__ inline void Load8(const float* p, float (&x)[8]) {
@@ -74,6 +85,26 @@ __device__ inline void Load8(const __nv_bfloat16* p, float (&x)[8]) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) x[2 * i] = Widen(w[i], 0), x[2 * i + 1] = Widen(w[i], 1);
+}
+// e4m3fn pairs → fp32 through fp16 (every e4m3 value is an fp16 value: exact).
+__device__ inline float2 Fp8x2ToFloat2(uint32_t pair16) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair16 & 0xffffu), __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+__device__ inline void Load8(const __nv_fp8_e4m3* p, float (&x)[8]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const uint32_t w[2] = {u.x, u.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float2 a = Fp8x2ToFloat2(w[i]), b = Fp8x2ToFloat2(w[i] >> 16);
+    x[4 * i] = a.x, x[4 * i + 1] = a.y, x[4 * i + 2] = b.x, x[4 * i + 3] = b.y;
+  }
+}
+__device__ inline float4 Load4(const __nv_fp8_e4m3* p) {
+  const uint32_t u = *reinterpret_cast<const uint32_t*>(p);
+  const float2 a = Fp8x2ToFloat2(u), b = Fp8x2ToFloat2(u >> 16);
+  return make_float4(a.x, a.y, b.x, b.y);
 }
 __device__ inline float4 Load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ inline float4 Load4(const __half* p) {
@@ -151,6 +182,8 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
   float* rm = reinterpret_cast<float*>(kidx + kSt * C::kTk);
   float* rl = rm + kItemRows;
   float* ralpha = rl + kItemRows;
+  float* ksc = ralpha + kItemRows;  // fp8: [kSt][kTk] K row scales, then V's
+  float* vsc = ksc + kSt * C::kTk;
   __shared__ int64_t qpos[kItemRows];
   __shared__ int32_t rowid[kItemRows];
   __shared__ uint32_t range[2];
@@ -206,6 +239,8 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
   const T* kbase = static_cast<const T*>(a.k) + static_cast<size_t>(kv) * a.rows * D;
   const T* vbase = static_cast<const T*>(a.v) + static_cast<size_t>(kv) * a.rows * D;
   const int32_t* list = sparse ? a.list + static_cast<size_t>(rowid[0]) * a.stride : nullptr;
+  const float* kscale = kIsFp8<T> ? a.k_scale + static_cast<size_t>(kv) * a.rows : nullptr;
+  const float* vscale = kIsFp8<T> ? a.v_scale + static_cast<size_t>(kv) * a.rows : nullptr;
 
   // Tile t into buffer t % kSt; one commit group per call (empty past the end), so that
   // wait_prior(kSt − 1) means "tile t has landed".
@@ -217,7 +252,13 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
     for (int e = tid; e < tk * C::kVecs; e += C::kThreads) {
       const int j = e / C::kVecs, c = e % C::kVecs;
       const int32_t key = sparse ? list[first + j] : static_cast<int32_t>(first + j);
-      if (c == 0) kidx[buf * C::kTk + j] = key;
+      if (c == 0) {
+        kidx[buf * C::kTk + j] = key;
+        if constexpr (kIsFp8<T>) {
+          __pipeline_memcpy_async(ksc + buf * C::kTk + j, kscale + key, 4);
+          __pipeline_memcpy_async(vsc + buf * C::kTk + j, vscale + key, 4);
+        }
+      }
       const size_t off = static_cast<size_t>(key) * D;
       const size_t soff = (static_cast<size_t>(buf) * C::kTk + j) * C::kStride;
       CpAsync16(ks + soff + c * (16 / sizeof(T)), kbase + off + c * (16 / sizeof(T)));
@@ -248,6 +289,7 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
       return kpos <= qp && (a.window <= 0 || kpos > qp - a.window);
     };
     auto put = [&](int r, int j, float dot) {
+      if constexpr (kIsFp8<T>) dot *= ksc[buf * C::kTk + j];  // only read for visible keys
       ss[r * C::kTk + j] = visible(r, j) ? dot * a.scale : -INFINITY;
     };
     if (nr * C::kTk >= 2 * C::kThreads) {
@@ -301,9 +343,14 @@ __global__ void __launch_bounds__(128) AttendSimt(AttendArgs a) {
         p1 = expf(x1 - m_new);
         alpha = expf(m_old - m_new);
       }
+      const float sum = WarpSum(p0 + p1);
+      if constexpr (kIsFp8<T>) {  // p·V over e4m3 rows: p times the row's V scale (p = 0 kept)
+        const float* vs_t = vsc + buf * C::kTk;
+        if (p0 != 0.f) p0 *= vs_t[lane];
+        if (p1 != 0.f) p1 *= vs_t[lane + 32];
+      }
       if (lane < C::kTk) sr[lane] = p0;
       if (lane + 32 < C::kTk) sr[lane + 32] = p1;
-      const float sum = WarpSum(p0 + p1);
       __syncwarp();  // every lane has read rm[r] and rl[r]
       if (lane == 0) {
         rl[r] = rl[r] * alpha + sum;
@@ -590,9 +637,15 @@ Status LaunchSimtShape(const AttendArgs& a, cudaStream_t stream) {
 
 // Shared memory per block of the SIMT shape LaunchAttend runs `a` on (2-byte types alike).
 size_t SimtSmem(const AttendArgs& a) {
-  const bool f32 = a.dtype == DType::kF32;
-  if (SimtLong(a)) return f32 ? SimtBytes<float, true>(a.d) : SimtBytes<__half, true>(a.d);
-  return f32 ? SimtBytes<float, false>(a.d) : SimtBytes<__half, false>(a.d);
+  const bool f32 = a.dtype == DType::kF32, f8 = a.dtype == DType::kFP8;
+  if (SimtLong(a)) {
+    return f32  ? SimtBytes<float, true>(a.d)
+           : f8 ? SimtBytes<__nv_fp8_e4m3, true>(a.d)
+                : SimtBytes<__half, true>(a.d);
+  }
+  return f32  ? SimtBytes<float, false>(a.d)
+         : f8 ? SimtBytes<__nv_fp8_e4m3, false>(a.d)
+              : SimtBytes<__half, false>(a.d);
 }
 
 }  // namespace
@@ -639,6 +692,11 @@ Status LaunchAttend(const AttendArgs& a, void* stream) {
       return LaunchSimtShape<__half>(a, s);
     case DType::kBF16:
       return LaunchSimtShape<__nv_bfloat16>(a, s);
+    case DType::kFP8:
+      if (a.k_scale == nullptr || a.v_scale == nullptr) {
+        return Status(ErrorKind::kErr, "fp8 attention needs the K and V row scales");
+      }
+      return LaunchSimtShape<__nv_fp8_e4m3>(a, s);
     default:
       return LaunchSimtShape<float>(a, s);
   }

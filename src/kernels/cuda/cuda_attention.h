@@ -4,8 +4,9 @@
 // finalizes:
 //
 //   LaunchAttend     partials of query-row groups over a dense key range or per-row sparse lists
-//                    (fp16 dense with enough rows per group runs on tensor cores, the rest on a
-//                    shared-memory SIMT kernel; both keep scores, partials and LSE in fp32)
+//                    (fp16 dense with enough rows per group runs on tensor cores, the rest —
+//                    fp8 e4m3 with row scales among them — on a shared-memory SIMT kernel;
+//                    both keep scores, partials and LSE in fp32)
 //   LaunchCombine    merges P partials per row and writes output (o/l) and LSE (m + ln l)
 //   LaunchScores     exact scaled scores of query rows over their visible keys (top_k)
 //   LaunchSelectRows per-row top-k of those scores by radix select: ascending row lists, the
@@ -66,6 +67,10 @@ struct AttendArgs {
   const void* k = nullptr;  // [heads][rows][d] of dtype
   const void* v = nullptr;
   DType dtype = DType::kF32;
+  // fp8: the row scales [heads][rows] of K and V (kernels::MakeTensor's layout: after the
+  // e4m3 bytes); null for the other types.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
   uint32_t heads = 0, rows = 0;
   int64_t k_pos0 = 0;
   uint32_t begin = 0, end = 0;  // dense key range
@@ -98,6 +103,10 @@ struct AttendArgs {
   // every operand split hi + lo (about fp32's accuracy); false: the SIMT kernel (the bench's
   // PION_BENCH_F32TC=0, for comparison).
   bool f32_tensor = true;
+  // fp8 decode (dense, at most 8 query rows per K/V head, d = 32..128) on tensor cores: tiles
+  // loaded as e4m3, widened to fp16 in shared memory, the packed fp16 MMAs with Q and P split
+  // hi + lo; false: the SIMT kernel (the bench's PION_BENCH_F8TC=0, for comparison).
+  bool fp8_tensor = true;
   // Decode on sm_90 (dense, one row group a block): a full 16-row tile arrives as one 2-D tensor
   // copy (TMA) each for K and V — a box of one padded tile row's width, its tail past d
   // zero-filled — instead of 16-byte cp.async pieces; false: cp.async always (the bench's
@@ -121,7 +130,8 @@ struct AttendArgs {
 uint32_t GridBlocks(const AttendArgs& a);
 
 // Whether LaunchAttend runs these args on tensor cores (fp16, dense items — with or without
-// shared lists — d <= 256, sm_80+; fp32 for 4 to 8 query rows per K/V head, d = 64..128; per-row
+// shared lists — d <= 256, sm_80+; fp32 for 4 to 8 query rows per K/V head, d = 64..128; fp8
+// dense for up to 8 query rows per K/V head, d = 32..128; per-row
 // sparse lists measure faster on the SIMT kernel), and how
 // many 16-row groups one such block holds (8 when a K/V head has >= 128 query rows at d = 128 or
 // >= 512 at smaller d, else 4 from 64 rows, else 1).
@@ -240,9 +250,11 @@ bool DecodeClusterFits(DType dtype, uint32_t d, uint32_t group, uint32_t heads, 
 uint64_t DecodeClusterMaxKeys(DType dtype);
 Status LaunchDecodeCluster(const DecodeClusterArgs& a, void* stream);
 
-Status LaunchSummarize(const void* k, DType dtype, uint32_t heads, uint32_t rows, uint32_t d,
-                       uint32_t block, uint32_t nblocks, float* mean, float* min, float* max,
-                       void* stream);
+// scales: fp8 K's row scales [heads][rows] (null for the other types); the summaries are of
+// the decoded values, e4m3 × scale.
+Status LaunchSummarize(const void* k, DType dtype, const float* scales, uint32_t heads,
+                       uint32_t rows, uint32_t d, uint32_t block, uint32_t nblocks, float* mean,
+                       float* min, float* max, void* stream);
 // sel[h*nb + b] by the selector, mean_scores[h*nb + b] = q·mean (both unscaled). q is M=1.
 Status LaunchScoreBlocks(const float* q, uint32_t hq, uint32_t d, const int32_t* head_map,
                          const float* mean, const float* min, const float* max, uint32_t nblocks,

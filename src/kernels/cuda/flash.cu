@@ -16,8 +16,16 @@
 //           MMA's rows 8..15 (rows g + 8 of Q and P are the low parts of rows g), so one MMA
 //           computes both parts and the row's value is the sum of its two accumulator rows —
 //           the same accuracy as the decode shape with half the tensor-core work.
+//
+// fp8 (e4m3fn with a scale per row) takes the packed decode shape: tiles arrive as e4m3 bytes
+// (half of fp16's traffic) with their rows' scales, each warp widens its tile to fp16 in shared
+// memory (exact: every e4m3 value is an fp16 value) and the fp16 MMAs run on it unchanged; a
+// score is (q · k_e4m3) · scale_k, and P enters P·V as p · scale_v / c (c: a power of two per
+// warp near its first tile's V scales, keeping p · scale_v / c in fp16's normal range for the
+// hi + lo split), the output multiplied back by c before the warps merge.
 #include <cuda.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
@@ -36,11 +44,18 @@ constexpr int kBk = 64;  // keys per tile
 template <typename T, int D, int WR, bool kSplit, bool kPack>
 struct Flash {
   static constexpr bool kF32 = std::is_same_v<T, float>;
+  static constexpr bool kF8 = std::is_same_v<T, __nv_fp8_e4m3>;
   static_assert(!kF32 || (WR == 1 && kPack && !kSplit && D % 32 == 0 && D <= 128),
                 "fp32 K/V: the packed decode shape only, d a multiple of 32 up to 128");
+  static_assert(!kF8 || (WR == 1 && kPack && !kSplit && D % 32 == 0 && D <= 128),
+                "fp8 K/V: the packed decode shape only, d a multiple of 32 up to 128");
+  // The element type the MMAs read from shared memory: fp8 tiles are widened to fp16 first.
+  using TC = std::conditional_t<kF8, __half, T>;
   // Padded smem row (elements, 16 bytes of padding): ldmatrix rows hit distinct banks, and for
-  // fp32 the V loads of rows 2t and 2t + 1 too (row stride ≡ 16 bytes mod 128).
+  // fp32 the V loads of rows 2t and 2t + 1 too (row stride ≡ 16 bytes mod 128). kStr: the rows
+  // as loaded (T), kStrC: as the MMAs read them (TC; the same but for fp8).
   static constexpr int kStr = D + 16 / int(sizeof(T));
+  static constexpr int kStrC = D + 16 / int(sizeof(TC));
   static constexpr int kRows = 16 * WR;
   static constexpr int kKw = kBk * WR / 4;  // keys per warp per tile
   // Decode keeps three tiles in flight (it is bound by reading K/V); batched two.
@@ -48,26 +63,54 @@ struct Flash {
   // Q: fp16 rows (hi, and lo parts when split), or fp32's tf32 A fragments in lane order
   // (D/8 k-steps × 32 lanes × 16 bytes).
   static constexpr size_t kQ =
-      kF32 ? size_t{D / 8} * 32 * 16 : size_t{kRows} * kStr * 2 * (kSplit ? 2 : 1);
+      kF32 ? size_t{D / 8} * 32 * 16 : size_t{kRows} * kStrC * 2 * (kSplit ? 2 : 1);
   static constexpr size_t kTile = size_t{kBk} * kStr * sizeof(T);
+  // fp8: each warp's current tile widened to fp16 ([4 warps][K, V][16][kStrC]) and the row
+  // scales of every staged tile ([K, V][4 warps][kStages][16] floats).
+  static constexpr size_t kConv = kF8 ? size_t{4} * 2 * 16 * kStrC * 2 : 0;
+  static constexpr size_t kScales = kF8 ? size_t{2} * 4 * kStages * 16 * 4 : 0;
   // Decode merge: the warps' outputs [4][16][kOs] (rows padded by 8 floats: a quad's float2
   // stores of 8 rows then hit distinct banks — unpadded they were 8-way conflicts) and their
   // m, l and weights (64 floats each).
   static constexpr int kOs = D + 8;
   static constexpr size_t kMerge = WR == 1 ? (size_t{4} * 16 * kOs + 192) * 4 : 0;
-  static constexpr size_t kBytes = std::max(kQ + 2 * kStages * kTile, kQ + kMerge);
+  static constexpr size_t kBytes =
+      std::max(kQ + 2 * kStages * kTile + kConv + kScales, kQ + kMerge);
 };
+
+// Sixteen e4m3 bytes (shared memory, 16-byte aligned) → sixteen fp16 (exact), stored at dst.
+__device__ inline void WidenFp8x16(const void* src, __half* dst) {
+  const uint4 u = *reinterpret_cast<const uint4*>(src);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  uint32_t h[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2_raw lo =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] & 0xffffu), __NV_E4M3);
+    const __half2_raw hi =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] >> 16), __NV_E4M3);
+    h[2 * i] = uint32_t(lo.x) | (uint32_t(lo.y) << 16);
+    h[2 * i + 1] = uint32_t(hi.x) | (uint32_t(hi.y) << 16);
+  }
+  reinterpret_cast<uint4*>(dst)[0] = make_uint4(h[0], h[1], h[2], h[3]);
+  reinterpret_cast<uint4*>(dst)[1] = make_uint4(h[4], h[5], h[6], h[7]);
+}
 
 template <typename T, int D, int WR, bool kSplit, bool kPack>
 __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ AttendArgs a) {
   using C = Flash<T, D, WR, kSplit, kPack>;
-  constexpr int kStr = C::kStr, kKw = C::kKw, kNt = kKw / 8, kS = C::kStages;
+  using TC = typename C::TC;
+  constexpr int kStr = C::kStr, kStrC = C::kStrC, kKw = C::kKw, kNt = kKw / 8, kS = C::kStages;
   extern __shared__ __align__(128) uint8_t smem[];
   __half* qh = reinterpret_cast<__half*>(smem);
-  __half* ql = qh + C::kRows * kStr;
+  __half* ql = qh + C::kRows * kStrC;
   const uint4* qf = reinterpret_cast<const uint4*>(smem);  // fp32: [D/8][32] A fragments
   T* kt = reinterpret_cast<T*>(smem + C::kQ);              // [kS][kBk][kStr]
   T* vt = kt + kS * kBk * kStr;                            // [kS][kBk][kStr]
+  // fp8: the widened tiles ([4][2][16][kStrC]) and the staged row scales ([2][4][kS][16]).
+  TC* conv = reinterpret_cast<TC*>(smem + C::kQ + 2 * kS * C::kTile);
+  float* ksc = reinterpret_cast<float*>(smem + C::kQ + 2 * kS * C::kTile + C::kConv);
+  float* vsc = ksc + 4 * kS * 16;
   __shared__ int64_t qpos[C::kRows];
   __shared__ int32_t rowid[C::kRows];
   __shared__ uint32_t range[2];
@@ -184,6 +227,20 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       const T* vg = vbase + size_t(first) * D;
       T* ks = tile_k(buf);
       T* vs = tile_v(buf);
+      if constexpr (C::kF8) {  // the tile's row scales, in the same commit group (zero past it)
+        if (lane < 16) {
+          float* kd = ksc + (warp * kS + buf) * 16 + lane;
+          float* vd = vsc + (warp * kS + buf) * 16 + lane;
+          if (lane < tk) {
+            const size_t row = size_t(kv) * a.rows + first + lane;
+            __pipeline_memcpy_async(kd, a.k_scale + row, 4);
+            __pipeline_memcpy_async(vd, a.v_scale + row, 4);
+          } else {
+            *kd = 0.f;
+            *vd = 0.f;
+          }
+        }
+      }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if (tensor_tile(t)) {
         if (lane == 0) {
@@ -247,6 +304,8 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
   // Packed: a thread's row g only (rows g + 8 carry the low parts of Q and P).
   constexpr int kRowsPerThread = kPack ? 1 : 2;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  // fp8: P·V takes p · scale_v / v_unit (a power of two, set from this warp's first tile).
+  float v_unit = 1.f, v_inv = 1.f;
   float o[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -286,14 +345,14 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       uint2 hi{Pack(x.x, x.y), Pack(x.z, x.w)};
       if constexpr (kPack) {  // rows 0..7 hold the rows' high parts, rows 8..15 their low parts
         uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
-        *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
-        *reinterpret_cast<uint2*>(qh + (r + 8) * kStr + c) = lo;
+        *reinterpret_cast<uint2*>(qh + r * kStrC + c) = hi;
+        *reinterpret_cast<uint2*>(qh + (r + 8) * kStrC + c) = lo;
         continue;
       }
-      *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
+      *reinterpret_cast<uint2*>(qh + r * kStrC + c) = hi;
       if constexpr (kSplit) {
         uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
-        *reinterpret_cast<uint2*>(ql + r * kStr + c) = lo;
+        *reinterpret_cast<uint2*>(ql + r * kStrC + c) = lo;
       }
     }
   }
@@ -310,8 +369,37 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
     } else {
       __syncthreads();
     }
-    const T* kb = tile_k(buf);
-    const T* vb = tile_v(buf);
+    const TC* kb;
+    const TC* vb;
+    const float* kscale_t = ksc + (warp * kS + buf) * 16;  // fp8: this tile's row scales
+    const float* vscale_t = vsc + (warp * kS + buf) * 16;
+    if constexpr (C::kF8) {
+      // Widen this warp's staged e4m3 tile to fp16 rows (exact), K then V: 16 rows × D/16
+      // chunks of 16 bytes, D/32 a lane.
+      TC* kc = conv + warp * 2 * 16 * kStrC;
+      TC* vc = kc + 16 * kStrC;
+      const T* k8 = tile_k(buf);
+      const T* v8 = tile_v(buf);
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) {
+        const int e = lane + 32 * i, row = e / (D / 16), col = (e % (D / 16)) * 16;
+        WidenFp8x16(k8 + row * kStr + col, kc + row * kStrC + col);
+        WidenFp8x16(v8 + row * kStr + col, vc + row * kStrC + col);
+      }
+      if (t == 0) {  // this warp's unit for P · scale_v: a power of two near its V scales
+        float mx = 0.f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) mx = fmaxf(mx, vscale_t[j]);
+        const float unit = __uint_as_float(__float_as_uint(mx) & 0x7f800000u);
+        if (unit > 0.f && isfinite(unit)) v_unit = unit, v_inv = 1.f / unit;
+      }
+      __syncwarp();
+      kb = kc;
+      vb = vc;
+    } else {
+      kb = tile_k(buf);
+      vb = tile_v(buf);
+    }
     float s[kNt][4], s2[kNt][4];  // s2: the odd k-steps' chain (packed)
 #pragma unroll
     for (int n = 0; n < kNt; ++n) {
@@ -327,7 +415,7 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       for (int kp = 0; kp < D / 16; ++kp) {
         uint32_t kf[kNt][4];
 #pragma unroll
-        for (int n = 0; n < kNt; ++n) Ldm4(kf[n], kb + (n * 8 + lr) * kStr + kp * 16 + lm * 4);
+        for (int n = 0; n < kNt; ++n) Ldm4(kf[n], kb + (n * 8 + lr) * kStrC + kp * 16 + lm * 4);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const uint4 q = qf[(2 * kp + h) * 32 + lane];
@@ -352,19 +440,19 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
         for (int ks = 0; ks < kPre; ++ks)
 #pragma unroll
           for (int j = 0; j < kNt / 2; ++j)
-            Ldm4(kf[ks][j], kb + (j * 16 + (lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
+            Ldm4(kf[ks][j], kb + (j * 16 + (lm >> 1) * 8 + lr) * kStrC + ks * 16 + (lm & 1) * 8);
       }
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
         uint32_t ah[4], al[4];
         const int qr = rg * 16 + (lm & 1) * 8 + lr, qc = ks * 16 + (lm >> 1) * 8;
-        Ldm4(ah, qh + qr * kStr + qc);
-        if constexpr (kSplit) Ldm4(al, ql + qr * kStr + qc);
+        Ldm4(ah, qh + qr * kStrC + qc);
+        if constexpr (kSplit) Ldm4(al, ql + qr * kStrC + qc);
 #pragma unroll
         for (int j = 0; j < kNt / 2; ++j) {
           uint32_t bb[4];
           if constexpr (kPre == 1)
-            Ldm4(bb, kb + (j * 16 + (lm >> 1) * 8 + lr) * kStr + ks * 16 + (lm & 1) * 8);
+            Ldm4(bb, kb + (j * 16 + (lm >> 1) * 8 + lr) * kStrC + ks * 16 + (lm & 1) * 8);
           const uint32_t(&b)[4] = kPre > 1 ? kf[ks % kPre][j] : bb;
           if constexpr (kPack) {
             Mma(ks % 2 ? s2[2 * j] : s[2 * j], ah, b[0], b[1]);
@@ -385,6 +473,13 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       for (int n = 0; n < kNt; ++n) {
         s[n][0] += s[n][2] + s2[n][0] + s2[n][2];
         s[n][1] += s[n][3] + s2[n][1] + s2[n][3];
+      }
+    }
+    if constexpr (C::kF8) {  // q · k_e4m3 times the key's scale (padding rows: scale 0)
+#pragma unroll
+      for (int n = 0; n < kNt; ++n) {
+        s[n][0] *= kscale_t[n * 8 + c2];
+        s[n][1] *= kscale_t[n * 8 + c2 + 1];
       }
     }
     // Mask (position, window, range, padding rows), scale into the log2 domain, row max. A
@@ -428,6 +523,7 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
         const float p = m_run[i] == -INFINITY ? 0.f : exp2f(s[n][e] - m_run[i]);
         s[n][e] = p;
         l_run[i] += p;
+        if constexpr (C::kF8) s[n][e] = p * (vscale_t[n * 8 + c2 + (e & 1)] * v_inv);
       }
     }
     // Once the running maxima settle the factors are 1: skip the rescale (warp-uniform test).
@@ -453,11 +549,11 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
         uint32_t ap[4];
         SplitTf32(__float_as_uint(s[n][0]), ap[0], ap[1]);
         SplitTf32(__float_as_uint(s[n][1]), ap[2], ap[3]);
-        const T* vr = vb + (n * 8 + 2 * t4) * kStr + 4 * g;
+        const TC* vr = vb + (n * 8 + 2 * t4) * kStrC + 4 * g;
 #pragma unroll
         for (int q = 0; q < D / 32; ++q) {
           const float4 x = *reinterpret_cast<const float4*>(vr + 32 * q);
-          const float4 y = *reinterpret_cast<const float4*>(vr + kStr + 32 * q);
+          const float4 y = *reinterpret_cast<const float4*>(vr + kStrC + 32 * q);
           const float xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
           for (int b = 0; b < 4; ++b) {
@@ -490,7 +586,7 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
           uint32_t b[4];
-          Ldm4T(b, vb + (kk * 16 + (lm & 1) * 8 + lr) * kStr + dn * 16 + (lm >> 1) * 8);
+          Ldm4T(b, vb + (kk * 16 + (lm & 1) * 8 + lr) * kStrC + dn * 16 + (lm >> 1) * 8);
           Mma(o[2 * dn], ph, b[0], b[1]);
           Mma(o[2 * dn + 1], ph, b[2], b[3]);
           if constexpr (kSplit) {
@@ -512,6 +608,10 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
     for (int n = 0; n < D / 8; ++n) {
       o[n][0] += o[n][2];
       o[n][1] += o[n][3];
+      if constexpr (C::kF8) {  // back from units of v_unit (a power of two: exact)
+        o[n][0] *= v_unit;
+        o[n][1] *= v_unit;
+      }
     }
   }
   // Row sums over the quad.
@@ -762,6 +862,14 @@ bool UsesTensorCores(const AttendArgs& a) {
   // (one row per item) measured faster on the SIMT kernel: they stay there.
   if (!a.dense_items || gpu::Info().cc_major < 8) return false;
   if (a.dtype == DType::kF16) return a.d <= 256;
+  // fp8: the packed decode (fp16 MMAs over tiles widened from e4m3 in shared memory) for dense
+  // ranges and at most 8 query rows a K/V head, d = 32..128 (AttendArgs::fp8_tensor); the rest
+  // of fp8 on the SIMT kernel.
+  if (a.dtype == DType::kFP8) {
+    const uint64_t rows = uint64_t{a.heads > 0 ? a.hq / a.heads : 1} * a.m;
+    return a.fp8_tensor && a.list == nullptr && a.d % 32 == 0 && a.d <= 128 && rows <= 8 &&
+           a.item_rows <= kItemRows / 2;
+  }
   // fp32: the packed decode on tf32 with hi/lo splits, for 4 to 8 query rows per K/V head
   // (GQA groups of 4 or 8 at M = 1, or a group of 4 at M = 2; item_rows is MaxRows once the
   // items exist — before, the padding is 1 either way) and d = 64, 96, 128, where the device
@@ -781,6 +889,7 @@ bool UsesTensorCores(const AttendArgs& a) {
 
 size_t FlashBytes(const AttendArgs& a) {
   if (a.dtype == DType::kF32) return BytesD<float, 1, false, true>(a.d);
+  if (a.dtype == DType::kFP8) return BytesD<__nv_fp8_e4m3, 1, false, true>(a.d);
   if (FlashRowGroups(a) == 8) return BatchedBytes(a.d);
   switch (ShapeOf(a)) {
     case Shape::kBatched:
@@ -802,7 +911,7 @@ Status LaunchFlash(const AttendArgs& a_in, cudaStream_t stream) {
   // a split) 40.98 → 40.69, but 128K (3972) 134.98 → 136.7; fp32 2K 11.75 → 11.31, 32K 76.9 →
   // 74.0, 128K 275.2 → 269.2.
   const uint32_t per_split = (a.end - a.begin) / (a.splits > 0 ? a.splits : 1);
-  if (a.tensor_tiles && (a.dtype == DType::kF32 || per_split < 2048)) {
+  if (a.tensor_tiles && a.dtype != DType::kFP8 && (a.dtype == DType::kF32 || per_split < 2048)) {
     const uint32_t elem = a.dtype == DType::kF32 ? 4 : 2;
     a.tensor_tiles =
         gpu::Info().cc_major >= 9 && a.list == nullptr && FlashRowGroups(a) == 1 &&
@@ -812,6 +921,12 @@ Status LaunchFlash(const AttendArgs& a_in, cudaStream_t stream) {
     a.tensor_tiles = false;
   }
   if (a.dtype == DType::kF32) return LaunchD<float, 1, false, true>(a, stream);
+  if (a.dtype == DType::kFP8) {
+    if (a.k_scale == nullptr || a.v_scale == nullptr) {
+      return Status(ErrorKind::kErr, "fp8 attention needs the K and V row scales");
+    }
+    return LaunchD<__nv_fp8_e4m3, 1, false, true>(a, stream);
+  }
   if (FlashRowGroups(a) == 8) return LaunchBatched(a, stream);
   switch (ShapeOf(a)) {
     case Shape::kBatched:

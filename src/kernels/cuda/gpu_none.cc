@@ -73,8 +73,8 @@ Status LaunchSelectRows(const AttendArgs&, uint32_t, uint32_t, const float*, uin
                         int32_t*, float*, uint8_t*, void*) {
   return NoCuda();
 }
-Status LaunchSummarize(const void*, DType, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, float*,
-                       float*, float*, void*) {
+Status LaunchSummarize(const void*, DType, const float*, uint32_t, uint32_t, uint32_t, uint32_t,
+                       uint32_t, float*, float*, float*, void*) {
   return NoCuda();
 }
 Status LaunchScoreBlocks(const float*, uint32_t, uint32_t, const int32_t*, const float*,

@@ -5,9 +5,11 @@
 // lower index, as the CPU executor breaks them — and sums the softmax mass left out.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_common.cuh"
@@ -31,6 +33,11 @@ __device__ inline float ToF<__half>(__half x) {
 template <>
 __device__ inline float ToF<__nv_bfloat16>(__nv_bfloat16 x) {
   return __bfloat162float(x);
+}
+// e4m3fn → fp32, exact (through fp16); its row's scale is applied by the caller.
+template <>
+__device__ inline float ToF<__nv_fp8_e4m3>(__nv_fp8_e4m3 x) {
+  return static_cast<float>(x);
 }
 
 // Visible keys [lo, hi) of query row r over a prefix at positions 0..rows-1.
@@ -64,6 +71,9 @@ __global__ void __launch_bounds__(256)
     float acc = 0.f;
     for (uint32_t x = lane; x < a.d; x += 32) acc = fmaf(q[x], ToF(kr[x]), acc);
     acc = WarpSum(acc);
+    if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {  // q · (e4m3 · scale) = (q · e4m3) · scale
+      acc *= a.k_scale[size_t{static_cast<uint32_t>(kv)} * a.rows + t];
+    }
     if (lane == 0) scores[size_t{blockIdx.x} * a.rows + t] = acc * a.scale;
   }
 }
@@ -111,15 +121,18 @@ __global__ void __launch_bounds__(kSelThreads, 1)
   }
 }
 
+// scales: fp8 row scales (null otherwise), so the summaries are of e4m3 × scale, the decoded
+// values, as on the CPU.
 template <typename T>
-__global__ void Summarize(const T* k, uint32_t rows, uint32_t d, uint32_t block, uint32_t nb,
-                          float* mean, float* mn, float* mx) {
+__global__ void Summarize(const T* k, const float* scales, uint32_t rows, uint32_t d,
+                          uint32_t block, uint32_t nb, float* mean, float* mn, float* mx) {
   const uint32_t b = blockIdx.x, h = blockIdx.y;
   const uint32_t first = b * block, last = min(rows, first + block);
   for (uint32_t x = threadIdx.x; x < d; x += blockDim.x) {
     float sum = 0.f, lo = INFINITY, hi = -INFINITY;
     for (uint32_t t = first; t < last; ++t) {
-      const float v = ToF(k[(size_t{h} * rows + t) * d + x]);
+      float v = ToF(k[(size_t{h} * rows + t) * d + x]);
+      if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) v *= scales[size_t{h} * rows + t];
       sum += v;
       lo = fminf(lo, v);
       hi = fmaxf(hi, v);
@@ -328,6 +341,9 @@ Status LaunchScores(const AttendArgs& a, const int32_t* head_map, uint32_t row0,
   auto s = static_cast<cudaStream_t>(stream);
   if (a.dtype == DType::kF16) {
     Scores<__half><<<grid, 256, 0, s>>>(a, head_map, row0, scores);
+  } else if (a.dtype == DType::kFP8) {
+    if (a.k_scale == nullptr) return Status(ErrorKind::kErr, "fp8 scores need K's row scales");
+    Scores<__nv_fp8_e4m3><<<grid, 256, 0, s>>>(a, head_map, row0, scores);
   } else if (a.dtype == DType::kBF16) {
     Scores<__nv_bfloat16><<<grid, 256, 0, s>>>(a, head_map, row0, scores);
   } else {
@@ -345,22 +361,26 @@ Status LaunchSelectRows(const AttendArgs& a, uint32_t row0, uint32_t n, const fl
   return KernelStatus("top-k select kernel");
 }
 
-Status LaunchSummarize(const void* k, DType dtype, uint32_t heads, uint32_t rows, uint32_t d,
-                       uint32_t block, uint32_t nblocks, float* mean, float* min, float* max,
-                       void* stream) {
+Status LaunchSummarize(const void* k, DType dtype, const float* scales, uint32_t heads,
+                       uint32_t rows, uint32_t d, uint32_t block, uint32_t nblocks, float* mean,
+                       float* min, float* max, void* stream) {
   if (heads == 0 || nblocks == 0) return Status::Ok();
   dim3 grid(nblocks, heads);
   const uint32_t threads = std::min<uint32_t>(d, 512);
   auto s = static_cast<cudaStream_t>(stream);
   if (dtype == DType::kF16) {
-    Summarize<<<grid, threads, 0, s>>>(static_cast<const __half*>(k), rows, d, block, nblocks, mean,
-                                       min, max);
-  } else if (dtype == DType::kBF16) {
-    Summarize<<<grid, threads, 0, s>>>(static_cast<const __nv_bfloat16*>(k), rows, d, block,
+    Summarize<<<grid, threads, 0, s>>>(static_cast<const __half*>(k), nullptr, rows, d, block,
                                        nblocks, mean, min, max);
+  } else if (dtype == DType::kFP8) {
+    if (scales == nullptr) return Status(ErrorKind::kErr, "fp8 summaries need K's row scales");
+    Summarize<<<grid, threads, 0, s>>>(static_cast<const __nv_fp8_e4m3*>(k), scales, rows, d, block,
+                                       nblocks, mean, min, max);
+  } else if (dtype == DType::kBF16) {
+    Summarize<<<grid, threads, 0, s>>>(static_cast<const __nv_bfloat16*>(k), nullptr, rows, d,
+                                       block, nblocks, mean, min, max);
   } else {
-    Summarize<<<grid, threads, 0, s>>>(static_cast<const float*>(k), rows, d, block, nblocks, mean,
-                                       min, max);
+    Summarize<<<grid, threads, 0, s>>>(static_cast<const float*>(k), nullptr, rows, d, block,
+                                       nblocks, mean, min, max);
   }
   return KernelStatus("summarize kernel");
 }
