@@ -10,6 +10,12 @@ GPU machine (`scripts/test-gpu.sh` runs it), skipped elsewhere with the reason.
   with recurrent layers (LFM2: short-conv layers through SSM.PREFIX).
 - Lossy codecs (fp16 storage of an fp32 model, int8, turbo4): token agreement and logit error
   printed; the generation must run and agree on the first token.
+- fp8 (e4m3fn with a scale per token row): Stage 1 from an fp8 namespace, Stage 2 over the fp8
+  attention slots bound from it (the server attends over the e4m3 bytes) and, on a GPU, the
+  IPC path (fp8 slots dequantized on the device): token agreement and logit error against the
+  uncached model printed; asserted: the first generated token agrees and the suffix logits'
+  error relative to their spread, RMS(Δ) / RMS(logits − mean), is at most FP8_LOGIT_REL_BOUND
+  (0.1; fp8's rows err by about 2.6 % RMS, docs/PROTOCOL.md).
 - A stale identity (same config, other weights) misses; a server restart between store and hit
   (KV.PREFIX.SAVE, the disk tier) hits.
 - Stage 2: the full-attention layers computed by ATTEND.PREFIX.QUERY_FUSED equal vanilla token
@@ -247,6 +253,58 @@ def test_lossy_codecs_report_agreement(server, codec):
     want, _miss, hit, diff = check_exact(model, client_for(server), codec=codec,
                                          label="llama fp32, lossy")
     assert len(hit) == NEW and np.isfinite(diff)  # reported, not asserted: lossy by design
+
+
+FP8_LOGIT_REL_BOUND = 0.1
+
+
+def logit_rel_err(got, want) -> float:
+    """RMS of the logit error over the RMS spread of the reference logits (per position)."""
+    spread = (want - want.mean(dim=-1, keepdim=True)).pow(2).mean().sqrt()
+    return ((got - want).pow(2).mean().sqrt() / spread).item()
+
+
+@pytest.mark.parametrize("transport", ["auto", "ipc"])
+def test_fp8_prompt_cache_agreement_and_logit_error(server, transport):
+    if transport == "ipc" and DEV != "cuda":
+        pytest.skip("CUDA IPC needs a GPU")
+    client = ipc_client(server) if transport == "ipc" else client_for(server)
+    model = llama(0)
+    prefix, suffix = prompt(1, 96), prompt(2, 8)
+    full = torch.cat([prefix, suffix])
+    want = generate(model, full)
+    want_logits = suffix_logits(model, full, 96)
+    pc = pion.hf.PionPromptCache(model, client, codec="fp8", transport=transport)
+    pc.get_or_prefill(prefix)
+    assert pc.last["hit"] is False
+    pc2 = pion.hf.PionPromptCache(model, client, codec="fp8", transport=transport)
+    got = generate(model, full, pc2.get_or_prefill(prefix))
+    assert pc2.last["hit"] is True
+    rel1 = logit_rel_err(suffix_logits(model, full, 96, pc2.fetch(prefix)), want_logits)
+    agree1 = sum(a == b for a, b in zip(want, got))
+    # Stage 2: the attention layers computed in the server over fp8 slots bound from the fp8
+    # namespaces (the slots keep the e4m3 bytes).
+    off = pion.hf.PionAttentionOffload(pc2)
+    try:
+        cache = off.prepare(prefix)
+        with off.session(cache):
+            got2 = generate(model, full, cache)
+        cache = off.prepare(prefix)
+        with off.session(cache):
+            rel2 = logit_rel_err(suffix_logits(model, full, 96, cache), want_logits)
+    finally:
+        model.set_attn_implementation("sdpa")
+    base = pc2.namespace_for(prefix)
+    dtypes = {m["dtype"] for g in pc2.plan.groups
+              for m in client.attend.info(pc2._slot_sid(base, g))}
+    agree2 = sum(a == b for a, b in zip(want, got2))
+    print("\nllama fp32, fp8 cache (%s): stage 1 logit rel err %.3g, tokens %d/%d; stage 2 "
+          "(slots %s) logit rel err %.3g, tokens %d/%d (bound %.2g)" % (
+              transport, rel1, agree1, NEW, sorted(dtypes), rel2, agree2, NEW,
+              FP8_LOGIT_REL_BOUND))
+    assert dtypes == {"fp8"}
+    assert got[0] == want[0] and got2[0] == want[0]
+    assert rel1 <= FP8_LOGIT_REL_BOUND and rel2 <= FP8_LOGIT_REL_BOUND
 
 
 def test_stale_identity_misses(server):

@@ -123,7 +123,7 @@ def _parse_export(reply) -> dict:
 
 
 _PACKED_EXPORT = struct.Struct("<64s16sQQQIIIIQQQ16x")  # ATTEND.PREFIX.EXPORT ... PACKED
-_DTYPE_NAMES = ("fp32", "fp16", "bf16")
+_DTYPE_NAMES = ("fp32", "fp16", "bf16", "fp8")  # fp8: e4m3 bytes, then f32 row scales
 
 
 def _unpack_exports(blob) -> list[dict]:
@@ -238,7 +238,8 @@ class Attend:
     @contextlib.contextmanager
     def gpu_view(self, sid: str, layer: int):
         """Context manager: the GPU-resident slot's K and V as torch CUDA tensors [H, N, D]
-        (float32 or float16) that alias the server's device memory through CUDA IPC — no copy,
+        (float32, float16, bfloat16 or float8_e4m3fn — then with .k_scale/.v_scale [H, N]
+        float32 beside them) that alias the server's device memory through CUDA IPC — no copy,
         device to device. Yields a GpuView (.k, .v, .export); on exit the view's work is
         synchronized and the lease released (the IPC mapping itself stays open for the next
         export of the same allocation: pion.cuda_ipc.close_all() unmaps). The memory is the

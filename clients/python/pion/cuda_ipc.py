@@ -22,7 +22,7 @@ from . import _wire, errors
 
 _LAZY_ENABLE_PEER_ACCESS = 1
 _DTYPE = {"fp32": lambda torch: torch.float32, "fp16": lambda torch: torch.float16,
-          "bf16": lambda torch: torch.bfloat16}
+          "bf16": lambda torch: torch.bfloat16, "fp8": lambda torch: torch.float8_e4m3fn}
 
 
 class _Handle(ctypes.Structure):
@@ -132,7 +132,9 @@ def close_all() -> None:
 
 
 class GpuView:
-    """K and V of one exported slot as torch CUDA tensors, plus the export's fields."""
+    """K and V of one exported slot as torch CUDA tensors, plus the export's fields. An fp8
+    slot's K and V are float8_e4m3fn [H, N, D] with k_scale / v_scale float32 [H, N] (element
+    = value × its row's scale; dense() applies them); other slots have no scales."""
 
     def __init__(self, export: dict):
         torch = _wire.torch_module()
@@ -152,10 +154,28 @@ class GpuView:
         if views is None:
             dtype = _DTYPE[export["dtype"]](torch)
             span = m.span(torch, self.device, max(k0, v0) + n)
+            scales = (None, None)
+            if export["dtype"] == "fp8":  # the e4m3 bytes, then the rows' f32 scales
+                elems = shape[0] * shape[1] * shape[2]
+                scales = tuple(span[x + elems:x + n].view(torch.float32).view(shape[:2])
+                               for x in (k0, v0))
+                n = elems
             k = span[k0:k0 + n].view(dtype).view(shape)
             v = span[v0:v0 + n].view(dtype).view(shape)
-            views = m.views[key] = (k, v, k[None], v[None])
-        self.k, self.v, self._k1, self._v1 = views
+            views = m.views[key] = (k, v, k[None], v[None]) + scales
+        self.k, self.v, self._k1, self._v1, self.k_scale, self.v_scale = views
+
+    def dense(self, dtype=None):
+        """K and V as [H, N, D] tensors of `dtype` (default the slot's; fp8 slots: float32),
+        the rows' scales applied for fp8 — copies, except the views themselves when nothing
+        changes."""
+        torch = _wire.torch_module()
+        out = []
+        for x, s in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            if s is not None:
+                x = x.to(torch.float32) * s[..., None]
+            out.append(x if dtype is None else x.to(dtype))
+        return tuple(out)
 
     def batched(self):
         """K and V as [1, H, N, D] views (a transformers cache layer's layout)."""
@@ -166,4 +186,4 @@ class GpuView:
         the tensors; the mapping stays cached for the allocation's next export."""
         if self.k is not None:
             _wire.torch_module().cuda.synchronize(self.device)
-            self.k = self.v = self._k1 = self._v1 = None
+            self.k = self.v = self._k1 = self._v1 = self.k_scale = self.v_scale = None

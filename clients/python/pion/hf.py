@@ -179,7 +179,8 @@ class PionPromptCache:
       model: a transformers causal LM (batch size 1).
       client: a pion.Client; over its Unix socket the shared-memory path is used.
       codec: the V-store codec of stored K/V; default the model's dtype (fp32, fp16 or bf16:
-        lossless). int8 / fp8 / turbo4 / turbo3 / turbo2 are lossy.
+        lossless). int8 / fp8 / turbo4 / turbo3 / turbo2 are lossy. fp8 namespaces bind fp8
+        attention slots (transport="ipc", Stage 2): the server attends over the e4m3 bytes.
       persist: KV.PREFIX.SAVE every stored namespace (it survives a server restart).
       model_id: the MODEL identity (default `model_identity(model)`).
       transport: how a hit moves the K/V. "auto": the socket's bytes (TCP), or the shared-
@@ -498,12 +499,14 @@ class PionPromptCache:
         try:
             for ex in exports:
                 view = GpuView(ex)
-                if view.k.dtype == self.dtype and view.device == self.device:
+                if (view.k.dtype == self.dtype and view.device == self.device
+                        and view.k_scale is None):
                     out.append(view.batched())
                     leases.append((ex["lease"], ex.get("granted", t0) + int(ex["ttl_ms"]) / 1e3))
                     continue
                 pair = []
-                for x in (view.k, view.v):
+                # fp8 slots (from an fp8 namespace): e4m3 times the rows' scales.
+                for x in (view.dense() if view.k_scale is not None else (view.k, view.v)):
                     dst = torch.empty((1, *x.shape), dtype=self.dtype, device=self.device)
                     dst[0].copy_(x)
                     pair.append(dst)
