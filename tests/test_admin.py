@@ -34,7 +34,9 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "attend.store", "attend.finalize", "attend.query", "attend.info", "attend.drop",
                 "kv.store", "kv.fetch", "kv.info", "kv.evict",
                 "shm.attach", "shm.reserve", "shm.release",
-                "shm.info"}
+                "shm.info",
+                "cluster", "asking", "readonly", "readwrite", "cluster.put", "cluster.del",
+                "cluster.refresh"}
 
 CONFIG_PARAMS = ["bind", "port", "binary-port", "unixsocket", "unixsocketperm", "workers", "dir", "metrics-port", "kvcache", "users",
                  "attention-backend", "gpu-memory", "attention-fp16", "attention-memory",
@@ -56,7 +58,8 @@ ALL_FLAGS = ["--help", "--version", "--config", "--bind", "--port", "--binary-po
              "--kv-cache-capacity",
              "--compute-threads", "--compute-queue-depth",
              "--kvcache", "--loglevel", "--logfile", "--slowlog-log-slower-than",
-             "--slowlog-max-len"]
+             "--slowlog-max-len", "--cluster", "--cluster-name", "--node-id", "--announce",
+             "--replicas", "--cluster-lease-ttl"]
 
 
 def pairs(flat):
@@ -457,7 +460,7 @@ def test_slowlog_does_not_record_passwords(pion_factory, tmp_path):
 # ------------------------------------------------------------------------------------------
 
 SECTIONS = ["Server", "Clients", "Memory", "Persistence", "Stats", "Commandstats", "Keyspace",
-            "Attention", "Residency"]
+            "Attention", "Residency", "Cluster"]
 
 
 def sections_of(text: bytes) -> list[str]:

@@ -370,6 +370,9 @@ def test_etcd_down_keeps_serving_and_refuses_map_changes(cluster, etcd):
     with pytest.raises(redis.ResponseError, match=r"CLUSTERDOWN etcd at .* the slot map"):
         a.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", other)
     assert "etcd" in cluster.info(a)["cluster_etcd_last_error"]
+    # Nor can a node join: it does not start, and says why.
+    with pytest.raises(RuntimeError, match=r"cannot join the cluster: etcd at .* unreachable"):
+        cluster.factory("--cluster", cluster.etcd.url, "--node-id", "late")
     time.sleep(TTL + 1)  # past the lease TTL: nobody lost its slots while etcd was away
     for i in range(60):
         check_prefix(rc, "{e%d}" % i, i)
