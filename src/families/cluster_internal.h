@@ -21,7 +21,9 @@ void ReplicateSaved(server::Server& srv, std::string tenant, std::string ns, uin
                     std::string path, std::function<void(const Status&)> done);
 
 // After a namespace saved up to `version` was dropped here: the replicas drop their copies
-// (queued behind earlier saves, in order; not waited for).
-void ReplicateDrop(server::Server& srv, std::string tenant, std::string ns, uint64_t version);
+// (queued behind earlier saves, in order); `done` gets Ok once all of them did, else which
+// replica did not and why — so a fail-over never serves a dropped namespace.
+void ReplicateDrop(server::Server& srv, std::string tenant, std::string ns, uint64_t version,
+                   std::function<void(const Status&)> done);
 
 }  // namespace pion::families::cluster_sync

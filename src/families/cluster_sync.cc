@@ -505,21 +505,27 @@ void ReplicateSaved(server::Server& srv, std::string tenant, std::string ns, uin
   });
 }
 
-void ReplicateDrop(server::Server& srv, std::string tenant, std::string ns, uint64_t version) {
+void ReplicateDrop(server::Server& srv, std::string tenant, std::string ns, uint64_t version,
+                   std::function<void(const Status&)> done) {
   ClusterNode* node = NodeOf(srv);
-  node->Enqueue([node, tenant = std::move(tenant), ns = std::move(ns), version]() {
-    auto m = node->map();
-    const int self = m->IndexOf(node->node_id());
-    if (self < 0) return;
-    const std::string v = std::to_string(version);
-    for (int16_t r : m->replicas[self]) {
-      auto reply = node->Call(m->nodes[r].addr, {"CLUSTER.DEL", "PREFIX", tenant, ns, v});
-      if (!reply.ok() || reply->type == Reply::Type::kError) {
-        spdlog::warn("cluster: replica '{}' did not drop '{}': {}", m->nodes[r].id, ns,
-                     reply.ok() ? reply->text : reply.status().message());
-      }
-    }
-  });
+  node->Enqueue(
+      [node, tenant = std::move(tenant), ns = std::move(ns), version, done = std::move(done)]() {
+        auto m = node->map();
+        const int self = m->IndexOf(node->node_id());
+        if (self < 0) return done(Status::Ok());
+        const std::string v = std::to_string(version);
+        for (int16_t r : m->replicas[self]) {
+          const cluster::NodeInfo& rep = m->nodes[r];
+          auto reply = node->Call(rep.addr, {"CLUSTER.DEL", "PREFIX", tenant, ns, v});
+          if (!reply.ok() || reply->type == Reply::Type::kError) {
+            return done(
+                Status(ErrorKind::kIo, "dropped on this node, but replica '" + rep.id + "' (" +
+                                           rep.addr + ") did not drop its copy: " +
+                                           (reply.ok() ? reply->text : reply.status().message())));
+          }
+        }
+        done(Status::Ok());
+      });
 }
 
 }  // namespace pion::families::cluster_sync

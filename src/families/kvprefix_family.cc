@@ -424,8 +424,19 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
     vs.Drop(ctx.Key(ns + "_pk"));
     vs.Drop(ctx.Key(ns + "_pv"));
     if (saved_version > 0 && cluster_sync::Enabled(*ctx.server)) {
+      // Cluster mode: acknowledged once the replicas dropped their copies too.
+      auto reply = ctx.Defer();
       cluster_sync::ReplicateDrop(*ctx.server, ctx.server->users().TenantName(ctx.tenant), ns,
-                                  saved_version);
+                                  saved_version, [reply](const Status& s) {
+                                    reply([s](proto::ReplyBuilder& rb) {
+                                      if (s.ok()) {
+                                        rb.Integer(1);
+                                      } else {
+                                        rb.Error(s);
+                                      }
+                                    });
+                                  });
+      return;
     }
   }
   ctx.rb->Integer(existed ? 1 : 0);
