@@ -332,8 +332,8 @@ def main() -> int:
         "| %.2f s | %.2f s | %.2f s | %s |" % (statistics.median(times), min(times), max(times),
                                               ", ".join("%.2f" % t for t in times)),
         "",
-        "The floor is the lease TTL (etcd expires the lease) plus up to one 200 ms map poll of the "
-        "leader and of the replica, plus the client's own retry pacing.",
+        "The floor is the lease TTL (etcd expires the lease, checking about every 500 ms), then "
+        "the leader's and the replica's watches fire at once; plus the client's own retry pacing.",
     ]
     report(lines, out)
     return 0

@@ -330,6 +330,52 @@ StatusOr<bool> EtcdClient::PutIf(std::string_view key, std::string_view value,
   return j.value()["succeeded"].boolean;
 }
 
+Status EtcdClient::Watch(std::string_view prefix, const std::function<bool()>& keep_going,
+                         const std::function<void()>& on_event) {
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms_);
+  std::string err;
+  const int fd = Connect(endpoint_, deadline, &err);
+  if (fd < 0) return Down(endpoint_, err);
+  const std::string body = "{\"create_request\":{\"key\":\"" + Base64Encode(prefix) +
+                           "\",\"range_end\":\"" + Base64Encode(PrefixEnd(prefix)) + "\"}}";
+  const std::string req =
+      "POST /v3/watch HTTP/1.1\r\nHost: " + endpoint_.host + ":" + std::to_string(endpoint_.port) +
+      "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+      "\r\n\r\n" + body;
+  if (!SendAll(fd, req, deadline)) {
+    close(fd);
+    return Down(endpoint_, "did not take the watch request");
+  }
+  char buf[16384];
+  bool header = false;
+  std::string head;
+  while (keep_going()) {
+    pollfd p{fd, POLLIN, 0};
+    const int rc = poll(&p, 1, 200);
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc <= 0) continue;
+    const ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n <= 0) {
+      close(fd);
+      return Down(endpoint_, "ended the watch stream");
+    }
+    if (!header) {
+      head.append(buf, static_cast<size_t>(n));
+      const size_t end = head.find("\r\n\r\n");
+      if (end == std::string::npos) continue;
+      header = true;
+      if (head.size() < 12 || std::atoi(head.c_str() + 9) != 200) {
+        close(fd);
+        return Down(endpoint_, "refused the watch: " + head.substr(0, head.find("\r\n")));
+      }
+    }
+    on_event();  // any message of the stream: the caller re-reads what it watches
+  }
+  close(fd);
+  return Status::Ok();
+}
+
 Status EtcdClient::Delete(std::string_view key) {
   auto r = Post("/v3/kv/deleterange", "{\"key\":\"" + Base64Encode(key) + "\"}");
   return r.ok() ? Status::Ok() : r.status();

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -54,6 +55,12 @@ class EtcdClient {
   StatusOr<bool> PutIf(std::string_view key, std::string_view value, int64_t expect_mod_revision,
                        int64_t lease);
   Status Delete(std::string_view key);
+  // Watches every key under `prefix` (POST /v3/watch, a stream): calls `on_event` each time
+  // etcd sends something (the watch's creation, then every batch of changes) and returns when
+  // the stream ends or breaks (kClusterDown), or once `keep_going` returns false (checked at
+  // least every 200 ms; Ok). Blocking, for a thread of its own.
+  Status Watch(std::string_view prefix, const std::function<bool()>& keep_going,
+               const std::function<void()>& on_event);
 
   const EtcdEndpoint& endpoint() const { return endpoint_; }
 

@@ -10,7 +10,8 @@ namespace pion::cluster {
 Membership::Membership(MembershipOptions options)
     : opts_(std::move(options)),
       etcd_(opts_.etcd, opts_.etcd_timeout_ms),
-      map_(std::make_shared<SlotMap>()) {}
+      map_(std::make_shared<SlotMap>()),
+      watch_etcd_(opts_.etcd, opts_.etcd_timeout_ms) {}
 
 Membership::~Membership() { Stop(/*leave=*/false); }
 
@@ -207,16 +208,18 @@ void Membership::Start(OnChange on_change) {
   on_change_ = std::move(on_change);
   if (on_change_) on_change_(map());
   thread_ = std::thread([this] { Loop(); });
+  watcher_ = std::thread([this] { WatchLoop(); });
 }
 
 void Membership::Stop(bool leave) {
   {
     std::lock_guard<std::mutex> lock(stop_mu_);
-    if (stop_ && !thread_.joinable()) return;
+    if (stop_ && !thread_.joinable() && !watcher_.joinable()) return;
     stop_ = true;
   }
   stop_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (watcher_.joinable()) watcher_.join();
   if (leave && lease_.load() != 0) {
     Status s = etcd_.Revoke(lease_.load());
     if (s.ok()) {
@@ -228,6 +231,28 @@ void Membership::Stop(bool leave) {
   }
 }
 
+void Membership::WatchLoop() {
+  auto keep_going = [this] {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    return !stop_;
+  };
+  auto wake = [this] {
+    {
+      std::lock_guard<std::mutex> lock(stop_mu_);
+      wake_ = true;
+    }
+    stop_cv_.notify_all();
+  };
+  while (keep_going()) {
+    Status s = watch_etcd_.Watch(Key(""), keep_going, wake);
+    if (!s.ok()) {
+      // etcd away: the keeper's own reads notice and report it; try again shortly.
+      std::unique_lock<std::mutex> lock(stop_mu_);
+      stop_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] { return stop_; });
+    }
+  }
+}
+
 void Membership::Loop() {
   using Clock = std::chrono::steady_clock;
   const auto keepalive_every = std::chrono::milliseconds(opts_.lease_ttl_s * 1000 / 3);
@@ -235,9 +260,10 @@ void Membership::Loop() {
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(stop_mu_);
-      if (stop_cv_.wait_for(lock, std::chrono::milliseconds(opts_.poll_ms),
-                            [this] { return stop_; }))
-        return;
+      stop_cv_.wait_for(lock, std::chrono::milliseconds(opts_.poll_ms),
+                        [this] { return stop_ || wake_; });
+      if (stop_) return;
+      wake_ = false;
     }
     if (Clock::now() >= next_keepalive) {
       Status s = etcd_.KeepAlive(lease_.load());

@@ -6,8 +6,9 @@
 // When etcd cannot be reached the node keeps the last map it read — it keeps serving the slots
 // it owns — and every change is refused with kClusterDown.
 //
-// Threads: Join() on the main thread at start-up; then one keeper thread polls etcd every
-// poll_ms and calls on_change with each new map. map() is safe from any thread.
+// Threads: Join() on the main thread at start-up; then a keeper thread reads etcd whenever a
+// watch thread (POST /v3/watch on /pion/<cluster>/) sees a change, and at least every poll_ms,
+// and calls on_change with each new map. map() is safe from any thread.
 #pragma once
 
 #include <atomic>
@@ -32,7 +33,7 @@ struct MembershipOptions {
   std::string announce;  // host:port of this node's RESP listener
   int lease_ttl_s = 5;
   int replicas = 1;
-  int poll_ms = 200;
+  int poll_ms = 500;  // re-read at least this often; a watch on etcd wakes it at once
   int etcd_timeout_ms = 1000;
 };
 
@@ -81,6 +82,7 @@ class Membership {
   StatusOr<std::pair<SlotMap, int64_t>> ReadMap();
   void Publish(SlotMap m, int64_t revision);
   void Loop();
+  void WatchLoop();  // wakes Loop() on every change under /pion/<cluster>/
   void NoteEtcd(const Status& s);
 
   MembershipOptions opts_;
@@ -99,9 +101,12 @@ class Membership {
   std::mutex change_mu_;  // one Change() or leader step at a time
   OnChange on_change_;
   std::thread thread_;
+  std::thread watcher_;
+  EtcdClient watch_etcd_;
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;
   bool stop_ = false;
+  bool wake_ = false;  // the watch saw a change: refresh now
 };
 
 }  // namespace pion::cluster
