@@ -813,6 +813,10 @@ def test_fp8_exact_query_refused_and_allow_approx_answers_sparse(pion_factory):
                                                   f32(q), "RECEIPT"))
     # A third of the dense step's time (2 ms at least): never enough for it, room for sparse.
     deadline = max(2, int(rc["micros"] / 3000))
+    # The slot's block summaries (B = 64) made once beforehand: the fallback's first use would
+    # build them inside its budget (what this test checks is the fp8 answer, not that cost).
+    r.execute_command("ATTEND.PREFIX.QUERY_SPARSE_AUTO", "big8", 0, h, d, 64, 1, h, f32(q),
+                      i32(np.arange(h)))
     with srv.raw() as c:
         reply = c.call("ATTEND.PREFIX.QUERY", "big8", 0, h, d, 0, f32(q), "DEADLINE", deadline)
     assert isinstance(reply, RespError) and str(reply).startswith("TIMEOUT "), reply
