@@ -178,9 +178,12 @@ def test_fp8_slots_on_the_gpu(pion_factory, hq, hkv, n, d, m):
                      attend_ref(q, k8, v8, hm, np.arange(n, n + m), np.arange(n), 0, allow)[0],
                      what="fp8 top_k")
         if m == 1:
-            chosen, _, allow, _ = sparse_auto_ref(q[:, 0], k8, hm, 64, 8, n, 0, "quest")
+            # The mean selector: with 64 query heads over fp8 keys, some head's quest bounds sit
+            # within sparse_auto_ref's near-tie margin for every seed tried (quest on fp8 slots
+            # runs in test_attend_prefix.py, which test-gpu.sh also runs on the GPU).
+            chosen, _, allow, _ = sparse_auto_ref(q[:, 0], k8, hm, 64, 8, n, 0, "mean")
             out, rc = r.execute_command("ATTEND.PREFIX.QUERY_SPARSE_AUTO", "f8", 0, hq, d, 64, 8,
-                                        hkv, f32(q), i32(hm), "SELECT", "quest", "RECEIPT")
+                                        hkv, f32(q), i32(hm), "SELECT", "mean", "RECEIPT")
             assert_close(parse_out(out, hq, 1, d, False)[0],
                          attend_ref(q, k8, v8, hm, [n], np.arange(n), 0, allow)[0],
                          what="fp8 sparse-auto")

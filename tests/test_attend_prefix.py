@@ -991,7 +991,7 @@ def test_split_k_over_large_slots(pion_factory):
         stages = [float(rc[f]) for f in ("queue_us", "piece_start_max_us", "piece_max_us",
                                          "merge_us", "micros")]
         assert min(stages) >= 0, rc
-        if rc["splits"] > 1:
+        if rc["splits"] > 1 and rc["backend"] == "cpu":  # the CPU executor's pieces
             micros = float(rc["micros"])
             assert 0 < float(rc["piece_max_us"]) <= micros, rc
             assert float(rc["piece_start_max_us"]) < micros, rc

@@ -754,7 +754,8 @@ TEST(GpuTier, DemotesUnpinnedReplicasOnlyAndPromotesBack) {
 }
 
 // Uploads straight from page-locked memory and through staging give the same bytes: a pinned
-// block, a small plain one and a plain one larger than the staging buffers, back to back.
+// block, a small plain one and a plain one larger than the staging buffers, each at its
+// gpu::SpanOffsets offset (256-byte aligned: the small block's odd size is padded).
 TEST(GpuTier, UploadsFromPinnedAndPlainMemoryByteExact) {
   SKIP_WITHOUT_GPU();
   auto pinned = gpu::PinnedHostAllocator()->Allocate(24 << 20);
@@ -766,23 +767,33 @@ TEST(GpuTier, UploadsFromPinnedAndPlainMemoryByteExact) {
   EXPECT_FALSE(gpu::IsPinned(large.value()->data(), large.value()->size()));
   uint32_t x = 12345;
   std::vector<gpu::HostSpan> spans;
-  std::vector<uint8_t> want;
+  std::vector<uint64_t> sizes;
   for (BufferRef b : {pinned.value(), small.value(), large.value()}) {
     for (size_t i = 0; i < b->size(); ++i)
       b->data()[i] = static_cast<uint8_t>((x = x * 1664525u + 1013904223u) >> 24);
     spans.push_back({b->data(), b->size()});
-    want.insert(want.end(), b->data(), b->data() + b->size());
+    sizes.push_back(b->size());
   }
-  auto mem = gpu::Allocate(want.size());
+  uint64_t total = 0;
+  const std::vector<uint64_t> offsets = gpu::SpanOffsets(sizes, &total);
+  ASSERT_EQ(offsets.size(), 3u);
+  for (uint64_t off : offsets) EXPECT_EQ(off % gpu::kSpanAlign, 0u);
+  EXPECT_EQ(offsets[2], gpu::AlignSpan(offsets[1] + sizes[1]));
+  EXPECT_GT(offsets[2], offsets[1] + sizes[1]);  // 4096 + 17 bytes: padded
+  auto mem = gpu::Allocate(total);
   ASSERT_TRUE(mem.ok());
   gpu::Event done;
   ASSERT_TRUE(gpu::Upload(mem.value(), spans, &done).ok());
-  // And back into page-locked memory (a demotion's path).
-  auto back = gpu::PinnedHostAllocator()->Allocate(want.size());
-  ASSERT_TRUE(back.ok());
-  ASSERT_TRUE(gpu::Download(back.value()->data(), mem.value().data(), want.size()).ok());
-  EXPECT_EQ(0, std::memcmp(back.value()->data(), want.data(), want.size()));
-  EXPECT_FALSE(gpu::Upload(mem.value(), {{want.data(), want.size() + 1}}, nullptr).ok());
+  // And back into page-locked memory (a demotion's path), span by span from its offset.
+  for (size_t i = 0; i < spans.size(); ++i) {
+    auto back = gpu::PinnedHostAllocator()->Allocate(sizes[i]);
+    ASSERT_TRUE(back.ok());
+    const auto* from = static_cast<const uint8_t*>(mem.value().data()) + offsets[i];
+    ASSERT_TRUE(gpu::Download(back.value()->data(), from, sizes[i]).ok());
+    EXPECT_EQ(0, std::memcmp(back.value()->data(), spans[i].data, sizes[i])) << "span " << i;
+  }
+  std::vector<uint8_t> too_big(total + 1);
+  EXPECT_FALSE(gpu::Upload(mem.value(), {{too_big.data(), too_big.size()}}, nullptr).ok());
 }
 
 }  // namespace

@@ -1066,14 +1066,12 @@ StatusOr<std::shared_ptr<GpuReplica>> Engine::Upload(const Object& o,
   if (f.action != faults::Action::kNone) {
     return Status(ErrorKind::kDevice, "GPU copy failed (fault injection)");
   }
-  auto mem = gpu::Allocate(o.bytes_);
+  // Blocks at gpu::SpanOffsets (each 256-byte aligned, as Upload places them); the padding,
+  // under 256 bytes a block, is not charged to the GPU budget.
+  uint64_t padded = 0;
+  std::vector<uint64_t> offsets = gpu::SpanOffsets(o.sizes_, &padded);
+  auto mem = gpu::Allocate(padded);
   if (!mem.ok()) return mem.status();
-  std::vector<uint64_t> offsets;
-  uint64_t off = 0;
-  for (uint64_t s : o.sizes_) {
-    offsets.push_back(off);
-    off += s;
-  }
   auto g = std::make_shared<GpuReplica>(std::move(mem).value(), offsets, &gpu_, o.bytes_);
   const uint64_t fence = g->memory().id();
   std::vector<gpu::HostSpan> spans;

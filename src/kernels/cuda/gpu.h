@@ -150,9 +150,27 @@ struct HostSpan {
   uint64_t size;
 };
 
-// Copies the spans back to back into `dst` on a dedicated copy stream: spans in page-locked
-// memory (IsPinned) go straight from where they are, others through two pinned staging buffers
-// (a memcpy each). Returns once the copy completed and the allocation's id fence still
+// Where Upload places the spans of one allocation: each starts at a multiple of kSpanAlign
+// bytes (an fp8 block's size, elements then row scales, is not a multiple of 16: packed back to
+// back, the next block's rows would be misaligned for vector and tensor-copy loads).
+constexpr uint64_t kSpanAlign = 256;
+inline uint64_t AlignSpan(uint64_t off) { return (off + kSpanAlign - 1) / kSpanAlign * kSpanAlign; }
+// The offsets Upload gives spans of these sizes, and the bytes it needs in all.
+inline std::vector<uint64_t> SpanOffsets(const std::vector<uint64_t>& sizes, uint64_t* total) {
+  std::vector<uint64_t> out;
+  uint64_t off = 0;
+  for (uint64_t s : sizes) {
+    off = AlignSpan(off);
+    out.push_back(off);
+    off += s;
+  }
+  if (total != nullptr) *total = off;
+  return out;
+}
+
+// Copies the spans into `dst`, each at its SpanOffsets offset, on a dedicated copy stream: spans in
+// page-locked memory (IsPinned) go straight from where they are, others through two pinned staging
+// buffers (a memcpy each). Returns once the copy completed and the allocation's id fence still
 // matched; `done` (if given) is recorded after the last copy.
 Status Upload(DeviceMemory& dst, const std::vector<HostSpan>& src, Event* done);
 

@@ -365,21 +365,23 @@ struct Stager {
 
 Status Upload(DeviceMemory& dst, const std::vector<HostSpan>& src, Event* done) {
   if (!Info().present) return Status(ErrorKind::kDevice, "no CUDA device: " + Info().reason);
+  std::vector<uint64_t> sizes;
+  for (const HostSpan& h : src) sizes.push_back(h.size);
   uint64_t bytes = 0;
-  for (const HostSpan& h : src) bytes += h.size;
+  const std::vector<uint64_t> offsets = SpanOffsets(sizes, &bytes);
   if (bytes > dst.size()) return Status(ErrorKind::kDevice, "upload larger than its block");
   thread_local std::unique_ptr<Stager> stager;
   if (!stager) stager = std::make_unique<Stager>();
   if (!stager->ok) return Status(ErrorKind::kOom, "cannot create pinned upload staging");
   const uint64_t fence = dst.id();
-  uint8_t* to = static_cast<uint8_t*>(dst.data());
   int i = 0;
-  for (const HostSpan& h : src) {
+  for (size_t span = 0; span < src.size(); ++span) {
+    const HostSpan& h = src[span];
+    uint8_t* to = static_cast<uint8_t*>(dst.data()) + offsets[span];
     const uint8_t* from = static_cast<const uint8_t*>(h.data);
     if (IsPinned(from, h.size)) {  // one DMA from where the bytes are
       PION_CUDA_TRY(cudaMemcpyAsync(to, from, h.size, cudaMemcpyHostToDevice, stager->stream),
                     "upload");
-      to += h.size;
       continue;
     }
     for (uint64_t off = 0; off < h.size; off += Stager::kChunk, i ^= 1) {
@@ -392,7 +394,6 @@ Status Upload(DeviceMemory& dst, const std::vector<HostSpan>& src, Event* done) 
           "upload");
       PION_CUDA_TRY(cudaEventRecord(stager->used[i], stager->stream), "upload event");
     }
-    to += h.size;
   }
   if (done != nullptr) {
     PION_CUDA_TRY(cudaEventRecord(static_cast<cudaEvent_t>(done->raw()), stager->stream),
