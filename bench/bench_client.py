@@ -149,11 +149,11 @@ def main() -> int:
                     paths[name], group, label, s * 1e3, nbytes / s / 1e9, ratio,
                     "" if pion_form else " (not a goal)"))
         lines += ["", "Worst ratio of a Pion form: %.2f (goal <= 1.30)." % worst, "",
-                  "A layer's K and V both held (the layer group) cost more than twice one rows "
-                  "fetch held alone: twice the fastest rows form is %s; the difference is the "
-                  "first touch of the second fresh 16 MiB result, which glibc returns to the "
-                  "system when both are freed (its trim threshold), where one result's memory "
-                  "is reused by the next call." % ", ".join(
+                  "For comparison, twice the fastest rows form is %s. Where the layer group "
+                  "(K and V both held) costs more than that, the difference is the first touch "
+                  "of the second fresh 16 MiB result, which glibc returns to the system when "
+                  "both are freed (its trim threshold), where one result's memory is reused by "
+                  "the next call." % ", ".join(
                       "%.3f ms (%s)" % (v * 1e3, paths[k]) for k, v in twice_rows.items())]
         out = a.out or REPO / "bench" / "results" / ("client-%s.md" % dt.date.today().isoformat())
         report(lines, out)
