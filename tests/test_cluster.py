@@ -424,3 +424,209 @@ def test_pion_cluster_client_typed_helpers_and_shared_memory(cluster, tmp_path):
     assert len(used) == 3, used  # the namespaces went to all three nodes, each by its socket
     cc.close()
     tcp.close()
+
+
+# ------------------------------------------------------------------------------------------
+# The other families with saved objects: STATE slots, SSM.PREFIX sessions, ATTEND.PREFIX slots,
+# sealed V.COMMIT snapshots — copied to the replica on save, served by it after a fail-over,
+# moved with their slot on a join.
+# ------------------------------------------------------------------------------------------
+
+ST_BYTES, AT_N, AT_D, V_ROWS, V_DIM = 256, 16, 32, 100, 8
+
+
+def blob(seed: int, n: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def f32s(seed: int, *shape) -> bytes:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32).tobytes()
+
+
+def store_family_objects(rc, tag: str, seed: int, save: bool, change: bool = True,
+                         vsession: bool = True) -> dict:
+    """One object of each family under hash tag `tag` (without `vsession`, no V session and so
+    no sealed snapshot); saved when `save` (then, with `change`, changed after the save: only the
+    saved content may be served after a fail-over). Returns what a reader must get back."""
+    st, ssm, at, vs = tag + "st", tag + "ssm", tag + "at", tag + "v"
+    assert rc.execute_command("STATE.ALLOC", st, ST_BYTES) == b"OK"
+    assert rc.execute_command("STATE.WRITE", st, 0, blob(seed, ST_BYTES)) == b"OK"
+    for layer in (0, 1):
+        assert rc.execute_command("SSM.PREFIX.STORE", ssm, layer, blob(seed + layer, 96)) == b"OK"
+    k, v = f32s(seed, 1, AT_N, AT_D), f32s(seed + 1, 1, AT_N, AT_D)
+    assert rc.execute_command("ATTEND.PREFIX.STORE", at, 0, 1, AT_N, AT_D, k, v) == b"OK"
+    q = f32s(seed + 2, 1, AT_D)
+    answer = rc.execute_command("ATTEND.PREFIX.QUERY", at, 0, 1, AT_D, 0, q)
+    want = {"tag": tag, "seed": seed, "q": q, "answer": answer, "snap": None}
+    if vsession:
+        assert rc.execute_command("V.CREATE", vs, V_DIM, "fp32") == b"OK"
+        assert rc.execute_command("V.STOREBATCH", vs, 0, f32s(seed, V_ROWS, V_DIM)) == V_ROWS
+        want["snap"] = rc.execute_command("V.SNAPSHOT", vs)
+        want["rows"] = rc.execute_command("V.FETCH", vs, "RANGE", 0, V_ROWS, "RAW")
+    if not save:
+        return want
+    assert rc.execute_command("STATE.SAVE", st) == b"OK"
+    assert rc.execute_command("SSM.PREFIX.SAVE", ssm) == b"OK"
+    assert rc.execute_command("ATTEND.PREFIX.SAVE", at) == b"OK"
+    if vsession:
+        assert rc.execute_command("V.COMMIT", vs, want["snap"]) == b"OK"
+    if not change:
+        return want
+    # Changes after the saves: never on a replica.
+    assert rc.execute_command("STATE.WRITE", st, 0, b"\xff" * 16) == b"OK"
+    assert rc.execute_command("SSM.PREFIX.STORE", ssm, 0, b"later") == b"OK"
+    k2 = f32s(seed + 9, 1, AT_N, AT_D)
+    assert rc.execute_command("ATTEND.PREFIX.STORE", at, 0, 1, AT_N, AT_D, k2, v) == b"OK"
+    return want
+
+
+def check_saved_objects(rc, want: dict) -> None:
+    """The saved content of store_family_objects(..., save=True), byte-exact."""
+    tag, seed = want["tag"], want["seed"]
+    assert rc.execute_command("STATE.READ", tag + "st", 0, ST_BYTES) == blob(seed, ST_BYTES), tag
+    for layer in (0, 1):
+        got = rc.execute_command("SSM.PREFIX.FETCH", tag + "ssm", layer)
+        assert got == blob(seed + layer, 96), (tag, layer)
+    got = rc.execute_command("ATTEND.PREFIX.QUERY", tag + "at", 0, 1, AT_D, 0, want["q"])
+    assert got == want["answer"], tag
+    if want["snap"] is not None:
+        assert rc.execute_command("V.RESTORE", tag + "v", want["snap"]) == b"OK"
+        got = rc.execute_command("V.FETCH", tag + "v", "RANGE", 0, V_ROWS, "RAW")
+        assert got == want["rows"], tag
+
+
+def check_current_objects(rc, want: dict) -> None:
+    """What store_family_objects(..., save=False) stored (live content, not saved)."""
+    tag, seed = want["tag"], want["seed"]
+    assert rc.execute_command("STATE.READ", tag + "st", 0, ST_BYTES) == blob(seed, ST_BYTES), tag
+    for layer in (0, 1):
+        got = rc.execute_command("SSM.PREFIX.FETCH", tag + "ssm", layer)
+        assert got == blob(seed + layer, 96), (tag, layer)
+    got = rc.execute_command("ATTEND.PREFIX.QUERY", tag + "at", 0, 1, AT_D, 0, want["q"])
+    assert got == want["answer"], tag
+
+
+def check_nothing_unsaved(rc, tag: str) -> None:
+    with pytest.raises(redis.ResponseError, match="no such state slot"):
+        rc.execute_command("STATE.READ", tag + "st", 0, 1)
+    assert rc.execute_command("SSM.PREFIX.FETCH", tag + "ssm", 0) is None
+    assert rc.execute_command("ATTEND.PREFIX.LOOKUP", tag + "at", 0) == b"MISS"
+    with pytest.raises(redis.ResponseError, match="no such session|no snapshot"):
+        rc.execute_command("V.RESTORE", tag + "v", 1)
+
+
+@pytest.mark.time_limit(150)
+def test_kill_fails_over_every_saved_family_to_the_replica(cluster):
+    for nid in ("n1", "n2", "n3"):
+        cluster.add(nid)
+    cluster.wait_settled()
+    rc = cluster.client()
+    saved = [store_family_objects(rc, "{fs%d}" % i, 10 * i, True) for i in range(24)]
+    unsaved = ["{fu%d}" % i for i in range(12)]
+    for i, tag in enumerate(unsaved):
+        store_family_objects(rc, tag, 5000 + i, False)
+    victim = cluster.nodes["n2"]
+    held = [w for w in saved if cluster.owner_of(w["tag"]) is victim]
+    held_unsaved = [t for t in unsaved if cluster.owner_of(t) is victim]
+    assert len(held) >= 3 and held_unsaved, (len(held), held_unsaved)
+    # A dropped saved object is dropped on the replica too.
+    gone = held[0]["tag"]
+    assert rc.execute_command("STATE.FREE", gone + "st") == 1
+    assert rc.execute_command("SSM.PREFIX.DROP", gone + "ssm") == b"OK"
+    assert rc.execute_command("ATTEND.PREFIX.DROP", gone + "at") == 1
+    assert rc.execute_command("V.DROP", gone + "v") == 1
+    rc.close()
+
+    victim.stop(signal.SIGKILL)
+    t0 = time.monotonic()
+
+    def all_served():
+        try:
+            c = cluster.client()
+            try:
+                for w in held[1:]:
+                    check_saved_objects(c, w)
+            finally:
+                c.close()
+            return True
+        except (redis.RedisError, AssertionError, OSError):
+            return False
+
+    wait_for(all_served, timeout=TTL + 5, interval=0.2,
+             what="the victim's saved objects on its replica")
+    failover_s = time.monotonic() - t0
+    rc = cluster.client()
+    for tag in held_unsaved + [gone]:  # never saved, or dropped: nowhere served
+        check_nothing_unsaved(rc, tag)
+    for w in saved:  # the others' owners still serve what was written after the saves
+        if w not in held:
+            assert rc.execute_command("STATE.READ", w["tag"] + "st", 0, 16) == b"\xff" * 16
+            assert rc.execute_command("SSM.PREFIX.FETCH", w["tag"] + "ssm", 0) == b"later"
+    rc.close()
+    print("fail-over of STATE/SSM/ATTENTION/VSNAP after kill -9: %.2f s (lease TTL %d s)"
+          % (failover_s, TTL))
+
+
+@pytest.mark.time_limit(150)
+def test_node_joining_moves_every_family_with_no_failed_read(cluster):
+    cluster.add("n1")
+    cluster.add("n2")
+    cluster.wait_settled()
+    # Sealed snapshots first (a live V session is not moved: only what V.COMMIT sealed is).
+    rc = cluster.client()
+    sealed = [store_family_objects(rc, "{ms%d}" % i, 3 * i, True, change=False)
+              for i in range(40)]
+    rc.close()
+    done = threading.Event()
+    errors: list[str] = []
+    created: list[dict] = []
+
+    def load():
+        rc = cluster.client()
+        i = 0
+        try:
+            while not done.is_set():
+                tag = "{m%d}" % i
+                try:
+                    want = store_family_objects(rc, tag, 7 * i, i % 3 == 0, change=False,
+                                                vsession=False)
+                    created.append(want)
+                    w = created[(i * 7919) % len(created)]  # an earlier one reads back
+                    (check_saved_objects if w["seed"] % 3 == 0 else check_current_objects)(rc, w)
+                    s = sealed[i % len(sealed)]  # and a sealed snapshot, wherever it is now
+                    assert rc.execute_command("V.RESTORE", s["tag"] + "v", s["snap"]) == b"OK"
+                except Exception as e:  # noqa: BLE001 - any failure is the finding
+                    errors.append("%s: %r" % (tag, e))
+                    return
+                i += 1
+        finally:
+            rc.close()
+
+    t = threading.Thread(target=load)
+    t.start()
+    time.sleep(1.0)
+    cluster.add("n3")
+    try:
+        cluster.wait_settled(timeout=60)
+        time.sleep(0.5)
+    finally:
+        done.set()
+        t.join(timeout=30)
+    assert not errors, errors[:3]
+    assert len(created) > 20, len(created)
+    n3 = cluster.nodes["n3"]
+    on_n3 = [w for w in created if cluster.owner_of(w["tag"]) is n3]
+    assert on_n3, "no object landed in n3's slots"
+    state = dict(zip(*[iter(n3.client().execute_command("STATE.INFO"))] * 2))
+    assert state[b"slots"] >= len(on_n3), (state, len(on_n3))
+    moved = sum(int(cluster.info(cluster.nodes[n])["cluster_moved_out"]) for n in ("n1", "n2"))
+    assert moved >= 4 * len(on_n3) // 2, (moved, len(on_n3))  # each family's objects moved
+    rc = cluster.client()
+    for w in created:
+        (check_saved_objects if w["seed"] % 3 == 0 else check_current_objects)(rc, w)
+    for w in sealed:
+        check_saved_objects(rc, w)
+    assert any(cluster.owner_of(w["tag"]) is n3 for w in sealed)
+    rc.close()
+    print("join under load: %d tags of STATE/SSM/ATTENTION written (and 40 sealed V snapshots), %d in n3's slots, %d objects moved"
+          % (len(created), len(on_n3), moved))

@@ -121,6 +121,14 @@ class SlotStore {
     if (v > cur) cur = v;
   }
 
+  // f(sid, layer, slot, saved or null) for every slot of every tenant.
+  template <typename F>
+  void ForEach(F&& f) const {
+    for (const auto& [sid, layers] : sessions_) {
+      for (const auto& [l, e] : layers) f(sid, l, e.slot, e.saved ? &*e.saved : nullptr);
+    }
+  }
+
   struct Usage {
     uint64_t sessions = 0;
     uint64_t slots = 0;

@@ -21,6 +21,7 @@
 
 #include "families/args.h"
 #include "families/attend_prefix_internal.h"
+#include "families/cluster_internal.h"
 #include "families/families.h"
 #include "families/kvprefix_internal.h"
 #include "families/tiering.h"
@@ -580,19 +581,91 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
   const store::TenantKey sid = ctx.Key(args[1]);
   auto& slots = ctx.shard->store().attention;
   // Saved copies go too: a dropped slot leaves nothing behind, in memory or on disk.
+  std::vector<std::pair<uint32_t, uint64_t>> saved;  // layer, version
   for (const auto& [l, slot] : slots.Layers(sid)) {
-    if ((layer && l != *layer) || slots.SavedOf(sid, l) == nullptr) continue;
+    const auto* sv = slots.SavedOf(sid, l);
+    if ((layer && l != *layer) || sv == nullptr) continue;
     Status s = store::disk::RemoveObject(SavedDir(*ctx.server, kDirName),
                                          SlotObjectName(*ctx.server, sid, l));
     if (!s.ok()) return ctx.Error(s);
+    saved.emplace_back(l, sv->version);
   }
-  ctx.rb->Integer(static_cast<int64_t>(slots.Drop(sid, layer)));
+  const int64_t dropped = static_cast<int64_t>(slots.Drop(sid, layer));
+  if (saved.empty() || !cluster_sync::Enabled(*ctx.server)) return ctx.rb->Integer(dropped);
+  // Cluster mode: acknowledged once the replicas dropped their copies too.
+  auto done = cluster_sync::Gather(
+      saved.size(), cluster_sync::AnswerWith(
+                        ctx.Defer(), [dropped](proto::ReplyBuilder& rb) { rb.Integer(dropped); }));
+  const std::string tenant = ctx.server->users().TenantName(sid.tenant);
+  for (const auto& [l, version] : saved) {
+    cluster_sync::ReplicateDrop(*ctx.server, {"ATTENTION", tenant, sid.name, std::to_string(l)},
+                                version, done);
+  }
+}
+
+using SavedFile = StatusOr<std::pair<std::string, uint64_t>>;
+
+// One layer's slot as of now, durable (K and V as the two blocks of one object file, taken
+// from whichever tier holds them): `done` runs on the shard with the file and its version.
+// Runs on the owning shard.
+void SaveLayer(server::Server& srv, server::Shard& shard, const store::TenantKey& sid,
+               uint32_t layer, attention::SlotRef slot, std::function<void(SavedFile)> done) {
+  auto& slots = shard.store().attention;
+  if (const auto* saved = slots.SavedOf(sid, layer);
+      saved != nullptr && saved->generation == slot->generation) {
+    return done(std::make_pair(saved->file->path(), saved->version));
+  }
+  store::SavedRecord rec;
+  rec.kind = "attention";
+  rec.Set("tenant", srv.users().TenantName(sid.tenant));
+  rec.Set("sid", sid.name);
+  rec.SetUint("layer", layer);
+  rec.SetUint("heads", slot->heads);
+  rec.SetUint("rows", slot->rows);
+  rec.SetUint("head_dim", slot->d);
+  rec.Set("dtype", std::string(kernels::DTypeName(slot->dtype)));
+  rec.SetUint("generation", slot->generation);
+  rec.Set("source", slot->source);
+  const uint64_t version = slots.NextVersion(sid, layer);
+  const uint64_t generation = slot->generation;
+  server::Server* srvp = &srv;
+  server::Shard* owner = &shard;
+  const std::string dir = SavedDir(srv, kDirName);
+  auto items = std::vector<residency::Engine::SaveItem>{{"", slot->obj}};
+  auto job = [=]() {
+    std::vector<std::vector<uint32_t>> blocks;
+    auto file = srvp->residency()->WriteSaved(dir, SlotObjectName(*srvp, sid, layer), version,
+                                              store::EncodeSavedRecord(rec), items, &blocks);
+    owner->PostControl([=](server::Shard& sh) {
+      if (!file.ok()) {
+        srvp->disk_stats().save_failures.fetch_add(1);
+        return done(file.status());
+      }
+      srvp->residency()->AttachDisk(items[0].obj, items[0].obj->generation(), file.value(),
+                                    blocks[0]);
+      srvp->disk_stats().saves.fetch_add(1);
+      attention::SlotRef cur = sh.store().attention.Find(sid, layer);
+      if (cur == nullptr) {
+        unlink(file.value()->path().c_str());  // dropped meanwhile: the drop wins
+        return done(Status(ErrorKind::kMiss,
+                           "attention slot for session '" + sid.name.substr(0, 128) + "' layer " +
+                               std::to_string(layer) + " was dropped during the save"));
+      }
+      if (cur->generation == generation) {
+        sh.store().attention.SetSaved(sid, layer, {file.value(), version, generation});
+      }
+      done(std::make_pair(file.value()->path(), version));
+    });
+  };
+  if (!srv.io()->Submit(std::move(job))) {
+    done(Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
+  }
 }
 
 // ATTEND.PREFIX.SAVE <sid> [<layer>]: the slot (or every layer of the session) durably on
-// disk, one crash-safe object file per layer (K and V as its two blocks, taken from whichever
-// tier holds them); replies once all are. Saved slots come back after a restart with their
-// generation, and answer bit-identically.
+// disk, one crash-safe object file per layer; replies once all are (in cluster mode, once the
+// replicas hold them too). Saved slots come back after a restart with their generation, and
+// answer bit-identically.
 void Save(CommandContext& ctx, CmdArgs& args) {
   const store::TenantKey sid = ctx.Key(args[1]);
   auto& slots = ctx.shard->store().attention;
@@ -611,128 +684,213 @@ void Save(CommandContext& ctx, CmdArgs& args) {
                                                     std::string(args[1].substr(0, 128)) + "'"));
     }
   }
-  // Only what changed since its last save.
-  std::erase_if(layers, [&](const auto& e) {
-    const auto* saved = slots.SavedOf(sid, e.first);
-    return saved != nullptr && saved->generation == e.second->generation;
-  });
-  if (layers.empty()) return ctx.rb->Ok();
-  auto reply = ctx.Defer();
-  auto left = std::make_shared<std::atomic<size_t>>(layers.size());
-  auto failure = std::make_shared<std::pair<std::mutex, Status>>();
   server::Server* srv = ctx.server;
-  server::Shard* owner = ctx.shard;
-  const std::string dir = SavedDir(*srv, kDirName);
+  const bool cluster = cluster_sync::Enabled(*srv);
+  // Only what changed since its last save (in cluster mode each copy is sent again: a failed
+  // one is retried; a replica that has it answers at once).
+  if (!cluster) {
+    std::erase_if(layers, [&](const auto& e) {
+      const auto* saved = slots.SavedOf(sid, e.first);
+      return saved != nullptr && saved->generation == e.second->generation;
+    });
+    if (layers.empty()) return ctx.rb->Ok();
+  }
+  auto done = cluster_sync::Gather(
+      layers.size(),
+      cluster_sync::AnswerWith(ctx.Defer(), [](proto::ReplyBuilder& rb) { rb.Ok(); }));
+  const std::string tenant = srv->users().TenantName(sid.tenant);
   for (const auto& [layer, slot] : layers) {
-    store::SavedRecord rec;
-    rec.kind = "attention";
-    rec.Set("tenant", srv->users().TenantName(sid.tenant));
-    rec.Set("sid", sid.name);
-    rec.SetUint("layer", layer);
-    rec.SetUint("heads", slot->heads);
-    rec.SetUint("rows", slot->rows);
-    rec.SetUint("head_dim", slot->d);
-    rec.Set("dtype", std::string(kernels::DTypeName(slot->dtype)));
-    rec.SetUint("generation", slot->generation);
-    rec.Set("source", slot->source);
-    const uint64_t version = slots.NextVersion(sid, layer);
-    const uint64_t generation = slot->generation;
     const uint32_t l = layer;
-    auto items = std::vector<residency::Engine::SaveItem>{{"", slot->obj}};
-    auto job = [=]() {
-      std::vector<std::vector<uint32_t>> blocks;
-      auto file = srv->residency()->WriteSaved(dir, SlotObjectName(*srv, sid, l), version,
-                                               store::EncodeSavedRecord(rec), items, &blocks);
-      owner->PostControl([=](server::Shard& sh) {
-        if (file.ok()) {
-          srv->residency()->AttachDisk(items[0].obj, items[0].obj->generation(), file.value(),
-                                       blocks[0]);
-          srv->disk_stats().saves.fetch_add(1);
-          attention::SlotRef cur = sh.store().attention.Find(sid, l);
-          if (cur != nullptr && cur->generation == generation) {
-            sh.store().attention.SetSaved(sid, l, {file.value(), version, generation});
-          } else if (cur == nullptr) {
-            unlink(file.value()->path().c_str());  // dropped meanwhile: the drop wins
-          }
-        } else {
-          srv->disk_stats().save_failures.fetch_add(1);
-          std::lock_guard lock(failure->first);
-          failure->second = file.status();
-        }
-        if (left->fetch_sub(1) != 1) return;
-        Status st;
-        {
-          std::lock_guard lock(failure->first);
-          st = failure->second;
-        }
-        reply([st](proto::ReplyBuilder& rb) {
-          if (st.ok()) {
-            rb.Ok();
-          } else {
-            rb.Error(st);
-          }
-        });
-      });
-    };
-    if (!srv->io()->Submit(std::move(job))) {
-      {
-        std::lock_guard lock(failure->first);
-        failure->second = Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later");
-      }
-      if (left->fetch_sub(1) == 1) {
-        reply([](proto::ReplyBuilder& rb) {
-          rb.Error(Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
-        });
-      }
-    }
+    SaveLayer(*srv, *ctx.shard, sid, l, slot, [srv, sid, l, tenant, cluster, done](SavedFile f) {
+      if (!f.ok() || !cluster) return done(f.status());
+      cluster_sync::ReplicateSaved(*srv, {"ATTENTION", tenant, sid.name, std::to_string(l)},
+                                   f->second, f->first, done);
+    });
   }
 }
 
-// Start-up: saved slots come back on their sessions' shards, known by their disk copies (a
-// query promotes them), with their generations: every new one is above them.
+// Installs the saved file of version `version` as its slot, known by its disk copy (a query
+// promotes it), with its generation (every new one is above it), on the shard that owns it
+// (replacing a slot held there). With `expect`, the file must be that session's layer
+// `expect_layer`. Runs at start-up (main thread) or on the owning shard.
+Status Adopt(server::Server& srv, uint64_t version,
+             const std::shared_ptr<residency::DiskFile>& file, const store::TenantKey* expect,
+             uint32_t expect_layer) {
+  auto rec = store::DecodeSavedRecord(file->file().meta(), "attention");
+  if (!rec.ok()) return rec.status();
+  auto tenant = rec->Get("tenant");
+  auto sid = rec->Get("sid");
+  auto dtype = rec->Get("dtype");
+  auto layer = rec->GetUint("layer");
+  auto heads = rec->GetUint("heads");
+  auto rows = rec->GetUint("rows");
+  auto d = rec->GetUint("head_dim");
+  auto gen = rec->GetUint("generation");
+  for (const Status* x : {&tenant.status(), &sid.status(), &dtype.status(), &layer.status(),
+                          &heads.status(), &rows.status(), &d.status(), &gen.status()}) {
+    if (!x->ok()) return *x;
+  }
+  auto slot = std::make_shared<attention::Slot>();
+  slot->heads = static_cast<uint32_t>(heads.value());
+  slot->rows = static_cast<uint32_t>(rows.value());
+  slot->d = static_cast<uint32_t>(d.value());
+  if (!kernels::ParseDType(dtype.value(), &slot->dtype) || file->file().block_count() != 2 ||
+      file->file().block_length(0) != slot->bytes_each() ||
+      file->file().block_length(1) != slot->bytes_each()) {
+    return Status(ErrorKind::kCorrupt, "its blocks do not match its shape");
+  }
+  const uint32_t tid = srv.users().TenantId(tenant.value());
+  const store::TenantKey key{tid, sid.value()};
+  const uint32_t l = static_cast<uint32_t>(layer.value());
+  if (expect != nullptr && (!(key == *expect) || l != expect_layer)) {
+    return Status(ErrorKind::kCorrupt,
+                  "it holds session '" + key.name.substr(0, 64) + "' layer " + std::to_string(l));
+  }
+  slot->gpu = srv.gpu_attention();
+  slot->generation = gen.value();
+  slot->source = rec->Get("source").ok() ? rec->Get("source").value() : std::string();
+  slot->obj = srv.residency()->CreateOnDisk(residency::Family::kAttention,
+                                            {slot->bytes_each(), slot->bytes_each()}, file, {0, 1},
+                                            HostAllocator(*slot));
+  attention::NoteSlotGeneration(slot->generation);
+  auto& slots = srv.shard(srv.OwnerOf(tid, key.name)).store().attention;
+  std::string old_path;
+  if (const auto* old = slots.SavedOf(key, l)) old_path = old->file->path();
+  slots.NoteVersion(key, l, version);
+  slots.Publish(key, l, slot);
+  slots.SetSaved(key, l, {file, version, slot->generation});
+  if (!old_path.empty() && old_path != file->path()) unlink(old_path.c_str());
+  return Status::Ok();
+}
+
+// Start-up: saved slots come back on their sessions' shards, known by their disk copies.
 Status LoadSaved(server::Server& srv) {
   return LoadSavedObjects(
       srv, SavedDir(srv, kDirName), "attention slot",
       [&](const store::disk::ListedObject& o, const std::shared_ptr<residency::DiskFile>& file) {
-        auto rec = store::DecodeSavedRecord(file->file().meta(), "attention");
-        if (!rec.ok()) return rec.status();
-        auto tenant = rec->Get("tenant");
-        auto sid = rec->Get("sid");
-        auto dtype = rec->Get("dtype");
-        auto layer = rec->GetUint("layer");
-        auto heads = rec->GetUint("heads");
-        auto rows = rec->GetUint("rows");
-        auto d = rec->GetUint("head_dim");
-        auto gen = rec->GetUint("generation");
-        for (const Status* x : {&tenant.status(), &sid.status(), &dtype.status(), &layer.status(),
-                                &heads.status(), &rows.status(), &d.status(), &gen.status()}) {
-          if (!x->ok()) return *x;
-        }
-        auto slot = std::make_shared<attention::Slot>();
-        slot->heads = static_cast<uint32_t>(heads.value());
-        slot->rows = static_cast<uint32_t>(rows.value());
-        slot->d = static_cast<uint32_t>(d.value());
-        if (!kernels::ParseDType(dtype.value(), &slot->dtype) || file->file().block_count() != 2 ||
-            file->file().block_length(0) != slot->bytes_each() ||
-            file->file().block_length(1) != slot->bytes_each()) {
-          return Status(ErrorKind::kCorrupt, "its blocks do not match its shape");
-        }
-        slot->gpu = srv.gpu_attention();
-        slot->generation = gen.value();
-        slot->source = rec->Get("source").ok() ? rec->Get("source").value() : std::string();
-        slot->obj = srv.residency()->CreateOnDisk(residency::Family::kAttention,
-                                                  {slot->bytes_each(), slot->bytes_each()}, file,
-                                                  {0, 1}, HostAllocator(*slot));
-        attention::NoteSlotGeneration(slot->generation);
-        const uint32_t tid = srv.users().TenantId(tenant.value());
-        const store::TenantKey key{tid, sid.value()};
-        const uint32_t l = static_cast<uint32_t>(layer.value());
-        auto& slots = srv.shard(srv.OwnerOf(tid, key.name)).store().attention;
-        slots.NoteVersion(key, l, o.version);
-        slots.Publish(key, l, slot);
-        slots.SetSaved(key, l, {file, o.version, slot->generation});
-        return Status::Ok();
+        return Adopt(srv, o.version, file, nullptr, 0);
       });
+}
+
+cluster_sync::HeldObject HeldOf(server::Server& srv, const store::TenantKey& sid, uint32_t layer,
+                                const attention::SlotRef& slot,
+                                const attention::SlotStore::Saved* saved) {
+  const bool current = saved != nullptr && saved->generation == slot->generation;
+  return {sid,
+          srv.users().TenantName(sid.tenant),
+          std::to_string(layer),
+          saved != nullptr ? saved->version : 0,
+          saved != nullptr ? saved->file->path() : std::string(),
+          !current,
+          false};
+}
+
+// A copy's layer ("part" on the wire).
+bool LayerOf(const std::string& part, uint32_t* layer) {
+  int64_t v = 0;
+  if (!ParseInt64(part, &v) || v < 0 || v > UINT32_MAX) return false;
+  *layer = static_cast<uint32_t>(v);
+  return true;
+}
+
+Status CheckCopy(server::Shard& sh, const store::TenantKey& sid, const std::string& part,
+                 uint64_t version) {
+  uint32_t l = 0;
+  if (!LayerOf(part, &l)) {
+    return Error("an attention slot copy needs its layer as its part, got '" + part.substr(0, 32) +
+                 "'");
+  }
+  auto& slots = sh.store().attention;
+  attention::SlotRef slot = slots.Find(sid, l);
+  if (slot == nullptr) return Status::Ok();
+  const auto* saved = slots.SavedOf(sid, l);
+  if (saved != nullptr && saved->version >= version) {
+    return Status(ErrorKind::kMismatch, "stale: attention slot '" + sid.name.substr(0, 128) +
+                                            "' layer " + part + " is at version " +
+                                            std::to_string(saved->version) + " here, not below " +
+                                            std::to_string(version));
+  }
+  if (saved == nullptr || saved->generation != slot->generation) {
+    return Status(ErrorKind::kBusy, "attention slot '" + sid.name.substr(0, 128) + "' layer " +
+                                        part + " was stored on this node meanwhile; not replaced");
+  }
+  return Status::Ok();
+}
+
+// ATTEND.PREFIX slots as cluster mode copies and moves them (cluster_internal.h): one object
+// per layer, the layer its part.
+cluster_sync::SavedKind SavedKindOf() {
+  using cluster_sync::HeldObject;
+  cluster_sync::SavedKind k;
+  k.name = "ATTENTION";
+  k.held = [](server::Server& srv, server::Shard& sh) {
+    std::vector<HeldObject> out;
+    sh.store().attention.ForEach([&](const store::TenantKey& sid, uint32_t l,
+                                     const attention::SlotRef& slot,
+                                     const attention::SlotStore::Saved* saved) {
+      out.push_back(HeldOf(srv, sid, l, slot, saved));
+    });
+    return out;
+  };
+  k.find = [](server::Server& srv, server::Shard& sh, const store::TenantKey& sid,
+              const std::string& part) -> std::optional<HeldObject> {
+    uint32_t l = 0;
+    if (!LayerOf(part, &l)) return std::nullopt;
+    attention::SlotRef slot = sh.store().attention.Find(sid, l);
+    if (slot == nullptr) return std::nullopt;
+    return HeldOf(srv, sid, l, slot, sh.store().attention.SavedOf(sid, l));
+  };
+  k.file_of = [](server::Server& srv, const cluster_sync::ObjectId& id) {
+    return std::make_pair(
+        SavedDir(srv, kDirName),
+        store::SavedObjectName("attention", id.tenant, id.key + std::string(1, '\0') + id.part));
+  };
+  k.check = [](server::Server&, server::Shard& sh, const store::TenantKey& sid,
+               const std::string& part,
+               uint64_t version) { return CheckCopy(sh, sid, part, version); };
+  k.install = [](server::Server& srv, server::Shard& sh, const store::TenantKey& sid,
+                 const std::string& part, uint64_t version, const std::string& path) {
+    Status ok = CheckCopy(sh, sid, part, version);
+    auto file = ok.ok() ? srv.residency()->OpenSaved(path)
+                        : StatusOr<std::shared_ptr<residency::DiskFile>>(ok);
+    uint32_t l = 0;
+    LayerOf(part, &l);
+    if (ok.ok() && file.ok()) ok = Adopt(srv, version, file.value(), &sid, l);
+    if (ok.ok() && !file.ok()) ok = file.status();
+    if (!ok.ok()) {
+      unlink(path.c_str());
+      if (ok.kind() != ErrorKind::kCorrupt && ok.kind() != ErrorKind::kIo) return ok;
+      return Status(ErrorKind::kCorrupt, "the copy of attention slot '" + sid.name.substr(0, 128) +
+                                             "' layer " + part + " does not open: " + ok.message());
+    }
+    return ok;
+  };
+  k.discard = [](server::Server& srv, server::Shard& sh, const store::TenantKey& sid,
+                 const std::string& part, uint64_t max_version) {
+    uint32_t l = 0;
+    if (!LayerOf(part, &l)) return Status::Ok();
+    auto& slots = sh.store().attention;
+    if (slots.Find(sid, l) == nullptr) return Status::Ok();
+    const auto* saved = slots.SavedOf(sid, l);
+    if (max_version != 0 && saved != nullptr && saved->version > max_version) return Status::Ok();
+    if (saved != nullptr) {
+      Status s = store::disk::RemoveObject(SavedDir(srv, kDirName), SlotObjectName(srv, sid, l));
+      if (!s.ok()) return s;
+    }
+    slots.Drop(sid, l);
+    return Status::Ok();
+  };
+  k.save_for_move = [](server::Server& srv, server::Shard& sh, const store::TenantKey& sid,
+                       const std::string& part, std::function<void(SavedFile)> done) {
+    uint32_t l = 0;
+    attention::SlotRef slot = LayerOf(part, &l) ? sh.store().attention.Find(sid, l) : nullptr;
+    if (slot == nullptr) {
+      return done(Status(ErrorKind::kMiss, "attention slot '" + sid.name.substr(0, 128) +
+                                               "' layer " + part + " is gone"));
+    }
+    SaveLayer(srv, sh, sid, l, std::move(slot), std::move(done));
+  };
+  return k;
 }
 
 // Four map entries: heads, rows, head_dim, dtype.
@@ -930,6 +1088,7 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
   RegisterQueryCommands(srv);
   srv.memory().set_family_limit(MemFamily::kAttention, srv.config().attention_memory);
   srv.AddStartupHook(LoadSaved);
+  cluster_sync::AddSavedKind(SavedKindOf());
 }
 
 }  // namespace pion::families

@@ -7,15 +7,15 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <cctype>
+
 #include "cluster/key_slot.h"
 #include "families/args.h"
 #include "families/cluster_internal.h"
 #include "families/cluster_node.h"
 #include "families/families.h"
-#include "families/kvprefix_internal.h"
 #include "net/connection.h"
 #include "store/disk/object_file.h"
-#include "store/prefix_object.h"
 
 namespace pion::families {
 namespace {
@@ -331,27 +331,51 @@ bool ParseVersion(std::string_view text, uint64_t* v) {
   return true;
 }
 
-// CLUSTER.PUT PREFIX <tenant> <ns> <version> <object_file>: a copy of a saved namespace from
-// the node that owns (or is moving) its slot. Checked against what is held (never older),
-// written durably, then installed on the namespace's shard.
+// The kind named by argument 1, its part (argument `part_at`, if given) and version
+// (argument 4); false with the error written when they are not valid.
+bool ParseObject(CommandContext& ctx, CmdArgs& args, size_t part_at, const char* cmd,
+                 const cluster_sync::SavedKind** kind, std::string* part, uint64_t* version) {
+  std::string name(args[1].substr(0, 32));
+  for (char& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  *kind = cluster_sync::FindSavedKind(name);
+  if (*kind == nullptr) {
+    std::string names;
+    for (const auto& k : cluster_sync::SavedKinds()) names += (names.empty() ? "" : ", ") + k.name;
+    ctx.rb->ErrorLine(std::string("ERR ") + cmd + " takes kind " + names + ", got '" +
+                      std::string(args[1].substr(0, 32)) + "'");
+    return false;
+  }
+  if (args.size() > part_at + 1) {
+    ctx.WrongArity();
+    return false;
+  }
+  *part = args.size() > part_at ? std::string(args[part_at]) : std::string();
+  if (!ParseVersion(args[4], version)) {
+    ctx.rb->ErrorLine("ERR version must be a positive integer, got '" +
+                      std::string(args[4].substr(0, 32)) + "'");
+    return false;
+  }
+  return true;
+}
+
+// CLUSTER.PUT <kind> <tenant> <key> <version> <object_file> [<part>]: a copy of a saved object
+// from the node that owns (or is moving) its slot. Checked against what is held (never
+// older), written durably, then installed on the key's shard.
 void Put(CommandContext& ctx, CmdArgs& args) {
   if (NodeOf(*ctx.server) == nullptr) return ctx.rb->ErrorLine(kDisabled);
-  if (!EqualsIgnoreCase(args[1], "PREFIX")) {
-    return ctx.rb->ErrorLine("ERR CLUSTER.PUT copies kind PREFIX only, got '" +
-                             std::string(args[1].substr(0, 32)) + "'");
-  }
+  const cluster_sync::SavedKind* kind = nullptr;
+  std::string part;
   uint64_t version = 0;
-  if (!ParseVersion(args[4], &version)) {
-    return ctx.rb->ErrorLine("ERR version must be a positive integer, got '" +
-                             std::string(args[4].substr(0, 32)) + "'");
-  }
+  if (!ParseObject(ctx, args, 6, "CLUSTER.PUT", &kind, &part, &version)) return;
   server::Server* srv = ctx.server;
-  const std::string tenant(args[2]);
-  const store::TenantKey key{srv->users().TenantId(tenant), std::string(args[3])};
+  const cluster_sync::ObjectId id{kind->name, std::string(args[2]), std::string(args[3]), part};
+  const store::TenantKey key{srv->users().TenantId(id.tenant), id.key};
   auto bytes = args.TakeBuffer(5);
   if (!bytes.ok()) return ctx.Error(bytes.status());
   BufferRef file = std::move(bytes).value();
-  const int owner = srv->OwnerOf(key.tenant, key.name);
+  const std::string_view route = cluster_sync::RouteKeyOf(*kind, key.name);
+  const int owner = srv->OwnerOf(key.tenant, route);
+  const int slot = cluster::KeySlot(route);
   auto reply = ctx.Defer();
   auto answer = [reply](Status s) {
     reply([s](proto::ReplyBuilder& rb) {
@@ -362,65 +386,58 @@ void Put(CommandContext& ctx, CmdArgs& args) {
       }
     });
   };
+  // Whether this node owns the object's slot: it then makes sure its own replicas have the
+  // copy before the sender lets go of it (a slot moving here).
+  auto owns = [srv, slot] {
+    ClusterNode* node = NodeOf(*srv);
+    auto m = node->map();
+    const int self = m->IndexOf(node->node_id());
+    return self >= 0 && m->owner[slot] == self;
+  };
   srv->shard(owner).PostControl([=](server::Shard& sh) {
-    Status ok = kvprefix::CheckPushable(sh, key, version);
+    Status ok = kind->check(*srv, sh, key, part, version);
     if (!ok.ok()) {
-      // Held already (this node was a replica of the sender): as the slot's owner it still
-      // makes sure its own replicas have it before the sender lets go.
-      ClusterNode* node = NodeOf(*srv);
-      auto m = node->map();
-      const int self = m->IndexOf(node->node_id());
-      store::PrefixEntry* e = sh.store().prefixes.Find(key);
-      if (ok.kind() == ErrorKind::kMismatch && e != nullptr && self >= 0 &&
-          m->owner[cluster::KeySlot(key.name)] == self && e->saved_version > 0) {
+      // Held already (this node was a replica of the sender).
+      auto held = kind->find(*srv, sh, key, part);
+      if (ok.kind() == ErrorKind::kMismatch && held && held->version > 0 && owns()) {
         return cluster_sync::ReplicateSaved(
-            *srv, tenant, key.name, e->saved_version, e->disk_path,
+            *srv, id, held->version, held->path,
             [answer, ok](const Status& r) { answer(r.ok() ? ok : r); });
       }
       return answer(ok);
     }
     bool queued = srv->io()->Submit([=] {
-      const std::string dir = kvprefix::PrefixDir(*srv);
-      const std::string name = store::PrefixObjectName(tenant, key.name);
+      auto [dir, name] = kind->file_of(*srv, id);
       Status w = store::disk::WriteObjectBytes(
           dir, name, version,
           std::string_view(reinterpret_cast<const char*>(file->data()), file->size()));
       if (!w.ok()) return answer(w);
       const std::string path = store::disk::ObjectPath(dir, name, version);
       srv->shard(owner).PostControl([=](server::Shard& sh2) {
-        Status in = kvprefix::InstallPushed(*srv, sh2, key, version, path);
+        Status in = kind->install(*srv, sh2, key, part, version, path);
         if (!in.ok()) return answer(in);
-        ClusterNode* node = NodeOf(*srv);
-        node->counters().received.fetch_add(1);
-        // A slot moving here: this node owns it, so its replicas get the copy before the
-        // sender lets go of it.
-        auto m = node->map();
-        const int self = m->IndexOf(node->node_id());
-        if (self < 0 || m->owner[cluster::KeySlot(key.name)] != self) return answer(in);
-        cluster_sync::ReplicateSaved(*srv, tenant, key.name, version, path, answer);
+        NodeOf(*srv)->counters().received.fetch_add(1);
+        if (!owns()) return answer(in);
+        cluster_sync::ReplicateSaved(*srv, id, version, path, answer);
       });
     });
     if (!queued) answer(Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
   });
 }
 
-// CLUSTER.DEL PREFIX <tenant> <ns> <version>: the owner dropped the namespace.
+// CLUSTER.DEL <kind> <tenant> <key> <version> [<part>]: the owner dropped the object.
 void Del(CommandContext& ctx, CmdArgs& args) {
   if (NodeOf(*ctx.server) == nullptr) return ctx.rb->ErrorLine(kDisabled);
-  if (!EqualsIgnoreCase(args[1], "PREFIX")) {
-    return ctx.rb->ErrorLine("ERR CLUSTER.DEL drops kind PREFIX only, got '" +
-                             std::string(args[1].substr(0, 32)) + "'");
-  }
+  const cluster_sync::SavedKind* kind = nullptr;
+  std::string part;
   uint64_t version = 0;
-  if (!ParseVersion(args[4], &version)) {
-    return ctx.rb->ErrorLine("ERR version must be a positive integer, got '" +
-                             std::string(args[4].substr(0, 32)) + "'");
-  }
+  if (!ParseObject(ctx, args, 5, "CLUSTER.DEL", &kind, &part, &version)) return;
   server::Server* srv = ctx.server;
   const store::TenantKey key{srv->users().TenantId(args[2]), std::string(args[3])};
   auto reply = ctx.Defer();
-  srv->shard(srv->OwnerOf(key.tenant, key.name)).PostControl([=](server::Shard& sh) {
-    Status s = kvprefix::DiscardHere(*srv, sh, key, version);
+  const int owner = srv->OwnerOf(key.tenant, cluster_sync::RouteKeyOf(*kind, key.name));
+  srv->shard(owner).PostControl([=](server::Shard& sh) {
+    Status s = kind->discard(*srv, sh, key, part, version);
     reply([s](proto::ReplyBuilder& rb) {
       if (s.ok()) {
         rb.Ok();
@@ -474,12 +491,12 @@ void RegisterClusterFamily(server::Server& srv) {
               "Refused: replicas hold saved copies, not live data.", ""});
   r.Register({"READWRITE", 1, kCmdFast | kCmdConnection, 0, 0, 0, ReadWrite, "cluster",
               "Reads and writes go to slot owners (the only mode).", ""});
-  r.Register({"CLUSTER.PUT", 6, kCmdAdmin | kCmdWrite, 0, 0, 0, Put, "cluster",
+  r.Register({"CLUSTER.PUT", -6, kCmdAdmin | kCmdWrite, 0, 0, 0, Put, "cluster",
               "Node to node: a copy of a saved object (replica, or a slot moving here).",
-              "PREFIX <tenant> <ns> <version> <object_file>"});
-  r.Register({"CLUSTER.DEL", 5, kCmdAdmin | kCmdWrite, 0, 0, 0, Del, "cluster",
+              "PREFIX|STATE|SSM|ATTENTION|VSNAP <tenant> <key> <version> <object_file> [<part>]"});
+  r.Register({"CLUSTER.DEL", -5, kCmdAdmin | kCmdWrite, 0, 0, 0, Del, "cluster",
               "Node to node: drop the copy of an object its owner dropped.",
-              "PREFIX <tenant> <ns> <version>"});
+              "PREFIX|STATE|SSM|ATTENTION|VSNAP <tenant> <key> <version> [<part>]"});
   r.Register({"CLUSTER.REFRESH", 1, kCmdAdmin, 0, 0, 0, Refresh, "cluster",
               "Node to node: read the slot map from etcd now.", ""});
   if (CommandSpec* store_from = r.FindMutable("ATTEND.PREFIX.STORE")) {

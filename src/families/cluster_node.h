@@ -1,13 +1,14 @@
 // A Pion node in cluster mode (--cluster): its membership in etcd (cluster/membership.h), the
 // slot routing the dispatcher applies (server::ClusterRouting), and the replication thread
 // that keeps other nodes' copies right as the slot map changes:
-//  - every KV.PREFIX.SAVE is sent to this node's replicas before it is acknowledged, every
-//    KV.PREFIX.DROP of a saved namespace after;
-//  - when a replica is new (or restarted: a new incarnation) it gets every saved namespace of
+//  - every save of a saved object (each family's SavedKind, cluster_internal.h: KV.PREFIX,
+//    STATE, SSM.PREFIX, ATTEND.PREFIX, sealed V snapshots) is sent to this node's replicas
+//    before it is acknowledged, every drop of a saved object after;
+//  - when a replica is new (or restarted: a new incarnation) it gets every saved object of
 //    this node's slots, and when this node takes slots (fail-over, a move) its replicas get
 //    theirs;
 //  - a slot that moves belongs to its new owner at once; the old one sends it the slot's
-//    namespaces one by one (saved if changed, sent, dropped here; a client asking for one in
+//    objects one by one (saved if changed, sent, dropped here; a client writing one in
 //    flight gets -TRYAGAIN), the new owner sends clients to the old one with -ASK for keys not
 //    there yet, and when none is left the old one ends the move in the map;
 //  - what this node holds for slots that are neither its own, moving to it, nor its
@@ -29,6 +30,7 @@
 
 #include "cluster/membership.h"
 #include "cluster/node_client.h"
+#include "families/cluster_internal.h"
 #include "server/cluster_routing.h"
 #include "server/server.h"
 #include "store/tenant_key.h"
@@ -65,8 +67,8 @@ class ClusterNode final : public server::ClusterRouting {
     std::atomic<uint64_t> pushed{0};         // object copies sent and taken
     std::atomic<uint64_t> push_failures{0};  // copies a replica or target did not take
     std::atomic<uint64_t> received{0};       // copies taken from other nodes
-    std::atomic<uint64_t> moved_out{0};      // namespaces moved to another node
-    std::atomic<uint64_t> discarded{0};      // namespaces dropped: their slot left this node
+    std::atomic<uint64_t> moved_out{0};      // objects moved to another node
+    std::atomic<uint64_t> discarded{0};      // objects dropped: their slot left this node
     std::atomic<uint64_t> pending_syncs{0};  // replicas not yet holding every saved object
   };
   Counters& counters() { return counters_; }
@@ -80,9 +82,9 @@ class ClusterNode final : public server::ClusterRouting {
   bool MoveSlots(const cluster::SlotMap& m, int self);
   // Runs f on every shard (control tasks) and waits; from the replication thread only.
   void OnEveryShard(const std::function<void(server::Shard&)>& f);
-  // Pushes one saved namespace's file to `addr`; Ok when taken (or already newer there).
-  Status Push(const std::string& addr, const std::string& tenant, const std::string& ns,
-              uint64_t version, const std::string& path);
+  // Pushes one saved object's file to `addr`; Ok when taken (or already newer there).
+  Status Push(const std::string& addr, const ObjectId& id, uint64_t version,
+              const std::string& path);
 
   server::Server& srv_;
   cluster::Membership membership_;

@@ -10,9 +10,7 @@
 #include "cluster/key_slot.h"
 #include "families/cluster_internal.h"
 #include "families/cluster_node.h"
-#include "families/kvprefix_internal.h"
 #include "families/vstore_internal.h"
-#include "store/prefix_object.h"
 
 namespace pion::families::cluster_sync {
 namespace {
@@ -41,6 +39,76 @@ bool InList(const std::vector<int16_t>& list, int i) {
 ClusterNode* NodeOf(server::Server& srv) { return static_cast<ClusterNode*>(srv.cluster()); }
 
 bool Enabled(server::Server& srv) { return srv.cluster() != nullptr; }
+
+namespace {
+std::vector<SavedKind>& Registry() {
+  static std::vector<SavedKind> kinds;
+  return kinds;
+}
+}  // namespace
+
+void AddSavedKind(SavedKind kind) {
+  for (SavedKind& k : Registry()) {
+    if (k.name == kind.name) return;
+  }
+  Registry().push_back(std::move(kind));
+}
+
+const std::vector<SavedKind>& SavedKinds() { return Registry(); }
+
+const SavedKind* FindSavedKind(std::string_view name) {
+  for (const SavedKind& k : Registry()) {
+    if (k.name == name) return &k;
+  }
+  return nullptr;
+}
+
+std::string_view RouteKeyOf(const SavedKind& kind, std::string_view key) {
+  return kind.route_key ? kind.route_key(key) : key;
+}
+
+std::function<void(const Status&)> AnswerWith(
+    std::function<void(server::CommandContext::ReplyWriter)> reply,
+    server::CommandContext::ReplyWriter ok) {
+  return [reply = std::move(reply), ok = std::move(ok)](const Status& s) {
+    if (s.ok()) return reply(ok);
+    reply([s](proto::ReplyBuilder& rb) { rb.Error(s); });
+  };
+}
+
+std::function<void(const Status&)> Gather(size_t n, std::function<void(const Status&)> all) {
+  struct State {
+    std::mutex mu;
+    size_t left;
+    Status first;
+    std::function<void(const Status&)> all;
+  };
+  auto st = std::make_shared<State>();
+  st->left = n;
+  st->all = std::move(all);
+  return [st](const Status& s) {
+    Status result;
+    {
+      std::lock_guard<std::mutex> lock(st->mu);
+      if (!s.ok() && st->first.ok()) st->first = s;
+      if (--st->left != 0) return;
+      result = st->first;
+    }
+    st->all(result);
+  };
+}
+
+namespace {
+// The wire arguments naming `id` at `version` (the part last, when there is one).
+std::vector<std::string_view> ObjectArgs(std::string_view cmd, const ObjectId& id,
+                                         const std::string& version) {
+  return {cmd, id.kind, id.tenant, id.key, version};
+}
+
+void AddPart(std::vector<std::string_view>* args, const ObjectId& id) {
+  if (!id.part.empty()) args->push_back(id.part);
+}
+}  // namespace
 
 ClusterNode::ClusterNode(server::Server& srv, cluster::MembershipOptions options)
     : srv_(srv),
@@ -100,6 +168,7 @@ bool ClusterNode::KeyPresent(server::Shard& shard, uint32_t tenant, std::string_
   if (st.vstore.Find(k) != nullptr) return true;
   if (st.state.Find(k).ok()) return true;
   if (st.ssm.Find(k) != nullptr) return true;
+  if (st.vstore.SealedCount(k) > 0) return true;
   if (!st.attention.Layers(k).empty()) return true;
   return st.index.Find(k) != nullptr;
 }
@@ -129,21 +198,31 @@ Status ClusterNode::Start() {
   // What the disk held at start-up for slots that are not this node's any more is stale, and
   // copies for other nodes' slots may have missed drops while this node was down: keep only
   // this node's own slots; owners send their replicas everything again.
-  std::vector<std::pair<int, store::TenantKey>> drop;
-  for (int i = 0; i < srv_.shard_count(); ++i) {
-    for (const auto& p : kvprefix::HeldPrefixes(srv_, srv_.shard(i))) {
-      const int slot = cluster::KeySlot(p.key.name);
-      if (self < 0 || (m->owner[slot] != self && m->moving_from[slot] != self)) {
-        drop.emplace_back(i, p.key);
+  struct Stale {
+    const SavedKind* kind;
+    int shard;
+    HeldObject obj;
+  };
+  std::vector<Stale> drop;
+  for (const SavedKind& kind : SavedKinds()) {
+    for (int i = 0; i < srv_.shard_count(); ++i) {
+      for (auto& o : kind.held(srv_, srv_.shard(i))) {
+        const int slot = cluster::KeySlot(RouteKeyOf(kind, o.key.name));
+        if (self < 0 || (m->owner[slot] != self && m->moving_from[slot] != self)) {
+          drop.push_back({&kind, i, std::move(o)});
+        }
       }
     }
   }
-  for (const auto& [i, key] : drop) {
-    Status d = kvprefix::DiscardHere(srv_, srv_.shard(i), key, 0);
-    if (!d.ok()) spdlog::warn("cluster: could not drop '{}': {}", key.name, d.message());
+  for (const Stale& d : drop) {
+    Status st = d.kind->discard(srv_, srv_.shard(d.shard), d.obj.key, d.obj.part, 0);
+    if (!st.ok()) {
+      spdlog::warn("cluster: could not drop {} '{}': {}", d.kind->name, d.obj.key.name,
+                   st.message());
+    }
   }
   if (!drop.empty()) {
-    spdlog::info("cluster: dropped {} saved namespace(s) of slots this node no longer owns",
+    spdlog::info("cluster: dropped {} saved object(s) of slots this node no longer owns",
                  drop.size());
     counters_.discarded.fetch_add(drop.size());
   }
@@ -249,12 +328,15 @@ void ClusterNode::OnEveryShard(const std::function<void(server::Shard&)>& f) {
   }
 }
 
-Status ClusterNode::Push(const std::string& addr, const std::string& tenant, const std::string& ns,
-                         uint64_t version, const std::string& path) {
+Status ClusterNode::Push(const std::string& addr, const ObjectId& id, uint64_t version,
+                         const std::string& path) {
   auto bytes = ReadFile(path);
   if (!bytes.ok()) return bytes.status();
   const std::string v = std::to_string(version);
-  auto r = Call(addr, {"CLUSTER.PUT", "PREFIX", tenant, ns, v, bytes.value()});
+  auto args = ObjectArgs("CLUSTER.PUT", id, v);
+  args.push_back(bytes.value());
+  AddPart(&args, id);
+  auto r = Call(addr, args);
   if (!r.ok()) {
     counters_.push_failures.fetch_add(1);
     return r.status();
@@ -289,26 +371,30 @@ void ClusterNode::Discard(const SlotMap& m, int self) {
   }
   std::atomic<uint64_t> dropped{0};
   OnEveryShard([&](server::Shard& sh) {
-    for (const auto& p : kvprefix::HeldPrefixes(srv_, sh)) {
-      const int slot = cluster::KeySlot(p.key.name);
-      if (own[slot] || (keep[slot] && !p.resident)) continue;
-      Status s = kvprefix::DiscardHere(srv_, sh, p.key, 0);
-      if (s.ok()) {
-        dropped.fetch_add(1);
-      } else {
-        spdlog::warn("cluster: could not drop '{}' (slot {}): {}", p.key.name, slot, s.message());
+    for (const SavedKind& kind : SavedKinds()) {
+      for (const auto& o : kind.held(srv_, sh)) {
+        const int slot = cluster::KeySlot(RouteKeyOf(kind, o.key.name));
+        if (own[slot] || (keep[slot] && !o.live)) continue;
+        Status s = kind.discard(srv_, sh, o.key, o.part, 0);
+        if (s.ok()) {
+          dropped.fetch_add(1);
+        } else {
+          spdlog::warn("cluster: could not drop {} '{}' (slot {}): {}", kind.name, o.key.name, slot,
+                       s.message());
+        }
       }
     }
   });
   if (dropped.load() > 0) {
     counters_.discarded.fetch_add(dropped.load());
-    spdlog::info("cluster: dropped {} namespace(s) of slots that left this node", dropped.load());
+    spdlog::info("cluster: dropped {} object(s) of slots that left this node", dropped.load());
   }
 }
 
 bool ClusterNode::SyncReplicas(const SlotMap& m, int self) {
   struct Saved {
-    std::string tenant, ns, path;
+    ObjectId id;
+    std::string path;
     uint64_t version;
     int slot;
   };
@@ -329,11 +415,13 @@ bool ClusterNode::SyncReplicas(const SlotMap& m, int self) {
   std::vector<Saved> saved;
   std::mutex mu;
   OnEveryShard([&](server::Shard& sh) {
-    for (const auto& p : kvprefix::HeldPrefixes(srv_, sh)) {
-      const int slot = cluster::KeySlot(p.key.name);
-      if (m.owner[slot] != self || p.saved_version == 0 || p.corrupt) continue;
-      std::lock_guard<std::mutex> lock(mu);
-      saved.push_back({p.tenant, p.key.name, p.disk_path, p.saved_version, slot});
+    for (const SavedKind& kind : SavedKinds()) {
+      for (auto& o : kind.held(srv_, sh)) {
+        const int slot = cluster::KeySlot(RouteKeyOf(kind, o.key.name));
+        if (m.owner[slot] != self || o.version == 0 || o.corrupt) continue;
+        std::lock_guard<std::mutex> lock(mu);
+        saved.push_back({{kind.name, o.tenant, o.key.name, o.part}, o.path, o.version, slot});
+      }
     }
   });
   bool all_ok = true;
@@ -344,13 +432,13 @@ bool ClusterNode::SyncReplicas(const SlotMap& m, int self) {
     size_t sent = 0;
     for (const Saved& s : saved) {
       if (!whole && new_slots.count(s.slot) == 0) continue;
-      Status st = Push(node.addr, s.tenant, s.ns, s.version, s.path);
+      Status st = Push(node.addr, s.id, s.version, s.path);
       if (!st.ok() && st.kind() == ErrorKind::kIo && st.message().find("cannot open") == 0) {
         continue;  // saved again meanwhile: that save sends its own copy
       }
       if (!st.ok()) {
-        spdlog::warn("cluster: copying saved namespaces to replica '{}' ({}): {}", node.id,
-                     node.addr, st.message());
+        spdlog::warn("cluster: copying saved objects to replica '{}' ({}): {}", node.id, node.addr,
+                     st.message());
         ok = false;
         break;
       }
@@ -358,7 +446,7 @@ bool ClusterNode::SyncReplicas(const SlotMap& m, int self) {
     }
     if (ok && whole) {
       synced_[node.id] = node.incarnation;
-      spdlog::info("cluster: replica '{}' holds this node's {} saved namespace(s)", node.id, sent);
+      spdlog::info("cluster: replica '{}' holds this node's {} saved object(s)", node.id, sent);
     }
     all_ok = all_ok && ok;
   }
@@ -393,51 +481,62 @@ bool ClusterNode::MoveSlots(const SlotMap& m, int self) {
     // Passes until none is left: a client sent here with -ASK may have created one meanwhile
     // only before the owner had the slot (after that, new keys are the owner's).
     for (int pass = 0; pass < 3; ++pass) {
-      std::vector<std::pair<int, store::TenantKey>> keys;
-      std::vector<std::string> tenants;
+      struct Moving {
+        const SavedKind* kind;
+        int shard;
+        HeldObject obj;
+      };
+      std::vector<Moving> objs;
       std::mutex mu;
       OnEveryShard([&](server::Shard& sh) {
-        for (const auto& p : kvprefix::HeldPrefixes(srv_, sh)) {
-          if (!in_batch[cluster::KeySlot(p.key.name)]) continue;
-          std::lock_guard<std::mutex> lock(mu);
-          keys.emplace_back(sh.id(), p.key);
-          tenants.push_back(p.tenant);
+        for (const SavedKind& kind : SavedKinds()) {
+          for (auto& o : kind.held(srv_, sh)) {
+            if (!in_batch[cluster::KeySlot(RouteKeyOf(kind, o.key.name))]) continue;
+            std::lock_guard<std::mutex> lock(mu);
+            objs.push_back({&kind, sh.id(), std::move(o)});
+          }
         }
       });
-      if (keys.empty()) break;
-      for (size_t i = 0; i < keys.size() && done; ++i) {
-        const int shard_id = keys[i].first;
-        const store::TenantKey key = keys[i].second;
-        server::Shard& sh = srv_.shard(shard_id);
+      if (objs.empty()) break;
+      for (size_t i = 0; i < objs.size() && done; ++i) {
+        const SavedKind* kind = objs[i].kind;
+        const store::TenantKey key = objs[i].obj.key;
+        const std::string part = objs[i].obj.part;
+        const ObjectId id{kind->name, objs[i].obj.tenant, key.name, part};
+        // What clients name while it is in flight (V sessions by their namespace).
+        const store::TenantKey fence{key.tenant, std::string(vstore::SessionRouteKey(key.name))};
+        server::Shard& sh = srv_.shard(objs[i].shard);
         // Held in flight (clients get -TRYAGAIN) from its snapshot until it is dropped here, so
         // no write lands between the copy and the drop.
         std::promise<StatusOr<std::pair<std::string, uint64_t>>> saved;
-        sh.PostControl([this, &saved, key](server::Shard& s) {
-          in_flight_[static_cast<size_t>(s.id())].insert(key);
-          kvprefix::SaveForMove(srv_, s, key, [&saved](auto r) { saved.set_value(std::move(r)); });
+        sh.PostControl([this, &saved, kind, key, part, fence](server::Shard& s) {
+          in_flight_[static_cast<size_t>(s.id())].insert(fence);
+          kind->save_for_move(srv_, s, key, part,
+                              [&saved](auto r) { saved.set_value(std::move(r)); });
         });
         auto file = saved.get_future().get();
-        Status st = file.ok() ? Push(to.addr, tenants[i], key.name, file->second, file->first)
-                              : file.status();
+        Status st = file.ok() ? Push(to.addr, id, file->second, file->first) : file.status();
         // A replica of the new owner keeps the file as its copy; others let go of it.
         const bool replica = InList(m.replicas[target], self);
         const uint64_t version = file.ok() ? file->second : 0;
         std::promise<Status> dropped;
-        sh.PostControl([this, &dropped, key, st, replica, version](server::Shard& s) {
-          Status d = st;
-          if (st.ok() && replica) {
-            d = kvprefix::KeepDiskCopyOnly(srv_, s, key, version);
-          } else if (st.ok() || st.kind() == ErrorKind::kMiss) {
-            d = kvprefix::DiscardHere(srv_, s, key, 0);
-          }
-          in_flight_[static_cast<size_t>(s.id())].erase(key);
-          dropped.set_value(d);
-        });
+        sh.PostControl(
+            [this, &dropped, kind, key, part, fence, st, replica, version](server::Shard& s) {
+              Status d = st;
+              if (st.ok() && replica) {
+                d = kind->keep_copy ? kind->keep_copy(srv_, s, key, part, version) : Status::Ok();
+              } else if (st.ok() || st.kind() == ErrorKind::kMiss) {
+                d = kind->discard(srv_, s, key, part, 0);
+              }
+              in_flight_[static_cast<size_t>(s.id())].erase(fence);
+              dropped.set_value(d);
+            });
         Status d = dropped.get_future().get();
         if (d.ok()) {
           ++moved;
         } else {
-          spdlog::warn("cluster: moving '{}' to '{}': {}", key.name, to.id, d.message());
+          spdlog::warn("cluster: moving {} '{}' to '{}': {}", kind->name, key.name, to.id,
+                       d.message());
           done = false;
         }
       }
@@ -474,58 +573,63 @@ bool ClusterNode::MoveSlots(const SlotMap& m, int self) {
   return all_done;
 }
 
-void ReplicateSaved(server::Server& srv, std::string tenant, std::string ns, uint64_t version,
-                    std::string path, std::function<void(const Status&)> done) {
-  ClusterNode* node = NodeOf(srv);
-  node->Enqueue([node, tenant = std::move(tenant), ns = std::move(ns), version,
-                 path = std::move(path), done = std::move(done)]() {
-    auto m = node->map();
-    const int self = m->IndexOf(node->node_id());
-    if (self < 0) return done(Status::Ok());
-    for (int16_t r : m->replicas[self]) {
-      const cluster::NodeInfo& rep = m->nodes[r];
-      auto bytes = ReadFile(path);
-      if (!bytes.ok()) return done(Status::Ok());  // a newer save replaced it: that one replicates
-      const std::string v = std::to_string(version);
-      auto reply = node->Call(rep.addr, {"CLUSTER.PUT", "PREFIX", tenant, ns, v, bytes.value()});
-      Status st = reply.ok() ? Status::Ok() : reply.status();
-      if (st.ok() && reply->type == Reply::Type::kError &&
-          reply->text.rfind("MISMATCH stale", 0) != 0) {
-        st = Status(ErrorKind::kIo, reply->text);
-      }
-      if (!st.ok()) {
-        node->counters().push_failures.fetch_add(1);
-        return done(Status(ErrorKind::kIo, "saved on this node, but its copy to replica '" +
-                                               rep.id + "' (" + rep.addr +
-                                               ") failed: " + st.message()));
-      }
-      node->counters().pushed.fetch_add(1);
-    }
-    done(Status::Ok());
-  });
-}
-
-void ReplicateDrop(server::Server& srv, std::string tenant, std::string ns, uint64_t version,
-                   std::function<void(const Status&)> done) {
+void ReplicateSaved(server::Server& srv, ObjectId id, uint64_t version, std::string path,
+                    std::function<void(const Status&)> done) {
   ClusterNode* node = NodeOf(srv);
   node->Enqueue(
-      [node, tenant = std::move(tenant), ns = std::move(ns), version, done = std::move(done)]() {
+      [node, id = std::move(id), version, path = std::move(path), done = std::move(done)]() {
         auto m = node->map();
         const int self = m->IndexOf(node->node_id());
         if (self < 0) return done(Status::Ok());
-        const std::string v = std::to_string(version);
         for (int16_t r : m->replicas[self]) {
           const cluster::NodeInfo& rep = m->nodes[r];
-          auto reply = node->Call(rep.addr, {"CLUSTER.DEL", "PREFIX", tenant, ns, v});
-          if (!reply.ok() || reply->type == Reply::Type::kError) {
-            return done(
-                Status(ErrorKind::kIo, "dropped on this node, but replica '" + rep.id + "' (" +
-                                           rep.addr + ") did not drop its copy: " +
-                                           (reply.ok() ? reply->text : reply.status().message())));
+          auto bytes = ReadFile(path);
+          if (!bytes.ok())
+            return done(Status::Ok());  // a newer save replaced it: that one replicates
+          const std::string v = std::to_string(version);
+          auto args = ObjectArgs("CLUSTER.PUT", id, v);
+          args.push_back(bytes.value());
+          AddPart(&args, id);
+          auto reply = node->Call(rep.addr, args);
+          Status st = reply.ok() ? Status::Ok() : reply.status();
+          if (st.ok() && reply->type == Reply::Type::kError &&
+              reply->text.rfind("MISMATCH stale", 0) != 0) {
+            st = Status(ErrorKind::kIo, reply->text);
           }
+          if (!st.ok()) {
+            node->counters().push_failures.fetch_add(1);
+            return done(Status(ErrorKind::kIo, "saved on this node, but its copy to replica '" +
+                                                   rep.id + "' (" + rep.addr +
+                                                   ") failed: " + st.message()));
+          }
+          node->counters().pushed.fetch_add(1);
         }
         done(Status::Ok());
       });
+}
+
+void ReplicateDrop(server::Server& srv, ObjectId id, uint64_t version,
+                   std::function<void(const Status&)> done) {
+  ClusterNode* node = NodeOf(srv);
+  node->Enqueue([node, id = std::move(id), version, done = std::move(done)]() {
+    auto m = node->map();
+    const int self = m->IndexOf(node->node_id());
+    if (self < 0) return done(Status::Ok());
+    const std::string v = std::to_string(version);
+    for (int16_t r : m->replicas[self]) {
+      const cluster::NodeInfo& rep = m->nodes[r];
+      auto args = ObjectArgs("CLUSTER.DEL", id, v);
+      AddPart(&args, id);
+      auto reply = node->Call(rep.addr, args);
+      if (!reply.ok() || reply->type == Reply::Type::kError) {
+        return done(
+            Status(ErrorKind::kIo, "dropped on this node, but replica '" + rep.id + "' (" +
+                                       rep.addr + ") did not drop its copy: " +
+                                       (reply.ok() ? reply->text : reply.status().message())));
+      }
+    }
+    done(Status::Ok());
+  });
 }
 
 }  // namespace pion::families::cluster_sync

@@ -426,16 +426,10 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
     if (saved_version > 0 && cluster_sync::Enabled(*ctx.server)) {
       // Cluster mode: acknowledged once the replicas dropped their copies too.
       auto reply = ctx.Defer();
-      cluster_sync::ReplicateDrop(*ctx.server, ctx.server->users().TenantName(ctx.tenant), ns,
-                                  saved_version, [reply](const Status& s) {
-                                    reply([s](proto::ReplyBuilder& rb) {
-                                      if (s.ok()) {
-                                        rb.Integer(1);
-                                      } else {
-                                        rb.Error(s);
-                                      }
-                                    });
-                                  });
+      cluster_sync::ReplicateDrop(
+          *ctx.server, {"PREFIX", ctx.server->users().TenantName(ctx.tenant), ns, ""},
+          saved_version,
+          cluster_sync::AnswerWith(reply, [](proto::ReplyBuilder& rb) { rb.Integer(1); }));
       return;
     }
   }

@@ -166,16 +166,9 @@ void Save(CommandContext& ctx, CmdArgs& args) {
                   return reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
                 }
                 // Cluster mode: acknowledged once the replicas hold it too.
-                cluster_sync::ReplicateSaved(*srv_ptr, tenant, key.name, version,
-                                             file.value()->path(), [reply](const Status& r) {
-                                               reply([r](proto::ReplyBuilder& rb) {
-                                                 if (r.ok()) {
-                                                   rb.Ok();
-                                                 } else {
-                                                   rb.Error(r);
-                                                 }
-                                               });
-                                             });
+                cluster_sync::ReplicateSaved(
+                    *srv_ptr, {"PREFIX", tenant, key.name, ""}, version, file.value()->path(),
+                    cluster_sync::AnswerWith(reply, [](proto::ReplyBuilder& rb) { rb.Ok(); }));
               });
 }
 
@@ -418,6 +411,51 @@ void SaveForMove(server::Server& srv, server::Shard& shard, const store::TenantK
   }
 }
 
+// KV.PREFIX namespaces as cluster mode copies and moves them (cluster_internal.h).
+cluster_sync::SavedKind SavedKindOf() {
+  using cluster_sync::HeldObject;
+  auto held_of = [](const HeldPrefix& p) {
+    return HeldObject{p.key, p.tenant, "", p.saved_version, p.disk_path, p.resident, p.corrupt};
+  };
+  cluster_sync::SavedKind k;
+  k.name = "PREFIX";
+  k.held = [held_of](server::Server& srv, server::Shard& sh) {
+    std::vector<HeldObject> out;
+    for (const auto& p : HeldPrefixes(srv, sh)) out.push_back(held_of(p));
+    return out;
+  };
+  k.find = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+              const std::string&) -> std::optional<HeldObject> {
+    PrefixEntry* e = sh.store().prefixes.Find(key);
+    if (e == nullptr) return std::nullopt;
+    return HeldObject{key,
+                      srv.users().TenantName(key.tenant),
+                      "",
+                      e->saved_version,
+                      e->disk_path,
+                      e->resident,
+                      !e->corrupt.empty()};
+  };
+  k.file_of = [](server::Server& srv, const cluster_sync::ObjectId& id) {
+    return std::make_pair(PrefixDir(srv), store::PrefixObjectName(id.tenant, id.key));
+  };
+  k.check = [](server::Server&, server::Shard& sh, const store::TenantKey& key, const std::string&,
+               uint64_t version) { return CheckPushable(sh, key, version); };
+  k.install = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+                 const std::string&, uint64_t version,
+                 const std::string& path) { return InstallPushed(srv, sh, key, version, path); };
+  k.discard = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+                 const std::string&,
+                 uint64_t max_version) { return DiscardHere(srv, sh, key, max_version); };
+  k.keep_copy = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+                   const std::string&,
+                   uint64_t version) { return KeepDiskCopyOnly(srv, sh, key, version); };
+  k.save_for_move = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+                       const std::string&,
+                       auto done) { SaveForMove(srv, sh, key, std::move(done)); };
+  return k;
+}
+
 void RegisterTierCommands(server::Server& srv) {
   using namespace server;
   auto& r = srv.registry();
@@ -430,6 +468,7 @@ void RegisterTierCommands(server::Server& srv) {
               "comes from disk).",
               "<ns> [DEADLINE <ms>]"});
   srv.AddStartupHook(LoadDiskTier);
+  cluster_sync::AddSavedKind(SavedKindOf());
 }
 
 }  // namespace pion::families::kvprefix

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "families/args.h"
+#include "families/cluster_internal.h"
 #include "families/families.h"
 #include "families/tiering.h"
 #include "server/server.h"
@@ -68,28 +69,42 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
   const store::TenantKey key = ctx.Key(args[1]);
   auto& ssm = ctx.shard->store().ssm;
   store::SsmStore::Session* session = ssm.Find(key);
+  uint64_t saved_version = 0;
   if (!layer && session != nullptr && session->saved) {
     // Gone everywhere, disk included (a few unlinks and one directory fsync).
     Status s =
         store::disk::RemoveObject(SavedDir(*ctx.server, kDirName), ObjectName(*ctx.server, key));
     if (!s.ok()) return ctx.Error(s);
+    saved_version = session->saved_version;
   }
   ssm.Drop(key, layer);
+  if (saved_version > 0 && cluster_sync::Enabled(*ctx.server)) {
+    // Cluster mode: acknowledged once the replicas dropped their copies too.
+    cluster_sync::ReplicateDrop(
+        *ctx.server, {"SSM", ctx.server->users().TenantName(key.tenant), key.name, ""},
+        saved_version,
+        cluster_sync::AnswerWith(ctx.Defer(), [](proto::ReplyBuilder& rb) { rb.Ok(); }));
+    return;
+  }
   ctx.rb->Ok();
 }
 
-// SSM.PREFIX.SAVE <sid>: every layer of the session into one durable object file.
-void Save(CommandContext& ctx, CmdArgs& args) {
-  const store::TenantKey key = ctx.Key(args[1]);
-  auto& ssm = ctx.shard->store().ssm;
+using SavedFile = StatusOr<std::pair<std::string, uint64_t>>;
+
+// Every layer of the session as of now in one durable object file: `done` runs on the shard
+// with the file and its version (the newer one when a later save finished first). Runs on the
+// owning shard.
+void SaveSession(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+                 std::function<void(SavedFile)> done) {
+  auto& ssm = shard.store().ssm;
   store::SsmStore::Session* session = ssm.Find(key);
-  if (session == nullptr) {
-    return ctx.Error(Error("no such SSM session '" + key.name.substr(0, 128) + "'"));
-  }
-  if (!session->dirty()) return ctx.rb->Ok();  // the disk already holds exactly this
+  if (session == nullptr)
+    return done(Error("no such SSM session '" + key.name.substr(0, 128) + "'"));
+  if (!session->dirty())
+    return done(std::make_pair(session->saved->path(), session->saved_version));
   if (session->layers.empty()) {
-    return ctx.Error(Error("SSM session '" + key.name.substr(0, 128) +
-                           "' has no layers to save (SSM.PREFIX.DROP it instead)"));
+    return done(Error("SSM session '" + key.name.substr(0, 128) +
+                      "' has no layers to save (SSM.PREFIX.DROP it instead)"));
   }
   std::vector<residency::Engine::SaveItem> items;
   std::string layers;
@@ -99,36 +114,54 @@ void Save(CommandContext& ctx, CmdArgs& args) {
   }
   store::SavedRecord rec;
   rec.kind = "ssm";
-  rec.Set("tenant", ctx.server->users().TenantName(key.tenant));
+  rec.Set("tenant", srv.users().TenantName(key.tenant));
   rec.Set("sid", key.name);
   rec.Set("layers", layers);
   const uint64_t version = ssm.NextVersion(key);
   const uint64_t incarnation = session->incarnation, writes = session->writes;
-  const std::string dir = SavedDir(*ctx.server, kDirName);
-  SaveObjects(ctx, dir, ObjectName(*ctx.server, key), version, store::EncodeSavedRecord(rec),
-              std::move(items),
-              [key, version, incarnation, writes, dir](server::Shard& sh, auto file, auto reply) {
-                store::SsmStore::Session* cur = sh.store().ssm.Find(key);
-                if (cur == nullptr || cur->incarnation != incarnation) {
-                  if (file.ok())
-                    unlink(file.value()->path().c_str());  // dropped meanwhile: the drop wins
-                  return reply([key](proto::ReplyBuilder& rb) {
-                    rb.ErrorLine("ERR SSM session '" + key.name.substr(0, 128) +
-                                 "' was dropped during the save");
-                  });
-                }
-                if (!file.ok()) {
-                  spdlog::error("disk tier: saving SSM session '{}' failed: {}", key.name,
-                                file.status().message());
-                  return reply([st = file.status()](proto::ReplyBuilder& rb) { rb.Error(st); });
-                }
-                if (version > cur->saved_version) {
-                  cur->saved = file.value();
-                  cur->saved_version = version;
-                  cur->saved_writes = writes;
-                }
-                reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
-              });
+  bool queued = WriteObjectsLater(
+      srv, shard, SavedDir(srv, kDirName), ObjectName(srv, key), version,
+      store::EncodeSavedRecord(rec), std::move(items),
+      [key, version, incarnation, writes, done](server::Shard& sh, auto file) {
+        store::SsmStore::Session* cur = sh.store().ssm.Find(key);
+        if (cur == nullptr || cur->incarnation != incarnation) {
+          if (file.ok()) unlink(file.value()->path().c_str());  // dropped meanwhile: the drop wins
+          return done(
+              Error("SSM session '" + key.name.substr(0, 128) + "' was dropped during the save"));
+        }
+        if (!file.ok()) {
+          spdlog::error("disk tier: saving SSM session '{}' failed: {}", key.name,
+                        file.status().message());
+          return done(file.status());
+        }
+        if (version > cur->saved_version) {
+          cur->saved = file.value();
+          cur->saved_version = version;
+          cur->saved_writes = writes;
+        }
+        done(std::make_pair(cur->saved->path(), cur->saved_version));
+      });
+  if (!queued) done(Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
+}
+
+// SSM.PREFIX.SAVE <sid>: every layer of the session into one durable object file; in cluster
+// mode acknowledged once the replicas hold it too (again when unchanged: a failed copy is
+// retried).
+void Save(CommandContext& ctx, CmdArgs& args) {
+  const store::TenantKey key = ctx.Key(args[1]);
+  store::SsmStore::Session* session = ctx.shard->store().ssm.Find(key);
+  const bool cluster = cluster_sync::Enabled(*ctx.server);
+  if (session != nullptr && !session->dirty() && !cluster) return ctx.rb->Ok();
+  auto reply = ctx.Defer();
+  server::Server* srv = ctx.server;
+  const std::string tenant = srv->users().TenantName(key.tenant);
+  SaveSession(*srv, *ctx.shard, key, [srv, key, tenant, cluster, reply](SavedFile file) {
+    if (!file.ok()) return reply([st = file.status()](proto::ReplyBuilder& rb) { rb.Error(st); });
+    if (!cluster) return reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
+    cluster_sync::ReplicateSaved(
+        *srv, {"SSM", tenant, key.name, ""}, file->second, file->first,
+        cluster_sync::AnswerWith(reply, [](proto::ReplyBuilder& rb) { rb.Ok(); }));
+  });
 }
 
 // SSM.PREFIX.INFO <sid>: layers, bytes and where they are.
@@ -160,44 +193,146 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   rb.Integer(session->dirty() ? 1 : 0);
 }
 
+// Installs the saved file of version `version` as its session, its layers known by their disk
+// copies, on the shard that owns it (replacing a session held there). With `expect`, the file
+// must be that session's. Runs at start-up (main thread) or on the owning shard.
+Status Adopt(server::Server& srv, uint64_t version,
+             const std::shared_ptr<residency::DiskFile>& file, const store::TenantKey* expect) {
+  auto rec = store::DecodeSavedRecord(file->file().meta(), "ssm");
+  auto tenant = rec.ok() ? rec->Get("tenant") : StatusOr<std::string>(rec.status());
+  auto sid = rec.ok() ? rec->Get("sid") : StatusOr<std::string>(rec.status());
+  auto layers = rec.ok() ? rec->Get("layers") : StatusOr<std::string>(rec.status());
+  if (!tenant.ok()) return tenant.status();
+  if (!sid.ok()) return sid.status();
+  if (!layers.ok()) return layers.status();
+  std::vector<uint64_t> ids;
+  for (size_t p = 0; p < layers->size();) {
+    size_t c = layers->find(',', p);
+    if (c == std::string::npos) c = layers->size();
+    ids.push_back(std::strtoull(layers->substr(p, c - p).c_str(), nullptr, 10));
+    p = c + 1;
+  }
+  if (ids.size() != file->file().block_count()) {
+    return Status(ErrorKind::kCorrupt, "its layer list does not match its blocks");
+  }
+  const uint32_t tid = srv.users().TenantId(tenant.value());
+  const store::TenantKey key{tid, sid.value()};
+  if (expect != nullptr && !(key == *expect)) {
+    return Status(ErrorKind::kCorrupt, "it holds SSM session '" + key.name.substr(0, 64) + "'");
+  }
+  auto& ssm = srv.shard(srv.OwnerOf(tid, key.name)).store().ssm;
+  ssm.NoteVersion(key, version);
+  std::string old_path;
+  if (store::SsmStore::Session* old = ssm.Find(key)) {
+    if (old->saved) old_path = old->saved->path();
+    ssm.Drop(key, std::nullopt);
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ssm.Put(key, ids[i],
+            srv.residency()->CreateOnDisk(Family::kSsm, {file->file().block_length(i)}, file,
+                                          {static_cast<uint32_t>(i)}));
+  }
+  store::SsmStore::Session& session = ssm.Get(key);
+  session.saved = file;
+  session.saved_version = version;
+  session.saved_writes = session.writes;
+  if (!old_path.empty() && old_path != file->path()) unlink(old_path.c_str());
+  return Status::Ok();
+}
+
 // Start-up: every saved session comes back on its owning shard, its layers known by their
 // disk copies (read on first FETCH).
 Status LoadSaved(server::Server& srv) {
   return LoadSavedObjects(
       srv, SavedDir(srv, kDirName), "SSM session",
       [&](const store::disk::ListedObject& o, const std::shared_ptr<residency::DiskFile>& file) {
-        auto rec = store::DecodeSavedRecord(file->file().meta(), "ssm");
-        auto tenant = rec.ok() ? rec->Get("tenant") : StatusOr<std::string>(rec.status());
-        auto sid = rec.ok() ? rec->Get("sid") : StatusOr<std::string>(rec.status());
-        auto layers = rec.ok() ? rec->Get("layers") : StatusOr<std::string>(rec.status());
-        if (!tenant.ok()) return tenant.status();
-        if (!sid.ok()) return sid.status();
-        if (!layers.ok()) return layers.status();
-        std::vector<uint64_t> ids;
-        for (size_t p = 0; p < layers->size();) {
-          size_t c = layers->find(',', p);
-          if (c == std::string::npos) c = layers->size();
-          ids.push_back(std::strtoull(layers->substr(p, c - p).c_str(), nullptr, 10));
-          p = c + 1;
-        }
-        if (ids.size() != file->file().block_count()) {
-          return Status(ErrorKind::kCorrupt, "its layer list does not match its blocks");
-        }
-        const uint32_t tid = srv.users().TenantId(tenant.value());
-        const store::TenantKey key{tid, sid.value()};
-        auto& ssm = srv.shard(srv.OwnerOf(tid, key.name)).store().ssm;
-        ssm.NoteVersion(key, o.version);
-        for (size_t i = 0; i < ids.size(); ++i) {
-          ssm.Put(key, ids[i],
-                  srv.residency()->CreateOnDisk(Family::kSsm, {file->file().block_length(i)}, file,
-                                                {static_cast<uint32_t>(i)}));
-        }
-        store::SsmStore::Session& session = ssm.Get(key);
-        session.saved = file;
-        session.saved_version = o.version;
-        session.saved_writes = session.writes;
-        return Status::Ok();
+        return Adopt(srv, o.version, file, nullptr);
       });
+}
+
+cluster_sync::HeldObject HeldOf(server::Server& srv, const store::TenantKey& key,
+                                const store::SsmStore::Session& s) {
+  return {key,
+          srv.users().TenantName(key.tenant),
+          "",
+          s.saved_version,
+          s.saved ? s.saved->path() : std::string(),
+          s.dirty(),
+          false};
+}
+
+Status CheckCopy(server::Shard& sh, const store::TenantKey& key, uint64_t version) {
+  const store::SsmStore::Session* s = sh.store().ssm.Find(key);
+  if (s == nullptr) return Status::Ok();
+  if (s->saved_version >= version) {
+    return Status(ErrorKind::kMismatch, "stale: SSM session '" + key.name.substr(0, 128) +
+                                            "' is at version " + std::to_string(s->saved_version) +
+                                            " here, not below " + std::to_string(version));
+  }
+  if (s->dirty()) {
+    return Status(ErrorKind::kBusy, "SSM session '" + key.name.substr(0, 128) +
+                                        "' was written on this node meanwhile; not replaced");
+  }
+  return Status::Ok();
+}
+
+// SSM.PREFIX sessions as cluster mode copies and moves them (cluster_internal.h).
+cluster_sync::SavedKind SavedKindOf() {
+  using cluster_sync::HeldObject;
+  cluster_sync::SavedKind k;
+  k.name = "SSM";
+  k.held = [](server::Server& srv, server::Shard& sh) {
+    std::vector<HeldObject> out;
+    sh.store().ssm.ForEachSession(
+        [&](const store::TenantKey& key, const store::SsmStore::Session& s) {
+          out.push_back(HeldOf(srv, key, s));
+        });
+    return out;
+  };
+  k.find = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+              const std::string&) -> std::optional<HeldObject> {
+    const store::SsmStore::Session* s = sh.store().ssm.Find(key);
+    if (s == nullptr) return std::nullopt;
+    return HeldOf(srv, key, *s);
+  };
+  k.file_of = [](server::Server& srv, const cluster_sync::ObjectId& id) {
+    return std::make_pair(SavedDir(srv, kDirName),
+                          store::SavedObjectName("ssm", id.tenant, id.key));
+  };
+  k.check = [](server::Server&, server::Shard& sh, const store::TenantKey& key, const std::string&,
+               uint64_t version) { return CheckCopy(sh, key, version); };
+  k.install = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+                 const std::string&, uint64_t version, const std::string& path) {
+    Status ok = CheckCopy(sh, key, version);
+    auto file = ok.ok() ? srv.residency()->OpenSaved(path)
+                        : StatusOr<std::shared_ptr<residency::DiskFile>>(ok);
+    if (ok.ok() && file.ok()) ok = Adopt(srv, version, file.value(), &key);
+    if (ok.ok() && !file.ok()) ok = file.status();
+    if (!ok.ok()) {
+      unlink(path.c_str());
+      if (ok.kind() == ErrorKind::kMismatch || ok.kind() == ErrorKind::kBusy) return ok;
+      return Status(ErrorKind::kCorrupt, "the copy of SSM session '" + key.name.substr(0, 128) +
+                                             "' does not open: " + ok.message());
+    }
+    return ok;
+  };
+  k.discard = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+                 const std::string&, uint64_t max_version) {
+    store::SsmStore::Session* s = sh.store().ssm.Find(key);
+    if (s == nullptr) return Status::Ok();
+    if (max_version != 0 && s->saved_version > max_version) return Status::Ok();
+    if (s->saved) {
+      Status st = store::disk::RemoveObject(SavedDir(srv, kDirName), ObjectName(srv, key));
+      if (!st.ok()) return st;
+    }
+    sh.store().ssm.Drop(key, std::nullopt);
+    return Status::Ok();
+  };
+  k.save_for_move = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+                       const std::string&, std::function<void(SavedFile)> done) {
+    SaveSession(srv, sh, key, std::move(done));
+  };
+  return k;
 }
 
 }  // namespace
@@ -225,6 +360,7 @@ void RegisterSsmFamily(server::Server& srv) {
               "whether it changed since.",
               "<sid>"});
   srv.AddStartupHook(LoadSaved);
+  cluster_sync::AddSavedKind(SavedKindOf());
 }
 
 }  // namespace pion::families

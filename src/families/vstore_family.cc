@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "families/args.h"
+#include "families/cluster_internal.h"
 #include "families/families.h"
 #include "families/kvprefix_internal.h"
 #include "families/shard_sum.h"
@@ -415,15 +416,31 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
 
 void Drop(CommandContext& ctx, CmdArgs& args) {
   auto& vs = ctx.shard->store().vstore;
-  bool existed = vs.Drop(ctx.Key(args[1]));
-  std::vector<std::string> sealed = vs.TakeSealed(ctx.Key(args[1]));
+  const store::TenantKey key = ctx.Key(args[1]);
+  bool existed = vs.Drop(key);
+  std::vector<uint64_t> snapshots;
+  vs.ForEachSealed([&](const store::TenantKey& k, uint64_t n, const auto&) {
+    if (k == key) snapshots.push_back(n);
+  });
+  std::vector<std::string> sealed = vs.TakeSealed(key);
   if (!sealed.empty()) {
     // Sealed snapshots go too: a dropped session leaves nothing behind, in memory or on disk.
     Status s = store::disk::RemoveFiles(vstore::SealedDir(*ctx.server), sealed);
     if (!s.ok()) return ctx.Error(s);
     existed = true;
   }
-  ctx.rb->Integer(existed ? 1 : 0);
+  if (snapshots.empty() || !cluster_sync::Enabled(*ctx.server)) {
+    return ctx.rb->Integer(existed ? 1 : 0);
+  }
+  // Cluster mode: acknowledged once the replicas dropped their copies too.
+  auto done = cluster_sync::Gather(
+      snapshots.size(),
+      cluster_sync::AnswerWith(ctx.Defer(), [](proto::ReplyBuilder& rb) { rb.Integer(1); }));
+  const std::string tenant = ctx.server->users().TenantName(key.tenant);
+  for (uint64_t n : snapshots) {
+    cluster_sync::ReplicateDrop(*ctx.server, {"VSNAP", tenant, key.name, std::to_string(n)}, 1,
+                                done);
+  }
 }
 
 void Snapshot(CommandContext& ctx, CmdArgs& args) {
@@ -531,6 +548,7 @@ void RegisterVStoreFamily(server::Server& srv) {
   reg({"V.INFO", -1, kKv | kCmdReadOnly | kCmdConnection, 1, 1, 1, Info, "vstore",
        "Per-session statistics, or the caller's totals without a sid.", "[<sid>]"});
   srv.AddStartupHook(vstore::LoadSealed);
+  cluster_sync::AddSavedKind(vstore::SavedKindOf());
   srv.AddShardInit([&srv](Shard& shard) { shard.store().vstore.set_engine(srv.residency()); });
 }
 

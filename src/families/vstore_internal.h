@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 
+#include "families/cluster_internal.h"
 #include "server/command.h"
 
 namespace pion::families::vstore {
@@ -22,5 +23,7 @@ void Commit(server::CommandContext& ctx, proto::CmdArgs& args);
 void RestoreSealed(server::CommandContext& ctx, const std::string& sid, uint64_t snapshot);
 // Registers the sealed snapshots found on disk at start-up.
 Status LoadSealed(server::Server& srv);
+// Sealed snapshots as cluster mode copies and moves them (cluster_internal.h).
+cluster_sync::SavedKind SavedKindOf();
 
 }  // namespace pion::families::vstore

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "families/args.h"
+#include "families/cluster_internal.h"
 #include "families/tiering.h"
 #include "families/vstore_internal.h"
 #include "server/server.h"
@@ -29,8 +30,17 @@ void Commit(server::CommandContext& ctx, proto::CmdArgs& args) {
   if (!s.ok()) return ctx.Error(s);
   store::VStore::Entry* e = vs.Find(key);
   auto it = e ? e->snapshots.find(snap) : decltype(e->snapshots.end()){};
+  const bool cluster = cluster_sync::Enabled(srv);
+  const std::string tenant = srv.users().TenantName(ctx.tenant);
   if (e == nullptr || it == e->snapshots.end()) {
-    if (vs.FindSealed(key, snap) != nullptr) return ctx.rb->Ok();  // already sealed
+    const store::VStore::Sealed* sealed = vs.FindSealed(key, snap);
+    if (sealed != nullptr && !cluster) return ctx.rb->Ok();  // already sealed
+    if (sealed != nullptr) {
+      // Again in cluster mode: a copy that failed is sent now (a replica that has it says so).
+      return cluster_sync::ReplicateSaved(
+          srv, {"VSNAP", tenant, key.name, std::to_string(snap)}, 1, sealed->path,
+          cluster_sync::AnswerWith(ctx.Defer(), [](proto::ReplyBuilder& rb) { rb.Ok(); }));
+    }
     if (e == nullptr) return ctx.Error(Error("no such session '" + key.name + "'"));
     return ctx.Error(
         Error("no snapshot " + std::to_string(snap) + " of session '" + key.name + "'"));
@@ -48,16 +58,19 @@ void Commit(server::CommandContext& ctx, proto::CmdArgs& args) {
   items[0].bytes = store::ChunkIndex({&it->second}, &chunks);
   for (auto& ch : chunks) items.push_back({"", std::move(ch)});
   const std::string dir = SealedDir(srv);
-  SaveObjects(ctx, dir, store::SealedObjectName(rec), 1, store::EncodeSealedMeta(rec),
-              std::move(items), [key, snap, rec](server::Shard& sh, auto file, auto reply) {
-                if (!file.ok()) {
-                  return reply([st = file.status()](proto::ReplyBuilder& rb) { rb.Error(st); });
-                }
-                sh.store().vstore.AddSealed(
-                    key, snap,
-                    {file.value()->path(), rec.format, rec.dim, rec.block, file.value()});
-                reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
-              });
+  SaveObjects(
+      ctx, dir, store::SealedObjectName(rec), 1, store::EncodeSealedMeta(rec), std::move(items),
+      [srv = &srv, key, snap, rec, cluster](server::Shard& sh, auto file, auto reply) {
+        if (!file.ok()) {
+          return reply([st = file.status()](proto::ReplyBuilder& rb) { rb.Error(st); });
+        }
+        sh.store().vstore.AddSealed(
+            key, snap, {file.value()->path(), rec.format, rec.dim, rec.block, file.value()});
+        if (!cluster) return reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
+        cluster_sync::ReplicateSaved(
+            *srv, {"VSNAP", rec.tenant, key.name, std::to_string(snap)}, 1, file.value()->path(),
+            cluster_sync::AnswerWith(reply, [](proto::ReplyBuilder& rb) { rb.Ok(); }));
+      });
 }
 
 void RestoreSealed(server::CommandContext& ctx, const std::string& sid, uint64_t snapshot) {
@@ -119,18 +132,128 @@ void RestoreSealed(server::CommandContext& ctx, const std::string& sid, uint64_t
   }
 }
 
+namespace {
+
+// Registers a sealed snapshot's file on the shard that owns its session. With `expect`, the
+// file must be that session's snapshot `expect_snapshot`. Start-up (main thread) or the shard.
+Status Adopt(server::Server& srv, const std::string& path,
+             const std::shared_ptr<residency::DiskFile>& file, const store::TenantKey* expect,
+             uint64_t expect_snapshot) {
+  auto rec = store::DecodeSealedMeta(file->file().meta());
+  if (!rec.ok()) return rec.status();
+  const uint32_t tid = srv.users().TenantId(rec->tenant);
+  const store::TenantKey key{tid, rec->sid};
+  if (expect != nullptr && (!(key == *expect) || rec->snapshot != expect_snapshot)) {
+    return Status(ErrorKind::kCorrupt, "it holds snapshot " + std::to_string(rec->snapshot) +
+                                           " of session '" + rec->sid.substr(0, 64) + "'");
+  }
+  auto& vs = srv.shard(srv.OwnerOf(tid, SessionRouteKey(rec->sid))).store().vstore;
+  vs.AddSealed(key, rec->snapshot, {path, rec->format, rec->dim, rec->block, file});
+  return Status::Ok();
+}
+
+bool SnapshotOf(const std::string& part, uint64_t* snap) {
+  int64_t v = 0;
+  if (!ParseInt64(part, &v) || v < 0) return false;
+  *snap = static_cast<uint64_t>(v);
+  return true;
+}
+
+Status CheckCopy(server::Shard& sh, const store::TenantKey& key, const std::string& part) {
+  uint64_t snap = 0;
+  if (!SnapshotOf(part, &snap)) {
+    return Error("a sealed snapshot copy needs its snapshot number as its part, got '" +
+                 part.substr(0, 32) + "'");
+  }
+  if (sh.store().vstore.FindSealed(key, snap) != nullptr) {
+    return Status(ErrorKind::kMismatch, "stale: snapshot " + part + " of session '" +
+                                            key.name.substr(0, 128) +
+                                            "' is sealed here already (a sealed snapshot never "
+                                            "changes)");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status LoadSealed(server::Server& srv) {
   return LoadSavedObjects(
       srv, SealedDir(srv), "sealed snapshot",
       [&](const store::disk::ListedObject& o, const std::shared_ptr<residency::DiskFile>& file) {
-        auto rec = store::DecodeSealedMeta(file->file().meta());
-        if (!rec.ok()) return rec.status();
-        const uint32_t tid = srv.users().TenantId(rec->tenant);
-        auto& vs = srv.shard(srv.OwnerOf(tid, SessionRouteKey(rec->sid))).store().vstore;
-        vs.AddSealed({tid, rec->sid}, rec->snapshot,
-                     {o.path, rec->format, rec->dim, rec->block, file});
-        return Status::Ok();
+        return Adopt(srv, o.path, file, nullptr, 0);
       });
+}
+
+cluster_sync::SavedKind SavedKindOf() {
+  using cluster_sync::HeldObject;
+  cluster_sync::SavedKind k;
+  k.name = "VSNAP";
+  k.route_key = SessionRouteKey;
+  k.held = [](server::Server& srv, server::Shard& sh) {
+    std::vector<HeldObject> out;
+    sh.store().vstore.ForEachSealed(
+        [&](const store::TenantKey& key, uint64_t n, const store::VStore::Sealed& s) {
+          out.push_back({key, srv.users().TenantName(key.tenant), std::to_string(n), 1, s.path,
+                         false, false});
+        });
+    return out;
+  };
+  k.find = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+              const std::string& part) -> std::optional<HeldObject> {
+    uint64_t n = 0;
+    const store::VStore::Sealed* s =
+        SnapshotOf(part, &n) ? sh.store().vstore.FindSealed(key, n) : nullptr;
+    if (s == nullptr) return std::nullopt;
+    return HeldObject{key, srv.users().TenantName(key.tenant), part, 1, s->path, false, false};
+  };
+  k.file_of = [](server::Server& srv, const cluster_sync::ObjectId& id) {
+    store::SealedRecord rec;
+    rec.tenant = id.tenant;
+    rec.sid = id.key;
+    SnapshotOf(id.part, &rec.snapshot);
+    return std::make_pair(SealedDir(srv), store::SealedObjectName(rec));
+  };
+  k.check = [](server::Server&, server::Shard& sh, const store::TenantKey& key,
+               const std::string& part, uint64_t) { return CheckCopy(sh, key, part); };
+  k.install = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+                 const std::string& part, uint64_t, const std::string& path) {
+    Status ok = CheckCopy(sh, key, part);
+    auto file = ok.ok() ? srv.residency()->OpenSaved(path)
+                        : StatusOr<std::shared_ptr<residency::DiskFile>>(ok);
+    uint64_t n = 0;
+    SnapshotOf(part, &n);
+    if (ok.ok() && file.ok()) ok = Adopt(srv, path, file.value(), &key, n);
+    if (ok.ok() && !file.ok()) ok = file.status();
+    if (!ok.ok()) {
+      unlink(path.c_str());
+      if (ok.kind() != ErrorKind::kCorrupt && ok.kind() != ErrorKind::kIo) return ok;
+      return Status(ErrorKind::kCorrupt, "the copy of snapshot " + part + " of session '" +
+                                             key.name.substr(0, 128) +
+                                             "' does not open: " + ok.message());
+    }
+    return ok;
+  };
+  k.discard = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
+                 const std::string& part, uint64_t) {
+    uint64_t n = 0;
+    if (!SnapshotOf(part, &n)) return Status::Ok();
+    const std::string path = sh.store().vstore.TakeSealed(key, n);
+    if (path.empty()) return Status::Ok();
+    return store::disk::RemoveFiles(SealedDir(srv), {path});
+  };
+  k.save_for_move = [](server::Server&, server::Shard& sh, const store::TenantKey& key,
+                       const std::string& part,
+                       std::function<void(StatusOr<std::pair<std::string, uint64_t>>)> done) {
+    uint64_t n = 0;
+    const store::VStore::Sealed* s =
+        SnapshotOf(part, &n) ? sh.store().vstore.FindSealed(key, n) : nullptr;
+    if (s == nullptr) {
+      return done(Status(ErrorKind::kMiss, "snapshot " + part + " of session '" +
+                                               key.name.substr(0, 128) + "' is gone"));
+    }
+    done(std::make_pair(s->path, uint64_t{1}));
+  };
+  return k;
 }
 
 }  // namespace pion::families::vstore

@@ -55,6 +55,12 @@ class SsmStore {
     }
   }
 
+  // Every session of every tenant.
+  template <typename F>
+  void ForEachSession(F&& f) const {
+    for (const auto& [k, s] : sessions_) f(k, s);
+  }
+
   struct Usage {
     uint64_t sessions = 0;
     uint64_t blobs = 0;

@@ -56,6 +56,11 @@ class StateSlots {
     if (v > versions_[key]) versions_[key] = v;
   }
 
+  template <typename F>
+  void ForEach(F&& f) {
+    for (auto& [k, s] : slots_) f(k, s);
+  }
+
   struct Usage {
     uint64_t slots = 0;
     uint64_t bytes = 0;

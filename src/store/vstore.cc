@@ -77,6 +77,17 @@ std::vector<std::string> VStore::TakeSealed(const TenantKey& key) {
   return paths;
 }
 
+std::string VStore::TakeSealed(const TenantKey& key, uint64_t snapshot) {
+  auto it = sealed_.find(key);
+  if (it == sealed_.end()) return "";
+  auto s = it->second.find(snapshot);
+  if (s == it->second.end()) return "";
+  std::string path = s->second.path;
+  it->second.erase(s);
+  if (it->second.empty()) sealed_.erase(it);
+  return path;
+}
+
 VStore::Usage VStore::UsageOf(uint32_t tenant) const {
   Usage u;
   for (const auto& [k, e] : sessions_) {

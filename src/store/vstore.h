@@ -54,6 +54,15 @@ class VStore {
   size_t SealedCount(const TenantKey& key) const;
   // Forgets the session's sealed snapshots and returns their files (V.DROP deletes them).
   std::vector<std::string> TakeSealed(const TenantKey& key);
+  // Forgets one sealed snapshot and returns its file ("" when it is not known).
+  std::string TakeSealed(const TenantKey& key, uint64_t snapshot);
+  // f(key, snapshot, sealed) for every sealed snapshot of every tenant.
+  template <typename F>
+  void ForEachSealed(F&& f) const {
+    for (const auto& [k, snaps] : sealed_) {
+      for (const auto& [n, s] : snaps) f(k, n, s);
+    }
+  }
 
   // Keeps the rows gauge in step after a store into a session (rows_after - rows_before).
   void NoteRows(int64_t delta) { rows_gauge_.fetch_add(delta, std::memory_order_relaxed); }
