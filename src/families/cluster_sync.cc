@@ -197,7 +197,10 @@ Status ClusterNode::Start() {
   const int self = m->IndexOf(node_id());
   // What the disk held at start-up for slots that are not this node's any more is stale, and
   // copies for other nodes' slots may have missed drops while this node was down: keep only
-  // this node's own slots; owners send their replicas everything again.
+  // this node's own slots, and of those not the ones it is importing (the map may already give
+  // a slot that failed over back to it: the node it comes from holds the current objects, a
+  // namespace dropped there meanwhile must not come back from here); owners send their
+  // replicas everything again.
   struct Stale {
     const SavedKind* kind;
     int shard;
@@ -208,7 +211,8 @@ Status ClusterNode::Start() {
     for (int i = 0; i < srv_.shard_count(); ++i) {
       for (auto& o : kind.held(srv_, srv_.shard(i))) {
         const int slot = cluster::KeySlot(RouteKeyOf(kind, o.key.name));
-        if (self < 0 || (m->owner[slot] != self && m->moving_from[slot] != self)) {
+        const bool own = m->owner[slot] == self && m->moving_from[slot] < 0;
+        if (self < 0 || (!own && m->moving_from[slot] != self)) {
           drop.push_back({&kind, i, std::move(o)});
         }
       }
