@@ -238,6 +238,27 @@ def test_three_nodes_route_redis_cluster_clients(cluster):
     rc.close()
 
 
+def kill_and_wait_served(cluster: Cluster, victim, check, what: str) -> float:
+    """kill -9 of `victim`, then waits (lease TTL + 5 s at most) until `check(rc)` passes on a
+    fresh RedisCluster client; returns the seconds it took."""
+    victim.stop(signal.SIGKILL)
+    t0 = time.monotonic()
+
+    def served():
+        try:
+            c = cluster.client()
+            try:
+                check(c)
+            finally:
+                c.close()
+            return True
+        except (redis.RedisError, AssertionError, OSError):
+            return False
+
+    wait_for(served, timeout=TTL + 5, interval=0.2, what=what)
+    return time.monotonic() - t0
+
+
 @pytest.mark.time_limit(150)
 def test_kill_fails_over_saved_prefixes_to_the_replica(cluster):
     for nid in ("n1", "n2", "n3"):
@@ -257,23 +278,9 @@ def test_kill_fails_over_saved_prefixes_to_the_replica(cluster):
     assert len(held) > 10 and held_unsaved, (len(held), held_unsaved)
     rc.close()
 
-    victim.stop(signal.SIGKILL)
-    t0 = time.monotonic()
-
-    def all_hits():
-        try:
-            c = cluster.client()
-            try:
-                for ns in held:
-                    check_prefix(c, ns, saved.index(ns))
-            finally:
-                c.close()
-            return True
-        except (redis.RedisError, AssertionError, OSError):
-            return False
-
-    wait_for(all_hits, timeout=TTL + 5, interval=0.2, what="the victim's saved prefixes on its replica")
-    failover_s = time.monotonic() - t0
+    failover_s = kill_and_wait_served(
+        cluster, victim, lambda c: [check_prefix(c, ns, saved.index(ns)) for ns in held],
+        "the victim's saved prefixes on its replica")
     rc = cluster.client()
     for ns in held_unsaved:  # never saved: nowhere a hit
         assert rc.execute_command("KV.PREFIX.LOOKUP", ns) == b"MISS", ns
@@ -298,30 +305,23 @@ def test_kill_fails_over_saved_prefixes_to_the_replica(cluster):
     print("fail-over after kill -9: %.2f s (lease TTL %d s)" % (failover_s, TTL))
 
 
-@pytest.mark.time_limit(150)
-def test_node_joining_under_load_fails_no_request(cluster):
-    cluster.add("n1")
-    cluster.add("n2")
-    cluster.wait_settled()
+def join_n3_under_load(cluster: Cluster, step) -> list:
+    """Runs `step(rc, i, created)` (one write and a read back; it returns what it created) in a
+    loop on a RedisCluster client while node n3 joins and the map settles. Returns what was
+    created; fails with the first error any step met."""
     done = threading.Event()
     errors: list[str] = []
-    created: list[int] = []
+    created: list = []
 
     def load():
         rc = cluster.client()
         i = 0
         try:
             while not done.is_set():
-                ns = "{j%d}" % i
                 try:
-                    store_prefix(rc, ns, i)
-                    if i % 3 == 0:
-                        assert rc.execute_command("KV.PREFIX.SAVE", ns) == b"OK"
-                    created.append(i)
-                    j = created[(i * 7919) % len(created)]  # an earlier one reads back
-                    check_prefix(rc, "{j%d}" % j, j)
+                    created.append(step(rc, i, created))
                 except Exception as e:  # noqa: BLE001 - any failure is the finding
-                    errors.append("%s: %r" % (ns, e))
+                    errors.append("step %d: %r" % (i, e))
                     return
                 i += 1
         finally:
@@ -338,6 +338,25 @@ def test_node_joining_under_load_fails_no_request(cluster):
         done.set()
         t.join(timeout=30)
     assert not errors, errors[:3]
+    return created
+
+
+@pytest.mark.time_limit(150)
+def test_node_joining_under_load_fails_no_request(cluster):
+    cluster.add("n1")
+    cluster.add("n2")
+    cluster.wait_settled()
+
+    def step(rc, i, created):
+        ns = "{j%d}" % i
+        store_prefix(rc, ns, i)
+        if i % 3 == 0:
+            assert rc.execute_command("KV.PREFIX.SAVE", ns) == b"OK"
+        j = (created + [i])[(i * 7919) % (len(created) + 1)]  # an earlier one reads back
+        check_prefix(rc, "{j%d}" % j, j)
+        return i
+
+    created = join_n3_under_load(cluster, step)
     assert len(created) > 50, len(created)
     counts = owned_counts(cluster, ["{j%d}" % i for i in created])
     assert sum(counts.values()) == len(created), (counts, len(created))
@@ -480,8 +499,9 @@ def store_family_objects(rc, tag: str, seed: int, save: bool, change: bool = Tru
     return want
 
 
-def check_saved_objects(rc, want: dict) -> None:
-    """The saved content of store_family_objects(..., save=True), byte-exact."""
+def check_objects(rc, want: dict) -> None:
+    """What store_family_objects stored, byte-exact: as saved when it was changed after its save
+    (only the saved content may be served after a fail-over), else as it is."""
     tag, seed = want["tag"], want["seed"]
     assert rc.execute_command("STATE.READ", tag + "st", 0, ST_BYTES) == blob(seed, ST_BYTES), tag
     for layer in (0, 1):
@@ -493,17 +513,6 @@ def check_saved_objects(rc, want: dict) -> None:
         assert rc.execute_command("V.RESTORE", tag + "v", want["snap"]) == b"OK"
         got = rc.execute_command("V.FETCH", tag + "v", "RANGE", 0, V_ROWS, "RAW")
         assert got == want["rows"], tag
-
-
-def check_current_objects(rc, want: dict) -> None:
-    """What store_family_objects(..., save=False) stored (live content, not saved)."""
-    tag, seed = want["tag"], want["seed"]
-    assert rc.execute_command("STATE.READ", tag + "st", 0, ST_BYTES) == blob(seed, ST_BYTES), tag
-    for layer in (0, 1):
-        got = rc.execute_command("SSM.PREFIX.FETCH", tag + "ssm", layer)
-        assert got == blob(seed + layer, 96), (tag, layer)
-    got = rc.execute_command("ATTEND.PREFIX.QUERY", tag + "at", 0, 1, AT_D, 0, want["q"])
-    assert got == want["answer"], tag
 
 
 def check_nothing_unsaved(rc, tag: str) -> None:
@@ -537,24 +546,9 @@ def test_kill_fails_over_every_saved_family_to_the_replica(cluster):
     assert rc.execute_command("V.DROP", gone + "v") == 1
     rc.close()
 
-    victim.stop(signal.SIGKILL)
-    t0 = time.monotonic()
-
-    def all_served():
-        try:
-            c = cluster.client()
-            try:
-                for w in held[1:]:
-                    check_saved_objects(c, w)
-            finally:
-                c.close()
-            return True
-        except (redis.RedisError, AssertionError, OSError):
-            return False
-
-    wait_for(all_served, timeout=TTL + 5, interval=0.2,
-             what="the victim's saved objects on its replica")
-    failover_s = time.monotonic() - t0
+    failover_s = kill_and_wait_served(cluster, victim,
+                                      lambda c: [check_objects(c, w) for w in held[1:]],
+                                      "the victim's saved objects on its replica")
     rc = cluster.client()
     for tag in held_unsaved + [gone]:  # never saved, or dropped: nowhere served
         check_nothing_unsaved(rc, tag)
@@ -562,6 +556,22 @@ def test_kill_fails_over_every_saved_family_to_the_replica(cluster):
         if w not in held:
             assert rc.execute_command("STATE.READ", w["tag"] + "st", 0, 16) == b"\xff" * 16
             assert rc.execute_command("SSM.PREFIX.FETCH", w["tag"] + "ssm", 0) == b"later"
+    # Dropped while the victim is away: its old copies must not come back with it.
+    away = held[1]["tag"]
+    assert rc.execute_command("STATE.FREE", away + "st") == 1
+    assert rc.execute_command("SSM.PREFIX.DROP", away + "ssm") == b"OK"
+    assert rc.execute_command("ATTEND.PREFIX.DROP", away + "at") == 1
+    assert rc.execute_command("V.DROP", away + "v") == 1
+    rc.close()
+
+    victim.start()  # same --dir: its stale files are there
+    cluster.wait_settled()
+    rc = cluster.client()
+    assert int(cluster.info(victim)["cluster_my_slots"]) > 0  # it rejoined and took a share
+    for tag in held_unsaved + [gone, away]:
+        check_nothing_unsaved(rc, tag)
+    for w in held[2:]:
+        check_objects(rc, w)
     rc.close()
     print("fail-over of STATE/SSM/ATTENTION/VSNAP after kill -9: %.2f s (lease TTL %d s)"
           % (failover_s, TTL))
@@ -577,42 +587,17 @@ def test_node_joining_moves_every_family_with_no_failed_read(cluster):
     sealed = [store_family_objects(rc, "{ms%d}" % i, 3 * i, True, change=False)
               for i in range(40)]
     rc.close()
-    done = threading.Event()
-    errors: list[str] = []
-    created: list[dict] = []
 
-    def load():
-        rc = cluster.client()
-        i = 0
-        try:
-            while not done.is_set():
-                tag = "{m%d}" % i
-                try:
-                    want = store_family_objects(rc, tag, 7 * i, i % 3 == 0, change=False,
-                                                vsession=False)
-                    created.append(want)
-                    w = created[(i * 7919) % len(created)]  # an earlier one reads back
-                    (check_saved_objects if w["seed"] % 3 == 0 else check_current_objects)(rc, w)
-                    s = sealed[i % len(sealed)]  # and a sealed snapshot, wherever it is now
-                    assert rc.execute_command("V.RESTORE", s["tag"] + "v", s["snap"]) == b"OK"
-                except Exception as e:  # noqa: BLE001 - any failure is the finding
-                    errors.append("%s: %r" % (tag, e))
-                    return
-                i += 1
-        finally:
-            rc.close()
+    def step(rc, i, created):
+        want = store_family_objects(rc, "{m%d}" % i, 7 * i, i % 3 == 0, change=False,
+                                    vsession=False)
+        w = (created + [want])[(i * 7919) % (len(created) + 1)]  # an earlier one reads back
+        check_objects(rc, w)
+        s = sealed[i % len(sealed)]  # and a sealed snapshot, wherever it is now
+        assert rc.execute_command("V.RESTORE", s["tag"] + "v", s["snap"]) == b"OK"
+        return want
 
-    t = threading.Thread(target=load)
-    t.start()
-    time.sleep(1.0)
-    cluster.add("n3")
-    try:
-        cluster.wait_settled(timeout=60)
-        time.sleep(0.5)
-    finally:
-        done.set()
-        t.join(timeout=30)
-    assert not errors, errors[:3]
+    created = join_n3_under_load(cluster, step)
     assert len(created) > 20, len(created)
     n3 = cluster.nodes["n3"]
     on_n3 = [w for w in created if cluster.owner_of(w["tag"]) is n3]
@@ -623,9 +608,9 @@ def test_node_joining_moves_every_family_with_no_failed_read(cluster):
     assert moved >= 4 * len(on_n3) // 2, (moved, len(on_n3))  # each family's objects moved
     rc = cluster.client()
     for w in created:
-        (check_saved_objects if w["seed"] % 3 == 0 else check_current_objects)(rc, w)
+        check_objects(rc, w)
     for w in sealed:
-        check_saved_objects(rc, w)
+        check_objects(rc, w)
     assert any(cluster.owner_of(w["tag"]) is n3 for w in sealed)
     rc.close()
     print("join under load: %d tags of STATE/SSM/ATTENTION written (and 40 sealed V snapshots), %d in n3's slots, %d objects moved"

@@ -850,20 +850,12 @@ cluster_sync::SavedKind SavedKindOf() {
                uint64_t version) { return CheckCopy(sh, sid, part, version); };
   k.install = [](server::Server& srv, server::Shard& sh, const store::TenantKey& sid,
                  const std::string& part, uint64_t version, const std::string& path) {
-    Status ok = CheckCopy(sh, sid, part, version);
-    auto file = ok.ok() ? srv.residency()->OpenSaved(path)
-                        : StatusOr<std::shared_ptr<residency::DiskFile>>(ok);
     uint32_t l = 0;
-    LayerOf(part, &l);
-    if (ok.ok() && file.ok()) ok = Adopt(srv, version, file.value(), &sid, l);
-    if (ok.ok() && !file.ok()) ok = file.status();
-    if (!ok.ok()) {
-      unlink(path.c_str());
-      if (ok.kind() != ErrorKind::kCorrupt && ok.kind() != ErrorKind::kIo) return ok;
-      return Status(ErrorKind::kCorrupt, "the copy of attention slot '" + sid.name.substr(0, 128) +
-                                             "' layer " + part + " does not open: " + ok.message());
-    }
-    return ok;
+    LayerOf(part, &l);  // CheckCopy refuses a part that is not a layer
+    return InstallSavedCopy(
+        srv, path, "attention slot '" + sid.name.substr(0, 128) + "' layer " + part,
+        [&] { return CheckCopy(sh, sid, part, version); },
+        [&](const auto& file) { return Adopt(srv, version, file, &sid, l); });
   };
   k.discard = [](server::Server& srv, server::Shard& sh, const store::TenantKey& sid,
                  const std::string& part, uint64_t max_version) {

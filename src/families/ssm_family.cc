@@ -303,18 +303,10 @@ cluster_sync::SavedKind SavedKindOf() {
                uint64_t version) { return CheckCopy(sh, key, version); };
   k.install = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
                  const std::string&, uint64_t version, const std::string& path) {
-    Status ok = CheckCopy(sh, key, version);
-    auto file = ok.ok() ? srv.residency()->OpenSaved(path)
-                        : StatusOr<std::shared_ptr<residency::DiskFile>>(ok);
-    if (ok.ok() && file.ok()) ok = Adopt(srv, version, file.value(), &key);
-    if (ok.ok() && !file.ok()) ok = file.status();
-    if (!ok.ok()) {
-      unlink(path.c_str());
-      if (ok.kind() == ErrorKind::kMismatch || ok.kind() == ErrorKind::kBusy) return ok;
-      return Status(ErrorKind::kCorrupt, "the copy of SSM session '" + key.name.substr(0, 128) +
-                                             "' does not open: " + ok.message());
-    }
-    return ok;
+    return InstallSavedCopy(
+        srv, path, "SSM session '" + key.name.substr(0, 128) + "'",
+        [&] { return CheckCopy(sh, key, version); },
+        [&](const auto& file) { return Adopt(srv, version, file, &key); });
   };
   k.discard = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
                  const std::string&, uint64_t max_version) {

@@ -1,6 +1,7 @@
 #include "families/tiering.h"
 
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <span>
 
@@ -79,6 +80,24 @@ Status LoadSavedObjects(server::Server& srv, const std::string& dir, std::string
   }
   srv.disk_stats().objects_loaded.fetch_add(found);
   if (found > 0) spdlog::info("disk tier: found {} saved {}(s) under {}", found, what, dir);
+  return Status::Ok();
+}
+
+Status InstallSavedCopy(
+    server::Server& srv, const std::string& path, const std::string& what,
+    const std::function<Status()>& check,
+    const std::function<Status(const std::shared_ptr<residency::DiskFile>&)>& adopt) {
+  Status ok = check();
+  if (!ok.ok()) {
+    unlink(path.c_str());
+    return ok;
+  }
+  auto file = srv.residency()->OpenSaved(path);
+  ok = file.ok() ? adopt(file.value()) : file.status();
+  if (!ok.ok()) {
+    unlink(path.c_str());
+    return Status(ErrorKind::kCorrupt, "the copy of " + what + " does not open: " + ok.message());
+  }
   return Status::Ok();
 }
 

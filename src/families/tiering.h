@@ -46,6 +46,16 @@ using TakeSaved = std::function<Status(const store::disk::ListedObject& listed,
 Status LoadSavedObjects(server::Server& srv, const std::string& dir, std::string_view what,
                         const TakeSaved& take);
 
+// Cluster mode: installs a saved object's file that another node sent, durable at `path`.
+// `check` first (may it replace what is held? its refusal is returned as is); then the file is
+// opened and `adopt` installs it. A file that does not open or that `adopt` refuses comes back
+// as kCorrupt "the copy of <what> does not open: ..."; a refused file is removed. Runs on the
+// shard that owns the object.
+Status InstallSavedCopy(
+    server::Server& srv, const std::string& path, const std::string& what,
+    const std::function<Status()>& check,
+    const std::function<Status(const std::shared_ptr<residency::DiskFile>&)>& adopt);
+
 // What a save's completion gets on the owning shard: the durable file (or why there is none)
 // and the writer of the command's deferred reply, which it must call once.
 using SaveDone =

@@ -217,21 +217,12 @@ cluster_sync::SavedKind SavedKindOf() {
                const std::string& part, uint64_t) { return CheckCopy(sh, key, part); };
   k.install = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
                  const std::string& part, uint64_t, const std::string& path) {
-    Status ok = CheckCopy(sh, key, part);
-    auto file = ok.ok() ? srv.residency()->OpenSaved(path)
-                        : StatusOr<std::shared_ptr<residency::DiskFile>>(ok);
     uint64_t n = 0;
-    SnapshotOf(part, &n);
-    if (ok.ok() && file.ok()) ok = Adopt(srv, path, file.value(), &key, n);
-    if (ok.ok() && !file.ok()) ok = file.status();
-    if (!ok.ok()) {
-      unlink(path.c_str());
-      if (ok.kind() != ErrorKind::kCorrupt && ok.kind() != ErrorKind::kIo) return ok;
-      return Status(ErrorKind::kCorrupt, "the copy of snapshot " + part + " of session '" +
-                                             key.name.substr(0, 128) +
-                                             "' does not open: " + ok.message());
-    }
-    return ok;
+    SnapshotOf(part, &n);  // CheckCopy refuses a part that is not a snapshot number
+    return InstallSavedCopy(
+        srv, path, "snapshot " + part + " of session '" + key.name.substr(0, 128) + "'",
+        [&] { return CheckCopy(sh, key, part); },
+        [&](const auto& file) { return Adopt(srv, path, file, &key, n); });
   };
   k.discard = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
                  const std::string& part, uint64_t) {
