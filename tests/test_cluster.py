@@ -238,11 +238,14 @@ def test_three_nodes_route_redis_cluster_clients(cluster):
     rc.close()
 
 
-def kill_and_wait_served(cluster: Cluster, victim, check, what: str) -> float:
-    """kill -9 of `victim`, then waits (lease TTL + 5 s at most) until `check(rc)` passes on a
-    fresh RedisCluster client; returns the seconds it took."""
+def kill_and_wait_served(cluster: Cluster, victim, check, what: str, meanwhile=None) -> float:
+    """kill -9 of `victim` (then `meanwhile()`, before its lease expires), then waits (lease TTL
+    + 5 s at most) until `check(rc)` passes on a fresh RedisCluster client; returns the seconds
+    it took."""
     victim.stop(signal.SIGKILL)
     t0 = time.monotonic()
+    if meanwhile is not None:
+        meanwhile()
 
     def served():
         try:
@@ -546,15 +549,34 @@ def test_kill_fails_over_every_saved_family_to_the_replica(cluster):
     assert rc.execute_command("V.DROP", gone + "v") == 1
     rc.close()
 
+    # An object whose owner's replica is the victim: saved there, but not acknowledged.
+    slots = cluster.nodes["n1"].client().execute_command("CLUSTER", "SLOTS")
+    backed = next(w for w in saved if any(
+        r[0] <= key_slot(w["tag"].encode()) <= r[1] and len(r) > 3 and r[3][1] == victim.port
+        for r in slots))
+    owner = cluster.owner_of(backed["tag"]).client()
+
+    def save_without_replica():
+        tag = backed["tag"]
+        assert owner.execute_command("STATE.WRITE", tag + "st", 0, b"\xee" * 16) == b"OK"
+        for save in (["STATE.SAVE", tag + "st"], ["SSM.PREFIX.SAVE", tag + "ssm"],
+                     ["ATTEND.PREFIX.SAVE", tag + "at"], ["V.COMMIT", tag + "v", backed["snap"]]):
+            with pytest.raises(redis.ResponseError,
+                               match=r"IOERR saved on this node, but its copy to replica 'n2'"):
+                owner.execute_command(*save)
+
     failover_s = kill_and_wait_served(cluster, victim,
                                       lambda c: [check_objects(c, w) for w in held[1:]],
-                                      "the victim's saved objects on its replica")
+                                      "the victim's saved objects on its replica",
+                                      meanwhile=save_without_replica)
+    owner.close()
     rc = cluster.client()
     for tag in held_unsaved + [gone]:  # never saved, or dropped: nowhere served
         check_nothing_unsaved(rc, tag)
     for w in saved:  # the others' owners still serve what was written after the saves
         if w not in held:
-            assert rc.execute_command("STATE.READ", w["tag"] + "st", 0, 16) == b"\xff" * 16
+            got = rc.execute_command("STATE.READ", w["tag"] + "st", 0, 16)
+            assert got == (b"\xee" if w is backed else b"\xff") * 16
             assert rc.execute_command("SSM.PREFIX.FETCH", w["tag"] + "ssm", 0) == b"later"
     # Dropped while the victim is away: its old copies must not come back with it.
     away = held[1]["tag"]
