@@ -475,11 +475,12 @@ def store_family_objects(rc, tag: str, seed: int, save: bool, change: bool = Tru
     assert rc.execute_command("STATE.WRITE", st, 0, blob(seed, ST_BYTES)) == b"OK"
     for layer in (0, 1):
         assert rc.execute_command("SSM.PREFIX.STORE", ssm, layer, blob(seed + layer, 96)) == b"OK"
-    k, v = f32s(seed, 1, AT_N, AT_D), f32s(seed + 1, 1, AT_N, AT_D)
-    assert rc.execute_command("ATTEND.PREFIX.STORE", at, 0, 1, AT_N, AT_D, k, v) == b"OK"
-    q = f32s(seed + 2, 1, AT_D)
-    answer = rc.execute_command("ATTEND.PREFIX.QUERY", at, 0, 1, AT_D, 0, q)
-    want = {"tag": tag, "seed": seed, "q": q, "answer": answer, "snap": None}
+    q, answers = f32s(seed + 2, 1, AT_D), []
+    for layer in (0, 1):  # two layers: a session moves as one, its layers together
+        k, v = f32s(seed + layer, 1, AT_N, AT_D), f32s(seed + 1 + layer, 1, AT_N, AT_D)
+        assert rc.execute_command("ATTEND.PREFIX.STORE", at, layer, 1, AT_N, AT_D, k, v) == b"OK"
+        answers.append(rc.execute_command("ATTEND.PREFIX.QUERY", at, layer, 1, AT_D, 0, q))
+    want = {"tag": tag, "seed": seed, "q": q, "answers": answers, "snap": None}
     if vsession:
         assert rc.execute_command("V.CREATE", vs, V_DIM, "fp32") == b"OK"
         assert rc.execute_command("V.STOREBATCH", vs, 0, f32s(seed, V_ROWS, V_DIM)) == V_ROWS
@@ -492,6 +493,9 @@ def store_family_objects(rc, tag: str, seed: int, save: bool, change: bool = Tru
     assert rc.execute_command("ATTEND.PREFIX.SAVE", at) == b"OK"
     if vsession:
         assert rc.execute_command("V.COMMIT", vs, want["snap"]) == b"OK"
+        # A second sealed snapshot of the session, equal to the first.
+        want["snap2"] = rc.execute_command("V.SNAPSHOT", vs)
+        assert rc.execute_command("V.COMMIT", vs, want["snap2"]) == b"OK"
     if not change:
         return want
     # Changes after the saves: never on a replica.
@@ -510,12 +514,14 @@ def check_objects(rc, want: dict) -> None:
     for layer in (0, 1):
         got = rc.execute_command("SSM.PREFIX.FETCH", tag + "ssm", layer)
         assert got == blob(seed + layer, 96), (tag, layer)
-    got = rc.execute_command("ATTEND.PREFIX.QUERY", tag + "at", 0, 1, AT_D, 0, want["q"])
-    assert got == want["answer"], tag
-    if want["snap"] is not None:
-        assert rc.execute_command("V.RESTORE", tag + "v", want["snap"]) == b"OK"
-        got = rc.execute_command("V.FETCH", tag + "v", "RANGE", 0, V_ROWS, "RAW")
-        assert got == want["rows"], tag
+    for layer in (0, 1):
+        got = rc.execute_command("ATTEND.PREFIX.QUERY", tag + "at", layer, 1, AT_D, 0, want["q"])
+        assert got == want["answers"][layer], (tag, layer)
+    for snap in ("snap", "snap2"):
+        if want.get(snap) is not None:
+            assert rc.execute_command("V.RESTORE", tag + "v", want[snap]) == b"OK"
+            got = rc.execute_command("V.FETCH", tag + "v", "RANGE", 0, V_ROWS, "RAW")
+            assert got == want["rows"], (tag, snap)
 
 
 def check_nothing_unsaved(rc, tag: str) -> None:
@@ -545,7 +551,7 @@ def test_kill_fails_over_every_saved_family_to_the_replica(cluster):
     gone = held[0]["tag"]
     assert rc.execute_command("STATE.FREE", gone + "st") == 1
     assert rc.execute_command("SSM.PREFIX.DROP", gone + "ssm") == b"OK"
-    assert rc.execute_command("ATTEND.PREFIX.DROP", gone + "at") == 1
+    assert rc.execute_command("ATTEND.PREFIX.DROP", gone + "at") == 2
     assert rc.execute_command("V.DROP", gone + "v") == 1
     rc.close()
 
@@ -582,7 +588,7 @@ def test_kill_fails_over_every_saved_family_to_the_replica(cluster):
     away = held[1]["tag"]
     assert rc.execute_command("STATE.FREE", away + "st") == 1
     assert rc.execute_command("SSM.PREFIX.DROP", away + "ssm") == b"OK"
-    assert rc.execute_command("ATTEND.PREFIX.DROP", away + "at") == 1
+    assert rc.execute_command("ATTEND.PREFIX.DROP", away + "at") == 2
     assert rc.execute_command("V.DROP", away + "v") == 1
     rc.close()
 
@@ -616,7 +622,7 @@ def test_node_joining_moves_every_family_with_no_failed_read(cluster):
         w = (created + [want])[(i * 7919) % (len(created) + 1)]  # an earlier one reads back
         check_objects(rc, w)
         s = sealed[i % len(sealed)]  # and a sealed snapshot, wherever it is now
-        assert rc.execute_command("V.RESTORE", s["tag"] + "v", s["snap"]) == b"OK"
+        assert rc.execute_command("V.RESTORE", s["tag"] + "v", s["snap" + "2" * (i % 2)]) == b"OK"
         return want
 
     created = join_n3_under_load(cluster, step)
@@ -635,5 +641,5 @@ def test_node_joining_moves_every_family_with_no_failed_read(cluster):
         check_objects(rc, w)
     assert any(cluster.owner_of(w["tag"]) is n3 for w in sealed)
     rc.close()
-    print("join under load: %d tags of STATE/SSM/ATTENTION written (and 40 sealed V snapshots), %d in n3's slots, %d objects moved"
+    print("join under load: %d tags of STATE/SSM/ATTENTION written (and 40 V sessions with 2 sealed snapshots each), %d in n3's slots, %d objects moved"
           % (len(created), len(on_n3), moved))

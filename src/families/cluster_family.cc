@@ -14,6 +14,7 @@
 #include "families/cluster_internal.h"
 #include "families/cluster_node.h"
 #include "families/families.h"
+#include "families/vstore_internal.h"
 #include "net/connection.h"
 #include "store/disk/object_file.h"
 
@@ -333,7 +334,7 @@ bool ParseVersion(std::string_view text, uint64_t* v) {
 
 // The kind named by argument 1, its part (argument `part_at`, if given) and version
 // (argument 4); false with the error written when they are not valid.
-bool ParseObject(CommandContext& ctx, CmdArgs& args, size_t part_at, const char* cmd,
+bool ParseObject(CommandContext& ctx, CmdArgs& args, size_t argc, size_t part_at, const char* cmd,
                  const cluster_sync::SavedKind** kind, std::string* part, uint64_t* version) {
   std::string name(args[1].substr(0, 32));
   for (char& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
@@ -345,11 +346,11 @@ bool ParseObject(CommandContext& ctx, CmdArgs& args, size_t part_at, const char*
                       std::string(args[1].substr(0, 32)) + "'");
     return false;
   }
-  if (args.size() > part_at + 1) {
+  if (argc > part_at + 1) {
     ctx.WrongArity();
     return false;
   }
-  *part = args.size() > part_at ? std::string(args[part_at]) : std::string();
+  *part = argc > part_at ? std::string(args[part_at]) : std::string();
   if (!ParseVersion(args[4], version)) {
     ctx.rb->ErrorLine("ERR version must be a positive integer, got '" +
                       std::string(args[4].substr(0, 32)) + "'");
@@ -358,15 +359,19 @@ bool ParseObject(CommandContext& ctx, CmdArgs& args, size_t part_at, const char*
   return true;
 }
 
-// CLUSTER.PUT <kind> <tenant> <key> <version> <object_file> [<part>]: a copy of a saved object
-// from the node that owns (or is moving) its slot. Checked against what is held (never
-// older), written durably, then installed on the key's shard.
+// CLUSTER.PUT <kind> <tenant> <key> <version> <object_file> [<part> [MORE]]: a copy of a saved
+// object from the node that owns (or is moving) its slot. Checked against what is held (never
+// older), written durably, then installed on the key's shard. MORE: other parts of the key
+// follow (a slot moving here: until the last arrived, clients are sent to the old owner).
 void Put(CommandContext& ctx, CmdArgs& args) {
   if (NodeOf(*ctx.server) == nullptr) return ctx.rb->ErrorLine(kDisabled);
   const cluster_sync::SavedKind* kind = nullptr;
   std::string part;
   uint64_t version = 0;
-  if (!ParseObject(ctx, args, 6, "CLUSTER.PUT", &kind, &part, &version)) return;
+  const bool more = args.size() == 8 && EqualsIgnoreCase(args[7], "MORE");
+  if (!ParseObject(ctx, args, more ? 7 : args.size(), 6, "CLUSTER.PUT", &kind, &part, &version)) {
+    return;
+  }
   server::Server* srv = ctx.server;
   const cluster_sync::ObjectId id{kind->name, std::string(args[2]), std::string(args[3]), part};
   const store::TenantKey key{srv->users().TenantId(id.tenant), id.key};
@@ -394,8 +399,10 @@ void Put(CommandContext& ctx, CmdArgs& args) {
     const int self = m->IndexOf(node->node_id());
     return self >= 0 && m->owner[slot] == self;
   };
+  const store::TenantKey fence{key.tenant, std::string(vstore::SessionRouteKey(key.name))};
   srv->shard(owner).PostControl([=](server::Shard& sh) {
     Status ok = kind->check(*srv, sh, key, part, version);
+    if (ok.ok() || ok.kind() == ErrorKind::kMismatch) NodeOf(*srv)->NoteArriving(sh, fence, more);
     if (!ok.ok()) {
       // Held already (this node was a replica of the sender).
       auto held = kind->find(*srv, sh, key, part);
@@ -415,7 +422,10 @@ void Put(CommandContext& ctx, CmdArgs& args) {
       const std::string path = store::disk::ObjectPath(dir, name, version);
       srv->shard(owner).PostControl([=](server::Shard& sh2) {
         Status in = kind->install(*srv, sh2, key, part, version, path);
-        if (!in.ok()) return answer(in);
+        if (!in.ok()) {
+          NodeOf(*srv)->NoteArriving(sh2, fence, false);
+          return answer(in);
+        }
         NodeOf(*srv)->counters().received.fetch_add(1);
         if (!owns()) return answer(in);
         cluster_sync::ReplicateSaved(*srv, id, version, path, answer);
@@ -431,7 +441,7 @@ void Del(CommandContext& ctx, CmdArgs& args) {
   const cluster_sync::SavedKind* kind = nullptr;
   std::string part;
   uint64_t version = 0;
-  if (!ParseObject(ctx, args, 5, "CLUSTER.DEL", &kind, &part, &version)) return;
+  if (!ParseObject(ctx, args, args.size(), 5, "CLUSTER.DEL", &kind, &part, &version)) return;
   server::Server* srv = ctx.server;
   const store::TenantKey key{srv->users().TenantId(args[2]), std::string(args[3])};
   auto reply = ctx.Defer();
@@ -491,9 +501,10 @@ void RegisterClusterFamily(server::Server& srv) {
               "Refused: replicas hold saved copies, not live data.", ""});
   r.Register({"READWRITE", 1, kCmdFast | kCmdConnection, 0, 0, 0, ReadWrite, "cluster",
               "Reads and writes go to slot owners (the only mode).", ""});
-  r.Register({"CLUSTER.PUT", -6, kCmdAdmin | kCmdWrite, 0, 0, 0, Put, "cluster",
-              "Node to node: a copy of a saved object (replica, or a slot moving here).",
-              "PREFIX|STATE|SSM|ATTENTION|VSNAP <tenant> <key> <version> <object_file> [<part>]"});
+  r.Register(
+      {"CLUSTER.PUT", -6, kCmdAdmin | kCmdWrite, 0, 0, 0, Put, "cluster",
+       "Node to node: a copy of a saved object (replica, or a slot moving here).",
+       "PREFIX|STATE|SSM|ATTENTION|VSNAP <tenant> <key> <version> <object_file> [<part> [MORE]]"});
   r.Register({"CLUSTER.DEL", -5, kCmdAdmin | kCmdWrite, 0, 0, 0, Del, "cluster",
               "Node to node: drop the copy of an object its owner dropped.",
               "PREFIX|STATE|SSM|ATTENTION|VSNAP <tenant> <key> <version> [<part>]"});

@@ -63,6 +63,11 @@ class ClusterNode final : public server::ClusterRouting {
   // Sends one command to the node at `addr` (replication thread only).
   StatusOr<cluster::Reply> Call(const std::string& addr, const std::vector<std::string_view>& args);
 
+  // CLUSTER.PUT of one part of a key whose other parts follow (`more`) or of its last one: while
+  // more follow, CheckKey sends clients for the key back to the slot's old owner, which still
+  // holds every part. Runs on the key's shard.
+  void NoteArriving(server::Shard& shard, const store::TenantKey& fence, bool more);
+
   struct Counters {
     std::atomic<uint64_t> pushed{0};         // object copies sent and taken
     std::atomic<uint64_t> push_failures{0};  // copies a replica or target did not take
@@ -82,14 +87,28 @@ class ClusterNode final : public server::ClusterRouting {
   bool MoveSlots(const cluster::SlotMap& m, int self);
   // Runs f on every shard (control tasks) and waits; from the replication thread only.
   void OnEveryShard(const std::function<void(server::Shard&)>& f);
-  // Pushes one saved object's file to `addr`; Ok when taken (or already newer there).
+  // Pushes one saved object's file to `addr`; Ok when taken (or already newer there). `more`:
+  // other parts of its key follow.
   Status Push(const std::string& addr, const ObjectId& id, uint64_t version,
-              const std::string& path);
+              const std::string& path, bool more = false);
+  // One object of a slot being moved.
+  struct Part {
+    const SavedKind* kind;
+    int shard;
+    HeldObject obj;
+  };
+  // Moves every part of one key (the layers of an attention session, the sealed snapshots of a
+  // V session) to `addr` as one: each saved if changed and sent, the last marked so, and only
+  // then all dropped here (kept as copies when this node is a replica of the new owner).
+  // Clients writing the key meanwhile get -TRYAGAIN. Ok when every part moved.
+  Status MoveKey(const std::string& addr, bool replica, const std::vector<Part>& parts);
 
   server::Server& srv_;
   cluster::Membership membership_;
   // Per shard (touched only on it): namespaces being sent to their slot's new owner.
   std::vector<std::set<store::TenantKey>> in_flight_;
+  // Per shard (touched only on it): keys arriving here part by part, not all there yet.
+  std::vector<std::set<store::TenantKey>> arriving_;
   Counters counters_;
 
   std::mutex mu_;

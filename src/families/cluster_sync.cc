@@ -6,6 +6,7 @@
 #include <future>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "cluster/key_slot.h"
 #include "families/cluster_internal.h"
@@ -114,6 +115,7 @@ ClusterNode::ClusterNode(server::Server& srv, cluster::MembershipOptions options
     : srv_(srv),
       membership_(std::move(options)),
       in_flight_(static_cast<size_t>(srv.shard_count())),
+      arriving_(static_cast<size_t>(srv.shard_count())),
       owned_(cluster::kSlots, false) {}
 
 ClusterNode::~ClusterNode() { Stop(); }
@@ -176,6 +178,12 @@ bool ClusterNode::KeyPresent(server::Shard& shard, uint32_t tenant, std::string_
 std::string ClusterNode::CheckKey(server::Shard& shard, uint32_t tenant,
                                   const server::CommandSpec& spec, std::string_view key, int slot,
                                   const server::SlotRoute& route) {
+  // A key arriving part by part is whole only at the old owner until its last part is here.
+  const auto& arriving = arriving_[static_cast<size_t>(shard.id())];
+  if (route.importing && !arriving.empty() &&
+      arriving.count({tenant, std::string(vstore::SessionRouteKey(key))}) != 0) {
+    return "ASK " + std::to_string(slot) + " " + route.addr;
+  }
   // A namespace in flight is still whole here: reads go on, writes wait for it to arrive.
   const auto& moving = in_flight_[static_cast<size_t>(shard.id())];
   if (!moving.empty() && (spec.flags & server::kCmdWrite) &&
@@ -332,14 +340,24 @@ void ClusterNode::OnEveryShard(const std::function<void(server::Shard&)>& f) {
   }
 }
 
+void ClusterNode::NoteArriving(server::Shard& shard, const store::TenantKey& fence, bool more) {
+  auto& arriving = arriving_[static_cast<size_t>(shard.id())];
+  if (more) {
+    arriving.insert(fence);
+  } else {
+    arriving.erase(fence);
+  }
+}
+
 Status ClusterNode::Push(const std::string& addr, const ObjectId& id, uint64_t version,
-                         const std::string& path) {
+                         const std::string& path, bool more) {
   auto bytes = ReadFile(path);
   if (!bytes.ok()) return bytes.status();
   const std::string v = std::to_string(version);
   auto args = ObjectArgs("CLUSTER.PUT", id, v);
   args.push_back(bytes.value());
   AddPart(&args, id);
+  if (more && !id.part.empty()) args.push_back("MORE");
   auto r = Call(addr, args);
   if (!r.ok()) {
     counters_.push_failures.fetch_add(1);
@@ -464,6 +482,51 @@ bool ClusterNode::SyncReplicas(const SlotMap& m, int self) {
   return all_ok;
 }
 
+Status ClusterNode::MoveKey(const std::string& addr, bool replica, const std::vector<Part>& parts) {
+  const store::TenantKey& key = parts.front().obj.key;
+  // What clients name while it is in flight (V sessions by their namespace).
+  const store::TenantKey fence{key.tenant, std::string(vstore::SessionRouteKey(key.name))};
+  server::Shard& sh = srv_.shard(parts.front().shard);
+  // Held in flight (clients writing it get -TRYAGAIN) from its first snapshot until it is
+  // dropped here, so no write lands between the copies and the drop.
+  std::vector<uint64_t> versions(parts.size(), 0);  // 0: gone meanwhile, nothing sent
+  Status st;
+  for (size_t k = 0; k < parts.size() && st.ok(); ++k) {
+    const Part p = parts[k];
+    std::promise<StatusOr<std::pair<std::string, uint64_t>>> saved;
+    sh.PostControl([this, &saved, p, fence, k](server::Shard& s) {
+      if (k == 0) in_flight_[static_cast<size_t>(s.id())].insert(fence);
+      p.kind->save_for_move(srv_, s, p.obj.key, p.obj.part,
+                            [&saved](auto r) { saved.set_value(std::move(r)); });
+    });
+    auto file = saved.get_future().get();
+    if (!file.ok()) {
+      if (file.status().kind() != ErrorKind::kMiss) st = file.status();
+      continue;
+    }
+    const ObjectId id{p.kind->name, p.obj.tenant, key.name, p.obj.part};
+    st = Push(addr, id, file->second, file->first, /*more=*/k + 1 < parts.size());
+    if (st.ok()) versions[k] = file->second;
+  }
+  // A replica of the new owner keeps the files as its copies; others let go of them.
+  std::promise<Status> dropped;
+  sh.PostControl([this, &dropped, &parts, &versions, fence, st, replica](server::Shard& s) {
+    Status d = st;
+    for (size_t k = 0; k < parts.size() && st.ok(); ++k) {
+      const Part& p = parts[k];
+      Status one = replica && versions[k] > 0 && p.kind->keep_copy
+                       ? p.kind->keep_copy(srv_, s, p.obj.key, p.obj.part, versions[k])
+                   : replica && versions[k] > 0
+                       ? Status::Ok()
+                       : p.kind->discard(srv_, s, p.obj.key, p.obj.part, 0);
+      if (!one.ok() && d.ok()) d = one;
+    }
+    in_flight_[static_cast<size_t>(s.id())].erase(fence);
+    dropped.set_value(d);
+  });
+  return dropped.get_future().get();
+}
+
 bool ClusterNode::MoveSlots(const SlotMap& m, int self) {
   std::map<int, std::vector<int>> by_owner;
   for (int s = 0; s < cluster::kSlots; ++s) {
@@ -485,12 +548,7 @@ bool ClusterNode::MoveSlots(const SlotMap& m, int self) {
     // Passes until none is left: a client sent here with -ASK may have created one meanwhile
     // only before the owner had the slot (after that, new keys are the owner's).
     for (int pass = 0; pass < 3; ++pass) {
-      struct Moving {
-        const SavedKind* kind;
-        int shard;
-        HeldObject obj;
-      };
-      std::vector<Moving> objs;
+      std::vector<Part> objs;
       std::mutex mu;
       OnEveryShard([&](server::Shard& sh) {
         for (const SavedKind& kind : SavedKinds()) {
@@ -502,47 +560,28 @@ bool ClusterNode::MoveSlots(const SlotMap& m, int self) {
         }
       });
       if (objs.empty()) break;
-      for (size_t i = 0; i < objs.size() && done; ++i) {
-        const SavedKind* kind = objs[i].kind;
-        const store::TenantKey key = objs[i].obj.key;
-        const std::string part = objs[i].obj.part;
-        const ObjectId id{kind->name, objs[i].obj.tenant, key.name, part};
-        // What clients name while it is in flight (V sessions by their namespace).
-        const store::TenantKey fence{key.tenant, std::string(vstore::SessionRouteKey(key.name))};
-        server::Shard& sh = srv_.shard(objs[i].shard);
-        // Held in flight (clients get -TRYAGAIN) from its snapshot until it is dropped here, so
-        // no write lands between the copy and the drop.
-        std::promise<StatusOr<std::pair<std::string, uint64_t>>> saved;
-        sh.PostControl([this, &saved, kind, key, part, fence](server::Shard& s) {
-          in_flight_[static_cast<size_t>(s.id())].insert(fence);
-          kind->save_for_move(srv_, s, key, part,
-                              [&saved](auto r) { saved.set_value(std::move(r)); });
-        });
-        auto file = saved.get_future().get();
-        Status st = file.ok() ? Push(to.addr, id, file->second, file->first) : file.status();
-        // A replica of the new owner keeps the file as its copy; others let go of it.
-        const bool replica = InList(m.replicas[target], self);
-        const uint64_t version = file.ok() ? file->second : 0;
-        std::promise<Status> dropped;
-        sh.PostControl(
-            [this, &dropped, kind, key, part, fence, st, replica, version](server::Shard& s) {
-              Status d = st;
-              if (st.ok() && replica) {
-                d = kind->keep_copy ? kind->keep_copy(srv_, s, key, part, version) : Status::Ok();
-              } else if (st.ok() || st.kind() == ErrorKind::kMiss) {
-                d = kind->discard(srv_, s, key, part, 0);
-              }
-              in_flight_[static_cast<size_t>(s.id())].erase(fence);
-              dropped.set_value(d);
-            });
-        Status d = dropped.get_future().get();
+      // A key's parts go together, in one MoveKey.
+      auto same_key = [](const Part& a, const Part& b) {
+        return a.kind == b.kind && a.shard == b.shard && a.obj.key == b.obj.key;
+      };
+      std::stable_sort(objs.begin(), objs.end(), [](const Part& a, const Part& b) {
+        return std::tie(a.kind, a.shard, a.obj.key.tenant, a.obj.key.name) <
+               std::tie(b.kind, b.shard, b.obj.key.tenant, b.obj.key.name);
+      });
+      const bool replica = InList(m.replicas[target], self);
+      for (size_t i = 0; i < objs.size() && done;) {
+        size_t j = i + 1;
+        while (j < objs.size() && same_key(objs[i], objs[j])) ++j;
+        std::vector<Part> parts(objs.begin() + i, objs.begin() + j);
+        Status d = MoveKey(to.addr, replica, parts);
         if (d.ok()) {
-          ++moved;
+          moved += parts.size();
         } else {
-          spdlog::warn("cluster: moving {} '{}' to '{}': {}", kind->name, key.name, to.id,
-                       d.message());
+          spdlog::warn("cluster: moving {} '{}' to '{}': {}", objs[i].kind->name,
+                       objs[i].obj.key.name, to.id, d.message());
           done = false;
         }
+        i = j;
       }
       if (!done) break;
     }
