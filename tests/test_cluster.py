@@ -563,13 +563,19 @@ def test_kill_fails_over_every_saved_family_to_the_replica(cluster):
     owner = cluster.owner_of(backed["tag"]).client()
 
     def save_without_replica():
-        tag = backed["tag"]
-        assert owner.execute_command("STATE.WRITE", tag + "st", 0, b"\xee" * 16) == b"OK"
-        for save in (["STATE.SAVE", tag + "st"], ["SSM.PREFIX.SAVE", tag + "ssm"],
-                     ["ATTEND.PREFIX.SAVE", tag + "at"], ["V.COMMIT", tag + "v", backed["snap"]]):
-            with pytest.raises(redis.ResponseError,
-                               match=r"IOERR saved on this node, but its copy to replica 'n2'"):
+        tag, err = backed["tag"], r"IOERR saved on this node, but its copy to replica 'n2'"
+        k = f32s(1, 1, AT_N, AT_D)
+        for write, save in (
+                (["STATE.WRITE", tag + "st", 0, b"\xee" * 16], ["STATE.SAVE", tag + "st"]),
+                (["SSM.PREFIX.STORE", tag + "ssm", 0, b"later"], ["SSM.PREFIX.SAVE", tag + "ssm"]),
+                (["ATTEND.PREFIX.STORE", tag + "at", 0, 1, AT_N, AT_D, k, k],
+                 ["ATTEND.PREFIX.SAVE", tag + "at"])):
+            assert owner.execute_command(*write) == b"OK"
+            with pytest.raises(redis.ResponseError, match=err):
                 owner.execute_command(*save)
+        snap = owner.execute_command("V.SNAPSHOT", tag + "v")
+        with pytest.raises(redis.ResponseError, match=err):
+            owner.execute_command("V.COMMIT", tag + "v", snap)
 
     failover_s = kill_and_wait_served(cluster, victim,
                                       lambda c: [check_objects(c, w) for w in held[1:]],

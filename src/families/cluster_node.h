@@ -68,6 +68,13 @@ class ClusterNode final : public server::ClusterRouting {
   // holds every part. Runs on the key's shard.
   void NoteArriving(server::Shard& shard, const store::TenantKey& fence, bool more);
 
+  // Replication thread only: whether every current replica (`replicas`: their ids and
+  // incarnations) took version `version` of object `id` already (a save of something unchanged
+  // then sends nothing), and noting that they did, or that the object was dropped.
+  bool Replicated(const ObjectId& id, uint64_t version, const std::string& replicas) const;
+  void NoteReplicated(const ObjectId& id, uint64_t version, const std::string& replicas);
+  void ForgetReplicated(const ObjectId& id);
+
   struct Counters {
     std::atomic<uint64_t> pushed{0};         // object copies sent and taken
     std::atomic<uint64_t> push_failures{0};  // copies a replica or target did not take
@@ -121,8 +128,10 @@ class ClusterNode final : public server::ClusterRouting {
   // Replication thread only.
   std::map<std::string, std::unique_ptr<cluster::NodeClient>> clients_;
   std::map<std::string, int64_t> synced_;  // replica id -> the incarnation that has everything
-  std::vector<bool> owned_;                // slots whose saves this node's replicas hold
-  bool retry_ = false;                     // something to try again later
+  // Object (kind, tenant, key, part) -> the version and the replica set that acknowledged it.
+  std::map<std::string, std::pair<uint64_t, std::string>> replicated_;
+  std::vector<bool> owned_;  // slots whose saves this node's replicas hold
+  bool retry_ = false;       // something to try again later
 };
 
 // The node, or null in single-node mode.

@@ -340,6 +340,39 @@ void ClusterNode::OnEveryShard(const std::function<void(server::Shard&)>& f) {
   }
 }
 
+namespace {
+std::string ObjectKey(const ObjectId& id) {
+  std::string k = id.kind;
+  for (const std::string* part : {&id.tenant, &id.key, &id.part}) {
+    k.push_back('\0');
+    k += *part;
+  }
+  return k;
+}
+
+// The replica set of node `self` in `m`, as Replicated() compares it.
+std::string ReplicaSet(const SlotMap& m, int self) {
+  std::string out;
+  for (int16_t r : m.replicas[self]) {
+    out += m.nodes[r].id + "@" + std::to_string(m.nodes[r].incarnation) + ",";
+  }
+  return out;
+}
+}  // namespace
+
+bool ClusterNode::Replicated(const ObjectId& id, uint64_t version,
+                             const std::string& replicas) const {
+  auto it = replicated_.find(ObjectKey(id));
+  return it != replicated_.end() && it->second.first == version && it->second.second == replicas;
+}
+
+void ClusterNode::NoteReplicated(const ObjectId& id, uint64_t version,
+                                 const std::string& replicas) {
+  replicated_[ObjectKey(id)] = {version, replicas};
+}
+
+void ClusterNode::ForgetReplicated(const ObjectId& id) { replicated_.erase(ObjectKey(id)); }
+
 void ClusterNode::NoteArriving(server::Shard& shard, const store::TenantKey& fence, bool more) {
   auto& arriving = arriving_[static_cast<size_t>(shard.id())];
   if (more) {
@@ -375,6 +408,9 @@ void ClusterNode::Apply() {
   auto m = membership_.map();
   const int self = m->IndexOf(node_id());
   retry_ = false;
+  // Who holds which copy may have changed with the map (objects moved away and back, copies
+  // discarded): saves of unchanged objects send their copies again.
+  replicated_.clear();
   Discard(*m, self);
   if (self < 0) return;
   if (!SyncReplicas(*m, self)) retry_ = true;
@@ -624,6 +660,8 @@ void ReplicateSaved(server::Server& srv, ObjectId id, uint64_t version, std::str
         auto m = node->map();
         const int self = m->IndexOf(node->node_id());
         if (self < 0) return done(Status::Ok());
+        const std::string replicas = ReplicaSet(*m, self);
+        if (node->Replicated(id, version, replicas)) return done(Status::Ok());  // unchanged
         for (int16_t r : m->replicas[self]) {
           const cluster::NodeInfo& rep = m->nodes[r];
           auto bytes = ReadFile(path);
@@ -647,6 +685,7 @@ void ReplicateSaved(server::Server& srv, ObjectId id, uint64_t version, std::str
           }
           node->counters().pushed.fetch_add(1);
         }
+        node->NoteReplicated(id, version, replicas);
         done(Status::Ok());
       });
 }
@@ -659,6 +698,7 @@ void ReplicateDrop(server::Server& srv, ObjectId id, uint64_t version,
     const int self = m->IndexOf(node->node_id());
     if (self < 0) return done(Status::Ok());
     const std::string v = std::to_string(version);
+    node->ForgetReplicated(id);
     for (int16_t r : m->replicas[self]) {
       const cluster::NodeInfo& rep = m->nodes[r];
       auto args = ObjectArgs("CLUSTER.DEL", id, v);
