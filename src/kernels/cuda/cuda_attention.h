@@ -104,8 +104,9 @@ struct AttendArgs {
   // PION_BENCH_F32TC=0, for comparison).
   bool f32_tensor = true;
   // fp8 decode (dense, at most 8 query rows per K/V head, d = 32..128) on tensor cores: tiles
-  // loaded as e4m3, widened to fp16 in shared memory, the packed fp16 MMAs with Q and P split
-  // hi + lo; false: the SIMT kernel (the bench's PION_BENCH_F8TC=0, for comparison).
+  // staged as e4m3, each lane widening its own K and V bytes to fp16 fragments in registers,
+  // the packed fp16 MMAs with Q and P split hi + lo; false: the SIMT kernel (the bench's
+  // PION_BENCH_F8TC=0, for comparison).
   bool fp8_tensor = true;
   // Decode on sm_90 (dense, one row group a block): a full 16-row tile arrives as one 2-D tensor
   // copy (TMA) each for K and V — a box of one padded tile row's width, its tail past d

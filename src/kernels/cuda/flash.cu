@@ -18,11 +18,17 @@
 //           the same accuracy as the decode shape with half the tensor-core work.
 //
 // fp8 (e4m3fn with a scale per row) takes the packed decode shape: tiles arrive as e4m3 bytes
-// (half of fp16's traffic) with their rows' scales, each warp widens its tile to fp16 in shared
-// memory (exact: every e4m3 value is an fp16 value) and the fp16 MMAs run on it unchanged; a
-// score is (q · k_e4m3) · scale_k, and P enters P·V as p · scale_v / c (c: a power of two per
-// warp near its first tile's V scales, keeping p · scale_v / c in fp16's normal range for the
-// hi + lo split), the output multiplied back by c before the warps merge.
+// (half of fp16's traffic) with their rows' scales, and each lane widens its own bytes to the
+// fp16 MMA fragments in registers (cvt e4m3x2 -> f16x2, exact) — no widened copy in shared
+// memory, no ldmatrix. The lanes read K in a permuted order of d (KPerm: a lane's bytes of a key
+// are one run, a word a k-step; Q is stored in the same order) and V by words, paired across
+// rows with byte_perm, its output columns permuted as fp32's are (32q + 4g + b). A score is
+// (q · k_e4m3) · scale_k, and P enters P·V as p · scale_v / c (c: a power of two per warp near
+// its first tile's V scales, keeping p · scale_v / c in fp16's normal range for the hi + lo
+// split), the output multiplied back by c before the warps merge. Against widening each tile in
+// shared memory first (H200, GQA 32/8, µs): d = 128 128K 132.5 -> 81.2, 32K 40.1 -> 27.8, 8K
+// 15.1 -> 12.5; d = 64 128K 57.3 -> 54.4; with 5 or 8 ring stages instead of 3 it was no faster
+// (128K 82.1, 128.2 — one block a multiprocessor at 8).
 #include <cuda.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -49,7 +55,7 @@ struct Flash {
                 "fp32 K/V: the packed decode shape only, d a multiple of 32 up to 128");
   static_assert(!kF8 || (WR == 1 && kPack && !kSplit && D % 32 == 0 && D <= 128),
                 "fp8 K/V: the packed decode shape only, d a multiple of 32 up to 128");
-  // The element type the MMAs read from shared memory: fp8 tiles are widened to fp16 first.
+  // The element type of Q in shared memory (fp8: fp16, as the MMAs take it).
   using TC = std::conditional_t<kF8, __half, T>;
   // Padded smem row (elements, 16 bytes of padding): ldmatrix rows hit distinct banks, and for
   // fp32 the V loads of rows 2t and 2t + 1 too (row stride ≡ 16 bytes mod 128). kStr: the rows
@@ -65,35 +71,31 @@ struct Flash {
   static constexpr size_t kQ =
       kF32 ? size_t{D / 8} * 32 * 16 : size_t{kRows} * kStrC * 2 * (kSplit ? 2 : 1);
   static constexpr size_t kTile = size_t{kBk} * kStr * sizeof(T);
-  // fp8: each warp's current tile widened to fp16 ([4 warps][K, V][16][kStrC]) and the row
-  // scales of every staged tile ([K, V][4 warps][kStages][16] floats).
-  static constexpr size_t kConv = kF8 ? size_t{4} * 2 * 16 * kStrC * 2 : 0;
+  // fp8: the row scales of every staged tile ([K, V][4 warps][kStages][16] floats).
   static constexpr size_t kScales = kF8 ? size_t{2} * 4 * kStages * 16 * 4 : 0;
   // Decode merge: the warps' outputs [4][16][kOs] (rows padded by 8 floats: a quad's float2
   // stores of 8 rows then hit distinct banks — unpadded they were 8-way conflicts) and their
   // m, l and weights (64 floats each).
   static constexpr int kOs = D + 8;
   static constexpr size_t kMerge = WR == 1 ? (size_t{4} * 16 * kOs + 192) * 4 : 0;
-  static constexpr size_t kBytes =
-      std::max(kQ + 2 * kStages * kTile + kConv + kScales, kQ + kMerge);
+  static constexpr size_t kBytes = std::max(kQ + 2 * kStages * kTile + kScales, kQ + kMerge);
 };
 
-// Sixteen e4m3 bytes (shared memory, 16-byte aligned) → sixteen fp16 (exact), stored at dst.
-__device__ inline void WidenFp8x16(const void* src, __half* dst) {
-  const uint4 u = *reinterpret_cast<const uint4*>(src);
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-  uint32_t h[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __half2_raw lo =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] & 0xffffu), __NV_E4M3);
-    const __half2_raw hi =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] >> 16), __NV_E4M3);
-    h[2 * i] = uint32_t(lo.x) | (uint32_t(lo.y) << 16);
-    h[2 * i + 1] = uint32_t(hi.x) | (uint32_t(hi.y) << 16);
-  }
-  reinterpret_cast<uint4*>(dst)[0] = make_uint4(h[0], h[1], h[2], h[3]);
-  reinterpret_cast<uint4*>(dst)[1] = make_uint4(h[4], h[5], h[6], h[7]);
+// Two e4m3 values (the low 16 bits of w) → an fp16 pair (exact), low value in the low half.
+__device__ inline uint32_t Fp8x2ToHalf2(uint32_t w) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+
+// fp8 in registers: the d that Q's logical column L (k-step L / 16, MMA column L % 16) holds.
+// Lane (g, t) of a k-step needs MMA columns 2t, 2t + 1, 2t + 8, 2t + 9 of key g: they are d =
+// t·D/4 + 4·ks + 0..3, so a lane's K bytes of a key are one run of D/4 and each k-step's four
+// are one word.
+template <int D>
+__device__ inline int KPerm(int l) {
+  const int ks = l / 16, kk = l % 16;
+  return ((kk & 7) >> 1) * (D / 4) + 4 * ks + (kk & 1) + 2 * (kk >> 3);
 }
 
 template <typename T, int D, int WR, bool kSplit, bool kPack>
@@ -107,9 +109,8 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
   const uint4* qf = reinterpret_cast<const uint4*>(smem);  // fp32: [D/8][32] A fragments
   T* kt = reinterpret_cast<T*>(smem + C::kQ);              // [kS][kBk][kStr]
   T* vt = kt + kS * kBk * kStr;                            // [kS][kBk][kStr]
-  // fp8: the widened tiles ([4][2][16][kStrC]) and the staged row scales ([2][4][kS][16]).
-  TC* conv = reinterpret_cast<TC*>(smem + C::kQ + 2 * kS * C::kTile);
-  float* ksc = reinterpret_cast<float*>(smem + C::kQ + 2 * kS * C::kTile + C::kConv);
+  // fp8: the staged row scales ([2][4][kS][16]).
+  float* ksc = reinterpret_cast<float*>(smem + C::kQ + 2 * kS * C::kTile);
   float* vsc = ksc + 4 * kS * 16;
   __shared__ int64_t qpos[C::kRows];
   __shared__ int32_t rowid[C::kRows];
@@ -341,7 +342,15 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       if (e >= kQRows * D / 4) break;
       const int r = e / (D / 4), c = (e % (D / 4)) * 4;
       float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (rowid[r] >= 0) x = *reinterpret_cast<const float4*>(a.q + size_t(rowid[r]) * D + c);
+      if (rowid[r] >= 0) {
+        const float* qr = a.q + size_t(rowid[r]) * D;
+        if constexpr (C::kF8) {  // logical columns c.. in the lanes' order of d (KPerm)
+          x = make_float4(qr[KPerm<D>(c)], qr[KPerm<D>(c + 1)], qr[KPerm<D>(c + 2)],
+                          qr[KPerm<D>(c + 3)]);
+        } else {
+          x = *reinterpret_cast<const float4*>(qr + c);
+        }
+      }
       uint2 hi{Pack(x.x, x.y), Pack(x.z, x.w)};
       if constexpr (kPack) {  // rows 0..7 hold the rows' high parts, rows 8..15 their low parts
         uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
@@ -369,23 +378,11 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
     } else {
       __syncthreads();
     }
-    const TC* kb;
-    const TC* vb;
+    const TC* kb = reinterpret_cast<const TC*>(tile_k(buf));  // fp16 and fp32 tiles as staged
+    const TC* vb = reinterpret_cast<const TC*>(tile_v(buf));
     const float* kscale_t = ksc + (warp * kS + buf) * 16;  // fp8: this tile's row scales
     const float* vscale_t = vsc + (warp * kS + buf) * 16;
     if constexpr (C::kF8) {
-      // Widen this warp's staged e4m3 tile to fp16 rows (exact), K then V: 16 rows × D/16
-      // chunks of 16 bytes, D/32 a lane.
-      TC* kc = conv + warp * 2 * 16 * kStrC;
-      TC* vc = kc + 16 * kStrC;
-      const T* k8 = tile_k(buf);
-      const T* v8 = tile_v(buf);
-#pragma unroll
-      for (int i = 0; i < D / 32; ++i) {
-        const int e = lane + 32 * i, row = e / (D / 16), col = (e % (D / 16)) * 16;
-        WidenFp8x16(k8 + row * kStr + col, kc + row * kStrC + col);
-        WidenFp8x16(v8 + row * kStr + col, vc + row * kStrC + col);
-      }
       if (t == 0) {  // this warp's unit for P · scale_v: a power of two near its V scales
         float mx = 0.f;
 #pragma unroll
@@ -393,12 +390,6 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
         const float unit = __uint_as_float(__float_as_uint(mx) & 0x7f800000u);
         if (unit > 0.f && isfinite(unit)) v_unit = unit, v_inv = 1.f / unit;
       }
-      __syncwarp();
-      kb = kc;
-      vb = vc;
-    } else {
-      kb = tile_k(buf);
-      vb = tile_v(buf);
     }
     float s[kNt][4], s2[kNt][4];  // s2: the odd k-steps' chain (packed)
 #pragma unroll
@@ -406,7 +397,39 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
       s2[n][0] = s2[n][1] = s2[n][2] = s2[n][3] = 0.f;
     }
-    if constexpr (C::kF32) {
+    if constexpr (C::kF8) {
+      // fp8: this lane's K words of keys g and 8 + g (D/16 each, one a k-step, in
+      // KPerm's order), widened per k-step into the B fragments of the two 8-key n-tiles.
+      const uint8_t* k8 = reinterpret_cast<const uint8_t*>(tile_k(buf));
+      uint32_t kw[2][D / 16];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const uint8_t* src = k8 + (n * 8 + g) * kStr + (lane & 3) * (D / 4);
+        if constexpr ((D / 16) % 4 == 0) {
+#pragma unroll
+          for (int i = 0; i < D / 64; ++i) {
+            const uint4 u = *reinterpret_cast<const uint4*>(src + 16 * i);
+            kw[n][4 * i] = u.x, kw[n][4 * i + 1] = u.y, kw[n][4 * i + 2] = u.z;
+            kw[n][4 * i + 3] = u.w;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < D / 32; ++i) {
+            const uint2 u = *reinterpret_cast<const uint2*>(src + 8 * i);
+            kw[n][2 * i] = u.x, kw[n][2 * i + 1] = u.y;
+          }
+        }
+      }
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t ah[4];
+        Ldm4(ah, qh + ((lm & 1) * 8 + lr) * kStrC + ks * 16 + (lm >> 1) * 8);
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          Mma(ks % 2 ? s2[n] : s[n], ah, Fp8x2ToHalf2(kw[n][ks]), Fp8x2ToHalf2(kw[n][ks] >> 16));
+        }
+      }
+    } else if constexpr (C::kF32) {
       // fp32 (tf32 m16n8k8, K as B: b0 = K[key g][8ks + t], b1 = [8ks + t + 4]): one ldmatrix
       // x4 (fp32 words as pairs of b16) brings an 8-key tile's fragments for k-steps 2kp and
       // 2kp + 1. K splits into tf32 hi + lo in two MMA chains (s: hi, s2: lo); the A rows g + 8
@@ -536,7 +559,27 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
         o[n][3] *= alpha[kRowsPerThread - 1];
       }
     }
-    if constexpr (C::kF32) {
+    if constexpr (C::kF8) {
+      // o += P·V, 16 keys: B = V rows c2, c2 + 1 (b0) and c2 + 8, c2 + 9 (b1) at d tile 4q + b's
+      // column g = d 32q + 4g + b — one word of each of the four rows feeds four d tiles (bytes
+      // paired across rows by byte_perm, then widened).
+      uint32_t ph[4] = {Pack(s[0][0], s[0][1]), PackLo(s[0][0], s[0][1]), Pack(s[1][0], s[1][1]),
+                        PackLo(s[1][0], s[1][1])};
+      const uint8_t* v8 = reinterpret_cast<const uint8_t*>(tile_v(buf)) + c2 * kStr + 4 * g;
+#pragma unroll
+      for (int q = 0; q < D / 32; ++q) {
+        const uint32_t w0 = *reinterpret_cast<const uint32_t*>(v8 + 32 * q);
+        const uint32_t w1 = *reinterpret_cast<const uint32_t*>(v8 + kStr + 32 * q);
+        const uint32_t w8 = *reinterpret_cast<const uint32_t*>(v8 + 8 * kStr + 32 * q);
+        const uint32_t w9 = *reinterpret_cast<const uint32_t*>(v8 + 9 * kStr + 32 * q);
+        const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
+        const uint32_t lo89 = __byte_perm(w8, w9, 0x5140), hi89 = __byte_perm(w8, w9, 0x7362);
+        Mma(o[4 * q], ph, Fp8x2ToHalf2(lo01), Fp8x2ToHalf2(lo89));
+        Mma(o[4 * q + 1], ph, Fp8x2ToHalf2(lo01 >> 16), Fp8x2ToHalf2(lo89 >> 16));
+        Mma(o[4 * q + 2], ph, Fp8x2ToHalf2(hi01), Fp8x2ToHalf2(hi89));
+        Mma(o[4 * q + 3], ph, Fp8x2ToHalf2(hi01 >> 16), Fp8x2ToHalf2(hi89 >> 16));
+      }
+    } else if constexpr (C::kF32) {
       // o += P·V on tf32 m16n8k8, 8 keys a k-step. The MMA's key order is permuted so every
       // operand is local: its key t is tile key 2t, key t + 4 is 2t + 1 — so A (P: row g's hi
       // part, row g + 8's lo part) is this thread's s[n][0], s[n][1] as they are, and B (V) is
@@ -652,7 +695,8 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
         ms[warp * 16 + row] = m_run[i];
         ls[warp * 16 + row] = l_run[i];
       }
-      if constexpr (C::kF32) {  // the permuted columns (P·V above): 8 consecutive d a quad lane
+      if constexpr (C::kF32 ||
+                    C::kF8) {  // the permuted columns (P·V above): 8 consecutive d a quad lane
 #pragma unroll
         for (int q = 0; q < D / 32; ++q) {
           float* dst = os + (warp * 16 + row) * C::kOs + 32 * q + 4 * c2;
@@ -862,7 +906,7 @@ bool UsesTensorCores(const AttendArgs& a) {
   // (one row per item) measured faster on the SIMT kernel: they stay there.
   if (!a.dense_items || gpu::Info().cc_major < 8) return false;
   if (a.dtype == DType::kF16) return a.d <= 256;
-  // fp8: the packed decode (fp16 MMAs over tiles widened from e4m3 in shared memory) for dense
+  // fp8: the packed decode (fp16 MMAs over e4m3 tiles widened in registers) for dense
   // ranges and at most 8 query rows a K/V head, d = 32..128 (AttendArgs::fp8_tensor); the rest
   // of fp8 on the SIMT kernel.
   if (a.dtype == DType::kFP8) {
