@@ -668,6 +668,40 @@ def test_fetch_many_replies_errors_and_reuse(pion_factory):
         assert c.v.fetch_raw("fm", 0, 64, decode=False) == rows.tobytes()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decoded_fetches_own_their_results(pion_factory, fmt):
+    """RAW replies that are decoded here land in the connection's reused scratch memory
+    (fetch_decode): every decoded result must be its own array, unchanged by the next fetch
+    (fp32 decodes to a view, so it must not come from scratch), for fetch_raw, fetch_raw_ids
+    and fetch_layer(raw=True), with scratch growing from one size to a larger one."""
+    srv = pion_factory()
+    rng = np.random.default_rng(7)
+    with pion.Client(port=srv.port) as c:
+        c.v.create("a", 256, fmt)
+        c.v.create("b", 256, fmt)
+        c.v.store_batch("a", 0, rnd(rng, 600, 256))
+        c.v.store_batch("b", 0, rnd(rng, 600, 256) + 5)
+        want_a, want_b = c.v.fetch("a", 0, 600), c.v.fetch("b", 0, 600)
+        first = c.v.fetch_raw("a", 0, 300)
+        second = c.v.fetch_raw("b", 0, 600)  # more bytes: a bigger scratch
+        third = c.v.fetch_raw("a", 0, 600)
+        ids = c.v.fetch_raw_ids("b", list(range(0, 600, 2)))
+        c.v.fetch_raw("b", 0, 600)
+        np.testing.assert_array_equal(bits(first), bits(want_a[:300]))
+        np.testing.assert_array_equal(bits(second), bits(want_b))
+        np.testing.assert_array_equal(bits(third), bits(want_a))
+        np.testing.assert_array_equal(bits(ids), bits(want_b[::2]))
+        assert not np.shares_memory(second, third)
+        c.kv.register("ns", n_layers=2, n_tokens=400, kv_heads=2, head_dim=64, fmt=fmt)
+        for layer in range(2):
+            c.kv.store_layer("ns", layer, rnd(rng, 400, 2, 64), rnd(rng, 400, 2, 64))
+        want = [c.kv.fetch_layer("ns", j) for j in range(2)]
+        got = [c.kv.fetch_layer("ns", j, raw=True) for j in range(2)]
+        for (wk, wv), (gk, gv) in zip(want, got):
+            np.testing.assert_array_equal(bits(gk), bits(wk))
+            np.testing.assert_array_equal(bits(gv), bits(wv))
+
+
 def test_noperm_for_tenant_user(pion_factory, tmp_path):
     users = tmp_path / "users.txt"
     users.write_text("alice apw teamA\n")

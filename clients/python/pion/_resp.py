@@ -17,6 +17,7 @@ from . import errors
 
 LARGE = 64 << 10  # bulk replies this large go straight into their destination
 _READ = 256 << 10
+SCRATCH_MAX = 256 << 20  # most bytes a connection keeps for replies decoded before it is reused
 
 
 class Connection:
@@ -36,6 +37,12 @@ class Connection:
         self._rb = bytearray(_READ)
         self._view = memoryview(self._rb)
         self._start = self._end = 0
+        # Reused destination for replies the caller decodes before handing the connection
+        # back (call_many(scratch=True)): their pages stay mapped, where a fresh array per
+        # call is faulted in again once glibc has returned the memory (tens of MiB).
+        self._scratch = None
+        self._soff = 0
+        self._use_scratch = False
         self.closed = False
         try:
             self.sock.settimeout(timeout)
@@ -75,15 +82,19 @@ class Connection:
                 head.append(b"$%d\r\n%s\r\n" % (len(s), s))
         out.append(b"".join(head))
 
-    def call_many(self, commands, intos=None) -> list:
+    def call_many(self, commands, intos=None, scratch: bool = False) -> list:
         """Sends the commands (tuples of arguments) in one write and returns their replies in
         order: an error reply as its PionError (not raised), a bulk reply of LARGE bytes or
         more as a writable uint8 array — the array intos[i] names for command i, when given
         (ValueError if it is too small; the connection is then closed) — smaller ones as bytes.
+        With scratch, large bulks without an into= land in this connection's reused scratch
+        memory (up to SCRATCH_MAX bytes a call, fresh arrays beyond): valid only until the
+        connection's next call, so the caller must be done with them before handing it back.
         A failed or closed connection raises PionConnectionError and is closed."""
         parts: list = []
         for c in commands:
             self._encode(c, parts)
+        self._use_scratch, self._soff = scratch, 0
         try:
             if len(parts) == 1:
                 self.sock.sendall(parts[0])
@@ -144,6 +155,16 @@ class Connection:
                 raise errors.PionConnectionError("connection closed by the server")
             off += k
 
+    def _scratch_take(self, n: int) -> np.ndarray:
+        end = self._soff + n
+        if self._scratch is None or self._scratch.size < end:
+            # Big enough for everything this call has taken so far, so that the next call
+            # with the same replies fits; slices already handed out keep the old one alive.
+            self._scratch = np.empty(end, np.uint8)
+        out = self._scratch[self._soff:end]
+        self._soff = end
+        return out
+
     def _crlf(self) -> None:
         if self._take(2) != b"\r\n":
             raise errors.PionConnectionError("malformed reply: a bulk without its CRLF")
@@ -163,6 +184,8 @@ class Connection:
                 if into.size < n:
                     raise ValueError("into= holds %d bytes, the fetch needs %d" % (into.size, n))
                 out = into[:n]
+            elif self._use_scratch and self._soff + n <= SCRATCH_MAX:
+                out = self._scratch_take(n)
             else:
                 out = np.empty(n, np.uint8)
             self._into(memoryview(out), n)

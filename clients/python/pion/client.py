@@ -118,22 +118,40 @@ class Client:
         straight from the socket (into intos[i] for command i, when given), smaller ones as
         bytes. The first error reply raises (the other commands still ran). The fetch helpers
         use this for their large replies."""
+        return self.fetch_decode(commands, None, intos)
+
+    def fetch_decode(self, commands, decode, intos=None):
+        """As fetch_many, then decode(replies) while the connection is still held, with the
+        large bulks (those without an into=) in the connection's reused scratch memory:
+        for replies that are decoded into fresh arrays anyway, this spares faulting in a
+        fresh receive buffer per call. decode must not keep the scratch arrays; its result
+        is returned. decode=None returns the replies themselves (in fresh arrays)."""
         with self._raw_lock:
             conn = self._raw_pool.pop() if self._raw_pool else None
         if conn is None:
             from ._resp import Connection
             conn = Connection(**self._where)
         try:
-            replies = conn.call_many(commands, intos)
+            replies = conn.call_many(commands, intos, scratch=decode is not None)
+            for r in replies:
+                if isinstance(r, errors.PionError):
+                    raise r
+            out = replies if decode is None else decode(replies)
+        except errors.PionError as e:
+            if isinstance(e, errors.PionConnectionError):
+                conn.close()
+                raise
+            self._give_back(conn)
+            raise
         except BaseException:
             conn.close()
             raise
+        self._give_back(conn)
+        return out
+
+    def _give_back(self, conn) -> None:
         with self._raw_lock:
             self._raw_pool.append(conn)
-        for r in replies:
-            if isinstance(r, errors.PionError):
-                raise r
-        return replies
 
     def ping(self) -> bool:
         """True when the server answers PONG."""

@@ -159,11 +159,16 @@ class KVPrefix:
     def _fetch_rows_tcp(self, ns, lo, hi, t, h, d, raw, vi, model, generation):
         tail = ["RAW"] if raw else []
         tail += _identity(model, generation)
-        kd, vd = self._c.fetch_many([("V.FETCH", ns + "_pk", "RANGE", lo, hi, *tail),
-                                     ("V.FETCH", ns + "_pv", "RANGE", lo, hi, *tail)])
+        cmds = [("V.FETCH", ns + "_pk", "RANGE", lo, hi, *tail),
+                ("V.FETCH", ns + "_pv", "RANGE", lo, hi, *tail)]
+        if raw and vi["format"] != "fp32":  # into the connection's scratch, decoded to fresh
+            # arrays (fp32 decodes to a view of what was received: that takes fresh ones)
+            return self._c.fetch_decode(cmds, lambda r: tuple(
+                codecs.decode(vi["format"], vi["dim"], vi["block"], x, t) for x in r))
+        kd, vd = self._c.fetch_many(cmds)
         if raw:
-            return (codecs.decode(vi["format"], vi["dim"], vi["block"], kd, t),
-                    codecs.decode(vi["format"], vi["dim"], vi["block"], vd, t))
+            return (codecs.decode("fp32", vi["dim"], vi["block"], kd, t),
+                    codecs.decode("fp32", vi["dim"], vi["block"], vd, t))
         return _wire.from_f32(kd, (t, h * d)), _wire.from_f32(vd, (t, h * d))
 
     def _fetch_layer_device(self, ns, ch, vi, lo, hi, t, h, d, layout, raw, model,

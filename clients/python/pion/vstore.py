@@ -123,6 +123,9 @@ class VStore:
             from .client import _byte_view
             dst = _byte_view(into) if into is not None else None
             fetch = ("V.FETCH", sid, "RANGE", start, end, "RAW", *_identity(model, generation))
+            if decode and into is None:  # received into scratch, decoded into a fresh array
+                rows = self._c.fetch_decode([("V.INFO", sid), fetch], _decode_reply)
+                return self._c._out(rows, as_torch)
             if decode:
                 info_reply, data = self._c.fetch_many([("V.INFO", sid), fetch], [None, dst])
             else:
@@ -186,9 +189,7 @@ class VStore:
         fetch = ("V.FETCH", sid, *which, "RAW", *_identity(model, generation))
         if not decode:
             return memoryview(self._c.fetch_many([fetch])[0])
-        info_reply, data = self._c.fetch_many([("V.INFO", sid), fetch])
-        info = _wire.parse_map(info_reply)
-        rows = codecs.decode(info["format"], info["dim"], info["block"], data)
+        rows = self._c.fetch_decode([("V.INFO", sid), fetch], _decode_reply)
         return self._c._out(rows, as_torch)
 
     def info(self, sid: str | None = None) -> dict:
@@ -212,3 +213,11 @@ class VStore:
     def restore(self, sid: str, snapshot: int) -> None:
         """Sets the session's content to the snapshot (in memory or sealed on disk)."""
         self._c.execute("V.RESTORE", sid, int(snapshot))
+
+
+def _decode_reply(replies):
+    """(V.INFO reply, V.FETCH RAW reply) -> the rows decoded into a fresh float32 array."""
+    info = _wire.parse_map(replies[0])
+    rows = codecs.decode(info["format"], info["dim"], info["block"], replies[1])
+    # fp32 decodes to a view of the received bytes: those are the connection's scratch
+    return rows.copy() if info["format"] == "fp32" else rows
