@@ -96,9 +96,9 @@ def cuda_time_us(fn, iters: int) -> tuple[float, float]:
 
 def torch_attend(dtype: str, hq: int, hkv: int, m: int, n: int,
                  d: int, flash: bool) -> tuple[tuple[float, float], str]:
-    """torch SDPA at this shape: f32 in fp32, f16 (and f8, which torch has no kernel for: its
-    peer) in fp16. ((µs graph, µs launches), backend)."""
-    t = torch.float32 if dtype == "f32" else torch.float16
+    """torch SDPA at this shape: f32 in fp32, bf16 in bf16, f16 (and f8, which torch has no
+    kernel for: its peer) in fp16. ((µs graph, µs launches), backend)."""
+    t = {"f32": torch.float32, "bf16": torch.bfloat16}.get(dtype, torch.float16)
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(1, hq, m, d, dtype=t, device="cuda", generator=g)
     k = torch.randn(1, hkv, n, d, dtype=t, device="cuda", generator=g)
@@ -201,6 +201,32 @@ def e2e(bin_dir: Path, backend: str, seconds: float, extra: list[str]) -> dict:
         srv.wait(timeout=10)
 
 
+DECODE_N = (1024, 2048, 8192, 32768, 131072)
+
+
+def decode_goal(rows: list) -> list:
+    """The issue-31 decode goal per dtype and d: Pion at least as fast as torch at every N of
+    DECODE_N, and from N = 32K at least 95 % of the streaming read of the same bytes."""
+    out = ["", "Decode goal (GQA 32/8, M = 1; fp8 against torch fp16): Pion ≥ torch at every N, "
+           "and ≥ 95 % of the stream's TB/s from N = 32K.", "",
+           "| dtype | d | slowest vs torch (N) | lowest share of stream, N ≥ 32K (N) | met |",
+           "|---|---|---|---|---|"]
+    for dd in (128, 64):
+        for dty in ("f16", "bf16", "f8"):
+            rs = [r for r in rows if r["case"] == "decode" and r["dtype"] == dty and r["d"] == dd]
+            if not rs:
+                continue
+            slow = min(rs, key=lambda r: r["speedup"])
+            long = [r for r in rs if r["n"] >= 32768]
+            low = min(long, key=lambda r: r["pion_tbps"] / r["stream_tbps"])
+            share = low["pion_tbps"] / low["stream_tbps"]
+            met = slow["speedup"] >= 1.0 and share >= 0.95
+            out.append("| %s | %d | %.2f× (%d) | %.0f %% (%d) | %s |" % (
+                dty, dd, slow["speedup"], slow["n"], 100 * share, low["n"],
+                "yes" if met else "no"))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin", default="build", help="directory with pion-server, "
@@ -214,14 +240,14 @@ def main() -> int:
 
     torch_dense = {}  # (dtype, hq, hkv, m, n) -> torch µs (graph)
 
-    def kernel_row(label, dtype, m, n, flash=False, env=None):
-        p = pion_kernel(bin_dir, "dense", dtype, hq, hkv, m, n, d, env=env)
-        (tu, tu_loop), how = torch_attend(dtype, hq, hkv, m, n, d, flash)
-        torch_dense[(dtype, hq, hkv, m, n)] = tu
-        torch_dtype = "f32" if dtype == "f32" else "f16"
-        torch_bytes = 2 * hkv * n * d * (4 if torch_dtype == "f32" else 2)
+    def kernel_row(label, dtype, m, n, flash=False, env=None, dd=d):
+        p = pion_kernel(bin_dir, "dense", dtype, hq, hkv, m, n, dd, env=env)
+        (tu, tu_loop), how = torch_attend(dtype, hq, hkv, m, n, dd, flash)
+        torch_dense[(dtype, hq, hkv, m, n, dd)] = tu
+        torch_dtype = dtype if dtype in ("f32", "bf16") else "f16"
+        torch_bytes = 2 * hkv * n * dd * (4 if torch_dtype == "f32" else 2)
         st = pion_kernel(bin_dir, "stream", int(p["bytes"]))
-        rows.append({"case": label, "dtype": dtype, "m": m, "n": n, "pion_us": p["us"],
+        rows.append({"case": label, "dtype": dtype, "m": m, "n": n, "d": dd, "pion_us": p["us"],
                      "pion_loop_us": p["us_launches"],
                      "pion_tbps": p["bytes"] / p["us"] / 1e6, "path": p["path"],
                      "torch_us": tu, "torch_loop_us": tu_loop, "torch_dtype": torch_dtype,
@@ -231,15 +257,19 @@ def main() -> int:
 
     # The launch floor: an empty kernel, and two (a split-K pass and its combine are two).
     floor = [pion_kernel(bin_dir, "empty", k, 128)["us"] for k in (1, 2)]
-    for n in (2048, 8192, 32768, 131072):
-        kernel_row("decode", "f16", 1, n)
+    # The decode goal's grid (issue 31): fp16, bf16 and fp8 (against torch fp16), d 128 and 64,
+    # N 1K .. 128K.
+    for dd in (128, 64):
+        for dty in ("f16", "bf16", "f8"):
+            for n in DECODE_N:
+                kernel_row("decode", dty, 1, n, dd=dd)
     for n in (2048, 32768, 131072):
         kernel_row("decode", "f32", 1, n)
-    for n in (2048, 8192, 32768, 131072):  # fp8 slots against torch fp16, same shape
-        kernel_row("decode", "f8", 1, n)
-    # The fp8 decode on the SIMT kernel instead of the tensor cores, for comparison.
+    # The bf16 and fp8 decodes on the SIMT kernel instead of the tensor cores, for comparison.
+    kernel_row("decode, SIMT", "bf16", 1, 131072, env={"PION_BENCH_BF16TC": "0"})
     kernel_row("decode, SIMT", "f8", 1, 131072, env={"PION_BENCH_F8TC": "0"})
     kernel_row("batched", "f16", 512, 32768, flash=True)
+    kernel_row("batched", "bf16", 512, 32768, flash=True)
     kernel_row("batched", "f8", 512, 32768, flash=True)
     # Sparse-auto at N = 64K with a 4K-token budget (block 64, 62 + first + last blocks) against
     # dense over the same prefix.
@@ -292,7 +322,8 @@ def main() -> int:
             torch.__version__, torch.version.cuda, platform.processor() or platform.machine(),
             os.cpu_count()),
         "",
-        "## Kernels: B=1, H_q=32, H_kv=8, D=128, the whole prefix visible",
+        "## Kernels: B=1, H_q=32, H_kv=8, D=128 (and 64 where the D column says), the whole "
+        "prefix visible",
         "",
         "µs = per call, from replays of a CUDA graph of 20 calls (both sides; the host's launch "
         "rate does not count). `launches` = the same calls issued back to back from the host. "
@@ -305,19 +336,21 @@ def main() -> int:
         "the same shape (torch's SDPA takes no fp8 K/V); the fp8 goal is ≥ 1.8× torch fp16 at "
         "N = 128K decode.",
         "",
-        "| case | dtype (Pion / torch) | M | N | Pion µs | Pion TB/s | torch µs | torch TB/s "
+        "| case | dtype (Pion / torch) | D | M | N | Pion µs | Pion TB/s | torch µs | torch TB/s "
         "| stream TB/s | Pion vs torch | Pion µs, launches | torch µs, launches | Pion path "
         "| torch backend |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            "| %s | %s / %s | %d | %d | %.1f | %.2f | %.1f | %.2f | %.2f | %.2f× | %.1f | %.1f "
-            "| %s | %s |" % (
-                r["case"], r["dtype"], r["torch_dtype"], r["m"], r["n"], r["pion_us"],
+            "| %s | %s / %s | %d | %d | %d | %.1f | %.2f | %.1f | %.2f | %.2f | %.2f× | %.1f "
+            "| %.1f | %s | %s |" % (
+                r["case"], r["dtype"], r["torch_dtype"], r["d"], r["m"], r["n"], r["pion_us"],
                 r["pion_tbps"], r["torch_us"], r["torch_tbps"], r["stream_tbps"], r["speedup"],
                 r["pion_loop_us"], r["torch_loop_us"], r["path"], r["torch_how"]))
-    goal = [r for r in rows if r["dtype"] == "f8" and r["case"] == "decode" and r["n"] == 131072]
+    lines += decode_goal(rows)
+    goal = [r for r in rows if r["dtype"] == "f8" and r["case"] == "decode" and r["n"] == 131072
+            and r["d"] == 128]
     if goal:
         lines += ["", "fp8 goal (decode, N = 128K, vs torch fp16): %.2f× (goal ≥ 1.8×: %s)." % (
             goal[0]["speedup"], "met" if goal[0]["speedup"] >= 1.8 else "not met")]

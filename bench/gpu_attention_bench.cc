@@ -6,12 +6,13 @@
 // one split, a launch that finishes itself), or block scores + block selection + sparse partials
 // + combine (sparse-auto).
 //
-//   pion-gpu-attn-bench dense <f16|f32|f8> <H_q> <H_kv> <M> <N> <D>
+//   pion-gpu-attn-bench dense <f16|bf16|f32|f8> <H_q> <H_kv> <M> <N> <D>
 //                       (f8: e4m3fn rows with an f32 scale each, kernels::MakeTensor's layout)
 //                       (comparisons, same binary: PION_BENCH_SPLITS=<n> a split count,
 //                       PION_BENCH_INTERLEAVE=0 decode warps on quarters, PION_BENCH_UNIFORM=0
 //                       items loaded as for any grouping, PION_BENCH_F32TC=0 fp32 decode on
 //                       the SIMT kernel, PION_BENCH_F8TC=0 fp8 decode on the SIMT kernel,
+//                       PION_BENCH_BF16TC=0 bf16 decode on the SIMT kernel,
 //                       PION_BENCH_SKIP_COMBINE=1 the split-K
 //                       launch alone, PION_BENCH_FINISH=1 the launch merging its own splits;
 //                       M = 1 over a short range: the cluster decode's one launch where the
@@ -146,6 +147,15 @@ void* RandomTensor(size_t elems, DType t, uint32_t seed, uint32_t d = 0) {
   if (t == DType::kF32) {
     CK(cudaMalloc(&dev, elems * 4));
     CK(cudaMemcpy(dev, f.data(), elems * 4, cudaMemcpyHostToDevice));
+  } else if (t == DType::kBF16) {
+    std::vector<uint16_t> h(elems);
+    for (size_t i = 0; i < elems; ++i) {  // bf16: the high half, rounded to nearest even
+      uint32_t b;
+      std::memcpy(&b, &f[i], 4);
+      h[i] = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    }
+    CK(cudaMalloc(&dev, elems * 2));
+    CK(cudaMemcpy(dev, h.data(), elems * 2, cudaMemcpyHostToDevice));
   } else {
     std::vector<uint16_t> h(elems);
     for (size_t i = 0; i < elems; ++i) {  // round-to-nearest fp16 of small normals
@@ -229,7 +239,9 @@ struct Setup {
   uint32_t parts = 0;
 };
 
-const char* TypeName(DType t) { return t == DType::kF16 ? "f16" : t == DType::kFP8 ? "f8" : "f32"; }
+const char* TypeName(DType t) {
+  return t == DType::kF16 ? "f16" : t == DType::kBF16 ? "bf16" : t == DType::kFP8 ? "f8" : "f32";
+}
 
 AttendArgs Base(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d) {
   AttendArgs a;
@@ -267,6 +279,7 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   a.dense_items = true;
   if (const char* f = std::getenv("PION_BENCH_F32TC")) a.f32_tensor = f[0] == '1';
   if (const char* f = std::getenv("PION_BENCH_F8TC")) a.fp8_tensor = f[0] == '1';
+  if (const char* f = std::getenv("PION_BENCH_BF16TC")) a.bf16_tensor = f[0] == '1';
   bool tc = kernels::cuda::UsesTensorCores(a);
   const int pad = tc ? kernels::cuda::FlashRowGroups(a) : 1;
   auto items = kernels::cuda::DenseItems(hq, m, map.data(), pad);
@@ -582,6 +595,7 @@ int Empty(uint32_t kernels, uint32_t blocks) {
 
 DType ParseType(const char* s) {
   if (std::strcmp(s, "f8") == 0) return DType::kFP8;
+  if (std::strcmp(s, "bf16") == 0) return DType::kBF16;
   return std::strcmp(s, "f16") == 0 ? DType::kF16 : DType::kF32;
 }
 
@@ -604,7 +618,7 @@ int main(int argc, char** argv) {
   if (kind == "stream" && argc == 3) return Stream(std::strtoull(argv[2], nullptr, 10));
   if (kind == "empty" && argc == 4) return Empty(U(argv[2]), U(argv[3]));
   std::fprintf(stderr,
-               "usage: pion-gpu-attn-bench dense <f16|f32|f8> <H_q> <H_kv> <M> <N> <D>\n"
+               "usage: pion-gpu-attn-bench dense <f16|bf16|f32|f8> <H_q> <H_kv> <M> <N> <D>\n"
                "       pion-gpu-attn-bench sparse_auto <f16|f32|f8> <H_q> <H_kv> <N> <D> <block> "
                "<K_top> [shared|fused]\n"
                "       pion-gpu-attn-bench stream <bytes>\n"

@@ -6,7 +6,8 @@
 //
 // Tolerances, err = |gpu − ref| / (1 + |ref|), ref = ReferenceKernels (double) over the same
 // stored values (fp16 slots: the reference reads the same fp16 K/V):
-//   fp32 slots, and fp16 slots on the decode path (Q and P split hi+lo)   1e-4
+//   fp32 slots, and fp16 and bf16 slots on the decode path (Q and P split
+//   hi+lo: bf16's two parts keep 16 significand bits)                      1e-4
 //   fp16 slots, batched tensor-core path (Q and P as fp16)               4e-3
 // fp8 slots (e4m3 bytes and row scales) take the fp32 tolerance against the reference over the
 // same stored rows (e4m3 × scale), and against the reference over the fp32 rows they were
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <future>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "kernels/cuda/cuda_attention.h"
@@ -312,10 +314,10 @@ TEST(GpuExecutor, Smoke) {
       }
     }
     // M = 1 over 1001 and 2048 keys: the cluster decode's 16-key tiles (a partial last run)
-    // and 32-key tiles — fp32 GQA 32/8 and MHA 8/8, fp16 GQA.
+    // and 32-key tiles — fp32 GQA 32/8 and MHA 8/8, fp16 and bf16 GQA.
     for (uint32_t n : {1001u, 2048u}) {
       for (uint32_t hq : {32u, 8u}) {
-        if (t == DType::kBF16 || (t == DType::kF16 && hq == 8) || t == DType::kFP8) continue;
+        if (((t == DType::kF16 || t == DType::kBF16) && hq == 8) || t == DType::kFP8) continue;
         Case c;
         c.hq = hq;
         c.heads = 8;
@@ -367,13 +369,49 @@ TEST(GpuExecutor, DenseEveryHeadDimAndDtype) {
   }
 }
 
+// bf16 decode on the tensor cores (the fp16 decode shapes on bf16 MMAs) — packed (up to 8 rows
+// a K/V head) and split (9..16) — and batched bf16 on the SIMT kernel, at the fp32 tolerance;
+// long ranges (many tiles a warp, interleaved) and windows.
+TEST(GpuExecutor, Bf16DecodeOnTensorCores) {
+  SKIP_WITHOUT_GPU();
+  kernels::cuda::AttendArgs probe;
+  probe.dtype = DType::kBF16;
+  probe.dense_items = true;
+  probe.d = 128;
+  probe.hq = 32;
+  probe.heads = 8;
+  probe.m = 1;
+  EXPECT_EQ(kernels::cuda::UsesTensorCores(probe), gpu::Info().cc_major >= 8);
+  probe.m = 40;  // 160 rows a K/V head: batched, which bf16 leaves to the SIMT kernel
+  EXPECT_FALSE(kernels::cuda::UsesTensorCores(probe));
+  for (uint32_t d : {64u, 128u, 256u}) {
+    for (auto [hq, heads, m] :
+         {std::tuple{32u, 8u, 1u}, {8u, 1u, 1u}, {12u, 1u, 1u}, {16u, 2u, 2u}, {4u, 2u, 3u}}) {
+      for (uint32_t n : {100u, 5000u, 40000u}) {
+        if (d == 256 && n > 5000) continue;
+        Case c;
+        c.dtype = DType::kBF16;
+        c.d = d;
+        c.hq = hq;
+        c.heads = heads;
+        c.m = m;
+        c.n = n;
+        Check(c);
+        c.window = 777;
+        c.qpos = n - 10;
+        Check(c, 2);
+      }
+    }
+  }
+}
+
 // M = 1 over short ranges: the one launch of a thread-block cluster a K/V head
 // (decode_cluster.cu) where the device takes it — every group size up to 8 query heads a K/V
 // head, both of its head dims and dtypes, ranges shorter than its 64 warps, a tile's tail, a
 // window and a query inside the prefix; the receipt names the cluster's 8 blocks.
 TEST(GpuExecutor, DecodeClusterGroupsAndRanges) {
   SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (uint32_t d : {64u, 128u}) {
       for (auto [hq, heads] :
            {std::pair{8u, 8u}, {8u, 4u}, {12u, 4u}, {32u, 8u}, {40u, 8u}, {64u, 8u}, {3u, 1u}}) {
@@ -409,7 +447,8 @@ TEST(GpuExecutor, DecodeClusterGroupsAndRanges) {
   if (gpu::Info().cc_major >= 9) {
     EXPECT_TRUE(kernels::cuda::DecodeClusterFits(DType::kF32, 128, 4, 8, 2048));
     EXPECT_FALSE(kernels::cuda::DecodeClusterFits(DType::kF32, 128, 9, 8, 2048));
-    EXPECT_FALSE(kernels::cuda::DecodeClusterFits(DType::kBF16, 128, 4, 8, 2048));
+    EXPECT_TRUE(kernels::cuda::DecodeClusterFits(DType::kBF16, 128, 4, 8, 2048));
+    EXPECT_FALSE(kernels::cuda::DecodeClusterFits(DType::kFP8, 128, 4, 8, 2048));
     EXPECT_FALSE(kernels::cuda::DecodeClusterFits(
         DType::kF32, 128, 4, 8, kernels::cuda::DecodeClusterMaxKeys(DType::kF32) + 1));
   }

@@ -108,6 +108,10 @@ struct AttendArgs {
   // the packed fp16 MMAs with Q and P split hi + lo; false: the SIMT kernel (the bench's
   // PION_BENCH_F8TC=0, for comparison).
   bool fp8_tensor = true;
+  // bf16 decode (one row group a block) on tensor cores: the fp16 decode shapes on bf16 MMAs,
+  // Q and P split into bf16 hi + lo; false: the SIMT kernel (the bench's PION_BENCH_BF16TC=0,
+  // for comparison).
+  bool bf16_tensor = true;
   // Decode on sm_90 (dense, one row group a block): a full 16-row tile arrives as one 2-D tensor
   // copy (TMA) each for K and V — a box of one padded tile row's width, its tail past d
   // zero-filled — instead of 16-byte cp.async pieces; false: cp.async always (the bench's

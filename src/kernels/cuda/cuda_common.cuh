@@ -227,12 +227,11 @@ inline cudaLaunchConfig_t ClusterLaunch(uint32_t blocks, uint32_t threads, size_
   return cfg;
 }
 
-// The tensor-core kernels (flash.cu; eight row groups a block: flash_batched.cu) and their
-// shared-memory bytes per block.
+// The tensor-core kernels (flash.cu; eight row groups a block: flash_batched.cu) and the
+// resident blocks per multiprocessor of the one LaunchFlash takes for `a`.
 Status LaunchFlash(const AttendArgs& a, cudaStream_t stream);
-size_t FlashBytes(const AttendArgs& a);
+int FlashBlocksPerSm(const AttendArgs& a);
 Status LaunchBatched(const AttendArgs& a, cudaStream_t stream);
-size_t BatchedBytes(uint32_t d);
 int BatchedBlocksPerSm(uint32_t d);  // resident blocks of it per multiprocessor
 
 }  // namespace pion::kernels::cuda

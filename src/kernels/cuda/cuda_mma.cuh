@@ -3,6 +3,7 @@
 // holds rows g = l / 4 and g + 8, columns 2·(l % 4) and + 1 of its accumulator tile.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -29,6 +30,13 @@ __device__ inline void Ldm4T(uint32_t (&r)[4], const void* p) {
 __device__ inline void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ inline void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -63,6 +71,43 @@ __device__ inline uint32_t Pack(float x, float y) {
 __device__ inline uint32_t PackLo(float x, float y) {
   const float hx = __half2float(__float2half_rn(x)), hy = __half2float(__float2half_rn(y));
   return Pack(x - hx, y - hy);
+}
+
+__device__ inline uint32_t PackBf16(float x, float y) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+// x − bf16(x), packed (bf16 hi + lo keeps 16 of fp32's 24 significand bits).
+__device__ inline uint32_t PackLoBf16(float x, float y) {
+  const float hx = __bfloat162float(__float2bfloat16_rn(x));
+  const float hy = __bfloat162float(__float2bfloat16_rn(y));
+  return PackBf16(x - hx, y - hy);
+}
+// The m16n8k16 MMA and the hi / lo packing of its 16-bit element type E (__half or
+// __nv_bfloat16): the fp16 kernels' code paths serve bf16 K/V with E = __nv_bfloat16.
+template <typename E>
+__device__ inline void Mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    MmaBf16(c, a, b0, b1);
+  } else {
+    Mma(c, a, b0, b1);
+  }
+}
+template <typename E>
+__device__ inline uint32_t Pack16(float x, float y) {
+  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    return PackBf16(x, y);
+  } else {
+    return Pack(x, y);
+  }
+}
+template <typename E>
+__device__ inline uint32_t PackLo16(float x, float y) {
+  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    return PackLoBf16(x, y);
+  } else {
+    return PackLo(x, y);
+  }
 }
 
 // 16 bytes global -> shared at compile-time byte offsets from two base addresses (the offsets

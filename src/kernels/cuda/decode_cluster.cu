@@ -1,5 +1,5 @@
-// Dense M = 1 decode over a short visible range in one launch, fp32 or fp16 K/V (d 64 or 128),
-// up to kG = 4 query heads a K/V head.
+// Dense M = 1 decode over a short visible range in one launch, fp32, fp16 or bf16 K/V (d 64 or
+// 128), up to kG = 4 query heads a K/V head.
 //
 // Per K/V head one thread-block cluster of kCluster blocks of 8 warps: the visible keys split
 // evenly over the cluster's warps in whole runs of 32/kG keys, rank-major, each warp a
@@ -26,6 +26,7 @@
 // other) — on 64 multiprocessors for 8 K/V heads, so it pays only while a range is short
 // (DecodeClusterMaxKeys).
 #include <cooperative_groups.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -103,6 +104,12 @@ __device__ inline void ToFloats(const uint32_t (&w)[W], float (&x)[N]) {
   if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
     for (int i = 0; i < N; ++i) x[i] = __uint_as_float(w[i]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // the high halves of fp32: exact
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
@@ -133,6 +140,18 @@ __device__ inline void LoadCols(const __half* p, float (&x)[N]) {
     const float2 a = __half22float2(*reinterpret_cast<const __half2*>(p));
     x[0] = a.x, x[1] = a.y;
   }
+}
+
+template <int N>
+__device__ inline void LoadCols(const __nv_bfloat16* p, float (&x)[N]) {
+  uint32_t w[N / 2];
+  if constexpr (N == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    w[0] = u.x, w[1] = u.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  }
+  ToFloats<__nv_bfloat16>(w, x);
 }
 
 template <typename T, int D, int kG, int Tk>
@@ -422,6 +441,7 @@ bool WithShape(DType dtype, uint32_t d, uint32_t group, uint32_t tile, Fn&& f) {
   if (group < 1 || group > 4 || (tile != 16 && tile != 32)) return false;
   if (dtype == DType::kF32) return by_d(float{});
   if (dtype == DType::kF16) return by_d(__half{});
+  if (dtype == DType::kBF16) return by_d(__nv_bfloat16{});
   return false;
 }
 
@@ -433,7 +453,8 @@ bool WithShape(DType dtype, uint32_t d, uint32_t group, uint32_t tile, Fn&& f) {
 // multiprocessors win: 10.9 vs 8.9). Groups of up to 4 query heads a K/V head: with 8, twice
 // the per-key work (32/4 at 2K: 10.9 vs 9.9), so the kernel is built for up to 4.
 uint64_t DecodeClusterMaxKeys(DType dtype) {
-  return dtype == DType::kF32 ? 4096 : dtype == DType::kF16 ? 2048 : 0;
+  // bf16 streams fp16's bytes through the same fp32 math: fp16's limit.
+  return dtype == DType::kF32 ? 4096 : dtype == DType::kF16 || dtype == DType::kBF16 ? 2048 : 0;
 }
 
 namespace {

@@ -30,6 +30,7 @@
 // 15.1 -> 12.5; d = 64 128K 57.3 -> 54.4; with 5 or 8 ring stages instead of 3 it was no faster
 // (128K 82.1, 128.2 — one block a multiprocessor at 8).
 #include <cuda.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_pipeline.h>
@@ -51,12 +52,17 @@ template <typename T, int D, int WR, bool kSplit, bool kPack>
 struct Flash {
   static constexpr bool kF32 = std::is_same_v<T, float>;
   static constexpr bool kF8 = std::is_same_v<T, __nv_fp8_e4m3>;
+  static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  static_assert(!kBf16 || WR == 1, "bf16 K/V: the decode shapes only");
   static_assert(!kF32 || (WR == 1 && kPack && !kSplit && D % 32 == 0 && D <= 128),
                 "fp32 K/V: the packed decode shape only, d a multiple of 32 up to 128");
   static_assert(!kF8 || (WR == 1 && kPack && !kSplit && D % 32 == 0 && D <= 128),
                 "fp8 K/V: the packed decode shape only, d a multiple of 32 up to 128");
   // The element type of Q in shared memory (fp8: fp16, as the MMAs take it).
   using TC = std::conditional_t<kF8, __half, T>;
+  // The element type of the 16-bit MMAs (and of Q's and P's hi / lo parts): bf16 for bf16 K/V,
+  // else fp16.
+  using TM = std::conditional_t<kBf16, __nv_bfloat16, __half>;
   // Padded smem row (elements, 16 bytes of padding): ldmatrix rows hit distinct banks, and for
   // fp32 the V loads of rows 2t and 2t + 1 too (row stride ≡ 16 bytes mod 128). kStr: the rows
   // as loaded (T), kStrC: as the MMAs read them (TC; the same but for fp8).
@@ -102,6 +108,7 @@ template <typename T, int D, int WR, bool kSplit, bool kPack>
 __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ AttendArgs a) {
   using C = Flash<T, D, WR, kSplit, kPack>;
   using TC = typename C::TC;
+  using TM = typename C::TM;
   constexpr int kStr = C::kStr, kStrC = C::kStrC, kKw = C::kKw, kNt = kKw / 8, kS = C::kStages;
   extern __shared__ __align__(128) uint8_t smem[];
   __half* qh = reinterpret_cast<__half*>(smem);
@@ -351,16 +358,16 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
           x = *reinterpret_cast<const float4*>(qr + c);
         }
       }
-      uint2 hi{Pack(x.x, x.y), Pack(x.z, x.w)};
+      uint2 hi{Pack16<TM>(x.x, x.y), Pack16<TM>(x.z, x.w)};
       if constexpr (kPack) {  // rows 0..7 hold the rows' high parts, rows 8..15 their low parts
-        uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
+        uint2 lo{PackLo16<TM>(x.x, x.y), PackLo16<TM>(x.z, x.w)};
         *reinterpret_cast<uint2*>(qh + r * kStrC + c) = hi;
         *reinterpret_cast<uint2*>(qh + (r + 8) * kStrC + c) = lo;
         continue;
       }
       *reinterpret_cast<uint2*>(qh + r * kStrC + c) = hi;
       if constexpr (kSplit) {
-        uint2 lo{PackLo(x.x, x.y), PackLo(x.z, x.w)};
+        uint2 lo{PackLo16<TM>(x.x, x.y), PackLo16<TM>(x.z, x.w)};
         *reinterpret_cast<uint2*>(ql + r * kStrC + c) = lo;
       }
     }
@@ -426,7 +433,8 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
         Ldm4(ah, qh + ((lm & 1) * 8 + lr) * kStrC + ks * 16 + (lm >> 1) * 8);
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
-          Mma(ks % 2 ? s2[n] : s[n], ah, Fp8x2ToHalf2(kw[n][ks]), Fp8x2ToHalf2(kw[n][ks] >> 16));
+          Mma16<TM>(ks % 2 ? s2[n] : s[n], ah, Fp8x2ToHalf2(kw[n][ks]),
+                    Fp8x2ToHalf2(kw[n][ks] >> 16));
         }
       }
     } else if constexpr (C::kF32) {
@@ -478,15 +486,15 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
             Ldm4(bb, kb + (j * 16 + (lm >> 1) * 8 + lr) * kStrC + ks * 16 + (lm & 1) * 8);
           const uint32_t(&b)[4] = kPre > 1 ? kf[ks % kPre][j] : bb;
           if constexpr (kPack) {
-            Mma(ks % 2 ? s2[2 * j] : s[2 * j], ah, b[0], b[1]);
-            Mma(ks % 2 ? s2[2 * j + 1] : s[2 * j + 1], ah, b[2], b[3]);
+            Mma16<TM>(ks % 2 ? s2[2 * j] : s[2 * j], ah, b[0], b[1]);
+            Mma16<TM>(ks % 2 ? s2[2 * j + 1] : s[2 * j + 1], ah, b[2], b[3]);
           } else {
-            Mma(s[2 * j], ah, b[0], b[1]);
-            Mma(s[2 * j + 1], ah, b[2], b[3]);
+            Mma16<TM>(s[2 * j], ah, b[0], b[1]);
+            Mma16<TM>(s[2 * j + 1], ah, b[2], b[3]);
           }
           if constexpr (kSplit) {
-            Mma(s[2 * j], al, b[0], b[1]);
-            Mma(s[2 * j + 1], al, b[2], b[3]);
+            Mma16<TM>(s[2 * j], al, b[0], b[1]);
+            Mma16<TM>(s[2 * j + 1], al, b[2], b[3]);
           }
         }
       }
@@ -563,8 +571,8 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       // o += P·V, 16 keys: B = V rows c2, c2 + 1 (b0) and c2 + 8, c2 + 9 (b1) at d tile 4q + b's
       // column g = d 32q + 4g + b — one word of each of the four rows feeds four d tiles (bytes
       // paired across rows by byte_perm, then widened).
-      uint32_t ph[4] = {Pack(s[0][0], s[0][1]), PackLo(s[0][0], s[0][1]), Pack(s[1][0], s[1][1]),
-                        PackLo(s[1][0], s[1][1])};
+      uint32_t ph[4] = {Pack16<TM>(s[0][0], s[0][1]), PackLo16<TM>(s[0][0], s[0][1]),
+                        Pack16<TM>(s[1][0], s[1][1]), PackLo16<TM>(s[1][0], s[1][1])};
       const uint8_t* v8 = reinterpret_cast<const uint8_t*>(tile_v(buf)) + c2 * kStr + 4 * g;
 #pragma unroll
       for (int q = 0; q < D / 32; ++q) {
@@ -574,10 +582,10 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
         const uint32_t w9 = *reinterpret_cast<const uint32_t*>(v8 + 9 * kStr + 32 * q);
         const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
         const uint32_t lo89 = __byte_perm(w8, w9, 0x5140), hi89 = __byte_perm(w8, w9, 0x7362);
-        Mma(o[4 * q], ph, Fp8x2ToHalf2(lo01), Fp8x2ToHalf2(lo89));
-        Mma(o[4 * q + 1], ph, Fp8x2ToHalf2(lo01 >> 16), Fp8x2ToHalf2(lo89 >> 16));
-        Mma(o[4 * q + 2], ph, Fp8x2ToHalf2(hi01), Fp8x2ToHalf2(hi89));
-        Mma(o[4 * q + 3], ph, Fp8x2ToHalf2(hi01 >> 16), Fp8x2ToHalf2(hi89 >> 16));
+        Mma16<TM>(o[4 * q], ph, Fp8x2ToHalf2(lo01), Fp8x2ToHalf2(lo89));
+        Mma16<TM>(o[4 * q + 1], ph, Fp8x2ToHalf2(lo01 >> 16), Fp8x2ToHalf2(lo89 >> 16));
+        Mma16<TM>(o[4 * q + 2], ph, Fp8x2ToHalf2(hi01), Fp8x2ToHalf2(hi89));
+        Mma16<TM>(o[4 * q + 3], ph, Fp8x2ToHalf2(hi01 >> 16), Fp8x2ToHalf2(hi89 >> 16));
       }
     } else if constexpr (C::kF32) {
       // o += P·V on tf32 m16n8k8, 8 keys a k-step. The MMA's key order is permuted so every
@@ -612,29 +620,30 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       // o += P·V, 16 keys at a time.
 #pragma unroll
       for (int kk = 0; kk < kKw / 16; ++kk) {
-        uint32_t ph[4] = {Pack(s[2 * kk][0], s[2 * kk][1]), Pack(s[2 * kk][2], s[2 * kk][3]),
-                          Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                          Pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        uint32_t ph[4] = {Pack16<TM>(s[2 * kk][0], s[2 * kk][1]),
+                          Pack16<TM>(s[2 * kk][2], s[2 * kk][3]),
+                          Pack16<TM>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                          Pack16<TM>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
         if constexpr (kPack) {  // P's rows g + 8: the low parts of rows g
-          ph[1] = PackLo(s[2 * kk][0], s[2 * kk][1]);
-          ph[3] = PackLo(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          ph[1] = PackLo16<TM>(s[2 * kk][0], s[2 * kk][1]);
+          ph[3] = PackLo16<TM>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
         }
         uint32_t pl[4];
         if constexpr (kSplit) {
-          pl[0] = PackLo(s[2 * kk][0], s[2 * kk][1]);
-          pl[1] = PackLo(s[2 * kk][2], s[2 * kk][3]);
-          pl[2] = PackLo(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-          pl[3] = PackLo(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+          pl[0] = PackLo16<TM>(s[2 * kk][0], s[2 * kk][1]);
+          pl[1] = PackLo16<TM>(s[2 * kk][2], s[2 * kk][3]);
+          pl[2] = PackLo16<TM>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          pl[3] = PackLo16<TM>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
         }
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
           uint32_t b[4];
           Ldm4T(b, vb + (kk * 16 + (lm & 1) * 8 + lr) * kStrC + dn * 16 + (lm >> 1) * 8);
-          Mma(o[2 * dn], ph, b[0], b[1]);
-          Mma(o[2 * dn + 1], ph, b[2], b[3]);
+          Mma16<TM>(o[2 * dn], ph, b[0], b[1]);
+          Mma16<TM>(o[2 * dn + 1], ph, b[2], b[3]);
           if constexpr (kSplit) {
-            Mma(o[2 * dn], pl, b[0], b[1]);
-            Mma(o[2 * dn + 1], pl, b[2], b[3]);
+            Mma16<TM>(o[2 * dn], pl, b[0], b[1]);
+            Mma16<TM>(o[2 * dn + 1], pl, b[2], b[3]);
           }
         }
       }
@@ -758,12 +767,37 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
   FinishSplits(a, rowid, C::kRows);
 }
 
+// The kernel's opt-in to its dynamic shared memory, once.
+template <typename T, int D, int WR, bool kSplit, bool kPack>
+cudaError_t OptIn() {
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      FlashKernel<T, D, WR, kSplit, kPack>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(Flash<T, D, WR, kSplit, kPack>::kBytes));
+  return attr;
+}
+
+// Its resident 128-thread blocks per multiprocessor, as the occupancy calculator counts them
+// (registers, static and dynamic shared memory, the driver's reserve per block), once.
+template <typename T, int D, int WR, bool kSplit, bool kPack>
+int BlocksPerSm() {
+  static const int n = [] {
+    int blocks = 0;
+    if (OptIn<T, D, WR, kSplit, kPack>() != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, FlashKernel<T, D, WR, kSplit, kPack>, 128,
+            Flash<T, D, WR, kSplit, kPack>::kBytes) != cudaSuccess) {
+      return 1;
+    }
+    return std::max(blocks, 1);
+  }();
+  return n;
+}
+
 template <typename T, int D, int WR, bool kSplit, bool kPack>
 Status Launch(const AttendArgs& a, cudaStream_t stream) {
   using C = Flash<T, D, WR, kSplit, kPack>;
   auto* kernel = FlashKernel<T, D, WR, kSplit, kPack>;
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kBytes));
+  const cudaError_t attr = OptIn<T, D, WR, kSplit, kPack>();
   if (attr != cudaSuccess) return gpu::CudaError(attr, "tensor-core kernel shared memory");
   dim3 grid((a.n_items + WR - 1) / WR, a.splits);
   return LaunchDependent(kernel, grid, dim3(128), C::kBytes, stream, "tensor-core attention kernel",
@@ -784,7 +818,7 @@ auto WithD(uint32_t d, F&& f) {
     case 128:
       return f(std::integral_constant<int, 128>{});
   }
-  if constexpr (std::is_same_v<T, __half>) {
+  if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
     switch (d) {
       case 160:
         return f(std::integral_constant<int, 160>{});
@@ -804,6 +838,17 @@ size_t BytesD(uint32_t d) {
       return 0;
     } else {
       return Flash<T, decltype(D)::value, WR, kSplit, kPack>::kBytes;
+    }
+  });
+}
+
+template <typename T, int WR, bool kSplit, bool kPack>
+int BlocksPerSmD(uint32_t d) {
+  return WithD<T>(d, [](auto D) -> int {
+    if constexpr (decltype(D)::value == 0) {
+      return 1;
+    } else {
+      return BlocksPerSm<T, decltype(D)::value, WR, kSplit, kPack>();
     }
   });
 }
@@ -906,6 +951,10 @@ bool UsesTensorCores(const AttendArgs& a) {
   // (one row per item) measured faster on the SIMT kernel: they stay there.
   if (!a.dense_items || gpu::Info().cc_major < 8) return false;
   if (a.dtype == DType::kF16) return a.d <= 256;
+  // bf16: the fp16 decode shapes on bf16 MMAs (Q and P as bf16 hi + lo parts: 16 significand
+  // bits, within fp32's tolerance); batched bf16 stays on the SIMT kernel, whose fp32 math
+  // keeps the scores exact where one bf16 part would not.
+  if (a.dtype == DType::kBF16) return a.d <= 256 && a.bf16_tensor && FlashRowGroups(a) == 1;
   // fp8: the packed decode (fp16 MMAs over e4m3 tiles widened in registers) for dense
   // ranges and at most 8 query rows a K/V head, d = 32..128 (AttendArgs::fp8_tensor); the rest
   // of fp8 on the SIMT kernel.
@@ -931,19 +980,23 @@ bool UsesTensorCores(const AttendArgs& a) {
          BytesD<float, 1, false, true>(a.d) + 4096 <= gpu::Info().smem_block_optin;
 }
 
-size_t FlashBytes(const AttendArgs& a) {
-  if (a.dtype == DType::kF32) return BytesD<float, 1, false, true>(a.d);
-  if (a.dtype == DType::kFP8) return BytesD<__nv_fp8_e4m3, 1, false, true>(a.d);
-  if (FlashRowGroups(a) == 8) return BatchedBytes(a.d);
+int FlashBlocksPerSm(const AttendArgs& a) {
+  if (a.dtype == DType::kF32) return BlocksPerSmD<float, 1, false, true>(a.d);
+  if (a.dtype == DType::kFP8) return BlocksPerSmD<__nv_fp8_e4m3, 1, false, true>(a.d);
+  if (a.dtype == DType::kBF16) {
+    return ShapeOf(a) == Shape::kDecodePacked ? BlocksPerSmD<__nv_bfloat16, 1, false, true>(a.d)
+                                              : BlocksPerSmD<__nv_bfloat16, 1, true, false>(a.d);
+  }
+  if (FlashRowGroups(a) == 8) return BatchedBlocksPerSm(a.d);
   switch (ShapeOf(a)) {
     case Shape::kBatched:
-      return BytesD<__half, 4, false, false>(a.d);
+      return BlocksPerSmD<__half, 4, false, false>(a.d);
     case Shape::kDecodePacked:
-      return BytesD<__half, 1, false, true>(a.d);
+      return BlocksPerSmD<__half, 1, false, true>(a.d);
     case Shape::kDecode:
       break;
   }
-  return BytesD<__half, 1, true, false>(a.d);
+  return BlocksPerSmD<__half, 1, true, false>(a.d);
 }
 
 Status LaunchFlash(const AttendArgs& a_in, cudaStream_t stream) {
@@ -970,6 +1023,12 @@ Status LaunchFlash(const AttendArgs& a_in, cudaStream_t stream) {
       return Status(ErrorKind::kErr, "fp8 attention needs the K and V row scales");
     }
     return LaunchD<__nv_fp8_e4m3, 1, false, true>(a, stream);
+  }
+  if (a.dtype == DType::kBF16) {
+    if (FlashRowGroups(a) != 1)
+      return Status(ErrorKind::kErr, "no batched bf16 tensor-core kernel");
+    return ShapeOf(a) == Shape::kDecodePacked ? LaunchD<__nv_bfloat16, 1, false, true>(a, stream)
+                                              : LaunchD<__nv_bfloat16, 1, true, false>(a, stream);
   }
   if (FlashRowGroups(a) == 8) return LaunchBatched(a, stream);
   switch (ShapeOf(a)) {

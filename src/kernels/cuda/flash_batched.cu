@@ -332,18 +332,6 @@ Status Launch(const AttendArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-size_t BatchedBytes(uint32_t d) {
-  switch (d) {
-    case 32:
-      return Batched<32>::kBytes;
-    case 64:
-      return Batched<64>::kBytes;
-    case 96:
-      return Batched<96>::kBytes;
-  }
-  return Batched<128>::kBytes;
-}
-
 int BatchedBlocksPerSm(uint32_t d) {
   switch (d) {
     case 32:
