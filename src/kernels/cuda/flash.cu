@@ -1,6 +1,7 @@
-// The tensor-core attention kernel for fp16 K/V (d <= 256): flash attention on mma.sync
-// m16n8k16 (fp16 inputs, fp32 accumulation), K/V tiles of 64 keys double-buffered in shared
-// memory with cp.async, ldmatrix fragments (K plain, V transposed), online softmax in registers.
+// The tensor-core attention kernel for fp16 and bf16 K/V (d <= 256; bf16 the decode shapes only):
+// flash attention on mma.sync m16n8k16 (fp16 or bf16 inputs, fp32 accumulation), K/V tiles of 64
+// keys double-buffered in shared memory with cp.async, ldmatrix fragments (K plain, V transposed),
+// online softmax in registers.
 //
 // Three shapes, chosen by rows per K/V head (ShapeOf):
 //   WR = 4  batched: the block's four warps own 16 query rows each (64 rows) and share every
