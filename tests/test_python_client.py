@@ -702,6 +702,50 @@ def test_decoded_fetches_own_their_results(pion_factory, fmt):
             np.testing.assert_array_equal(bits(gv), bits(wv))
 
 
+def test_tcp_fetch_decodes_fp16_here_and_follows_a_changed_format(pion_factory):
+    """Over TCP, fetch and fetch_layer of fp16/bf16 sessions take the stored bytes and decode
+    them here once the client knows the format: bit-identical to the server's decode (the
+    plain V.FETCH, read with redis-py). A session dropped and re-created in another format
+    behind the client's back is decoded by the format it has now, never the remembered one."""
+    srv = pion_factory()
+    rng = np.random.default_rng(11)
+
+    def server_rows(c, sid, n):
+        return pion._wire.from_f32(c.execute("V.FETCH", sid, "RANGE", 0, n), (n, -1))
+
+    with pion.Client(port=srv.port) as c, pion.Client(port=srv.port) as other:
+        for fmt in ("fp16", "bf16"):
+            sid = "tcp_" + fmt
+            c.v.create(sid, 128, fmt)
+            c.v.store_batch(sid, 0, rnd(rng, 300, 128, scale=4.0))
+            want = server_rows(c, sid, 300)
+            for _ in range(3):  # the first learns the format, the next decode here
+                np.testing.assert_array_equal(bits(c.v.fetch(sid, 0, 300)), bits(want))
+            np.testing.assert_array_equal(bits(c.v.fetch(sid, 7, 19)), bits(want[7:19]))
+            c.kv.register("ns_" + fmt, n_layers=2, n_tokens=64, kv_heads=2, head_dim=32,
+                          fmt=fmt)
+            c.kv.store_layer("ns_" + fmt, 1, rnd(rng, 64, 2, 32), rnd(rng, 64, 2, 32))
+            k, v = c.kv.fetch_layer("ns_" + fmt, 1)
+            wk = pion._wire.from_f32(c.execute("V.FETCH", "ns_%s_pk" % fmt, "RANGE", 64, 128),
+                                     (64, 2, 32))
+            wv = pion._wire.from_f32(c.execute("V.FETCH", "ns_%s_pv" % fmt, "RANGE", 64, 128),
+                                     (64, 2, 32))
+            np.testing.assert_array_equal(bits(k), bits(wk))
+            np.testing.assert_array_equal(bits(v), bits(wv))
+        # Re-created as turbo4 (and then fp32) by another client: c still remembers bf16.
+        for fmt in ("turbo4", "fp32", "fp16"):
+            other.v.drop("tcp_bf16")
+            other.v.create("tcp_bf16", 128, fmt)
+            other.v.store_batch("tcp_bf16", 0, rnd(rng, 50, 128))
+            want = server_rows(other, "tcp_bf16", 50)
+            got = c.v.fetch("tcp_bf16", 0, 50)
+            assert got.shape == (50, 128)
+            np.testing.assert_array_equal(bits(got), bits(want))
+        c.v.drop("tcp_fp16")
+        with pytest.raises(pion.PionError, match="tcp_fp16"):
+            c.v.fetch("tcp_fp16", 0, 10)  # V.FETCH's own error, not V.INFO's
+
+
 def test_noperm_for_tenant_user(pion_factory, tmp_path):
     users = tmp_path / "users.txt"
     users.write_text("alice apw teamA\n")

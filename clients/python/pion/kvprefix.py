@@ -112,8 +112,9 @@ class KVPrefix:
                     model: str | None = None, generation: int | None = None,
                     as_torch: bool | None = None, device: str | None = None):
         """Layer `layer`'s (K, V), each float32 [n_tokens, kv_heads, head_dim] ("nhd") or
-        [kv_heads, n_tokens, head_dim] ("hnd"). With raw=True the stored encoding is fetched
-        and decoded here (pion.codecs; bit-identical to the server's decode). `model` /
+        [kv_heads, n_tokens, head_dim] ("hnd"). With raw=True (and always for fp16/bf16
+        storage) the stored encoding is fetched and decoded here (pion.codecs; bit-identical
+        to the server's decode). `model` /
         `generation` are checked by the server (MismatchError).
 
         On a Unix-socket Client (shm=True) the stored bytes are always read from the shared-
@@ -129,13 +130,14 @@ class KVPrefix:
         is implied."""
         layout = _check_layout(layout)
         ch = self._c._shm_channel()
-        need_vinfo = raw or ch is not None or device is not None
-        first = [("KV.PREFIX.INFO", ns)] + ([("V.INFO", ns + "_pk")] if need_vinfo else [])
-        replies = self._c.execute_many(first)
+        replies = self._c.execute_many([("KV.PREFIX.INFO", ns), ("V.INFO", ns + "_pk")])
         m = _wire.parse_map(replies[0])
         t, h, d = m["n_tokens"], m["kv_heads"], m["head_dim"]
         lo, hi = int(layer) * t, (int(layer) + 1) * t
-        vi = _wire.parse_map(replies[1]) if need_vinfo else None
+        vi = _wire.parse_map(replies[1])
+        # fp16/bf16 over TCP: the stored bytes, decoded here (half the bytes of the decoded
+        # rows over the socket, the same floats); other formats as asked.
+        raw = raw or vi["format"] in ("fp16", "bf16")
         if device is not None and str(device) != "cpu":
             return self._fetch_layer_device(ns, ch, vi, lo, hi, t, h, d, layout, raw, model,
                                             generation, device)

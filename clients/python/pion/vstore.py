@@ -41,6 +41,7 @@ class VStore:
 
     def __init__(self, client: "Client"):
         self._c = client
+        self._formats: dict[str, str] = {}  # sid -> its format, as V.INFO last reported
 
     def create(self, sid: str, dim: int, fmt: str = "fp32", block: int | None = None) -> None:
         """Creates session `sid` of rows of `dim` values stored as `fmt` (fp32, fp16, bf16,
@@ -73,7 +74,9 @@ class VStore:
               generation: int | None = None, as_torch: bool | None = None):
         """Rows start <= id < end decoded: float32 [end-start, dim].
         `model`/`generation` state the identity expected of a KV.PREFIX session
-        (MismatchError otherwise). Over TCP the server decodes them. On a Unix-socket Client
+        (MismatchError otherwise). Over TCP fp16/bf16 rows travel in their stored encoding
+        and are decoded here, bit-identical (from the second fetch of a session on: the first
+        tells this client the format), other formats are decoded by the server. On a Unix-socket Client
         (shm=True) fp32/fp16/bf16 rows are decoded here, straight from the shared-memory
         mapping under a lease (half the bytes of decoded fp16 through the socket; the same
         floats: `last_fetch_path` "shm"); other formats are decoded by the server ("tcp")."""
@@ -86,9 +89,32 @@ class VStore:
                                             info["dim"], model, generation)
                 return self._c._out(rows, as_torch)
         self._c.last_fetch_path = "tcp"
-        data = self._c.fetch_many([("V.FETCH", sid, "RANGE", int(start), int(end),
-                                    *_identity(model, generation))])[0]
-        return self._c._out(_wire.from_f32(data, (int(end) - int(start), -1)), as_torch)
+        # fp16/bf16 (the format V.INFO gave last time): the stored bytes, decoded here from
+        # the connection's scratch (half the bytes of the decoded rows over the socket);
+        # others decoded by the server (fp32 is the same bytes; int8/fp8/turbo the server
+        # decodes faster than numpy). V.INFO rides in the same round trip: the decode always
+        # follows the session's format as it is now.
+        n = int(end) - int(start)
+        ident = _identity(model, generation)
+        if self._formats.get(sid) in ("fp16", "bf16"):
+            def decode(replies):
+                self._remember(sid, _wire.parse_map(replies[1])["format"])
+                return _decode_reply((replies[1], replies[0]))
+
+            rows = self._c.fetch_decode(
+                [("V.FETCH", sid, "RANGE", int(start), int(end), "RAW", *ident),
+                 ("V.INFO", sid)], decode)
+            return self._c._out(rows, as_torch)
+        data, info = self._c.fetch_many([("V.FETCH", sid, "RANGE", int(start), int(end), *ident),
+                                         ("V.INFO", sid)])
+        self._remember(sid, _wire.parse_map(info)["format"])
+        return self._c._out(_wire.from_f32(data, (n, -1)), as_torch)
+
+    def _remember(self, sid: str, fmt: str) -> None:
+        """The format V.INFO reported for `sid` (which form fetch asks for next; bounded)."""
+        if len(self._formats) >= 4096 and sid not in self._formats:
+            self._formats.clear()
+        self._formats[sid] = fmt
 
     def fetch_ids(self, sid: str, ids: Sequence[int], *, model: str | None = None,
                   generation: int | None = None, as_torch: bool | None = None):
