@@ -149,11 +149,11 @@ def main() -> int:
                     paths[name], group, label, s * 1e3, nbytes / s / 1e9, ratio,
                     "" if pion_form else " (not a goal)"))
         lines += ["", "Worst ratio of a Pion form: %.2f (goal <= 1.30)." % worst, "",
-                  "For comparison, twice the fastest rows form is %s. Where the layer group "
-                  "(K and V both held) costs more than that, the difference is the first touch "
-                  "of the second fresh 16 MiB result, which glibc returns to the system when "
-                  "both are freed (its trim threshold), where one result's memory is reused by "
-                  "the next call." % ", ".join(
+                  "For comparison, twice the fastest rows form is %s: a layer (K and V both "
+                  "held) costs about two rows results, because fresh results of 1 MiB or more "
+                  "come from pion._pool's reused blocks (without it glibc returned the second "
+                  "freed 16 MiB result to the system and the next pair faulted every page in "
+                  "again: 16 ms for a TCP layer)." % ", ".join(
                       "%.3f ms (%s)" % (v * 1e3, paths[k]) for k, v in twice_rows.items())]
         out = a.out or REPO / "bench" / "results" / ("client-%s.md" % dt.date.today().isoformat())
         report(lines, out)

@@ -957,6 +957,22 @@ def test_shm_fetch_into_caller_buffer(unix_srv):
         out = np.empty((40, 16), np.float32)
         u.v.fetch_raw("into32", 0, 40, decode=False, into=out)
         np.testing.assert_array_equal(bits(out), bits(rows[:, :16]))
+        # fp16/bf16 with into= and decode: into receives the stored bytes (copied and widened
+        # piece by piece), the result is the decode of exactly those bytes.
+        big = rnd(rng, 3000, 128)  # 768 KB of fp16: several pieces
+        for fmt in ("fp16", "bf16"):
+            tcp.v.create("into_" + fmt, 128, fmt)
+            tcp.v.store_batch("into_" + fmt, 0, big)
+            raw = tcp.v.fetch_raw("into_" + fmt, 0, 3000, decode=False)
+            want = tcp.v.fetch("into_" + fmt, 0, 3000)
+            buf = np.full(len(raw) + 8, 0xCD, np.uint8)
+            dec = u.v.fetch_raw("into_" + fmt, 0, 3000, into=buf)
+            assert u.last_fetch_path == "shm"
+            assert buf[:len(raw)].tobytes() == bytes(raw) and np.all(buf[len(raw):] == 0xCD)
+            np.testing.assert_array_equal(bits(dec), bits(want))
+            with pytest.raises(ValueError, match="into= holds 100 bytes"):
+                u.v.fetch_raw("into_" + fmt, 0, 3000, into=np.empty(100, np.uint8))
+            np.testing.assert_array_equal(bits(u.v.fetch("into_" + fmt, 0, 3000)), bits(want))
         assert _wait_leases(tcp, 0) == 0
 
 
@@ -1057,3 +1073,29 @@ def test_store_batch_writes_through_shared_memory(unix_srv):
         # Over TCP the same call sends the bytes inline.
         assert tcp.v.store_batch("shmw", 600, big) == 400 and tcp.last_store_path == "tcp"
         assert _wait_leases(tcp, 0) == 0  # every reservation was spent by its commit
+
+
+def test_result_pool_reuses_freed_blocks_and_stays_bounded():
+    """pion._pool: a large result's block comes back for the next result of its size class
+    once its last view is gone (and not before: a live view keeps its bytes), small results
+    are plain numpy, and the freed bytes kept never pass POOL_CAP."""
+    from pion import _pool
+    n = 4 << 20
+    a = _pool.empty((n // 4,), np.float32)
+    addr = a.__array_interface__["data"][0]
+    a[:] = 7.0
+    view = a[100:200]
+    del a
+    b = _pool.empty((n // 4,), np.float32)  # the view still holds a's block
+    assert b.__array_interface__["data"][0] != addr
+    assert np.all(view == 7.0)
+    del view
+    c = _pool.empty((n // 4,), np.float32)  # a's block, back
+    assert c.__array_interface__["data"][0] == addr
+    assert c.flags.writeable and c.flags.c_contiguous and c.shape == (n // 4,)
+    assert _pool.empty((16, 16), np.float32).base is None  # small: plain numpy
+    before = _pool.kept_bytes()
+    many = [_pool.empty((64 << 20,), np.uint8) for _ in range(6)]  # 384 MiB > POOL_CAP
+    del many
+    assert before <= _pool.kept_bytes() <= _pool.POOL_CAP
+    del b, c

@@ -13,7 +13,7 @@ import socket
 
 import numpy as np
 
-from . import errors
+from . import _pool, errors
 
 LARGE = 64 << 10  # bulk replies this large go straight into their destination
 _READ = 256 << 10
@@ -187,7 +187,7 @@ class Connection:
             elif self._use_scratch and self._soff + n <= SCRATCH_MAX:
                 out = self._scratch_take(n)
             else:
-                out = np.empty(n, np.uint8)
+                out = _pool.empty(n, np.uint8)
             self._into(memoryview(out), n)
             self._crlf()
             return out

@@ -27,7 +27,7 @@ import redis
 import redis.exceptions as rex
 from redis.connection import DefaultParser
 
-from . import _wire, codecs, errors
+from . import _pool, _wire, codecs, errors
 
 
 class _FullTextParser(DefaultParser):
@@ -212,7 +212,7 @@ class Client:
         lease, pieces, _row_bytes, nbytes = ch.fetch_range(sid, start, end, model, generation)
         try:
             if into is None:
-                out = np.empty(nbytes, np.uint8)
+                out = _pool.empty(nbytes, np.uint8)
             else:
                 out = _byte_view(into)[:nbytes]
             ch.read_into(pieces, out)
@@ -221,18 +221,23 @@ class Client:
         return out
 
 
-    def _shm_decode(self, ch, ranges, fmt, dim, model=None, generation=None):
+    def _shm_decode(self, ch, ranges, fmt, dim, model=None, generation=None, copies=None):
         """Rows [(sid, start, end), ...] of an element-wise format (fp32/fp16/bf16) decoded
         into fresh float32 [n, dim] arrays straight from the shared-memory mapping, under
         leases taken in one round trip and released after (no copy of the stored bytes first;
         all ranges decode together over the copy threads); bit-identical to
-        pion.codecs.decode."""
+        pion.codecs.decode. copies: per range, None or a uint8 array that also receives its
+        stored bytes (codecs.decode_pieces_many)."""
         got = ch.fetch_ranges(ranges, model, generation)
         try:
-            outs = [np.empty(nbytes // codecs.ELEMENTWISE[fmt], np.float32)
+            for cp, (_lease, _pieces, _rb, nbytes) in zip(copies or (), got):
+                if cp is not None and cp.size < nbytes:
+                    raise ValueError("into= holds %d bytes, the fetch needs %d" % (cp.size, nbytes))
+            outs = [_pool.empty(nbytes // codecs.ELEMENTWISE[fmt], np.float32)
                     for _lease, _pieces, _rb, nbytes in got]
             codecs.decode_pieces_many(fmt, [(ch.views(pieces), out)
-                                            for (_l, pieces, _rb, _n), out in zip(got, outs)])
+                                            for (_l, pieces, _rb, _n), out in zip(got, outs)],
+                                      copies)
         finally:
             ch.release_later(*(lease for lease, *_ in got))
         return [out.reshape(-1, dim) for out in outs]

@@ -13,6 +13,8 @@ import functools
 
 import numpy as np
 
+from . import _pool
+
 FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8")
 TURBO_BITS = {"turbo4": 4, "turbo3": 3, "turbo2": 2}
 DEFAULT_TURBO_BLOCK = 128
@@ -118,7 +120,7 @@ def fp16_to_f32(u16) -> np.ndarray:
     """IEEE binary16 bits -> float32 (exact)."""
     h = np.asarray(u16, dtype="<u2")
     src = h.reshape(-1)
-    out = np.empty(src.size, np.float32)
+    out = _pool.empty(src.size, np.float32)
     _piecewise(src.size, lambda lo, hi: _widen_f16(src[lo:hi], out[lo:hi]))
     return out.reshape(h.shape)
 
@@ -133,24 +135,31 @@ def decode_pieces(fmt: str, pieces, out: np.ndarray) -> None:
     decode_pieces_many(fmt, [(pieces, out)])
 
 
-def decode_pieces_many(fmt: str, work) -> None:
+def decode_pieces_many(fmt: str, work, copies=None) -> None:
     """decode_pieces for several (pieces, out) pairs at once: every pair's pieces are shared
-    out over the same threads (K and V of a layer decode together)."""
+    out over the same threads (K and V of a layer decode together). copies: per pair, None or
+    a uint8 array that also receives the pieces' bytes, each piece copied there and decoded
+    from the copy while it is in cache (fetch_raw(into=..., decode=True))."""
     size = ELEMENTWISE[fmt]
     jobs, total = [], 0
-    for pieces, out in work:
+    for i, (pieces, out) in enumerate(work):
         at = 0
+        copy = copies[i] if copies is not None else None
         for p in pieces:
             n = p.size // size
             for lo in range(0, n, _PIECE):
                 hi = min(n, lo + _PIECE)
-                jobs.append((p[lo * size:hi * size], out[at + lo:at + hi]))
+                cp = None if copy is None else copy[(at + lo) * size:(at + hi) * size]
+                jobs.append((p[lo * size:hi * size], out[at + lo:at + hi], cp))
             at += n
         if at != out.size:
             raise ValueError("the pieces hold %d elements, out has %d" % (at, out.size))
         total += at
 
-    def run(src, dst):
+    def run(src, dst, cp):
+        if cp is not None:
+            cp[:] = src
+            src = cp
         if fmt == "fp32":
             dst.view(np.uint8)[:] = src
         elif fmt == "fp16":
@@ -167,7 +176,7 @@ def bf16_to_f32(u16) -> np.ndarray:
     """bfloat16 bits -> float32 (exact: the bits shifted up)."""
     h = np.asarray(u16, dtype="<u2")
     src = h.reshape(-1)
-    out = np.empty(src.size, np.uint32)
+    out = _pool.empty(src.size, np.uint32)
 
     def widen(lo, hi):
         np.copyto(out[lo:hi], src[lo:hi])

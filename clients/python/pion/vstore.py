@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from . import _wire, codecs
+from . import _pool, _wire, codecs
 
 if TYPE_CHECKING:
     from .client import Client
@@ -166,6 +166,14 @@ class VStore:
                     rows, = self._c._shm_decode(ch, [(sid, start, end)], info["format"],
                                                 info["dim"], model, generation)
                     return self._c._out(rows, as_torch)
+            if decode and _wire.parse_map(info_reply)["format"] in ("fp16", "bf16"):
+                # into= gets the stored bytes piece by piece, each decoded while in cache
+                from .client import _byte_view
+                info = _wire.parse_map(info_reply)
+                rows, = self._c._shm_decode(ch, [(sid, start, end)], info["format"],
+                                            info["dim"], model, generation,
+                                            copies=[_byte_view(into)])
+                return self._c._out(rows, as_torch)
             buf = self._c._shm_copy(ch, sid, start, end, model, generation, into)
         if not decode and into is None:
             return memoryview(buf)
@@ -246,4 +254,8 @@ def _decode_reply(replies):
     info = _wire.parse_map(replies[0])
     rows = codecs.decode(info["format"], info["dim"], info["block"], replies[1])
     # fp32 decodes to a view of the received bytes: those are the connection's scratch
-    return rows.copy() if info["format"] == "fp32" else rows
+    if info["format"] != "fp32":
+        return rows
+    out = _pool.empty(rows.shape, np.float32)
+    np.copyto(out, rows)
+    return out
