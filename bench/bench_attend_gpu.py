@@ -233,7 +233,13 @@ def main() -> int:
                     "pion-gpu-attn-bench and pion-fetch-bench")
     ap.add_argument("--out", default=None, help="markdown results file")
     ap.add_argument("--seconds", type=float, default=5.0, help="end-to-end measured time")
+    ap.add_argument("--sections", default="decode,batched,sparse,e2e",
+                    help="comma-separated subset of decode, batched, sparse, e2e (default: all)")
     a = ap.parse_args()
+    sections = set(a.sections.split(","))
+    unknown = sections - {"decode", "batched", "sparse", "e2e"}
+    if unknown:
+        ap.error("unknown sections: %s" % ", ".join(sorted(unknown)))
     bin_dir = Path(a.bin).resolve()
     hq, hkv, d = 32, 8, 128
     rows = []
@@ -259,24 +265,34 @@ def main() -> int:
     floor = [pion_kernel(bin_dir, "empty", k, 128)["us"] for k in (1, 2)]
     # The decode goal's grid (issue 31): fp16, bf16 and fp8 (against torch fp16), d 128 and 64,
     # N 1K .. 128K.
-    for dd in (128, 64):
-        for dty in ("f16", "bf16", "f8"):
-            for n in DECODE_N:
-                kernel_row("decode", dty, 1, n, dd=dd)
-    for n in (2048, 32768, 131072):
-        kernel_row("decode", "f32", 1, n)
-    # The bf16 and fp8 decodes on the SIMT kernel instead of the tensor cores, for comparison.
-    kernel_row("decode, SIMT", "bf16", 1, 131072, env={"PION_BENCH_BF16TC": "0"})
-    kernel_row("decode, SIMT", "f8", 1, 131072, env={"PION_BENCH_F8TC": "0"})
-    kernel_row("batched", "f16", 512, 32768, flash=True)
-    kernel_row("batched", "bf16", 512, 32768, flash=True)
-    kernel_row("batched", "f8", 512, 32768, flash=True)
+    if "decode" in sections:
+        for dd in (128, 64):
+            for dty in ("f16", "bf16", "f8"):
+                for n in DECODE_N:
+                    kernel_row("decode", dty, 1, n, dd=dd)
+        for n in (2048, 32768, 131072):
+            kernel_row("decode", "f32", 1, n)
+        # The bf16 and fp8 decodes on the SIMT kernel instead of the tensor cores, for
+        # comparison.
+        kernel_row("decode, SIMT", "bf16", 1, 131072, env={"PION_BENCH_BF16TC": "0"})
+        kernel_row("decode, SIMT", "f8", 1, 131072, env={"PION_BENCH_F8TC": "0"})
+    if "batched" in sections:
+        # Prefill (M = 512) and a short chunk (M = 16: 64 query rows a K/V head, the smallest
+        # batched shape) over a 32K prefix; bf16 and fp8 on the eight-group tensor-core kernel
+        # (opt-in: kernels::cuda::SetLowpBatched) and on their SIMT kernel (the default).
+        lowp = {"PION_BENCH_LOWP_BATCHED": "1"}
+        for m in (512, 16):
+            for dty in ("f16", "bf16", "f8"):
+                kernel_row("batched" if dty == "f16" else "batched, opt-in tensor cores", dty, m,
+                           32768, flash=True, env=None if dty == "f16" else lowp)
+        kernel_row("batched", "bf16", 512, 32768, flash=True)
+        kernel_row("batched", "f8", 512, 32768, flash=True)
     # Sparse-auto at N = 64K with a 4K-token budget (block 64, 62 + first + last blocks) against
     # dense over the same prefix.
     sparse = []
     for sdt, shq, shkv, shared in (("f16", hq, hkv, False), ("f16", hq, hkv, True),
                                    ("f16", hkv, hkv, False), ("f8", hq, hkv, False),
-                                   ("f8", hq, hkv, True)):
+                                   ("f8", hq, hkv, True)) if "sparse" in sections else ():
         # SHARED: the one-launch kernel the server uses (fused, fp16), with the four launches
         # beside.
         fused = shared and sdt == "f16"
@@ -304,21 +320,22 @@ def main() -> int:
     # the owning shard, and its reply, wait for scheduler wake-ups), then the CPU backend.
     for label, backend, extra in (("cuda", "cuda", []), ("cuda, --poll-us 0", "cuda",
                                                           ["--poll-us", "0"]),
-                                  ("cpu", "cpu", [])):
+                                  ("cpu", "cpu", [])) if "e2e" in sections else ():
         r = e2e(bin_dir, backend, a.seconds, extra)
         e2e_rows.append((label, r))
         print(label, {k: r[k] for k in ("p50_us", "p99_us", "req_per_s", "max_rel_err",
                                         "compute_us")},
               flush=True)
 
-    (e2e_torch_us, _), _ = torch_attend("f32", 8, 8, 1, 2048, d, False)
+    e2e_torch_us = torch_attend("f32", 8, 8, 1, 2048, d, False)[0][0] if e2e_rows else 0.0
     dev = torch.cuda.get_device_name()
     lines = [
         "# Stage 2 on the GPU: CUDA kernels vs torch SDPA (%s, %s)" % (dev, dt.date.today()),
         "",
         "Command (on the GPU machine, from the repository root):",
-        "`python3 bench/bench_attend_gpu.py --bin build/devcarry/bin` (binaries from "
+        "`python3 bench/bench_attend_gpu.py --bin build/devcarry/bin%s` (binaries from "
         "`make gpu-bundle`, unpacked by `python3 build/devcarry/unpack.py`). torch %s, CUDA %s, host %s (%d cores)." % (
+            "" if a.sections == ap.get_default("sections") else " --sections " + a.sections,
             torch.__version__, torch.version.cuda, platform.processor() or platform.machine(),
             os.cpu_count()),
         "",
@@ -354,52 +371,54 @@ def main() -> int:
     if goal:
         lines += ["", "fp8 goal (decode, N = 128K, vs torch fp16): %.2f× (goal ≥ 1.8×: %s)." % (
             goal[0]["speedup"], "met" if goal[0]["speedup"] >= 1.8 else "not met")]
-    lines += [
-        "",
-        "## Sparse-auto: N=64K, D=128, budget %d keys per query head (block 64, K_top 62)"
-        % sparse[0]["budget"],
-        "",
-        "Per query head (the default), each head picks its own blocks, so sparse reads H_q × "
-        "budget rows where dense reads H_kv × N: with H_q/H_kv = 4 the read volume — and the "
-        "best possible ratio — is 4×. With `SHARED` the query heads of a K/V head choose one "
-        "set together (H_kv × budget rows: 16×), as with one query head per K/V head. The "
-        "server runs SHARED (without a suffix) as one launch — thread-block clusters per K/V "
-        "head score, select, attend and merge (sparse_fused.cu); the four launches it replaced "
-        "are timed beside it.",
-        "",
-        "`vs torch`: torch's dense SDPA over the same prefix (fp16; fp32 for none here) / "
-        "Pion's sparse-auto.",
-        "",
-        "| dtype | H_q | H_kv | selection | sparse-auto µs (one launch, or scores + select + "
-        "attend + combine) "
-        "| dense µs | dense / sparse | read-volume bound | torch dense µs | vs torch "
-        "| attend path | sparse / dense µs, launches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in sparse:
-        lines.append("| %s | %d | %d | %s | %.1f | %.1f | %.2f× | %.0f× | %.1f | %.2f× | %s "
-                     "| %.1f / %.1f |" % (
-                         r["dtype"], r["hq"], r["hkv"], r["selection"], r["sparse_us"],
-                         r["dense_us"], r["speedup"], r["bound"], r["torch_dense_us"],
-                         r["vs_torch"], r["path"], r["sparse_loop_us"], r["dense_loop_us"]))
-    lines += [
-        "",
-        "## End to end: ATTEND.PREFIX.QUERY M=1, H=8, N=2048, D=128 (fp32 slot), loopback",
-        "",
-        "One connection, one request in flight, %.0f s; reply checked against float64 numpy "
-        "(max rel err shown) and verified byte for byte by pion-fetch-bench." % a.seconds,
-        "",
-        "`vs torch`: torch's SDPA kernel alone at this shape (fp32, %.1f µs) / the round trip's "
-        "p50." % e2e_torch_us,
-        "",
-        "| backend, flags | p50 µs | p99 µs | queries/s | server compute µs (receipt, median) "
-        "| max rel err | vs torch |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for backend, r in e2e_rows:
-        lines.append("| %s | %.0f | %.0f | %.0f | %.0f | %.1e | %.3f× |" % (
-            backend, r["p50_us"], r["p99_us"], r["req_per_s"], r["compute_us"], r["max_rel_err"],
-            e2e_torch_us / r["p50_us"]))
+    if sparse:
+        lines += [
+            "",
+            "## Sparse-auto: N=64K, D=128, budget %d keys per query head (block 64, K_top 62)"
+            % sparse[0]["budget"],
+            "",
+            "Per query head (the default), each head picks its own blocks, so sparse reads H_q × "
+            "budget rows where dense reads H_kv × N: with H_q/H_kv = 4 the read volume — and the "
+            "best possible ratio — is 4×. With `SHARED` the query heads of a K/V head choose one "
+            "set together (H_kv × budget rows: 16×), as with one query head per K/V head. The "
+            "server runs SHARED (without a suffix) as one launch — thread-block clusters per K/V "
+            "head score, select, attend and merge (sparse_fused.cu); the four launches it replaced "
+            "are timed beside it.",
+            "",
+            "`vs torch`: torch's dense SDPA over the same prefix (fp16; fp32 for none here) / "
+            "Pion's sparse-auto.",
+            "",
+            "| dtype | H_q | H_kv | selection | sparse-auto µs (one launch, or scores + select + "
+            "attend + combine) "
+            "| dense µs | dense / sparse | read-volume bound | torch dense µs | vs torch "
+            "| attend path | sparse / dense µs, launches |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sparse:
+            lines.append("| %s | %d | %d | %s | %.1f | %.1f | %.2f× | %.0f× | %.1f | %.2f× | %s "
+                         "| %.1f / %.1f |" % (
+                             r["dtype"], r["hq"], r["hkv"], r["selection"], r["sparse_us"],
+                             r["dense_us"], r["speedup"], r["bound"], r["torch_dense_us"],
+                             r["vs_torch"], r["path"], r["sparse_loop_us"], r["dense_loop_us"]))
+    if e2e_rows:
+        lines += [
+            "",
+            "## End to end: ATTEND.PREFIX.QUERY M=1, H=8, N=2048, D=128 (fp32 slot), loopback",
+            "",
+            "One connection, one request in flight, %.0f s; reply checked against float64 numpy "
+            "(max rel err shown) and verified byte for byte by pion-fetch-bench." % a.seconds,
+            "",
+            "`vs torch`: torch's SDPA kernel alone at this shape (fp32, %.1f µs) / the round trip's "
+            "p50." % e2e_torch_us,
+            "",
+            "| backend, flags | p50 µs | p99 µs | queries/s | server compute µs (receipt, median) "
+            "| max rel err | vs torch |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for backend, r in e2e_rows:
+            lines.append("| %s | %.0f | %.0f | %.0f | %.0f | %.1e | %.3f× |" % (
+                backend, r["p50_us"], r["p99_us"], r["req_per_s"], r["compute_us"], r["max_rel_err"],
+                e2e_torch_us / r["p50_us"]))
     report(lines, a.out)
     return 0
 

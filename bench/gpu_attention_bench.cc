@@ -278,6 +278,9 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   auto map = Contiguous(hq, hkv);
   a.dense_items = true;
   if (const char* f = std::getenv("PION_BENCH_F32TC")) a.f32_tensor = f[0] == '1';
+  if (const char* f = std::getenv("PION_BENCH_LOWP_BATCHED")) {
+    kernels::cuda::SetLowpBatched(f[0] == '1');
+  }
   if (const char* f = std::getenv("PION_BENCH_F8TC")) a.fp8_tensor = f[0] == '1';
   if (const char* f = std::getenv("PION_BENCH_BF16TC")) a.bf16_tensor = f[0] == '1';
   bool tc = kernels::cuda::UsesTensorCores(a);
@@ -291,11 +294,13 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   a.uniform_group = kernels::cuda::UniformGroup(items, m);
   tc = kernels::cuda::UsesTensorCores(a);  // fp32 decides on the items' rows
   a.splits = kernels::cuda::PlanSplits(a, n);
-  // Comparisons: a split count, quarters instead of interleaved tiles (=0), the items loaded
+  // Comparisons: a split count, quarters instead of interleaved tiles (=0; head-wide: =2), the
+  // items loaded
   // as for any grouping (PION_BENCH_UNIFORM=0).
   if (const char* sp = std::getenv("PION_BENCH_SPLITS")) a.splits = U(sp);
   if (const char* tt = std::getenv("PION_BENCH_TENSOR")) a.tensor_tiles = tt[0] == '1';
-  if (const char* il = std::getenv("PION_BENCH_INTERLEAVE")) a.interleave = il[0] == '1';
+  if (const char* il = std::getenv("PION_BENCH_INTERLEAVE"))
+    a.interleave = static_cast<uint8_t>(il[0] - '0');
   if (const char* un = std::getenv("PION_BENCH_UNIFORM"); un != nullptr && un[0] == '0') {
     a.uniform_group = 0;
   }

@@ -7,7 +7,9 @@ Tolerances, err = |got - ref| / (1 + |ref|) against the float64 numpy reference:
 - fp32 slots and fp16 decode (few query rows per K/V head): 1e-4 (fp16: vs the reference on
   K/V rounded to float16), as in test_attend_prefix.py;
 - fp16 slots with >= 64 query rows per K/V head (tensor cores, Q and P as fp16): 4e-3 vs the
-  fp16-rounded reference.
+  fp16-rounded reference; bf16 and fp8 slots with that many rows, 4e-3 vs the bf16-rounded /
+  dequantized reference (the bound of their opt-in tensor-core kernel; the server runs them on
+  the SIMT kernel).
 - fp8 slots: 1e-4 vs the reference on the dequantized rows (e4m3 × row scale), and the fp8
   bound of test_attend_prefix.py (relative MSE ≤ 4e-3, ≥ 3e-4) vs the fp32 reference on the
   rows before encoding, at decode shapes up to N = 64K (the fast decode path's long ranges).
@@ -137,6 +139,54 @@ def test_fp16_batched_tensor_core_path(pion_factory, hq, hkv, m, d):
                                      window)
         assert_close(got, ref, 4e-3, "fp16 batched qpos=%d window=%d" % (qpos, window))
         assert_lse(lse, ref_lse, 4e-3)
+
+
+def bf16_round(x):
+    """float32 -> nearest bf16 (ties to even), as float32."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("hq,hkv,m,d,n", [(32, 8, 16, 128, 1500), (8, 2, 64, 64, 1000),
+                                          (8, 8, 80, 96, 777), (4, 1, 40, 32, 2000),
+                                          (32, 8, 64, 128, 20000)])
+def test_bf16_and_fp8_slots_with_many_query_rows(pion_factory, dtype, hq, hkv, m, d, n):
+    """Many query rows per K/V head (prefill, or a few positions of a wide GQA group) over bf16
+    and fp8 slots, against the reference over the values the slot holds (4e-3), with and without
+    a window and a query inside the prefix; fp8 also within its storage bound of the fp32
+    reference. (The eight-group tensor-core kernel for these is opt-in and tested by
+    GpuExecutor.LowpBatchedOptIn.)"""
+    srv = pion_factory("-w", "1")
+    r = srv.client()
+    rng = np.random.default_rng(hq * m + d + n)
+    k, v, q = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d), rnd(rng, hq, m, d)
+    if dtype == "bf16":
+        kd, vd = bf16_round(k), bf16_round(v)
+        half = lambda x: (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(
+            np.uint16).tobytes()
+        assert r.execute_command("ATTEND.PREFIX.STORE", "b", 0, hkv, n, d, half(kd), half(vd),
+                                 "DTYPE", "bf16") == b"OK"
+    else:
+        kd, vd = store_as(r, "b", 0, k, v, "fp8")
+    [s] = info_slots(r, "b")
+    assert (s["dtype"], s["tier"]) == (dtype, "gpu")
+    hm = contiguous_map(hq, hkv)
+    for qpos, window in ((n, 0), (n // 2, 0), (n, n // 3)):
+        out = r.execute_command("ATTEND.PREFIX.QUERY", "b", 0, hq, d, 0, f32(q), window, "QPOS",
+                                qpos)
+        got, lse = parse_out(out, hq, m, d, True)
+        pos_q = np.arange(qpos, qpos + m)
+        ref, ref_lse, _ = attend_ref(q, kd, vd, hm, pos_q, np.arange(n), window)
+        what = "%s batched qpos=%d window=%d" % (dtype, qpos, window)
+        assert_close(got, ref, 4e-3, what)
+        assert_lse(lse, ref_lse, 4e-3)
+        if dtype == "fp8":
+            e = rel_mse(got, attend_ref(q, k, v, hm, pos_q, np.arange(n), window)[0])
+            assert FP8_REL_MSE_FLOOR <= e <= FP8_REL_MSE_BOUND, (what, e)
+    assert r.ping()
 
 
 @on_gpu

@@ -250,9 +250,14 @@ void Check(const Case& c, uint32_t seed = 1, Receipt* receipt = nullptr) {
   probe.hq = c.hq;
   probe.heads = c.heads;
   probe.m = c.m;
-  const bool fast_fp16 = c.dtype == DType::kF16 && !sparse_out && c.form != Form::kTopK &&
-                         c.d <= 256 && kernels::cuda::FlashRowGroups(probe) >= 4;
-  const float tol = fast_fp16 ? 4e-3f : 1e-4f;
+  // The batched tensor-core kernels round Q and P to 16 bits (flash-attention precision): fp16
+  // in both of its batched shapes, bf16 and fp8 in the eight-group kernel (d <= 128).
+  const int groups = kernels::cuda::FlashRowGroups(probe);
+  const bool flash_precision =
+      !sparse_out && c.form != Form::kTopK &&
+      ((c.dtype == DType::kF16 && c.d <= 256 && groups >= 4) ||
+       ((c.dtype == DType::kBF16 || c.dtype == DType::kFP8) && groups == 8));
+  const float tol = flash_precision ? 4e-3f : 1e-4f;
   for (size_t i = 0; i < ref.size(); ++i) {
     ASSERT_NEAR(got[i], ref[i], tol * (1 + std::fabs(ref[i]))) << "output " << i;
   }
@@ -359,8 +364,9 @@ TEST(GpuExecutor, DenseEveryHeadDimAndDtype) {
       Check(c);
       c.m = 40;  // 4 heads per K/V head × 40 rows: the batched path (eight groups at d = 128)
       Check(c);
-      if (t == DType::kF16 && d < 128) {
-        c.m = 130;  // 520 rows: eight row groups a block below d = 128 too, the last one partial
+      if ((t == DType::kF16 && d < 128) || ((t == DType::kBF16 || t == DType::kFP8) && d <= 128)) {
+        c.m = 130;  // 520 rows: eight row groups a block (fp16 below d = 128 too), the last one
+                    // partial
         c.window = 300;
         Check(c);
         c.window = 0;
@@ -370,8 +376,8 @@ TEST(GpuExecutor, DenseEveryHeadDimAndDtype) {
 }
 
 // bf16 decode on the tensor cores (the fp16 decode shapes on bf16 MMAs) — packed (up to 8 rows
-// a K/V head) and split (9..16) — and batched bf16 on the SIMT kernel, at the fp32 tolerance;
-// long ranges (many tiles a warp, interleaved) and windows.
+// a K/V head) and split (9..16) — at the fp32 tolerance, long ranges (many tiles a warp,
+// interleaved) and windows; batched bf16 on the SIMT kernel unless LowpBatched().
 TEST(GpuExecutor, Bf16DecodeOnTensorCores) {
   SKIP_WITHOUT_GPU();
   kernels::cuda::AttendArgs probe;
@@ -382,7 +388,8 @@ TEST(GpuExecutor, Bf16DecodeOnTensorCores) {
   probe.heads = 8;
   probe.m = 1;
   EXPECT_EQ(kernels::cuda::UsesTensorCores(probe), gpu::Info().cc_major >= 8);
-  probe.m = 40;  // 160 rows a K/V head: batched, which bf16 leaves to the SIMT kernel
+  probe.m = 40;  // 160 rows a K/V head: batched, the SIMT kernel by default
+  EXPECT_FALSE(kernels::cuda::LowpBatched());
   EXPECT_FALSE(kernels::cuda::UsesTensorCores(probe));
   for (uint32_t d : {64u, 128u, 256u}) {
     for (auto [hq, heads, m] :
@@ -402,6 +409,73 @@ TEST(GpuExecutor, Bf16DecodeOnTensorCores) {
         Check(c, 2);
       }
     }
+  }
+}
+
+// bf16 and fp8 with 64 or more query rows a K/V head on the eight-group batched tensor-core
+// kernel (kernels::cuda::SetLowpBatched, off by default): every head dim it takes, a partial
+// last block, windows, queries inside the prefix, GQA groups that pad a block, a fused suffix
+// and long ranges over several splits, at flash-attention precision (Check: 4e-3); d > 128 stays
+// on the SIMT kernel.
+TEST(GpuExecutor, LowpBatchedOptIn) {
+  SKIP_WITHOUT_GPU();
+  struct Restore {
+    ~Restore() { kernels::cuda::SetLowpBatched(false); }
+  } restore;
+  kernels::cuda::SetLowpBatched(true);
+  kernels::cuda::AttendArgs probe;
+  probe.dense_items = true;
+  probe.hq = 32;
+  probe.heads = 8;
+  probe.m = 40;
+  for (DType t : {DType::kBF16, DType::kFP8}) {
+    probe.dtype = t;
+    probe.d = 128;
+    EXPECT_EQ(kernels::cuda::FlashRowGroups(probe), 8);
+    EXPECT_EQ(kernels::cuda::UsesTensorCores(probe), gpu::Info().cc_major >= 8);
+    probe.d = 256;
+    EXPECT_FALSE(kernels::cuda::UsesTensorCores(probe));
+    for (uint32_t d : {32u, 64u, 96u, 128u, 256u}) {
+      Case c;
+      c.dtype = t;
+      c.d = d;
+      c.n = 777;
+      c.m = 40;
+      Check(c);
+      c.m = 130;  // 520 rows: the last block partial
+      c.window = 300;
+      Check(c);
+    }
+    for (auto [hq, heads, m] : {std::tuple{32u, 8u, 16u}, {16u, 2u, 33u}, {8u, 8u, 64u}}) {
+      for (int64_t qpos : {-1, 700, 0}) {
+        Case c;
+        c.dtype = t;
+        c.hq = hq;
+        c.heads = heads;
+        c.m = m;
+        c.n = 1500;
+        c.d = 128;
+        c.qpos = qpos;
+        c.window = qpos == 700 ? 100 : 0;
+        Check(c);
+      }
+    }
+    Case f;
+    f.form = Form::kFused;
+    f.dtype = t;
+    f.m = 40;
+    f.n = 300;
+    f.d = 64;
+    f.suffix = 20;
+    Check(f);
+    Case l;
+    l.dtype = t;
+    l.hq = 32;
+    l.heads = 8;
+    l.m = 16;
+    l.n = 40000;
+    l.d = 128;
+    Check(l);
   }
 }
 

@@ -98,7 +98,9 @@ struct AttendArgs {
   // contiguous run) instead of a quarter of them each. Measured on the H200 (GQA 32/8, d = 128):
   // 128K 138.2 -> 135.5 µs, 32K 41.8 -> 41.1; at 8K (16 tiles a block) 14.08 vs 14.15, so not
   // there. false: always quarters (the bench's PION_BENCH_INTERLEAVE=0, for comparison).
-  bool interleave = true;
+  // 2: head-wide — every warp of every split takes the head's tiles in turn (fp8's default
+  // where 1 applies; for the others the bench's PION_BENCH_INTERLEAVE=2, for comparison).
+  uint8_t interleave = 1;
   // fp32 decode (4 to 8 query rows per K/V head, d = 64..128) on tensor cores: tf32 MMAs with
   // every operand split hi + lo (about fp32's accuracy); false: the SIMT kernel (the bench's
   // PION_BENCH_F32TC=0, for comparison).
@@ -143,6 +145,14 @@ uint32_t GridBlocks(const AttendArgs& a);
 // Call before building items: DenseItems(..., FlashRowGroups(a)) when UsesTensorCores(a).
 bool UsesTensorCores(const AttendArgs& a);
 int FlashRowGroups(const AttendArgs& a);
+// bf16 and fp8 slots with 64 or more query rows a K/V head (d <= 128) on the eight-group batched
+// tensor-core kernel (flash_batched.cu: 15x / 8.6x faster than their SIMT kernel at M = 512, N =
+// 32K on the H200, and correct in every test) instead of the SIMT kernel. Off by default: on
+// 2026-12-04 compute-sanitizer racecheck reported 2 shared-memory hazards on GpuExecutor.Smoke
+// with it on (not yet located; memcheck clean). Process-wide; the bench's
+// PION_BENCH_LOWP_BATCHED=1 and GpuExecutor.LowpBatchedOptIn turn it on.
+void SetLowpBatched(bool on);
+bool LowpBatched();
 // Key-range splits for a dense launch of `a` (items set) over `keys` keys: enough blocks for one
 // full wave of the device at the kernel's occupancy, at least two key tiles per split.
 uint32_t PlanSplits(const AttendArgs& a, uint64_t keys);

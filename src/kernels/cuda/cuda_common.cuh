@@ -232,6 +232,6 @@ inline cudaLaunchConfig_t ClusterLaunch(uint32_t blocks, uint32_t threads, size_
 Status LaunchFlash(const AttendArgs& a, cudaStream_t stream);
 int FlashBlocksPerSm(const AttendArgs& a);
 Status LaunchBatched(const AttendArgs& a, cudaStream_t stream);
-int BatchedBlocksPerSm(uint32_t d);  // resident blocks of it per multiprocessor
+int BatchedBlocksPerSm(const AttendArgs& a);  // resident blocks of it per multiprocessor
 
 }  // namespace pion::kernels::cuda

@@ -38,6 +38,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <type_traits>
 
@@ -193,9 +194,20 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
   const uint32_t workers = a.splits * (kIndep && !inter ? 4 : 1);
   const uint32_t wk = blockIdx.y * (kIndep && !inter ? 4 : 1) + (kIndep && !inter ? warp : 0);
   uint32_t k0 = lo + Min<uint32_t>(len, SplitPoint(tiles, wk, workers) * kTileRows);
-  const uint32_t k1 = lo + Min<uint32_t>(len, SplitPoint(tiles, wk + 1, workers) * kTileRows);
+  uint32_t k1 = lo + Min<uint32_t>(len, SplitPoint(tiles, wk + 1, workers) * kTileRows);
   if (inter) k0 = Min<uint32_t>(k1, k0 + warp * kTileRows);
-  const uint32_t step = inter ? 4 * kTileRows : kTileRows;  // rows from one tile to the next
+  uint32_t step = inter ? 4 * kTileRows : kTileRows;  // rows from one tile to the next
+  // Head-wide interleave (AttendArgs::interleave == 2, and fp8's default where the block
+  // interleave applies): every warp of every split takes the range's tiles in turn, so a K/V
+  // head's warps read one contiguous window that moves along. Measured on the H200 (GQA 32/8,
+  // same binary, A/B, µs): fp8 d = 128 128K 81.9 -> 80.0, 32K 27.5 -> 26.6; fp16 d = 128 32K
+  // 40.76 -> 40.60 but 128K 135.1 -> 136.7, d = 64 128K 73.8 -> 74.8, so not fp16's.
+  if (kIndep && (a.interleave == 2 || (C::kF8 && inter))) {
+    const uint32_t gw = blockIdx.y * 4 + warp;
+    k0 = lo + Min<uint32_t>(len, gw * kTileRows);
+    k1 = lo + len;
+    step = a.splits * 4 * kTileRows;
+  }
   const int ntiles = static_cast<int>((k1 - k0 + step - 1) / step);
   const T* kbase = static_cast<const T*>(a.k) + size_t(kv) * a.rows * D;
   const T* vbase = static_cast<const T*>(a.v) + size_t(kv) * a.rows * D;
@@ -935,6 +947,13 @@ Status EncodeRows(TensorMapBytes* map, const void* base, uint32_t elem, uint32_t
   return Status::Ok();
 }
 
+namespace {
+std::atomic<bool> lowp_batched{false};
+}  // namespace
+
+void SetLowpBatched(bool on) { lowp_batched.store(on, std::memory_order_relaxed); }
+bool LowpBatched() { return lowp_batched.load(std::memory_order_relaxed); }
+
 int FlashRowGroups(const AttendArgs& a) {
   // Batched when a K/V head has at least 64 query rows: four row groups per block, or eight
   // (two per warp, flash_batched.cu) for d <= 128 from where they measured faster on the H200
@@ -943,6 +962,13 @@ int FlashRowGroups(const AttendArgs& a) {
   // item) and decode use one.
   if (a.list != nullptr || !a.dense_items) return 1;
   const uint64_t rows = uint64_t{a.heads > 0 ? a.hq / a.heads : 1} * a.m;
+  // bf16 and fp8 have the eight-group kernel only (d <= 128; 4 says "batched, not on tensor
+  // cores"), from 64 rows, where LowpBatched(): H200, GQA 32/8, d = 128, N = 32K, µs — M = 512
+  // bf16 24705 -> 1587, fp8 14606 -> 1696 (torch flash 940, fp16 here 1357); M = 16 bf16 115,
+  // fp8 124 (torch 130).
+  if (a.dtype == DType::kBF16 || a.dtype == DType::kFP8) {
+    return rows >= 64 ? (a.d <= 128 && LowpBatched() ? 8 : 4) : 1;
+  }
   if (a.d <= 128 && rows >= (a.d == 128 ? 128u : 512u)) return 8;
   return rows >= 64 ? 4 : 1;
 }
@@ -953,16 +979,23 @@ bool UsesTensorCores(const AttendArgs& a) {
   if (!a.dense_items || gpu::Info().cc_major < 8) return false;
   if (a.dtype == DType::kF16) return a.d <= 256;
   // bf16: the fp16 decode shapes on bf16 MMAs (Q and P as bf16 hi + lo parts: 16 significand
-  // bits, within fp32's tolerance); batched bf16 stays on the SIMT kernel, whose fp32 math
-  // keeps the scores exact where one bf16 part would not.
-  if (a.dtype == DType::kBF16) return a.d <= 256 && a.bf16_tensor && FlashRowGroups(a) == 1;
+  // bits, within fp32's tolerance), and from 64 rows a K/V head (d <= 128) where LowpBatched()
+  // the eight-group batched kernel (flash_batched.cu: Q hi + lo, P as bf16 — flash-attention
+  // precision).
+  if (a.dtype == DType::kBF16) {
+    const int groups = FlashRowGroups(a);
+    return a.d <= 256 && a.bf16_tensor && (groups == 1 || groups == 8);
+  }
   // fp8: the packed decode (fp16 MMAs over e4m3 tiles widened in registers) for dense
-  // ranges and at most 8 query rows a K/V head, d = 32..128 (AttendArgs::fp8_tensor); the rest
-  // of fp8 on the SIMT kernel.
+  // ranges and at most 8 query rows a K/V head, d = 32..128, and where LowpBatched() the
+  // eight-group batched kernel (tiles widened in shared memory) from 64 rows, d <= 128
+  // (AttendArgs::fp8_tensor);
+  // the rest of fp8 on the SIMT kernel.
   if (a.dtype == DType::kFP8) {
     const uint64_t rows = uint64_t{a.heads > 0 ? a.hq / a.heads : 1} * a.m;
-    return a.fp8_tensor && a.list == nullptr && a.d % 32 == 0 && a.d <= 128 && rows <= 8 &&
-           a.item_rows <= kItemRows / 2;
+    if (!a.fp8_tensor || a.list != nullptr) return false;
+    if (FlashRowGroups(a) == 8) return true;
+    return a.d % 32 == 0 && a.d <= 128 && rows <= 8 && a.item_rows <= kItemRows / 2;
   }
   // fp32: the packed decode on tf32 with hi/lo splits, for 4 to 8 query rows per K/V head
   // (GQA groups of 4 or 8 at M = 1, or a group of 4 at M = 2; item_rows is MaxRows once the
@@ -982,13 +1015,13 @@ bool UsesTensorCores(const AttendArgs& a) {
 }
 
 int FlashBlocksPerSm(const AttendArgs& a) {
+  if (a.dtype != DType::kF32 && FlashRowGroups(a) == 8) return BatchedBlocksPerSm(a);
   if (a.dtype == DType::kF32) return BlocksPerSmD<float, 1, false, true>(a.d);
   if (a.dtype == DType::kFP8) return BlocksPerSmD<__nv_fp8_e4m3, 1, false, true>(a.d);
   if (a.dtype == DType::kBF16) {
     return ShapeOf(a) == Shape::kDecodePacked ? BlocksPerSmD<__nv_bfloat16, 1, false, true>(a.d)
                                               : BlocksPerSmD<__nv_bfloat16, 1, true, false>(a.d);
   }
-  if (FlashRowGroups(a) == 8) return BatchedBlocksPerSm(a.d);
   switch (ShapeOf(a)) {
     case Shape::kBatched:
       return BlocksPerSmD<__half, 4, false, false>(a.d);
@@ -1023,11 +1056,15 @@ Status LaunchFlash(const AttendArgs& a_in, cudaStream_t stream) {
     if (a.k_scale == nullptr || a.v_scale == nullptr) {
       return Status(ErrorKind::kErr, "fp8 attention needs the K and V row scales");
     }
+    if (FlashRowGroups(a) == 8) return LaunchBatched(a, stream);
     return LaunchD<__nv_fp8_e4m3, 1, false, true>(a, stream);
   }
   if (a.dtype == DType::kBF16) {
-    if (FlashRowGroups(a) != 1)
-      return Status(ErrorKind::kErr, "no batched bf16 tensor-core kernel");
+    if (FlashRowGroups(a) == 8) return LaunchBatched(a, stream);
+    if (FlashRowGroups(a) != 1) {
+      return Status(ErrorKind::kErr,
+                    "no bf16 tensor-core kernel for head dim " + std::to_string(a.d));
+    }
     return ShapeOf(a) == Shape::kDecodePacked ? LaunchD<__nv_bfloat16, 1, false, true>(a, stream)
                                               : LaunchD<__nv_bfloat16, 1, true, false>(a, stream);
   }

@@ -59,6 +59,8 @@ using gpu::NoCuda;
 
 bool UsesTensorCores(const AttendArgs&) { return false; }
 int FlashRowGroups(const AttendArgs&) { return 1; }
+void SetLowpBatched(bool) {}
+bool LowpBatched() { return false; }
 uint32_t PlanSplits(const AttendArgs&, uint64_t) { return 1; }
 uint32_t GridBlocks(const AttendArgs& a) { return a.n_items; }
 Status LaunchAttend(const AttendArgs&, void*) { return NoCuda(); }
