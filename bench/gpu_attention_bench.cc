@@ -295,8 +295,7 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   tc = kernels::cuda::UsesTensorCores(a);  // fp32 decides on the items' rows
   a.splits = kernels::cuda::PlanSplits(a, n);
   // Comparisons: a split count, quarters instead of interleaved tiles (=0; head-wide: =2), the
-  // items loaded
-  // as for any grouping (PION_BENCH_UNIFORM=0).
+  // items loaded as for any grouping (PION_BENCH_UNIFORM=0).
   if (const char* sp = std::getenv("PION_BENCH_SPLITS")) a.splits = U(sp);
   if (const char* tt = std::getenv("PION_BENCH_TENSOR")) a.tensor_tiles = tt[0] == '1';
   if (const char* il = std::getenv("PION_BENCH_INTERLEAVE"))

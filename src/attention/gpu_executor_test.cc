@@ -351,28 +351,55 @@ TEST(GpuExecutor, Smoke) {
   }
 }
 
-TEST(GpuExecutor, DenseEveryHeadDimAndDtype) {
-  SKIP_WITHOUT_GPU();
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
-    for (uint32_t d : {32u, 64u, 96u, 128u, 160u, 192u, 256u, 512u}) {
-      Case c;
-      c.d = d;
-      c.dtype = t;
-      c.n = 777;
+// Dense passes of dtype t at every head dim: M = 1, a few rows (decode), 160 rows (batched) and,
+// where the eight-group kernel takes them, 520 rows under a window.
+void CheckEveryHeadDim(DType t) {
+  for (uint32_t d : {32u, 64u, 96u, 128u, 160u, 192u, 256u, 512u}) {
+    Case c;
+    c.d = d;
+    c.dtype = t;
+    c.n = 777;
+    Check(c);
+    c.m = 5;  // a few rows: the decode path
+    Check(c);
+    c.m = 40;  // 4 heads per K/V head × 40 rows: the batched path (eight groups at d = 128)
+    Check(c);
+    if ((t == DType::kF16 && d < 128) || ((t == DType::kBF16 || t == DType::kFP8) && d <= 128)) {
+      c.m = 130;  // 520 rows: eight row groups a block (fp16 below d = 128 too), the last partial
+      c.window = 300;
       Check(c);
-      c.m = 5;  // a few rows: the decode path
-      Check(c);
-      c.m = 40;  // 4 heads per K/V head × 40 rows: the batched path (eight groups at d = 128)
-      Check(c);
-      if ((t == DType::kF16 && d < 128) || ((t == DType::kBF16 || t == DType::kFP8) && d <= 128)) {
-        c.m = 130;  // 520 rows: eight row groups a block (fp16 below d = 128 too), the last one
-                    // partial
-        c.window = 300;
+      c.window = 0;
+    }
+  }
+}
+
+// GQA groups, windows and query positions (after the prefix, inside it, at 0) of dtype t, at
+// 1, 7 and 33 positions (up to 264 rows a K/V head: the batched path).
+void CheckGqaWindowsAndPositions(DType t) {
+  for (auto [hq, heads] : {std::pair{4u, 4u}, {8u, 2u}, {32u, 4u}, {16u, 2u}}) {
+    for (int64_t window : {0, 1, 100}) {
+      for (uint32_t m : {1u, 7u, 33u}) {
+        Case c;
+        c.hq = hq;
+        c.heads = heads;
+        c.dtype = t;
+        c.window = window;
+        c.m = m;
+        c.n = 1500;
+        c.d = 128;
         Check(c);
-        c.window = 0;
+        c.qpos = 700;  // inside the prefix: later keys are hidden
+        Check(c);
+        c.qpos = 0;
+        Check(c);
       }
     }
   }
+}
+
+TEST(GpuExecutor, DenseEveryHeadDimAndDtype) {
+  SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) CheckEveryHeadDim(t);
 }
 
 // bf16 decode on the tensor cores (the fp16 decode shapes on bf16 MMAs) — packed (up to 8 rows
@@ -413,10 +440,10 @@ TEST(GpuExecutor, Bf16DecodeOnTensorCores) {
 }
 
 // bf16 and fp8 with 64 or more query rows a K/V head on the eight-group batched tensor-core
-// kernel (kernels::cuda::SetLowpBatched, off by default): every head dim it takes, a partial
-// last block, windows, queries inside the prefix, GQA groups that pad a block, a fused suffix
-// and long ranges over several splits, at flash-attention precision (Check: 4e-3); d > 128 stays
-// on the SIMT kernel.
+// kernel (kernels::cuda::SetLowpBatched, off by default): the head-dim and GQA / window /
+// position cases of the default path's tests, a fused suffix, and a long range over several
+// splits with a half-empty block, at flash-attention precision (Check: 4e-3); d > 128 stays on
+// the SIMT kernel.
 TEST(GpuExecutor, LowpBatchedOptIn) {
   SKIP_WITHOUT_GPU();
   struct Restore {
@@ -435,31 +462,8 @@ TEST(GpuExecutor, LowpBatchedOptIn) {
     EXPECT_EQ(kernels::cuda::UsesTensorCores(probe), gpu::Info().cc_major >= 8);
     probe.d = 256;
     EXPECT_FALSE(kernels::cuda::UsesTensorCores(probe));
-    for (uint32_t d : {32u, 64u, 96u, 128u, 256u}) {
-      Case c;
-      c.dtype = t;
-      c.d = d;
-      c.n = 777;
-      c.m = 40;
-      Check(c);
-      c.m = 130;  // 520 rows: the last block partial
-      c.window = 300;
-      Check(c);
-    }
-    for (auto [hq, heads, m] : {std::tuple{32u, 8u, 16u}, {16u, 2u, 33u}, {8u, 8u, 64u}}) {
-      for (int64_t qpos : {-1, 700, 0}) {
-        Case c;
-        c.dtype = t;
-        c.hq = hq;
-        c.heads = heads;
-        c.m = m;
-        c.n = 1500;
-        c.d = 128;
-        c.qpos = qpos;
-        c.window = qpos == 700 ? 100 : 0;
-        Check(c);
-      }
-    }
+    CheckEveryHeadDim(t);
+    CheckGqaWindowsAndPositions(t);
     Case f;
     f.form = Form::kFused;
     f.dtype = t;
@@ -531,25 +535,7 @@ TEST(GpuExecutor, DecodeClusterGroupsAndRanges) {
 TEST(GpuExecutor, GqaWindowsAndPositions) {
   SKIP_WITHOUT_GPU();
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
-    for (auto [hq, heads] : {std::pair{4u, 4u}, {8u, 2u}, {32u, 4u}, {16u, 2u}}) {
-      for (int64_t window : {0, 1, 100}) {
-        for (uint32_t m : {1u, 7u, 33u}) {
-          Case c;
-          c.hq = hq;
-          c.heads = heads;
-          c.dtype = t;
-          c.window = window;
-          c.m = m;
-          c.n = 1500;
-          c.d = 128;
-          Check(c);
-          c.qpos = 700;  // inside the prefix: later keys are hidden
-          Check(c);
-          c.qpos = 0;
-          Check(c);
-        }
-      }
-    }
+    CheckGqaWindowsAndPositions(t);
   }
 }
 

@@ -17,6 +17,7 @@ for reuse is bounded; a block in use is an ordinary allocation the caller owns.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 
 import numpy as np
@@ -74,9 +75,7 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
     """An uninitialized writable C-contiguous array, from the pool when it is large."""
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    count = 1
-    for s in shape:
-        count *= int(s)
+    count = math.prod(int(s) for s in shape)
     nbytes = count * dtype.itemsize
     if nbytes < POOL_MIN:
         return np.empty(shape, dtype)

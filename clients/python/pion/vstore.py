@@ -160,19 +160,16 @@ class VStore:
         else:
             info_reply = self._c.execute("V.INFO", sid) if decode else None
             self._c.last_fetch_path = "shm"
-            if decode and into is None:
-                info = _wire.parse_map(info_reply)
-                if info["format"] in codecs.ELEMENTWISE:  # decoded straight from the mapping
-                    rows, = self._c._shm_decode(ch, [(sid, start, end)], info["format"],
-                                                info["dim"], model, generation)
-                    return self._c._out(rows, as_torch)
-            if decode and _wire.parse_map(info_reply)["format"] in ("fp16", "bf16"):
-                # into= gets the stored bytes piece by piece, each decoded while in cache
+            info = _wire.parse_map(info_reply) if decode else {}
+            fmt = info.get("format")
+            # Decoded straight from the mapping; with into= (fp16/bf16: fp32 rows decode to a
+            # view of into below) into also gets the stored bytes, piece by piece, each decoded
+            # while in cache.
+            if fmt in codecs.ELEMENTWISE and (into is None or fmt != "fp32"):
                 from .client import _byte_view
-                info = _wire.parse_map(info_reply)
-                rows, = self._c._shm_decode(ch, [(sid, start, end)], info["format"],
-                                            info["dim"], model, generation,
-                                            copies=[_byte_view(into)])
+                rows, = self._c._shm_decode(ch, [(sid, start, end)], fmt, info["dim"], model,
+                                            generation,
+                                            copies=None if into is None else [_byte_view(into)])
                 return self._c._out(rows, as_torch)
             buf = self._c._shm_copy(ch, sid, start, end, model, generation, into)
         if not decode and into is None:

@@ -89,13 +89,6 @@ struct Flash {
   static constexpr size_t kBytes = std::max(kQ + 2 * kStages * kTile + kScales, kQ + kMerge);
 };
 
-// Two e4m3 values (the low 16 bits of w) → an fp16 pair (exact), low value in the low half.
-__device__ inline uint32_t Fp8x2ToHalf2(uint32_t w) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
-  return uint32_t(h.x) | (uint32_t(h.y) << 16);
-}
-
 // fp8 in registers: the d that Q's logical column L (k-step L / 16, MMA column L % 16) holds.
 // Lane (g, t) of a k-step needs MMA columns 2t, 2t + 1, 2t + 8, 2t + 9 of key g: they are d =
 // t·D/4 + 4·ks + 0..3, so a lane's K bytes of a key are one run of D/4 and each k-step's four
@@ -989,8 +982,7 @@ bool UsesTensorCores(const AttendArgs& a) {
   // fp8: the packed decode (fp16 MMAs over e4m3 tiles widened in registers) for dense
   // ranges and at most 8 query rows a K/V head, d = 32..128, and where LowpBatched() the
   // eight-group batched kernel (tiles widened in shared memory) from 64 rows, d <= 128
-  // (AttendArgs::fp8_tensor);
-  // the rest of fp8 on the SIMT kernel.
+  // (AttendArgs::fp8_tensor); the rest of fp8 on the SIMT kernel.
   if (a.dtype == DType::kFP8) {
     const uint64_t rows = uint64_t{a.heads > 0 ? a.hq / a.heads : 1} * a.m;
     if (!a.fp8_tensor || a.list != nullptr) return false;
@@ -1052,15 +1044,15 @@ Status LaunchFlash(const AttendArgs& a_in, cudaStream_t stream) {
     a.tensor_tiles = false;
   }
   if (a.dtype == DType::kF32) return LaunchD<float, 1, false, true>(a, stream);
+  // Eight row groups a block (fp16, bf16, fp8): flash_batched.cu.
+  if (FlashRowGroups(a) == 8) return LaunchBatched(a, stream);
   if (a.dtype == DType::kFP8) {
     if (a.k_scale == nullptr || a.v_scale == nullptr) {
       return Status(ErrorKind::kErr, "fp8 attention needs the K and V row scales");
     }
-    if (FlashRowGroups(a) == 8) return LaunchBatched(a, stream);
     return LaunchD<__nv_fp8_e4m3, 1, false, true>(a, stream);
   }
   if (a.dtype == DType::kBF16) {
-    if (FlashRowGroups(a) == 8) return LaunchBatched(a, stream);
     if (FlashRowGroups(a) != 1) {
       return Status(ErrorKind::kErr,
                     "no bf16 tensor-core kernel for head dim " + std::to_string(a.d));
@@ -1068,7 +1060,6 @@ Status LaunchFlash(const AttendArgs& a_in, cudaStream_t stream) {
     return ShapeOf(a) == Shape::kDecodePacked ? LaunchD<__nv_bfloat16, 1, false, true>(a, stream)
                                               : LaunchD<__nv_bfloat16, 1, true, false>(a, stream);
   }
-  if (FlashRowGroups(a) == 8) return LaunchBatched(a, stream);
   switch (ShapeOf(a)) {
     case Shape::kBatched:
       return LaunchD<__half, 4, false, false>(a, stream);

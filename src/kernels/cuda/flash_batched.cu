@@ -59,13 +59,6 @@ struct Batched {
   static_assert(kQ % 16 == 0 && kTile % 16 == 0 && kWide % 16 == 0, "16-byte aligned regions");
 };
 
-// Two e4m3 values (the low 16 bits of w) -> an fp16 pair (exact), low value in the low half.
-__device__ inline uint32_t E4m3x2ToHalf2(uint32_t w) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
-  return uint32_t(h.x) | (uint32_t(h.y) << 16);
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(128) BatchedKernel(AttendArgs a) {
   using C = Batched<T, D>;
@@ -237,11 +230,10 @@ __global__ void __launch_bounds__(128) BatchedKernel(AttendArgs a) {
         const int j = ee / (D / 16), c = (ee % (D / 16)) * 16;
         const uint4 w = *reinterpret_cast<const uint4*>((is_v ? vr : kr) + j * D + c);
         __half* dst = (is_v ? vw : kw) + j * kStr + c;
-        *reinterpret_cast<uint4*>(dst) = make_uint4(E4m3x2ToHalf2(w.x), E4m3x2ToHalf2(w.x >> 16),
-                                                    E4m3x2ToHalf2(w.y), E4m3x2ToHalf2(w.y >> 16));
-        *reinterpret_cast<uint4*>(dst + 8) =
-            make_uint4(E4m3x2ToHalf2(w.z), E4m3x2ToHalf2(w.z >> 16), E4m3x2ToHalf2(w.w),
-                       E4m3x2ToHalf2(w.w >> 16));
+        *reinterpret_cast<uint4*>(dst) = make_uint4(Fp8x2ToHalf2(w.x), Fp8x2ToHalf2(w.x >> 16),
+                                                    Fp8x2ToHalf2(w.y), Fp8x2ToHalf2(w.y >> 16));
+        *reinterpret_cast<uint4*>(dst + 8) = make_uint4(Fp8x2ToHalf2(w.z), Fp8x2ToHalf2(w.z >> 16),
+                                                        Fp8x2ToHalf2(w.w), Fp8x2ToHalf2(w.w >> 16));
       }
       const float* ksc = sc + (buf * 2) * kBn;
       const float* vsc = ksc + kBn;
