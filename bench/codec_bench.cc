@@ -92,8 +92,8 @@ void Register() {
   };
   configure(benchmark::RegisterBenchmark("memcpy_16MiB", BM_Memcpy));
   using pion::codec::Format;
-  for (Format f : {Format::kFp32, Format::kFp16, Format::kBf16, Format::kInt8, Format::kTurbo4,
-                   Format::kTurbo3, Format::kTurbo2}) {
+  for (Format f : {Format::kFp32, Format::kFp16, Format::kBf16, Format::kInt8, Format::kFp8,
+                   Format::kFp8E5m2, Format::kTurbo4, Format::kTurbo3, Format::kTurbo2}) {
     for (size_t rows : {kRows, kCacheRows}) {
       const std::string name =
           std::string(pion::codec::FormatName(f)) + "/rows:" + std::to_string(rows);

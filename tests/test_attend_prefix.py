@@ -1114,10 +1114,11 @@ def same_replies(r, sid_a, sid_b, layer, hq, hkv, n, d, rng, exact=True):
     return q, outs
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "int8", "fp8", "fp8_e5m2"])
 def test_store_from_namespace_equals_blob_store(shared_pion, fmt):
     r = shared_pion.client()
-    rng = np.random.default_rng({"fp32": 1, "fp16": 2, "bf16": 3, "int8": 4, "fp8": 5}[fmt])
+    rng = np.random.default_rng(
+        {"fp32": 1, "fp16": 2, "bf16": 3, "int8": 4, "fp8": 5, "fp8_e5m2": 6}[fmt])
     L, T, H, D = 3, 40, 2, 64
     ns = "nsfrom_" + fmt
     rows = register_fill(r, ns, L, T, H, D, fmt, rng, "MODEL", "m1", "POSITION", "rope:1")
@@ -1156,7 +1157,7 @@ def test_store_from_namespace_equals_blob_store(shared_pion, fmt):
         assert s["source"] == "%s@%d" % (ns, pub)
         assert (s["heads"], s["rows"], s["head_dim"]) == (H, T, D)
         # A bf16 namespace keeps its bf16 (exact, half the bytes), an fp8 one its e4m3 bytes
-        # and a scale per row (D + 4 bytes a row); others decode to fp32.
+        # and a scale per row (D + 4 bytes a row); others (fp8_e5m2 too) decode to fp32.
         want = {"bf16": ("bf16", 2 * H * T * D * 2),
                 "fp8": ("fp8", 2 * H * T * (D + 4))}.get(fmt, ("fp32", 2 * H * T * D * 4))
         assert (s["dtype"], s["bytes"]) == want

@@ -38,7 +38,7 @@ def restart(srv, sig=signal.SIGTERM):
     return srv.start()
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "turbo3"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "turbo3", "fp8", "fp8_e5m2"])
 def test_saved_prefix_survives_restart_byte_exact(pion_factory, fmt):
     srv = pion_factory("-w", "2")
     r = srv.client()

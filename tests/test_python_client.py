@@ -23,7 +23,7 @@ import pion  # noqa: E402
 from pion import codecs  # noqa: E402
 
 TOL = 1e-4
-FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8")
+FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8", "fp8_e5m2")
 
 
 @pytest.fixture(scope="module")
@@ -620,22 +620,29 @@ def test_auth_errors(pion_factory):
             c.fetch_many([("V.INFO",)])
 
 
-def test_fp8_rows_split_into_e4m3_bytes_and_scales(pion_factory):
-    """fp8 RAW rows: codecs.fp8_parts views the e4m3 bytes (what torch.float8_e4m3fn views) and
-    the per-row scales; table value times scale is exactly the server's decode."""
+@pytest.mark.parametrize("fmt,top,table", [("fp8", 448, codecs.E4M3),
+                                           ("fp8_e5m2", 57344, codecs.E5M2)])
+def test_fp8_rows_split_into_bytes_and_scales(pion_factory, fmt, top, table):
+    """fp8 / fp8_e5m2 RAW rows: codecs.fp8_parts views the fp8 bytes (what
+    torch.float8_e4m3fn / float8_e5m2 view) and the per-row scales; table value times scale
+    is exactly the server's decode."""
     srv = pion_factory("--workers", "1")
     rng = np.random.default_rng(8)
     with pion.Client(port=srv.port) as c:
-        c.v.create("f8", 96, "fp8")
+        c.v.create("f8", 96, fmt)
         rows = rng.standard_normal((50, 96)).astype(np.float32) * 3
         c.v.store_batch("f8", 0, rows)
         raw = c.v.fetch_raw("f8", 0, 50, decode=False)
         q, scale = codecs.fp8_parts(raw, 96)
         assert q.shape == (50, 96) and q.dtype == np.uint8 and scale.shape == (50,)
-        np.testing.assert_array_equal(scale, np.abs(rows).max(axis=1) / np.float32(448))
-        assert np.all(np.abs(q & 0x7F) <= 0x7E)  # no NaN codes for finite rows
+        np.testing.assert_array_equal(scale, np.abs(rows).max(axis=1) / np.float32(top))
+        # No NaN (or inf) codes for finite rows; the row's largest value is the largest code.
+        biggest = 0x7E if fmt == "fp8" else 0x7B
+        assert np.all(np.abs(q & 0x7F) <= biggest)
+        assert np.all((q & 0x7F).max(axis=1) == biggest)
         want = c.v.fetch("f8", 0, 50)
-        np.testing.assert_array_equal(bits(codecs.E4M3[q] * scale[:, None]), bits(want))
+        np.testing.assert_array_equal(bits(table[q] * scale[:, None]), bits(want))
+        assert codecs.TORCH_FP8[fmt] == ("float8_e4m3fn" if fmt == "fp8" else "float8_e5m2")
         with pytest.raises(ValueError):
             codecs.fp8_parts(bytes(raw)[:-1], 96)
 

@@ -14,14 +14,15 @@ from pionlib import RespError
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src", "store", "codec"))
 import reference_decode  # noqa: E402  (numpy decoder written from the RAW layout document)
 
-FORMATS = ["fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8"]
+FORMATS = ["fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8", "fp8_e5m2"]
 # Mean relative MSE bounds (issue #3); fp32 must be exact.
-MSE_BOUND = {"fp16": 2.4e-7, "bf16": 1.53e-5, "int8": 1e-4, "fp8": 1.5e-3, "turbo4": 0.0106,
-             "turbo3": 0.0425, "turbo2": 0.170}
+MSE_BOUND = {"fp16": 2.4e-7, "bf16": 1.53e-5, "int8": 1e-4, "fp8": 1.5e-3, "fp8_e5m2": 6e-3,
+             "turbo4": 0.0106, "turbo3": 0.0425, "turbo2": 0.170}
 # Floors: a lossy codec that silently keeps more precision than its format is wrong. int8's
 # expected error is about (2.5/127)^2/12 = 3.2e-5 for Gaussian blocks of 32 (far under its
 # bound); turbo sits 12-31 % under its bounds.
-MSE_FLOOR = {"int8": 1e-5, "fp8": 3e-4, "turbo4": 0.0053, "turbo3": 0.02125, "turbo2": 0.085}
+MSE_FLOOR = {"int8": 1e-5, "fp8": 3e-4, "fp8_e5m2": 1.2e-3, "turbo4": 0.0053, "turbo3": 0.02125,
+             "turbo2": 0.085}
 
 
 def bf16_rne(x: np.ndarray) -> np.ndarray:
@@ -83,6 +84,23 @@ def test_codec_round_trip_against_references(shared_pion, fmt):
         code = np.where(v >= 448, 126, code)
         want = (np.sign(x) * mags[code]).astype(np.float32) * scale
         np.testing.assert_array_equal(y, want)
+        assert len(raw) == n * (dim + 4)
+    if fmt == "fp8_e5m2":
+        # e5m2 reference, independent of the decoder: per row scale amax/57344, each value
+        # x·(57344/amax) rounded by numpy to fp16 and then to fp16's top byte (ties to the even
+        # byte) — two roundings, so compared where the first is exact or far from a tie: every
+        # value within half an e5m2 step, and the codes equal where fp16 held x exactly.
+        amax = np.abs(x).max(axis=1, keepdims=True)
+        scale = (amax / np.float32(57344)).astype(np.float32)
+        v = x * (np.float32(57344) / amax)
+        h = v.astype(np.float16).view(np.uint16).astype(np.uint32)
+        top = np.minimum((h & 0x7FFF) + 0x7F + ((h >> 8) & 1), 0x7BFF) >> 8  # RNE, saturating
+        code = ((h >> 8) & 0x80) | top
+        want = (code.astype(np.uint16) << 8).view(np.float16).astype(np.float32) * scale
+        exact = v.astype(np.float16).astype(np.float32) == v
+        np.testing.assert_array_equal(y[exact], want[exact])
+        ulp = np.maximum(np.ldexp(1.0, np.frexp(np.abs(v))[1] - 3), 2.0 ** -16)  # e5m2's at |v|
+        assert np.all(np.abs(y - x) <= 0.5 * ulp * scale * (1 + 1e-5))
         assert len(raw) == n * (dim + 4)
     if fmt == "int8":
         # q8_0 reference: per 32 values, fp16 scale amax/127, round half away from zero.
@@ -166,7 +184,7 @@ def test_snapshot_is_point_in_time_and_restores(shared_pion):
 BAD = [
     (("V.CREATE", "x", 0, "fp16"), "ERR dim must be in [1, 1048576], got 0"),
     (("V.CREATE", "x", -3, "fp16"), "ERR dim must be a non-negative integer, got '-3'"),
-    (("V.CREATE", "x", 128, "fp4"), "ERR format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8, got 'fp4'"),
+    (("V.CREATE", "x", 128, "fp4"), "ERR format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2, got 'fp4'"),
     (("V.CREATE", "x", 128, "turbo4", "BLOCK", 48), None),
     (("V.CREATE", "x", 128, "fp16", "BLOCKS", 4), "ERR syntax: V.CREATE <sid> <dim> <format> [BLOCK <n>]"),
     (("V.STOREBATCH", "bad", 0, b"\x00" * 12), "ERR fp32_blob has 12 bytes, expected a non-zero multiple of 4*dim = 32"),

@@ -134,9 +134,8 @@ void Register(CommandContext& ctx, CmdArgs& args) {
   if (!s.ok()) return ctx.Error(s);
   auto format = codec::ParseFormat(args[6]);
   if (!format) {
-    return ctx.Error(
-        Error("format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8, got '" +
-              std::string(args[6].substr(0, 32)) + "'"));
+    return ctx.Error(Error("format must be one of " + std::string(codec::FormatChoices()) +
+                           ", got '" + std::string(args[6].substr(0, 32)) + "'"));
   }
   m.format = *format;
   double prefill_ms = 0;

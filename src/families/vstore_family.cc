@@ -56,9 +56,8 @@ void Create(CommandContext& ctx, CmdArgs& args) {
   if (!s.ok()) return ctx.Error(s);
   auto format = codec::ParseFormat(args[3]);
   if (!format) {
-    return ctx.Error(
-        Error("format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8, got '" +
-              std::string(args[3].substr(0, 32)) + "'"));
+    return ctx.Error(Error("format must be one of " + std::string(codec::FormatChoices()) +
+                           ", got '" + std::string(args[3].substr(0, 32)) + "'"));
   }
   if (args.size() == 6 && EqualsIgnoreCase(args[4], "BLOCK")) {
     s = ParseUint(args[5], "BLOCK", &block);
@@ -524,7 +523,7 @@ void RegisterVStoreFamily(server::Server& srv) {
   };
   reg({"V.CREATE", -4, kKv | kCmdWrite, 1, 1, 1, Create, "vstore",
        "Creates a token-indexed session of fixed row width in one codec.",
-       "<sid> <dim> fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8 [BLOCK <n>]"});
+       "<sid> <dim> fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2 [BLOCK <n>]"});
   reg({"V.STOREBATCH", -4, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, StoreBatch, "vstore",
        "Stores fp32 rows (quantized to the session's codec) at consecutive or given ids.",
        "<sid> <start_id> <fp32_blob> | <sid> IDS <int64_ids_blob> <fp32_blob> | <sid> <start_id> "

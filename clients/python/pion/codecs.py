@@ -1,4 +1,5 @@
-"""RAW row decoding of every V-store codec in numpy (fp32, fp16, bf16, int8, turbo4/3/2, fp8).
+"""RAW row decoding of every V-store codec in numpy (fp32, fp16, bf16, int8, turbo4/3/2, fp8,
+fp8_e5m2).
 
 Written from src/store/codec/README.md (adapted from src/store/codec/reference_decode.py):
 decoding follows the document's float32 steps, so the result is bit-identical to the server's
@@ -15,7 +16,8 @@ import numpy as np
 
 from . import _pool
 
-FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8")
+FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8", "fp8_e5m2")
+FP8 = ("fp8", "fp8_e5m2")  # rows [f32 scale][dim × fp8 byte]
 TURBO_BITS = {"turbo4": 4, "turbo3": 3, "turbo2": 2}
 DEFAULT_TURBO_BLOCK = 128
 
@@ -222,7 +224,7 @@ def row_bytes(fmt: str, dim: int, block: int | None = None) -> int:
         return 2 * dim
     if fmt == "int8":
         return dim + 2 * ((dim + 31) // 32)
-    if fmt == "fp8":
+    if fmt in FP8:
         return 4 + dim
     if fmt in TURBO_BITS:
         n = block or DEFAULT_TURBO_BLOCK
@@ -261,13 +263,18 @@ def _e4m3_table() -> np.ndarray:
 
 
 E4M3 = _e4m3_table()
+# README "fp8_e5m2": byte b is the top byte of the IEEE binary16 with bits b << 8 (exact in f32).
+E5M2 = (np.arange(256, dtype=np.uint16) << 8).view(np.float16).astype(np.float32)
+FP8_TABLES = {"fp8": E4M3, "fp8_e5m2": E5M2}
+TORCH_FP8 = {"fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # the torch dtype of the bytes
 
 
 def fp8_parts(data, dim: int):
-    """RAW fp8 rows split without a copy: (q, scale) — q a uint8 [n_rows, dim] view of the
-    e4m3fn bytes (strided: rows are 4 + dim apart), scale float32 [n_rows]. For torch:
-    `torch.from_numpy(q).view(torch.float8_e4m3fn)` is the fp8 tensor, and q·scale[:, None] the
-    row's values (as decode())."""
+    """RAW fp8 or fp8_e5m2 rows split without a copy: (q, scale) — q a uint8 [n_rows, dim]
+    view of the fp8 bytes (strided: rows are 4 + dim apart), scale float32 [n_rows]. For torch:
+    `torch.from_numpy(q).view(torch.float8_e4m3fn)` (fp8; `torch.float8_e5m2` for fp8_e5m2,
+    TORCH_FP8 names them) is the fp8 tensor, and q·scale[:, None] the row's values (as
+    decode())."""
     raw = np.frombuffer(data, dtype=np.uint8)
     if raw.size % (4 + dim):
         raise ValueError("%d bytes is not a multiple of the fp8 row size %d (dim %d)"
@@ -277,10 +284,10 @@ def fp8_parts(data, dim: int):
 
 
 def _decode(fmt, dim, block, raw, n_rows):
-    if fmt == "fp8":
+    if fmt in FP8:
         rows = raw.reshape(n_rows, 4 + dim)
         scale = rows[:, :4].copy().view("<f4")  # [n_rows, 1]
-        return E4M3[rows[:, 4:]] * scale
+        return FP8_TABLES[fmt][rows[:, 4:]] * scale
     if fmt == "fp32":
         return raw.view("<f4").reshape(n_rows, dim)
     if fmt == "fp16":

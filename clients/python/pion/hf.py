@@ -179,8 +179,9 @@ class PionPromptCache:
       model: a transformers causal LM (batch size 1).
       client: a pion.Client; over its Unix socket the shared-memory path is used.
       codec: the V-store codec of stored K/V; default the model's dtype (fp32, fp16 or bf16:
-        lossless). int8 / fp8 / turbo4 / turbo3 / turbo2 are lossy. fp8 namespaces bind fp8
-        attention slots (transport="ipc", Stage 2): the server attends over the e4m3 bytes.
+        lossless). int8 / fp8 / fp8_e5m2 / turbo4 / turbo3 / turbo2 are lossy. fp8 namespaces
+        bind fp8 attention slots (transport="ipc", Stage 2): the server attends over the e4m3
+        bytes; fp8_e5m2 ones bind fp32 slots.
       persist: KV.PREFIX.SAVE every stored namespace (it survives a server restart).
       model_id: the MODEL identity (default `model_identity(model)`).
       transport: how a hit moves the K/V. "auto": the socket's bytes (TCP), or the shared-

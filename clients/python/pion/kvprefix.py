@@ -28,8 +28,9 @@ LOSSLESS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # codec -
 
 def torch_dtype(torch, codec: str):
     """The torch dtype whose bytes are the codec's rows (fp32/fp16/bf16), or None (int8,
-    turbo*: those are decoded, not viewed; fp8 rows carry a scale before their e4m3 bytes:
-    pion.codecs.fp8_parts splits them, and torch.float8_e4m3fn views the bytes)."""
+    turbo*: those are decoded, not viewed; fp8 / fp8_e5m2 rows carry a scale before their
+    bytes: pion.codecs.fp8_parts splits them, and torch.float8_e4m3fn / torch.float8_e5m2
+    (pion.codecs.TORCH_FP8) views the bytes)."""
     name = LOSSLESS.get(codec)
     return None if name is None else getattr(torch, name)
 

@@ -45,7 +45,8 @@ class VStore:
 
     def create(self, sid: str, dim: int, fmt: str = "fp32", block: int | None = None) -> None:
         """Creates session `sid` of rows of `dim` values stored as `fmt` (fp32, fp16, bf16,
-        int8, turbo4, turbo3, turbo2, fp8); `block` is the turbo block (default 128)."""
+        int8, turbo4, turbo3, turbo2, fp8, fp8_e5m2); `block` is the turbo block (default
+        128)."""
         args = ["V.CREATE", sid, int(dim), fmt]
         if block is not None:
             args += ["BLOCK", int(block)]

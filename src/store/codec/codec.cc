@@ -8,8 +8,9 @@
 namespace pion::codec {
 namespace {
 
-constexpr std::string_view kNames[] = {"fp32",   "fp16",   "bf16",   "int8",
-                                       "turbo4", "turbo3", "turbo2", "fp8"};
+constexpr std::string_view kNames[] = {"fp32",   "fp16",   "bf16", "int8",    "turbo4",
+                                       "turbo3", "turbo2", "fp8",  "fp8_e5m2"};
+constexpr std::string_view kChoices = "fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2";
 constexpr uint32_t kInt8Block = 32;
 constexpr uint32_t kDefaultTurboBlock = 128;
 constexpr uint32_t kMinTurboBlock = 8;
@@ -48,6 +49,8 @@ std::optional<Format> ParseFormat(std::string_view name) {
   return std::nullopt;
 }
 
+std::string_view FormatChoices() { return kChoices; }
+
 std::string_view FormatName(Format f) {
   const auto i = static_cast<size_t>(f);
   return i < std::size(kNames) ? kNames[i] : std::string_view("unknown");
@@ -56,7 +59,7 @@ std::string_view FormatName(Format f) {
 StatusOr<RowCodec> RowCodec::Create(Format f, uint32_t dim, uint32_t block) {
   if (static_cast<size_t>(f) >= std::size(kNames)) {
     return Error("unknown value format " + std::to_string(static_cast<int>(f)) +
-                 ", expected one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8");
+                 ", expected one of " + std::string(kChoices));
   }
   if (dim == 0 || dim > kMaxDim) {
     return Error(Name(f) + " dim must be in [1, " + std::to_string(kMaxDim) + "], got " +
@@ -72,9 +75,10 @@ StatusOr<RowCodec> RowCodec::Create(Format f, uint32_t dim, uint32_t block) {
       const size_t width = f == Format::kFp32 ? 4 : 2;
       return RowCodec(f, dim, 0, width * dim);
     }
-    case Format::kFp8: {
+    case Format::kFp8:
+    case Format::kFp8E5m2: {
       if (block != 0) {
-        return Error("fp8 has no blocks (one scale per row): block must be 0, got " +
+        return Error(Name(f) + " has no blocks (one scale per row): block must be 0, got " +
                      std::to_string(block));
       }
       return RowCodec(f, dim, 0, 4 + size_t{dim});
@@ -118,6 +122,8 @@ void RowCodec::Encode(const float* rows, size_t n_rows, uint8_t* out) const {
       return internal::EncodeInt8(rows, n_rows, dim_, out);
     case Format::kFp8:
       return internal::EncodeFp8(rows, n_rows, dim_, out);
+    case Format::kFp8E5m2:
+      return internal::EncodeFp8E5m2(rows, n_rows, dim_, out);
     default:
       return internal::EncodeTurbo(TurboBits(format_), rows, n_rows, dim_, block_, out);
   }
@@ -137,6 +143,8 @@ void RowCodec::Decode(const uint8_t* in, size_t n_rows, float* out) const {
       return internal::DecodeInt8(in, n_rows, dim_, out);
     case Format::kFp8:
       return internal::DecodeFp8(in, n_rows, dim_, out);
+    case Format::kFp8E5m2:
+      return internal::DecodeFp8E5m2(in, n_rows, dim_, out);
     default:
       return internal::DecodeTurbo(TurboBits(format_), in, n_rows, dim_, block_, out);
   }

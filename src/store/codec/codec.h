@@ -1,8 +1,8 @@
 // Value codecs: how a row of `dim` fp32 values is quantized on store and restored on read.
 //
-// Eight formats trade precision for bytes: raw fp32/fp16/bf16, int8 with one fp16 scale per 32
-// values (q8_0-like), fp8 (e4m3fn with one f32 scale per row, as fp8 K/V caches store), and
-// turbo4/3/2, the MSE variant of TurboQuant (randomized Hadamard
+// Nine formats trade precision for bytes: raw fp32/fp16/bf16, int8 with one fp16 scale per 32
+// values (q8_0-like), fp8 and fp8_e5m2 (e4m3fn / e5m2 with one f32 scale per row, as fp8 K/V
+// caches store), and turbo4/3/2, the MSE variant of TurboQuant (randomized Hadamard
 // rotation + Lloyd-Max scalar quantization of N(0,1), 4/3/2 bits per value plus one fp16 norm per
 // block). The encoded bytes of a row are what `V.FETCH ... RAW` sends to clients; their exact
 // layout is specified in src/store/codec/README.md and reproduced by reference_decode.py.
@@ -20,19 +20,32 @@
 
 namespace pion::codec {
 
-enum class Format : uint8_t { kFp32, kFp16, kBf16, kInt8, kTurbo4, kTurbo3, kTurbo2, kFp8 };
+// The values are part of stored state (disk tier, snapshots): new formats go at the end.
+enum class Format : uint8_t {
+  kFp32,
+  kFp16,
+  kBf16,
+  kInt8,
+  kTurbo4,
+  kTurbo3,
+  kTurbo2,
+  kFp8,
+  kFp8E5m2,
+};
 
-// "fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8" (case-insensitive);
-// nullopt for anything else.
+// "fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8", "fp8_e5m2"
+// (case-insensitive); nullopt for anything else.
 std::optional<Format> ParseFormat(std::string_view name);
 // The lower-case name ParseFormat accepts.
 std::string_view FormatName(Format f);
+// Every name, "fp32|fp16|...": what an error about a format expects.
+std::string_view FormatChoices();
 
 // Encodes and decodes rows of one (format, dim, block). Immutable, thread-safe, cheap to copy.
 class RowCodec {
  public:
   // Block sizes:
-  //   fp32, fp16, bf16, fp8: no blocks; block must be 0 and block() returns 0.
+  //   fp32, fp16, bf16, fp8, fp8_e5m2: no blocks; block must be 0 and block() returns 0.
   //   int8:   always 32 (block 0 or 32); the last block of a row is partial when 32 ∤ dim.
   //   turboB: a power of two in [8, 4096] that divides dim; 0 means 128.
   // dim must be in [1, kMaxDim]. Returns kErr naming the expected and the received value when

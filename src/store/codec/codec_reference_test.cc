@@ -1,12 +1,12 @@
 // The SIMD kernels against an independent scalar reference, on every Highway target this CPU
 // can run (pinned one at a time). The reference below is written from README.md with different
-// algorithms where the format allows it (fp16 via frexp/nearbyint, bf16 by comparing the two
-// neighbours, turbo with plain loops and a bit-by-bit packer); it shares nothing with the
+// algorithms where the format allows it (fp16 and fp8 via frexp/nearbyint, bf16 by comparing the
+// two neighbours, turbo with plain loops and a bit-by-bit packer); it shares nothing with the
 // kernels but the Lloyd-Max tables, which lloyd_max_test checks on their own.
 //
-// Contract: fp16, bf16 and int8 bit for bit; turbo within 1e-6 relative. The turbo kernels are
-// in fact designed to be bit-exact too (fixed summation order, no FMA), so the bytes are also
-// compared exactly.
+// Contract: fp16, bf16, int8, fp8 and fp8_e5m2 bit for bit; turbo within 1e-6 relative. The turbo
+// kernels are in fact designed to be bit-exact too (fixed summation order, no FMA), so the bytes
+// are also compared exactly.
 
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
@@ -110,6 +110,81 @@ std::vector<float> RefDecodeInt8(const std::vector<uint8_t>& in, size_t n_rows, 
       const float d = RefF16ToF32(static_cast<uint16_t>(in[p] | in[p + 1] << 8));
       p += 2;
       for (uint32_t j = 0; j < len; ++j) out.push_back(static_cast<float>(int8_t(in[p++])) * d);
+    }
+  }
+  return out;
+}
+
+// ---- fp8 reference: frexp / nearbyint in double, then the README's row rules
+
+// An fp8 format for the reference: mantissa bits, bias, largest finite value, whether it has
+// IEEE infinities (e5m2) or saturates them (e4m3fn).
+struct RefFp8Format {
+  int m, bias;
+  double max;
+  bool ieee;
+};
+constexpr RefFp8Format kRefE4m3{3, 7, 448.0, false};
+constexpr RefFp8Format kRefE5m2{2, 15, 57344.0, true};
+
+// y rounded to nearest even on the format's grid, saturating at ±max; NaN: e4m3fn 0x7F,
+// e5m2 sign | 0x7E. (±inf are the row encoder's business.)
+uint8_t RefFp8(const RefFp8Format& f, float y) {
+  const uint8_t sign = std::signbit(y) ? 0x80 : 0;
+  if (std::isnan(y)) return f.ieee ? (sign | 0x7E) : 0x7F;
+  const double a = std::fabs(static_cast<double>(y));
+  const uint8_t max_code = f.ieee ? 0x7B : 0x7E;
+  if (a >= f.max) return sign | max_code;
+  const int emin = 1 - f.bias;
+  int e2 = 0;
+  std::frexp(a, &e2);
+  const int e = a == 0 ? emin : std::max(e2 - 1, emin);
+  const double q = std::nearbyint(std::ldexp(a, f.m - e));  // multiples of 2^(e − m)
+  int qi = static_cast<int>(q), be = e + f.bias;
+  if (qi >= (2 << f.m)) qi = 1 << f.m, ++be;                    // rounded up into the next binade
+  if (qi < (1 << f.m)) return sign | static_cast<uint8_t>(qi);  // subnormal
+  const int code = (be << f.m) | (qi - (1 << f.m));
+  return sign | static_cast<uint8_t>(std::min(code, int{max_code}));
+}
+
+float RefFp8Value(const RefFp8Format& f, uint8_t b) {
+  const int ef = (1 << (7 - f.m)) - 1, e = (b >> f.m) & ef, m = b & ((1 << f.m) - 1);
+  double x;
+  if (f.ieee && e == ef) {
+    x = m == 0 ? std::numeric_limits<double>::infinity() : std::nan("");
+  } else if (!f.ieee && e == ef && m == (1 << f.m) - 1) {
+    x = std::nan("");
+  } else if (e == 0) {
+    x = std::ldexp(m, 1 - f.bias - f.m);
+  } else {
+    x = std::ldexp((1 << f.m) + m, e - f.bias - f.m);
+  }
+  return static_cast<float>((b & 0x80) ? -x : x);
+}
+
+// The README's rows: scale = amax / max (e5m2: 1 when that is 0), each value · (max / amax)
+// (÷ scale when that overflows), ±inf as ±max (e4m3fn) or ±inf (e5m2).
+std::vector<uint8_t> RefEncodeFp8(const RefFp8Format& f, const std::vector<float>& x, size_t n_rows,
+                                  uint32_t dim) {
+  std::vector<uint8_t> out;
+  const float max = static_cast<float>(f.max);
+  for (size_t r = 0; r < n_rows; ++r) {
+    const float* v = &x[r * dim];
+    float amax = 0;
+    for (uint32_t j = 0; j < dim; ++j) {
+      if (std::isfinite(v[j])) amax = std::max(amax, std::fabs(v[j]));
+    }
+    float scale = amax / max, inv = scale != 0 ? max / amax : 0.0f;
+    if (scale == 0 && f.ieee) scale = inv = 1.0f;
+    uint8_t sb[4];
+    std::memcpy(sb, &scale, 4);
+    out.insert(out.end(), sb, sb + 4);
+    for (uint32_t j = 0; j < dim; ++j) {
+      if (std::isinf(v[j])) {
+        out.push_back((v[j] < 0 ? 0x80 : 0) | (f.ieee ? 0x7C : 0x7E));
+      } else {
+        out.push_back(RefFp8(f, std::isfinite(inv) ? v[j] * inv : v[j] / scale));
+      }
     }
   }
   return out;
@@ -411,6 +486,95 @@ TEST(CodecReference, RawFormatsMatchOnRandomRowsWithSpecials) {
         codec->Decode(got.data(), rows, dec.data());
         ExpectSameBits(dec, want_dec, "decode");
       });
+    }
+  }
+}
+
+// fp8 and fp8_e5m2 rounding over a dense sweep of f32 values at scale 1 (rows whose first
+// value is the format's max): every 61st bit pattern from 0 to max, both signs, plus each
+// grid value, its midpoints to the next and their f32 neighbours.
+TEST(CodecReference, Fp8RoundingSweep) {
+  for (auto [format, ref] : {std::pair{Format::kFp8, kRefE4m3}, {Format::kFp8E5m2, kRefE5m2}}) {
+    SCOPED_TRACE(std::string(FormatName(format)));
+    std::vector<float> in;
+    const uint32_t top = Bits(static_cast<float>(ref.max));
+    for (uint32_t u = 0; u <= top; u += 61) in.push_back(FromBits(u));
+    for (int b = 0; b < 0x7F; ++b) {
+      const float v = RefFp8Value(ref, static_cast<uint8_t>(b));
+      const float next = RefFp8Value(ref, static_cast<uint8_t>(b + 1));
+      if (!std::isfinite(v) || !std::isfinite(next)) continue;
+      const float mid = static_cast<float>((double{v} + next) / 2);
+      for (float f : {v, std::nextafter(v, 0.0f), std::nextafter(v, INFINITY), mid,
+                      std::nextafter(mid, 0.0f), std::nextafter(mid, INFINITY)}) {
+        if (f <= ref.max) in.push_back(f);
+      }
+    }
+    const size_t n = in.size();
+    for (size_t i = 0; i < n; ++i) in.push_back(-in[i]);
+    const uint32_t dim = 1024;
+    const size_t rows = (in.size() + dim - 2) / (dim - 1);
+    std::vector<float> x(rows * dim, 0.0f);
+    for (size_t r = 0; r < rows; ++r) {
+      x[r * dim] = static_cast<float>(ref.max);  // amax = max: scale 1, inv 1
+      for (uint32_t j = 1; j < dim && r * (dim - 1) + j - 1 < in.size(); ++j) {
+        x[r * dim + j] = in[r * (dim - 1) + j - 1];
+      }
+    }
+    auto codec = RowCodec::Create(format, dim);
+    ASSERT_TRUE(codec.ok());
+    std::vector<uint8_t> got(rows * codec->row_bytes());
+    codec->Encode(x.data(), rows, got.data());
+    size_t wrong = 0;
+    for (size_t r = 0; r < rows; ++r) {
+      for (uint32_t j = 0; j < dim; ++j) {
+        const uint8_t want = RefFp8(ref, x[r * dim + j]);
+        const uint8_t have = got[r * (dim + 4) + 4 + j];
+        if (have != want && wrong++ < 10) {
+          ADD_FAILURE() << std::hexfloat << x[r * dim + j] << ": got 0x" << std::hex << int(have)
+                        << ", want 0x" << int(want);
+        }
+      }
+    }
+    EXPECT_EQ(wrong, 0u) << "of " << rows * dim << " values";
+  }
+}
+
+// Whole rows (MakeRows: Gaussian at scales 1e-9..1e9, zeros, infinities, NaNs, extremes, tiny
+// rows) against the README's row rules, bytes and decoded floats bit for bit.
+TEST(CodecReference, Fp8RowsMatchBitForBit) {
+  for (auto [format, ref] : {std::pair{Format::kFp8, kRefE4m3}, {Format::kFp8E5m2, kRefE5m2}}) {
+    SCOPED_TRACE(std::string(FormatName(format)));
+    for (uint32_t dim : {1u, 3u, 17u, 64u, 100u, 128u, 1000u}) {
+      SCOPED_TRACE("dim " + std::to_string(dim));
+      const size_t rows = 41;
+      std::vector<float> x = MakeRows(rows, dim, dim + 7, /*specials=*/true);
+      for (uint32_t j = 0; j < dim; ++j) {  // tiny rows: max / amax overflows, amax / max is 0
+        x[dim + j] *= 1e-37f;
+        x[2 * dim + j] *= 1e-43f;
+        x[3 * dim + j] = j % 2 ? 0.0f : std::numeric_limits<float>::infinity();
+      }
+      const std::vector<uint8_t> want = RefEncodeFp8(ref, x, rows, dim);
+      auto codec = RowCodec::Create(format, dim);
+      ASSERT_TRUE(codec.ok());
+      std::vector<uint8_t> got(rows * codec->row_bytes());
+      codec->Encode(x.data(), rows, got.data());
+      ExpectSameBytes(got, want, "encode");
+      std::vector<float> dec(x.size()), want_dec(x.size());
+      codec->Decode(got.data(), rows, dec.data());
+      for (size_t r = 0; r < rows; ++r) {
+        float scale;
+        std::memcpy(&scale, &want[r * (dim + 4)], 4);
+        for (uint32_t j = 0; j < dim; ++j) {
+          want_dec[r * dim + j] = RefFp8Value(ref, want[r * (dim + 4) + 4 + j]) * scale;
+        }
+      }
+      for (size_t i = 0; i < x.size(); ++i) {
+        if (std::isnan(want_dec[i])) {
+          ASSERT_TRUE(std::isnan(dec[i])) << i;
+        } else {
+          ASSERT_EQ(Bits(dec[i]), Bits(want_dec[i])) << i;
+        }
+      }
     }
   }
 }

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "store/codec/codec_internal.h"  // F16BitsToF32: e5m2 bytes as fp16s
+
 namespace pion::codec {
 namespace {
 
@@ -68,7 +70,7 @@ TEST(RowCodec, ParseAndNameFormats) {
   const std::pair<const char*, Format> kNames[] = {
       {"fp32", Format::kFp32},     {"fp16", Format::kFp16},     {"bf16", Format::kBf16},
       {"int8", Format::kInt8},     {"turbo4", Format::kTurbo4}, {"turbo3", Format::kTurbo3},
-      {"turbo2", Format::kTurbo2}, {"fp8", Format::kFp8}};
+      {"turbo2", Format::kTurbo2}, {"fp8", Format::kFp8},       {"fp8_e5m2", Format::kFp8E5m2}};
   for (const auto& [name, f] : kNames) {
     EXPECT_EQ(ParseFormat(name), f);
     EXPECT_EQ(FormatName(f), name);
@@ -77,7 +79,10 @@ TEST(RowCodec, ParseAndNameFormats) {
   EXPECT_EQ(ParseFormat("Turbo3"), Format::kTurbo3);
   EXPECT_EQ(ParseFormat("BF16"), Format::kBf16);
   EXPECT_EQ(ParseFormat("FP8"), Format::kFp8);
-  EXPECT_FALSE(ParseFormat("fp8_e5m2").has_value());
+  EXPECT_EQ(ParseFormat("FP8_E5M2"), Format::kFp8E5m2);
+  EXPECT_FALSE(ParseFormat("fp8_e4m3").has_value());
+  EXPECT_FALSE(ParseFormat("e5m2").has_value());
+  EXPECT_EQ(FormatChoices(), "fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2");
   EXPECT_FALSE(ParseFormat("").has_value());
   EXPECT_FALSE(ParseFormat("turbo").has_value());
   EXPECT_FALSE(ParseFormat("fp16 ").has_value());
@@ -125,6 +130,8 @@ TEST(RowCodec, RowBytes) {
       {Format::kTurbo4, 4096, 4096, 2 + 2048},
       {Format::kFp8, 128, 0, 4 + 128},
       {Format::kFp8, 3, 0, 7},
+      {Format::kFp8E5m2, 128, 0, 4 + 128},
+      {Format::kFp8E5m2, 1, 0, 5},
   };
   for (const Case& c : kCases) {
     EXPECT_EQ(MustCreate(c.f, c.dim, c.block).row_bytes(), c.bytes)
@@ -154,6 +161,9 @@ TEST(RowCodec, InvalidDimOrBlockIsAnErrorNamingExpectedAndGot) {
       {Format::kTurbo3, 96, 64, "turbo3 block 64 must divide dim, got dim 96 (dim % block = 32)"},
       {Format::kFp8, 128, 32, "fp8 has no blocks (one scale per row): block must be 0, got 32"},
       {Format::kFp8, 0, 0, "fp8 dim must be in [1, 1048576], got 0"},
+      {Format::kFp8E5m2, 64, 8,
+       "fp8_e5m2 has no blocks (one scale per row): block must be 0, got 8"},
+      {Format::kFp8E5m2, 1048577, 0, "fp8_e5m2 dim must be in [1, 1048576], got 1048577"},
   };
   for (const Case& c : kCases) {
     auto r = RowCodec::Create(c.f, c.dim, c.block);
@@ -164,11 +174,13 @@ TEST(RowCodec, InvalidDimOrBlockIsAnErrorNamingExpectedAndGot) {
   auto bad = RowCodec::Create(static_cast<Format>(9), 128);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().message(),
-            "unknown value format 9, expected one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8");
+            "unknown value format 9, expected one of "
+            "fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2");
 }
 
 TEST(RowCodec, ZeroRowsIsANoOp) {
-  for (Format f : {Format::kFp32, Format::kFp16, Format::kInt8, Format::kTurbo3}) {
+  for (Format f : {Format::kFp32, Format::kFp16, Format::kInt8, Format::kTurbo3, Format::kFp8,
+                   Format::kFp8E5m2}) {
     RowCodec c = MustCreate(f, 128);
     c.Encode(nullptr, 0, nullptr);
     c.Decode(nullptr, 0, nullptr);
@@ -198,6 +210,9 @@ constexpr Accuracy kAccuracy[] = {
     // fp8 e4m3 with a per-row scale: 3 mantissa bits, relative step 2^-3 at worst: E[rel err^2]
     // ~ 2^-8/3 · E[m^-2] ~ 7e-4 (values below 2^-6 · scale lose bits as subnormals).
     {Format::kFp8, 1.5e-3, 3e-4},
+    // fp8 e5m2: one mantissa bit fewer than e4m3, 4x its MSE (~2.8e-3); its subnormals start
+    // 2^-16 · scale below the row's largest value, so practically every value keeps both bits.
+    {Format::kFp8E5m2, 6e-3, 1.2e-3},
     {Format::kTurbo4, 0.0106, 0.0106 / 2},
     {Format::kTurbo3, 0.0425, 0.0425 / 2},
     {Format::kTurbo2, 0.170, 0.170 / 2},
@@ -509,6 +524,116 @@ TEST(RowCodecSpecial, Fp8ExactGridTiesNanInfAndLayout) {
   EXPECT_TRUE(std::isnan(back[3]));
 }
 
+// fp8_e5m2: the same row layout with e5m2 bytes — the row's amax maps to 57344 (0x7B), ties
+// round to even, subnormals down to 2^-16, ±inf stay ±inf, NaN stays NaN (sign kept), every
+// scaled e5m2 value is a fixed point, and each byte is the top byte of the value's fp16.
+TEST(RowCodecSpecial, Fp8E5m2ExactGridTiesNanInfAndLayout) {
+  RowCodec c = MustCreate(Format::kFp8E5m2, 8);
+  EXPECT_EQ(c.row_bytes(), 12u);
+  // amax 57344 -> scale 1: the values are e5m2 themselves.
+  const float row[8] = {57344.0f,
+                        -0x1p-16f /* min subnormal */,
+                        1.125f /* tie between 1 and 1.25: to even (1.0) */,
+                        1.375f /* tie between 1.25 and 1.5: to even (1.5) */,
+                        -0.0f,
+                        -kInf,
+                        -kNaN,
+                        0x1.8p-15f /* 3 · 2^-16: subnormal, mantissa 3 */};
+  uint8_t enc[12];
+  c.Encode(row, 1, enc);
+  float scale;
+  std::memcpy(&scale, enc, 4);
+  EXPECT_EQ(scale, 1.0f);
+  EXPECT_EQ(enc[4], 0x7B);  // 57344 = 1.75 · 2^15: exponent 30, mantissa 3
+  EXPECT_EQ(enc[5], 0x81);
+  EXPECT_EQ(enc[6], 0x3C);
+  EXPECT_EQ(enc[7], 0x3E);
+  EXPECT_EQ(enc[8], 0x80);  // -0 keeps its sign
+  EXPECT_EQ(enc[9], 0xFC);  // -inf
+  EXPECT_EQ(enc[10], 0xFE);
+  EXPECT_EQ(enc[11], 0x03);
+  float back[8];
+  c.Decode(enc, 1, back);
+  EXPECT_EQ(back[0], 57344.0f);
+  EXPECT_EQ(back[1], -0x1p-16f);
+  EXPECT_EQ(back[2], 1.0f);
+  EXPECT_EQ(back[3], 1.5f);
+  EXPECT_TRUE(std::signbit(back[4]) && back[4] == 0.0f);
+  EXPECT_EQ(back[5], -kInf);
+  EXPECT_TRUE(std::isnan(back[6]));
+  EXPECT_EQ(back[7], 0x1.8p-15f);
+  // Every finite e5m2 value (the top byte of an fp16) is a fixed point of the codec, scaled.
+  std::vector<float> grid;
+  for (int b = 0; b < 256; ++b) {
+    if ((b & 0x7C) == 0x7C) continue;  // inf, NaN
+    grid.push_back(internal::F16BitsToF32(static_cast<uint16_t>(b << 8)));
+  }
+  ASSERT_EQ(grid.size(), 248u);
+  RowCodec g = MustCreate(Format::kFp8E5m2, 248);
+  for (float s : {1.0f, 0.125f, 3.0f}) {
+    std::vector<float> x(grid);
+    for (float& v : x) v *= s;
+    std::vector<uint8_t> e(g.row_bytes());
+    g.Encode(x.data(), 1, e.data());
+    std::vector<float> y(248);
+    g.Decode(e.data(), 1, y.data());
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(y[i], x[i]) << "scale " << s << " i " << i;
+  }
+  // Rounding agrees with fp16's: at scale 1, e5m2(x) is fp16(x) rounded to its top byte (for
+  // x already on the fp16 grid, where one rounding is the only rounding).
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> bits(0, 0x7B00);  // up to 57344: scale 1
+  RowCodec one = MustCreate(Format::kFp8E5m2, 2);
+  for (int i = 0; i < 20000; ++i) {
+    const uint16_t h = static_cast<uint16_t>(bits(rng));
+    const float pair[2] = {internal::F16BitsToF32(h), 57344.0f};  // amax 57344: scale 1
+    uint8_t e[6];
+    one.Encode(pair, 1, e);
+    // RNE of the 16-bit pattern to its top byte: add 0x7F plus the kept LSB, then shift.
+    const uint16_t want = static_cast<uint16_t>((h + 0x7F + ((h >> 8) & 1)) >> 8);
+    ASSERT_EQ(e[4], std::min<uint16_t>(want, 0x7B)) << std::hex << h;
+  }
+  // A row with nothing finite and non-zero: scale 1 (not 0: inf · 0 would decode as NaN), so
+  // zeros stay zeros, inf stays inf, NaN stays NaN.
+  const float empty[8] = {0.0f, kInf, -0.0f, kNaN, 0, 0, 0, 0};
+  c.Encode(empty, 1, enc);
+  std::memcpy(&scale, enc, 4);
+  EXPECT_EQ(scale, 1.0f);
+  c.Decode(enc, 1, back);
+  EXPECT_EQ(back[0], 0.0f);
+  EXPECT_EQ(back[1], kInf);
+  EXPECT_TRUE(std::isnan(back[3]));
+}
+
+// Rows whose largest value is so small that max / amax overflows f32 (below ~1.3e-36 for e4m3,
+// ~1.7e-34 for e5m2) or amax / max underflows: zeros stay zeros (not 0 · inf = NaN), the others
+// keep the format's relative precision down to where the scale itself runs out of bits.
+TEST(RowCodecSpecial, Fp8TinyRowsNeverTurnZerosIntoNan) {
+  for (Format f : {Format::kFp8, Format::kFp8E5m2}) {
+    SCOPED_TRACE(std::string(FormatName(f)));
+    RowCodec c = MustCreate(f, 4);
+    for (float amax : {1e-30f, 1e-36f, 1e-38f, 1e-40f, 1e-43f, 0x1p-149f}) {
+      SCOPED_TRACE(amax);
+      const float row[4] = {amax, 0.0f, -amax / 2, -0.0f};
+      uint8_t enc[8];
+      c.Encode(row, 1, enc);
+      float back[4];
+      c.Decode(enc, 1, back);
+      for (int i = 0; i < 4; ++i) ASSERT_FALSE(std::isnan(back[i])) << i;
+      EXPECT_EQ(back[1], 0.0f);
+      EXPECT_EQ(back[3], 0.0f);
+      const float max = f == Format::kFp8 ? 448.0f : 57344.0f;
+      if (amax / max >= std::numeric_limits<float>::min()) {  // a normal f32 scale
+        EXPECT_NEAR(back[0], amax, amax * 1e-6);
+        EXPECT_NEAR(back[2], -amax / 2, amax * 0.13);
+      } else {  // a subnormal scale (fewer bits) or none: bounded by the input's magnitude
+        EXPECT_LE(std::fabs(back[0]), 2 * amax);
+        EXPECT_LE(std::fabs(back[2]), 2 * amax);
+      }
+    }
+  }
+}
+
 TEST(RowCodec, ReadmeWorkedExample) {
   const std::vector<float> x = {0.5f, -1.25f, 2.0f, 0.0f, 3.5f, -0.75f, 1.0f, -2.5f};
   struct Case {
@@ -571,7 +696,8 @@ TEST(ReferenceDecodePy, ReproducesDecodeBitForBit) {
       {Format::kInt8, 1024, 0},   {Format::kInt8, 100, 0},     {Format::kTurbo4, 1024, 0},
       {Format::kTurbo3, 1024, 0}, {Format::kTurbo2, 1024, 0},  {Format::kTurbo4, 256, 32},
       {Format::kTurbo3, 64, 8},   {Format::kTurbo2, 512, 512}, {Format::kTurbo3, 4096, 4096},
-      {Format::kFp8, 1024, 0},    {Format::kFp8, 100, 0}};
+      {Format::kFp8, 1024, 0},    {Format::kFp8, 100, 0},      {Format::kFp8E5m2, 1024, 0},
+      {Format::kFp8E5m2, 100, 0}};
   const std::string dir = testing::TempDir();
   for (const Case& c : kCases) {
     SCOPED_TRACE(std::string(FormatName(c.f)) + " dim " + std::to_string(c.dim));
@@ -582,7 +708,7 @@ TEST(ReferenceDecodePy, ReproducesDecodeBitForBit) {
     }
     std::fill(x.begin(), x.begin() + c.dim, 0.0f);  // a zero row
     if (c.f == Format::kFp16 || c.f == Format::kBf16 || c.f == Format::kFp32 ||
-        c.f == Format::kFp8) {
+        c.f == Format::kFp8 || c.f == Format::kFp8E5m2) {
       x[c.dim] = kInf;
       x[c.dim + 1] = -kNaN;
       x[c.dim + 2] = 1e20f;
