@@ -233,11 +233,12 @@ def main() -> int:
                     "pion-gpu-attn-bench and pion-fetch-bench")
     ap.add_argument("--out", default=None, help="markdown results file")
     ap.add_argument("--seconds", type=float, default=5.0, help="end-to-end measured time")
-    ap.add_argument("--sections", default="decode,batched,sparse,e2e",
-                    help="comma-separated subset of decode, batched, sparse, e2e (default: all)")
+    ap.add_argument("--sections", default="decode,compare,batched,sparse,e2e",
+                    help="comma-separated subset of decode, compare (the decode's other paths "
+                    "and the batched SIMT rows), batched, sparse, e2e (default: all)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
-    unknown = sections - {"decode", "batched", "sparse", "e2e"}
+    unknown = sections - {"decode", "compare", "batched", "sparse", "e2e"}
     if unknown:
         ap.error("unknown sections: %s" % ", ".join(sorted(unknown)))
     bin_dir = Path(a.bin).resolve()
@@ -272,21 +273,31 @@ def main() -> int:
                     kernel_row("decode", dty, 1, n, dd=dd)
         for n in (2048, 32768, 131072):
             kernel_row("decode", "f32", 1, n)
-        # The bf16 and fp8 decodes on the SIMT kernel instead of the tensor cores, for
-        # comparison.
+    if "compare" in sections:
+        # For comparison: the M = 1 decodes on the per-warp-ring tensor-core decode instead of
+        # the streaming decode, the streaming decode's 64-key tiles where it takes 128, and the
+        # bf16 and fp8 decodes on the SIMT kernel.
+        old = {"PION_BENCH_STREAM": "0"}
+        for dty, dd, n in (("f16", 128, 8192), ("f16", 128, 32768), ("f16", 128, 131072),
+                           ("f16", 64, 32768), ("f8", 128, 131072), ("f8", 64, 131072)):
+            kernel_row("decode, tensor-core decode", dty, 1, n, env=old, dd=dd)
+        for dty, dd, n in (("f16", 64, 32768), ("f16", 64, 131072), ("f8", 128, 131072),
+                           ("f8", 64, 131072)):
+            kernel_row("decode, 64-key tiles", dty, 1, n, env={"PION_BENCH_STREAM_TILE": "64"},
+                       dd=dd)
         kernel_row("decode, SIMT", "bf16", 1, 131072, env={"PION_BENCH_BF16TC": "0"})
         kernel_row("decode, SIMT", "f8", 1, 131072, env={"PION_BENCH_F8TC": "0"})
     if "batched" in sections:
         # Prefill (M = 512) and a short chunk (M = 16: 64 query rows a K/V head, the smallest
         # batched shape) over a 32K prefix; bf16 and fp8 on the eight-group tensor-core kernel
-        # (opt-in: kernels::cuda::SetLowpBatched) and on their SIMT kernel (the default).
-        lowp = {"PION_BENCH_LOWP_BATCHED": "1"}
+        # (the default: kernels::cuda::LowpBatched) and on their SIMT kernel.
         for m in (512, 16):
             for dty in ("f16", "bf16", "f8"):
-                kernel_row("batched" if dty == "f16" else "batched, opt-in tensor cores", dty, m,
-                           32768, flash=True, env=None if dty == "f16" else lowp)
-        kernel_row("batched", "bf16", 512, 32768, flash=True)
-        kernel_row("batched", "f8", 512, 32768, flash=True)
+                kernel_row("batched", dty, m, 32768, flash=True)
+        if "compare" in sections:
+            simt = {"PION_BENCH_LOWP_BATCHED": "0"}
+            kernel_row("batched, SIMT", "bf16", 512, 32768, flash=True, env=simt)
+            kernel_row("batched, SIMT", "f8", 512, 32768, flash=True, env=simt)
     # Sparse-auto at N = 64K with a 4K-token budget (block 64, 62 + first + last blocks) against
     # dense over the same prefix.
     sparse = []

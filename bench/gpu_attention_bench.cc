@@ -13,6 +13,9 @@
 //                       items loaded as for any grouping, PION_BENCH_F32TC=0 fp32 decode on
 //                       the SIMT kernel, PION_BENCH_F8TC=0 fp8 decode on the SIMT kernel,
 //                       PION_BENCH_BF16TC=0 bf16 decode on the SIMT kernel,
+//                       PION_BENCH_STREAM=0 M = 1 decode on the tensor-core decode instead of
+//                       the streaming decode, PION_BENCH_STREAM_TILE=64 its 64-key tiles for
+//                       every shape,
 //                       PION_BENCH_SKIP_COMBINE=1 the split-K
 //                       launch alone, PION_BENCH_FINISH=1 the launch merging its own splits;
 //                       M = 1 over a short range: the cluster decode's one launch where the
@@ -283,6 +286,10 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   }
   if (const char* f = std::getenv("PION_BENCH_F8TC")) a.fp8_tensor = f[0] == '1';
   if (const char* f = std::getenv("PION_BENCH_BF16TC")) a.bf16_tensor = f[0] == '1';
+  if (const char* f = std::getenv("PION_BENCH_STREAM")) a.stream_decode = f[0] == '1';
+  if (const char* f = std::getenv("PION_BENCH_STREAM_TILE")) {
+    kernels::cuda::SetStreamDecodeTile(U(f));
+  }
   bool tc = kernels::cuda::UsesTensorCores(a);
   const int pad = tc ? kernels::cuda::FlashRowGroups(a) : 1;
   auto items = kernels::cuda::DenseItems(hq, m, map.data(), pad);
@@ -332,7 +339,10 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
         }
       },
       Iters(bytes), &us_launches);
-  const char* path = tc ? (pad >= 4 ? "tensor-core batched" : "tensor-core decode") : "simt";
+  const char* path = !tc                                  ? "simt"
+                     : pad >= 4                           ? "tensor-core batched"
+                     : kernels::cuda::StreamDecodeFits(a) ? "streaming decode"
+                                                          : "tensor-core decode";
   // M = 1 over a short range: the one launch of a cluster a K/V head (decode_cluster.cu), as the
   // executor takes it, timed beside the split-K launches above (PION_BENCH_CLUSTER_DECODE=1: at
   // any range it takes; =0: never), and its output checked against theirs.
@@ -378,8 +388,9 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   std::printf(
       "{\"kind\": \"dense\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": %u, \"n\": %u, "
       "\"d\": %u, \"us\": %.2f, \"us_launches\": %.2f, \"bytes\": %.0f, \"gbps\": %.1f, "
-      "\"splits\": %u, \"path\": \"%s\"%s}\n",
-      TypeName(t), hq, hkv, m, n, d, best, best_launches, bytes, bytes / best / 1e3, a.splits, path,
+      "\"splits\": %u, \"tile\": %u, \"path\": \"%s\"%s}\n",
+      TypeName(t), hq, hkv, m, n, d, best, best_launches, bytes, bytes / best / 1e3, a.splits,
+      kernels::cuda::StreamDecodeFits(a) ? kernels::cuda::StreamDecodeTile(a) : 0u, path,
       cluster.c_str());
   return 0;
 }

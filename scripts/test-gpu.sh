@@ -3,8 +3,10 @@
 #   1. gpu_attention_test: every CUDA kernel and form against the scalar reference, plus the
 #      residency engine's GPU tier (promotion, demotion of unpinned replicas, pins);
 #   2. compute-sanitizer: memcheck and synccheck on the Smoke cases (every kernel, the cluster
-#      decode's 16- and 32-key tiles), racecheck on them and on the one-launch SHARED
-#      sparse-auto's test;
+#      decode's 16- and 32-key tiles), racecheck on them, on the one-launch SHARED
+#      sparse-auto's test, and memcheck and racecheck on the eight-group batched kernel's
+#      (BatchedSmoke) and the streaming decode's (StreamDecodeSmoke) — fp16, bf16 and fp8, each
+#      in a process of its own;
 #   3. the Stage 2 and residency end-to-end suites against a real pion-server with
 #      --attention-backend cuda (and pion-server-faults for the failed-GPU-copy case);
 #   4. the transformers integration (tests/test_hf.py: Stage 1 over TCP, shm and CUDA IPC; Stage 2).
@@ -29,6 +31,10 @@ if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/comp
   run synccheck "$smoke"
   run racecheck "$smoke"
   run racecheck GpuExecutor.SparseAutoSharedOneLaunch
+  run memcheck GpuExecutor.BatchedSmoke
+  run racecheck GpuExecutor.BatchedSmoke
+  run memcheck GpuExecutor.StreamDecodeSmoke
+  run racecheck GpuExecutor.StreamDecodeSmoke
 else
   echo "compute-sanitizer not found: the sanitizer runs need it" >&2
   exit 1

@@ -8,8 +8,8 @@ Tolerances, err = |got - ref| / (1 + |ref|) against the float64 numpy reference:
   K/V rounded to float16), as in test_attend_prefix.py;
 - fp16 slots with >= 64 query rows per K/V head (tensor cores, Q and P as fp16): 4e-3 vs the
   fp16-rounded reference; bf16 and fp8 slots with that many rows, 4e-3 vs the bf16-rounded /
-  dequantized reference (the bound of their opt-in tensor-core kernel; the server runs them on
-  the SIMT kernel).
+  dequantized reference (the server runs them on the eight-group tensor-core kernel: Q and P at
+  16 bits, flash-attention precision).
 - fp8 slots: 1e-4 vs the reference on the dequantized rows (e4m3 × row scale), and the fp8
   bound of test_attend_prefix.py (relative MSE ≤ 4e-3, ≥ 3e-4) vs the fp32 reference on the
   rows before encoding, at decode shapes up to N = 64K (the fast decode path's long ranges).
@@ -157,8 +157,8 @@ def test_bf16_and_fp8_slots_with_many_query_rows(pion_factory, dtype, hq, hkv, m
     """Many query rows per K/V head (prefill, or a few positions of a wide GQA group) over bf16
     and fp8 slots, against the reference over the values the slot holds (4e-3), with and without
     a window and a query inside the prefix; fp8 also within its storage bound of the fp32
-    reference. (The eight-group tensor-core kernel for these is opt-in and tested by
-    GpuExecutor.LowpBatchedOptIn.)"""
+    reference. (They run on the eight-group tensor-core kernel; GpuExecutor.LowpBatched also
+    tests them on the SIMT kernel.)"""
     srv = pion_factory("-w", "1")
     r = srv.client()
     rng = np.random.default_rng(hq * m + d + n)

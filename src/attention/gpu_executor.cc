@@ -178,6 +178,7 @@ DensePass PlanDense(AttendArgs a, const int32_t* head_map, uint64_t keys) {
   pass.items = kernels::cuda::DenseItems(a.hq, a.m, head_map, pad);
   a.n_items = static_cast<uint32_t>(pass.items.size());
   a.item_rows = kernels::cuda::MaxRows(pass.items);
+  a.uniform_group = kernels::cuda::UniformGroup(pass.items, a.m);  // as LaunchItems sets it
   pass.splits = kernels::cuda::PlanSplits(a, keys);
   return pass;
 }

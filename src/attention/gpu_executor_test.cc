@@ -106,9 +106,11 @@ enum class Keys {
   kOutlier,  // keys × 0.1, block 1's + 60: one block score far from the rest, which crowd
 };
 
+// poison_from >= 0: every head's rows from there on hold NaN in K and V (rows no query sees:
+// a kernel that lets them into its sums, even times a zero weight, returns NaN).
 std::unique_ptr<TestSlot> MakeSlot(uint32_t heads, uint32_t rows, uint32_t d, DType dtype,
-                                   std::mt19937& rng, Keys keys = Keys::kRandom,
-                                   uint32_t block = 0) {
+                                   std::mt19937& rng, Keys keys = Keys::kRandom, uint32_t block = 0,
+                                   int64_t poison_from = -1) {
   auto t = std::make_unique<TestSlot>();
   t->slot.heads = heads;
   t->slot.rows = rows;
@@ -147,6 +149,24 @@ std::unique_ptr<TestSlot> MakeSlot(uint32_t heads, uint32_t rows, uint32_t d, DT
       auto* h = reinterpret_cast<uint16_t*>(dst->data());
       for (size_t i = 0; i < elems; ++i) h[i] = codec::internal::F32ToF16Bits(src[i]);
     }
+    for (size_t r = 0; poison_from >= 0 && r < size_t{heads} * rows; ++r) {
+      if (static_cast<int64_t>(r % rows) < poison_from) continue;
+      uint8_t* row = dst->data() + r * d * kernels::DTypeSize(dtype);
+      for (uint32_t j = 0; j < d; ++j) {
+        switch (dtype) {
+          case DType::kFP8:
+            row[j] = 0x7f;  // e4m3fn NaN (its row scale stays finite)
+            break;
+          case DType::kF32: {
+            const float nan = std::nanf("");
+            std::memcpy(row + 4 * j, &nan, 4);
+            break;
+          }
+          default:  // fp16 0x7e00, bf16 0x7fc0: both NaN
+            reinterpret_cast<uint16_t*>(row)[j] = dtype == DType::kF16 ? 0x7e00 : 0x7fc0;
+        }
+      }
+    }
   }
   t->slot.obj = HostObject(Engine(), t->k, t->v);
   t->slot.gpu = true;
@@ -166,6 +186,7 @@ struct Case {
   kernels::BlockSelector selector = kernels::BlockSelector::kMean;
   bool shared = false;  // SHARED sparse-auto
   Keys keys = Keys::kRandom;
+  int64_t poison_from = -1;  // MakeSlot: NaN rows from there on (rows no query sees)
 };
 
 std::string Describe(const Case& c) {
@@ -181,7 +202,7 @@ std::string Describe(const Case& c) {
 void Check(const Case& c, uint32_t seed = 1, Receipt* receipt = nullptr) {
   SCOPED_TRACE(Describe(c));
   std::mt19937 rng(seed);
-  auto ts = MakeSlot(c.heads, c.n, c.d, c.dtype, rng, c.keys, c.block);
+  auto ts = MakeSlot(c.heads, c.n, c.d, c.dtype, rng, c.keys, c.block, c.poison_from);
   auto q = Randn(size_t{c.hq} * c.m * c.d, rng);
   std::vector<int32_t> map(c.hq);
   for (uint32_t h = 0; h < c.hq; ++h) map[h] = static_cast<int32_t>(h / (c.hq / c.heads));
@@ -402,9 +423,10 @@ TEST(GpuExecutor, DenseEveryHeadDimAndDtype) {
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) CheckEveryHeadDim(t);
 }
 
-// bf16 decode on the tensor cores (the fp16 decode shapes on bf16 MMAs) — packed (up to 8 rows
-// a K/V head) and split (9..16) — at the fp32 tolerance, long ranges (many tiles a warp,
-// interleaved) and windows; batched bf16 on the SIMT kernel unless LowpBatched().
+// bf16 decode on the tensor cores (the fp16 decode shapes on bf16 MMAs; M = 1 with up to 8 rows
+// a K/V head on the streaming decode) — packed (up to 8 rows a K/V head) and split (9..16) — at
+// the fp32 tolerance, long ranges (many tiles a warp, interleaved) and windows; batched bf16 on
+// the eight-group kernel (LowpBatched(), the default).
 TEST(GpuExecutor, Bf16DecodeOnTensorCores) {
   SKIP_WITHOUT_GPU();
   kernels::cuda::AttendArgs probe;
@@ -415,9 +437,9 @@ TEST(GpuExecutor, Bf16DecodeOnTensorCores) {
   probe.heads = 8;
   probe.m = 1;
   EXPECT_EQ(kernels::cuda::UsesTensorCores(probe), gpu::Info().cc_major >= 8);
-  probe.m = 40;  // 160 rows a K/V head: batched, the SIMT kernel by default
-  EXPECT_FALSE(kernels::cuda::LowpBatched());
-  EXPECT_FALSE(kernels::cuda::UsesTensorCores(probe));
+  probe.m = 40;  // 160 rows a K/V head: batched, the eight-group kernel by default
+  EXPECT_TRUE(kernels::cuda::LowpBatched());
+  EXPECT_EQ(kernels::cuda::UsesTensorCores(probe), gpu::Info().cc_major >= 8);
   for (uint32_t d : {64u, 128u, 256u}) {
     for (auto [hq, heads, m] :
          {std::tuple{32u, 8u, 1u}, {8u, 1u, 1u}, {12u, 1u, 1u}, {16u, 2u, 2u}, {4u, 2u, 3u}}) {
@@ -439,17 +461,24 @@ TEST(GpuExecutor, Bf16DecodeOnTensorCores) {
   }
 }
 
+// Sets kernels::cuda::SetLowpBatched for a scope, and back.
+struct LowpBatchedScope {
+  explicit LowpBatchedScope(bool on) : was(kernels::cuda::LowpBatched()) {
+    kernels::cuda::SetLowpBatched(on);
+  }
+  ~LowpBatchedScope() { kernels::cuda::SetLowpBatched(was); }
+  bool was;
+};
+
 // bf16 and fp8 with 64 or more query rows a K/V head on the eight-group batched tensor-core
-// kernel (kernels::cuda::SetLowpBatched, off by default): the head-dim and GQA / window /
-// position cases of the default path's tests, a fused suffix, and a long range over several
-// splits with a half-empty block, at flash-attention precision (Check: 4e-3); d > 128 stays on
-// the SIMT kernel.
-TEST(GpuExecutor, LowpBatchedOptIn) {
+// kernel (kernels::cuda::LowpBatched(), the default) and, with it off, on the SIMT kernel: the
+// head-dim and GQA / window / position cases of the default path's tests, a fused suffix, and a
+// long range over several splits with a half-empty block, at flash-attention precision (Check:
+// 4e-3); d > 128 stays on the SIMT kernel.
+TEST(GpuExecutor, LowpBatched) {
   SKIP_WITHOUT_GPU();
-  struct Restore {
-    ~Restore() { kernels::cuda::SetLowpBatched(false); }
-  } restore;
-  kernels::cuda::SetLowpBatched(true);
+  EXPECT_TRUE(kernels::cuda::LowpBatched());
+  LowpBatchedScope scope(true);
   kernels::cuda::AttendArgs probe;
   probe.dense_items = true;
   probe.hq = 32;
@@ -480,6 +509,162 @@ TEST(GpuExecutor, LowpBatchedOptIn) {
     l.n = 40000;
     l.d = 128;
     Check(l);
+  }
+  LowpBatchedScope simt(false);  // the SIMT kernel: the same cases' core
+  for (DType t : {DType::kBF16, DType::kFP8}) {
+    probe.dtype = t;
+    probe.d = 128;
+    EXPECT_EQ(kernels::cuda::FlashRowGroups(probe), 4);
+    EXPECT_FALSE(kernels::cuda::UsesTensorCores(probe));
+    CheckGqaWindowsAndPositions(t);
+  }
+}
+
+// The eight-group batched kernel (flash_batched.cu) alone, every element type: the
+// compute-sanitizer target for that kernel. Kept apart from Smoke because racecheck, in a process
+// where the decode kernels' mbarriers were initialized first, has reported reads of a later
+// kernel's static shared arrays against those MbarInit writes
+// (bench/results/attention-gpu-2026-12-02.md): here no kernel with mbarriers runs before it,
+// so a hazard it reports is this kernel's. Small cases: one split and several (partial last
+// tiles), d = 64 and 128, a window, a query inside the prefix, a fused suffix, padding rows.
+TEST(GpuExecutor, BatchedSmoke) {
+  SKIP_WITHOUT_GPU();
+  LowpBatchedScope scope(true);
+  for (DType t : {DType::kF16, DType::kBF16, DType::kFP8}) {
+    for (uint32_t d : {64u, 128u}) {
+      Case c;
+      c.dtype = t;
+      c.d = d;
+      c.hq = 8;
+      c.heads = 2;
+      // fp16 takes eight groups from 128 rows a K/V head at d = 128, from 512 below; bf16 and
+      // fp8 from 64. 130 positions × 4 heads = 520 rows: 5 blocks of 128, the last mostly padding.
+      c.m = t == DType::kF16 && d < 128 ? 130 : 40;
+      c.n = 300;
+      kernels::cuda::AttendArgs probe;
+      probe.dtype = t;
+      probe.dense_items = true;
+      probe.d = d;
+      probe.hq = c.hq;
+      probe.heads = c.heads;
+      probe.m = c.m;
+      ASSERT_EQ(kernels::cuda::FlashRowGroups(probe), 8) << kernels::DTypeName(t) << " d=" << d;
+      Check(c);
+      c.n = 2000;  // several splits, partial last tiles
+      c.window = 333;
+      Check(c, 2);
+      c.window = 0;
+      c.qpos = 900;
+      Check(c, 3);
+      c.qpos = -1;
+      c.n = 300;
+      c.form = Form::kFused;
+      c.suffix = 20;
+      Check(c, 4);
+    }
+  }
+}
+
+// Sets kernels::cuda::SetStreamDecodeTile for a scope, and back to the default.
+struct StreamTileScope {
+  explicit StreamTileScope(uint32_t keys) { kernels::cuda::SetStreamDecodeTile(keys); }
+  ~StreamTileScope() { kernels::cuda::SetStreamDecodeTile(0); }
+};
+
+// The streaming decode's probe for a dense M = 1 shape (items as DenseItems lays them out).
+kernels::cuda::AttendArgs StreamProbe(DType t, uint32_t d, uint32_t hq, uint32_t heads) {
+  kernels::cuda::AttendArgs probe;
+  probe.dtype = t;
+  probe.d = d;
+  probe.hq = hq;
+  probe.heads = heads;
+  probe.m = 1;
+  probe.n_items = heads;
+  probe.uniform_group = hq / heads;
+  probe.rows = 5000;
+  probe.k = probe.v = probe.k_scale = probe.v_scale = reinterpret_cast<const float*>(256);
+  probe.dense_items = true;
+  return probe;
+}
+
+// M = 1 on the streaming decode (decode_stream.cu, sm_90): fp16, bf16 and fp8, d 64 and 128,
+// groups of 1, 2, 4 and 8 query heads a K/V head, its tiles of 16 KB and of 64 keys, one split
+// (finished in the launch) and many, a range shorter than a tile, windows whose first key starts
+// mid-tile (fp8: its row scales off a 16-byte boundary), and queries inside the prefix whose
+// last tile is partial with NaN rows past it (V rows past the range are zeroed before P·V), a
+// fused suffix.
+TEST(GpuExecutor, StreamDecode) {
+  SKIP_WITHOUT_GPU();
+  const bool hopper = gpu::Info().cc_major >= 9;
+  for (uint32_t tile : {0u, 64u}) {
+    StreamTileScope scope(tile);
+    for (DType t : {DType::kF16, DType::kBF16, DType::kFP8}) {
+      for (uint32_t d : {64u, 128u}) {
+        for (auto [hq, heads] : {std::pair{8u, 8u}, {16u, 8u}, {32u, 8u}, {16u, 2u}}) {
+          const auto probe = StreamProbe(t, d, hq, heads);
+          ASSERT_EQ(kernels::cuda::StreamDecodeFits(probe), hopper);
+          if (hopper) {
+            const uint32_t want = tile == 64 || (t != DType::kFP8 && d == 128) ? 64 : 128;
+            EXPECT_EQ(kernels::cuda::StreamDecodeTile(probe), want);
+          }
+          Case c;
+          c.dtype = t;
+          c.d = d;
+          c.hq = hq;
+          c.heads = heads;
+          c.n = 5000;  // past the cluster decode's ranges: the streaming decode's
+          Check(c, 1);
+          c.window = 333;  // the first visible key mid-tile
+          Check(c, 2);
+          c.window = 0;
+          c.n = 4100;
+          c.qpos = 3000;  // the last tile partial, NaN rows past it
+          c.poison_from = 3001;
+          Check(c, 3);
+          c.window = 700;
+          c.qpos = 3333;
+          c.poison_from = 3334;
+          Check(c, 4);
+          c.window = 0;
+          c.qpos = -1;
+          c.poison_from = -1;
+          c.n = 70;  // one split, finished in the launch (fp16/bf16 ≤ 4 heads: cluster decode)
+          Check(c, 5);
+          c.qpos = 40;  // fewer keys than a tile
+          c.poison_from = 41;
+          Check(c, 6);
+          c.form = Form::kFused;
+          c.n = 3000;
+          c.qpos = -1;
+          c.poison_from = -1;
+          c.suffix = 20;
+          Check(c, 7);
+        }
+      }
+    }
+  }
+}
+
+// The streaming decode's sanitizer target: small ranges of every element type, head dim and
+// tile, a window off a 16-byte boundary and a partial last tile with NaN rows past it.
+TEST(GpuExecutor, StreamDecodeSmoke) {
+  SKIP_WITHOUT_GPU();
+  for (uint32_t tile : {0u, 64u}) {
+    StreamTileScope scope(tile);
+    for (DType t : {DType::kF16, DType::kBF16, DType::kFP8}) {
+      for (uint32_t d : {64u, 128u}) {
+        Case c;
+        c.dtype = t;
+        c.d = d;
+        c.hq = 16;
+        c.heads = 2;  // 8 query heads a K/V head: never the cluster decode
+        c.n = 900;
+        c.window = 301;
+        c.qpos = 777;
+        c.poison_from = 778;
+        Check(c, 11);
+      }
+    }
   }
 }
 

@@ -548,48 +548,73 @@ __global__ void __launch_bounds__(128)
   if (threadIdx.x == 0 && lse != nullptr) lse[row] = mx + logf(total);
 }
 
-// The combine for few parts (at most kP <= 32) and d <= 128 — short ranges, where the merge is
-// pure latency: one warp a row, lane p holding part p's m and l, lane g float4 column g of every
-// part's output, all loads issued at once; weights and sums by shuffles — no shared memory, no
-// block barrier.
+// The combine for few parts (at most kP <= 64) and d <= 128 — where the merge is pure latency:
+// one warp a row, lane p holding parts p and p + 32's m and l, lane g float4 column g of every
+// part's output, the loads of 32 parts issued at once; weights and sums by shuffles — no shared
+// memory, no block barrier.
 template <int kP>
 __global__ void __launch_bounds__(128)
     CombineWarp(uint32_t parts, uint32_t nrows, uint32_t d, const float* pm, const float* pl,
                 const float* po, float* out, float* lse) {
-  WaitForPrimary();  // launched early (programmatic dependent launch)
+  WaitForPrimary();                      // launched early (programmatic dependent launch)
+  constexpr int kC = (kP + 31) / 32;     // parts a lane holds the m and l of
+  constexpr int kB = kP < 32 ? kP : 32;  // output parts loaded at once
   const int lane = threadIdx.x & 31;
   const uint32_t row = blockIdx.x * 4 + (threadIdx.x >> 5);
   if (row >= nrows) return;
   const uint32_t groups = d / 4;
   const bool col = static_cast<uint32_t>(lane) < groups;
-  float4 v[kP];
+  float4 v[kB];
 #pragma unroll
-  for (int p = 0; p < kP; ++p) {
+  for (int p = 0; p < kB; ++p) {
     v[p] = p < parts && col
                ? reinterpret_cast<const float4*>(po + (size_t(p) * nrows + row) * d)[lane]
                : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  const bool mine = static_cast<uint32_t>(lane) < parts;
-  const float m = mine ? pm[size_t(lane) * nrows + row] : -INFINITY;
-  const float l = mine ? pl[size_t(lane) * nrows + row] : 0.f;
-  const float mx = WarpMax(m);
+  float m[kC], l[kC];
+  float top = -INFINITY;
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    const uint32_t p = lane + 32 * c;
+    m[c] = p < parts ? pm[size_t(p) * nrows + row] : -INFINITY;
+    l[c] = p < parts ? pl[size_t(p) * nrows + row] : 0.f;
+    top = fmaxf(top, m[c]);
+  }
+  const float mx = WarpMax(top);
   float* o = out + size_t{row} * d;
   if (mx == -INFINITY) {  // no part saw a key
     if (col) reinterpret_cast<float4*>(o)[lane] = make_float4(0.f, 0.f, 0.f, 0.f);
     if (lane == 0 && lse != nullptr) lse[row] = -INFINITY;
     return;
   }
-  const float w = m == -INFINITY ? 0.f : expf(m - mx);
-  const float total = WarpSum(w * l);
+  float w[kC], wl = 0.f;
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    w[c] = m[c] == -INFINITY ? 0.f : expf(m[c] - mx);
+    wl += w[c] * l[c];
+  }
+  const float total = WarpSum(wl);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-  for (int p = 0; p < kP; ++p) {
-    const float wp = __shfl_sync(0xffffffffu, w, p);
-    if (wp != 0.f) {  // a part without keys may hold anything: skip it, not 0·x
-      acc.x += wp * v[p].x;
-      acc.y += wp * v[p].y;
-      acc.z += wp * v[p].z;
-      acc.w += wp * v[p].w;
+  for (int c = 0; c < kC; ++c) {
+    if (c > 0) {  // the next 32 parts' outputs
+#pragma unroll
+      for (int p = 0; p < kB; ++p) {
+        const uint32_t pp = 32 * c + p;
+        v[p] = pp < parts && col
+                   ? reinterpret_cast<const float4*>(po + (size_t(pp) * nrows + row) * d)[lane]
+                   : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < kB; ++p) {
+      const float wp = __shfl_sync(0xffffffffu, w[c], p);
+      if (wp != 0.f) {  // a part without keys may hold anything: skip it, not 0·x
+        acc.x += wp * v[p].x;
+        acc.y += wp * v[p].y;
+        acc.z += wp * v[p].z;
+        acc.w += wp * v[p].w;
+      }
     }
   }
   if (col) {
@@ -663,9 +688,10 @@ uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
   // fourth block's wave of splits ran alone — H200, GQA 32/8, fp16 d = 64: 128K 88.6 -> 72.9 µs
   // with 49 splits in one wave instead of 66, 32K 29.6 -> 25.0).
   const uint64_t per_sm =
-      tc ? std::clamp<uint64_t>(static_cast<uint64_t>(FlashBlocksPerSm(a)), 1,
-                                FlashRowGroups(a) == 8 ? 64 : 4)
-         : std::clamp<uint64_t>((227u << 10) / std::max<size_t>(SimtSmem(a), 1), 1, 4);
+      StreamDecodeFits(a) ? static_cast<uint64_t>(StreamDecodeBlocksPerSm(a, keys))
+      : tc                ? std::clamp<uint64_t>(static_cast<uint64_t>(FlashBlocksPerSm(a)), 1,
+                                  FlashRowGroups(a) == 8 ? 64 : 4)
+           : std::clamp<uint64_t>((227u << 10) / std::max<size_t>(SimtSmem(a), 1), 1, 4);
   const uint64_t slots = per_sm * std::max(gpu::Info().sms, 1);
   const uint64_t blocks = GridBlocks(a);
   uint64_t splits = std::max<uint64_t>(1, slots / std::max<uint64_t>(blocks, 1));
@@ -683,6 +709,9 @@ uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
     cap = std::max(std::min<uint64_t>(32, keys / 64), keys / 128);
   }
   splits = std::min<uint64_t>(splits, std::max<uint64_t>(1, cap));
+  // The streaming decode's partials merge in CombineWarp, which takes up to 64 (fp8 d = 128 runs
+  // 4 blocks a multiprocessor: 66 splits for 8 K/V heads on 132 would take the block combine).
+  if (StreamDecodeFits(a)) splits = std::min<uint64_t>(splits, 64);
   return static_cast<uint32_t>(std::min<uint64_t>(splits, 4096));
 }
 
@@ -720,6 +749,7 @@ Status LaunchCombine(uint32_t parts, uint32_t nrows, uint32_t d, const float* pa
   const dim3 warps((nrows + 3) / 4);  // CombineWarp: four rows a block
   if (d <= 128 && parts <= 16) return launch(CombineWarp<16>, warps);
   if (d <= 128 && parts <= 32) return launch(CombineWarp<32>, warps);
+  if (d <= 128 && parts <= 64) return launch(CombineWarp<64>, warps);
   return launch(Combine, dim3(nrows));
 }
 

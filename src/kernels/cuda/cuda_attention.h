@@ -53,10 +53,18 @@ uint32_t UniformGroup(const std::vector<Item>& items, uint32_t m);
 struct alignas(64) TensorMapBytes {
   unsigned char b[128] = {};
 };
+// A tensor map for TMA tensor copies (cuTensorMapEncodeTiled through the runtime's driver entry
+// point: no libcuda link; defined in flash.cu, each thread keeping its last few maps): `rank`
+// dimensions (1 to 3, innermost first) of `elem`, strides[i] the bytes from one index of
+// dimension i + 1 to the next (multiples of 16), boxes of box[] elements; out-of-range elements
+// of a box land as zeros. Host; sm_90 devices.
+enum class TensorElem : uint8_t { kU8, kF16, kF32 };
+enum class TensorSwizzle : uint8_t { kNone, k64B, k128B };
+Status EncodeTensorMap(TensorMapBytes* map, TensorElem elem, uint32_t rank, const void* base,
+                       const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
+                       TensorSwizzle swizzle);
 // A 2-D tensor map over K or V rows [heads·rows][d] of `elem` bytes (2 or 4) for TMA tensor
-// copies of `box_rows` rows × `box_cols` columns (columns past d: zero-filled), through the
-// runtime's driver entry point (no libcuda link; defined in flash.cu, each thread keeping its
-// last few maps). Host; sm_90 devices.
+// copies of `box_rows` rows × `box_cols` columns (columns past d: zero-filled).
 Status EncodeRows(TensorMapBytes* map, const void* base, uint32_t elem, uint32_t heads,
                   uint32_t rows, uint32_t d, uint32_t box_cols, uint32_t box_rows);
 
@@ -120,6 +128,14 @@ struct AttendArgs {
   // PION_BENCH_TENSOR=0, for comparison). LaunchAttend fills the maps.
   bool tensor_tiles = true;
   TensorMapBytes map_k, map_v;
+  // Dense M = 1 decode of fp16, bf16 or fp8 K/V (d 64 or 128, up to 8 query heads a K/V head,
+  // uniform_group set) on sm_90: the streaming decode (decode_stream.cu) — each block streams
+  // its split through one ring of 64-key tiles, each K and V tile one or two swizzled tensor
+  // copies, its four warps taking 16 keys of every tile — instead of the tensor-core decode's
+  // per-warp rings; false: the tensor-core decode (the bench's PION_BENCH_STREAM=0, for
+  // comparison). LaunchFlash fills map_k, map_v and, for fp8, the row scales' map_ks, map_vs.
+  bool stream_decode = true;
+  TensorMapBytes map_ks, map_vs;
   // Partial outputs: part p, row r at [p*nrows + r] (o: times d).
   float* part_m = nullptr;
   float* part_l = nullptr;
@@ -147,12 +163,21 @@ bool UsesTensorCores(const AttendArgs& a);
 int FlashRowGroups(const AttendArgs& a);
 // bf16 and fp8 slots with 64 or more query rows a K/V head (d <= 128) on the eight-group batched
 // tensor-core kernel (flash_batched.cu: 15x / 8.6x faster than their SIMT kernel at M = 512, N =
-// 32K on the H200, and correct in every test) instead of the SIMT kernel. Off by default: on
-// 2026-12-04 compute-sanitizer racecheck reported 2 shared-memory hazards on GpuExecutor.Smoke
-// with it on (not yet located; memcheck clean). Process-wide; the bench's
-// PION_BENCH_LOWP_BATCHED=1 and GpuExecutor.LowpBatchedOptIn turn it on.
+// 32K on the H200, and correct in every test) instead of the SIMT kernel. On by default (its
+// compute-sanitizer racecheck, in a process of its own — GpuExecutor.BatchedSmoke — reports no
+// hazard); process-wide; off: the SIMT kernel (the bench's PION_BENCH_LOWP_BATCHED=0 and
+// GpuExecutor.LowpBatched compare them).
 void SetLowpBatched(bool on);
 bool LowpBatched();
+// Whether LaunchAttend runs `a` (items and uniform_group set) on the streaming decode
+// (decode_stream.cu; AttendArgs::stream_decode): dense M = 1, fp16, bf16 or fp8 K/V, d 64 or
+// 128, 1 to 8 query heads a K/V head, sm_90, 16-byte aligned K/V (and fp8 scales).
+bool StreamDecodeFits(const AttendArgs& a);
+// Its keys a tile for `a`: 16 KB of K rows up to 128 keys (64 keys of fp16 and bf16 d = 128, 128
+// of the others) — or 64 everywhere after SetStreamDecodeTile(64), process-wide,
+// for comparison (the bench's PION_BENCH_STREAM_TILE=64, GpuExecutor.StreamDecode); 0 restores.
+uint32_t StreamDecodeTile(const AttendArgs& a);
+void SetStreamDecodeTile(uint32_t keys);
 // Key-range splits for a dense launch of `a` (items set) over `keys` keys: enough blocks for one
 // full wave of the device at the kernel's occupancy, at least two key tiles per split.
 uint32_t PlanSplits(const AttendArgs& a, uint64_t keys);

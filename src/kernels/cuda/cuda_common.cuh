@@ -94,6 +94,22 @@ __device__ inline void TensorCopy2d(void* smem_dst, const void* map, int c0, int
       "l"(map), "r"(c0), "r"(c1), "r"(SmemAddr(bar))
       : "memory");
 }
+// The same for the 1-D and 3-D maps of EncodeTensorMap (a 3-D box at {c0, c1, c2}).
+__device__ inline void TensorCopy1d(void* smem_dst, const void* map, int c0, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+      "{%2}], [%3];" ::"r"(SmemAddr(smem_dst)),
+      "l"(map), "r"(c0), "r"(SmemAddr(bar))
+      : "memory");
+}
+__device__ inline void TensorCopy3d(void* smem_dst, const void* map, int c0, int c1, int c2,
+                                    uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4}], [%5];" ::"r"(SmemAddr(smem_dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(SmemAddr(bar))
+      : "memory");
+}
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from gmem_src.
 __device__ inline void BulkCopy(void* smem_dst, const void* gmem_src, uint32_t bytes,
                                 uint64_t* bar) {
@@ -233,5 +249,10 @@ Status LaunchFlash(const AttendArgs& a, cudaStream_t stream);
 int FlashBlocksPerSm(const AttendArgs& a);
 Status LaunchBatched(const AttendArgs& a, cudaStream_t stream);
 int BatchedBlocksPerSm(const AttendArgs& a);  // resident blocks of it per multiprocessor
+// The streaming decode (decode_stream.cu): its launch (encoding a's tensor maps) and the blocks
+// a multiprocessor its splits are planned for over `keys` keys (StreamDecodeFits:
+// cuda_attention.h).
+Status LaunchStreamDecode(const AttendArgs& a, cudaStream_t stream);
+int StreamDecodeBlocksPerSm(const AttendArgs& a, uint64_t keys);
 
 }  // namespace pion::kernels::cuda

@@ -880,8 +880,9 @@ Shape ShapeOf(const AttendArgs& a) {
 
 }  // namespace
 
-Status EncodeRows(TensorMapBytes* map, const void* base, uint32_t elem, uint32_t heads,
-                  uint32_t rows, uint32_t d, uint32_t box_cols, uint32_t box_rows) {
+Status EncodeTensorMap(TensorMapBytes* map, TensorElem elem, uint32_t rank, const void* base,
+                       const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
+                       TensorSwizzle swizzle) {
   using Encode =
       CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -897,15 +898,21 @@ Status EncodeRows(TensorMapBytes* map, const void* base, uint32_t elem, uint32_t
     return reinterpret_cast<Encode>(fn);
   }();
   if (encode == nullptr) return Status(ErrorKind::kErr, "cuTensorMapEncodeTiled unavailable");
+  if (rank == 0 || rank > 3) return Status(ErrorKind::kErr, "tensor maps of rank 1 to 3 only");
   static_assert(sizeof(CUtensorMap) == sizeof(TensorMapBytes), "tensor map size");
   // A map is a pure function of these arguments, and a query launches over the same slot's K
   // and V again and again: this thread's last few maps are reused instead of encoded per launch.
   struct Key {
-    const void* base;
-    uint32_t elem, heads, rows, d, box_cols, box_rows;
+    const void* base = nullptr;
+    TensorElem elem = TensorElem::kU8;
+    TensorSwizzle swizzle = TensorSwizzle::kNone;
+    uint32_t rank = 0;
+    uint64_t dims[3] = {}, strides[2] = {};
+    uint32_t box[3] = {};
     bool operator==(const Key& o) const {
-      return base == o.base && elem == o.elem && heads == o.heads && rows == o.rows && d == o.d &&
-             box_cols == o.box_cols && box_rows == o.box_rows;
+      return base == o.base && elem == o.elem && swizzle == o.swizzle && rank == o.rank &&
+             std::equal(dims, dims + 3, o.dims) && std::equal(strides, strides + 2, o.strides) &&
+             std::equal(box, box + 3, o.box);
     }
   };
   struct Entry {
@@ -913,35 +920,54 @@ Status EncodeRows(TensorMapBytes* map, const void* base, uint32_t elem, uint32_t
     TensorMapBytes map;
     bool used = false;
   };
-  thread_local Entry recent[8];
+  thread_local Entry recent[16];
   thread_local unsigned next = 0;
-  const Key key{base, elem, heads, rows, d, box_cols, box_rows};
+  Key key;
+  key.base = base;
+  key.elem = elem;
+  key.swizzle = swizzle;
+  key.rank = rank;
+  std::copy(dims, dims + rank, key.dims);
+  std::copy(strides, strides + rank - 1, key.strides);
+  std::copy(box, box + rank, key.box);
   for (const Entry& e : recent) {
     if (e.used && e.key == key) {
       *map = e.map;
       return Status::Ok();
     }
   }
-  const cuuint64_t dims[2] = {d, uint64_t{heads} * rows};
-  const cuuint64_t strides[1] = {uint64_t{d} * elem};
-  const cuuint32_t box[2] = {box_cols, box_rows};
-  const cuuint32_t steps[2] = {1, 1};
-  const CUresult r =
-      encode(reinterpret_cast<CUtensorMap*>(map->b),
-             elem == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-             const_cast<void*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUtensorMapDataType types[] = {CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                                       CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                                       CU_TENSOR_MAP_DATA_TYPE_FLOAT32};
+  const CUtensorMapSwizzle swizzles[] = {CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
+                                         CU_TENSOR_MAP_SWIZZLE_128B};
+  cuuint64_t d[3], st[2];
+  cuuint32_t bx[3], steps[3] = {1, 1, 1};
+  for (uint32_t i = 0; i < rank; ++i) d[i] = dims[i], bx[i] = box[i];
+  for (uint32_t i = 0; i + 1 < rank; ++i) st[i] = strides[i];
+  const CUresult r = encode(reinterpret_cast<CUtensorMap*>(map->b), types[static_cast<int>(elem)],
+                            rank, const_cast<void*>(base), d, st, bx, steps,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzles[static_cast<int>(swizzle)],
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     return Status(ErrorKind::kErr, "cuTensorMapEncodeTiled failed: " + std::to_string(int(r)));
   }
   recent[next] = Entry{key, *map, true};
-  next = (next + 1) % 8;
+  next = (next + 1) % 16;
   return Status::Ok();
 }
 
+Status EncodeRows(TensorMapBytes* map, const void* base, uint32_t elem, uint32_t heads,
+                  uint32_t rows, uint32_t d, uint32_t box_cols, uint32_t box_rows) {
+  const uint64_t dims[2] = {d, uint64_t{heads} * rows};
+  const uint64_t strides[1] = {uint64_t{d} * elem};
+  const uint32_t box[2] = {box_cols, box_rows};
+  return EncodeTensorMap(map, elem == 4 ? TensorElem::kF32 : TensorElem::kF16, 2, base, dims,
+                         strides, box, TensorSwizzle::kNone);
+}
+
 namespace {
-std::atomic<bool> lowp_batched{false};
+std::atomic<bool> lowp_batched{true};
 }  // namespace
 
 void SetLowpBatched(bool on) { lowp_batched.store(on, std::memory_order_relaxed); }
@@ -1007,6 +1033,7 @@ bool UsesTensorCores(const AttendArgs& a) {
 }
 
 int FlashBlocksPerSm(const AttendArgs& a) {
+  if (StreamDecodeFits(a)) return StreamDecodeBlocksPerSm(a, a.end > a.begin ? a.end - a.begin : 0);
   if (a.dtype != DType::kF32 && FlashRowGroups(a) == 8) return BatchedBlocksPerSm(a);
   if (a.dtype == DType::kF32) return BlocksPerSmD<float, 1, false, true>(a.d);
   if (a.dtype == DType::kFP8) return BlocksPerSmD<__nv_fp8_e4m3, 1, false, true>(a.d);
@@ -1026,6 +1053,7 @@ int FlashBlocksPerSm(const AttendArgs& a) {
 }
 
 Status LaunchFlash(const AttendArgs& a_in, cudaStream_t stream) {
+  if (StreamDecodeFits(a_in)) return LaunchStreamDecode(a_in, stream);
   AttendArgs a = a_in;
   // Decode (one row group a block, dense): the tensor maps for its tile copies, boxes of 16 rows
   // × one padded tile row (Flash::kStr: d + 16 bytes' worth); per-piece copies where the device

@@ -14,10 +14,11 @@
 //         largest V scale seen so far (P stays in [0, 1], fp16's normal range); when a tile
 //         raises U the output so far is rescaled with the softmax factor, and the partial is
 //         multiplied by U once at the end.
-// Same arguments and partial layout as the other kernels. bf16 and fp8 take it only where
-// SetLowpBatched(true) (off by default: compute-sanitizer racecheck reported 2 shared-memory
-// hazards on GpuExecutor.Smoke with them on, 2026-12-04, not yet located — every numerical test
-// passed); fp16 with eight row groups always.
+// Same arguments and partial layout as the other kernels. bf16 and fp8 take it where
+// LowpBatched() (the default; compute-sanitizer racecheck on GpuExecutor.BatchedSmoke, the
+// kernel alone in its process, reports no hazard — the 2 once reported on GpuExecutor.Smoke were
+// racecheck's view of earlier kernels' mbarriers, see scripts/test-gpu.sh); fp16 with eight row
+// groups always.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

@@ -58,6 +58,9 @@ namespace pion::kernels::cuda {
 using gpu::NoCuda;
 
 bool UsesTensorCores(const AttendArgs&) { return false; }
+bool StreamDecodeFits(const AttendArgs&) { return false; }
+uint32_t StreamDecodeTile(const AttendArgs&) { return 0; }
+void SetStreamDecodeTile(uint32_t) {}
 int FlashRowGroups(const AttendArgs&) { return 1; }
 void SetLowpBatched(bool) {}
 bool LowpBatched() { return false; }

@@ -1,0 +1,545 @@
+// The streaming decode: dense M = 1 attention over fp16, bf16 or fp8 K/V (d 64 or 128, up to 8
+// query heads a K/V head) on sm_90, as split-K partials for LaunchCombine.
+//
+// A decode reads every K/V byte once and does little with it, so the kernel is built around
+// the read. Each block (a K/V head, a split of its visible range) streams its keys through one
+// ring of kStages tiles of 64 keys; a tile of K and of V is one tensor copy (TMA) each per
+// 128 bytes of row — d = 128 fp16 two, the others one — landing 128-byte (64-byte for fp8
+// d = 64) swizzled so the fragment loads below hit distinct banks, and an fp8 tile's row scales
+// are a copy each too. One thread issues; every stage completes on its mbarrier; the block's
+// four warps take 16 keys of every tile each and sync once a tile before the stage is refilled.
+// Measured on an H100 without the math (bench/gpu_decode_patterns.cu, 2026-12-06): this read
+// runs at the plain streaming read's rate (d = 128 fp16 at 128K 169.9 µs vs 171.1), where the
+// per-warp rings of 16-row cp.async pieces the tensor-core decode uses (flash.cu) run 5-8 %
+// slower (179.0).
+//
+// The math is flash.cu's packed decode: Q's fp16 (bf16) hi and lo parts as the MMA's rows 0..7
+// and 8..15 (so a row's score is the sum of its two accumulator rows, about fp32's accuracy),
+// K fragments by ldmatrix, online softmax in fp32, P (hi + lo) · V by ldmatrix.trans; fp8 tiles
+// are widened in registers (cvt e4m3x2 -> f16x2), K read in flash.cu's KPerm order of d and V
+// by words paired across rows, a score (q · k_e4m3) · scale_k and P entering P·V as
+// p · scale_v / unit. Rows past the range in a tile (only a range's last tile has them) are
+// masked, and their V rows zeroed in shared memory first (0 · NaN must not reach the sums).
+// The four warps then merge in shared memory and write the block's partial.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <type_traits>
+
+#include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_mma.cuh"
+
+namespace pion::kernels::cuda {
+namespace {
+
+constexpr int kStages = 3;  // tiles in the ring
+// Bytes of K (or V) a tile: 64 keys of 256-byte rows (fp16 d = 128), 128 of 128-byte rows.
+constexpr int kTileTarget = 16384;
+
+template <typename T, int D, int Tk>
+struct Sd {
+  static constexpr int kTk = Tk;  // keys a tile: kTk / 4 a warp, 16 at a time
+  static constexpr int kWk = Tk / 4;
+  static constexpr bool kF8 = std::is_same_v<T, __nv_fp8_e4m3>;
+  static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  // The MMAs' 16-bit element type (and Q's hi / lo parts): bf16 for bf16 K/V, else fp16.
+  using TM = std::conditional_t<kBf16, __nv_bfloat16, __half>;
+  static constexpr int kRow = D * int(sizeof(T));       // bytes of a K or V row
+  static constexpr int kBox = kRow < 128 ? kRow : 128;  // bytes of a row one tensor copy holds
+  static constexpr int kBoxes = kRow / kBox;            // tensor copies a tile
+  static_assert(kBox == 128 || kBox == 64, "128-byte (or 64-byte) swizzled boxes");
+  static constexpr uint32_t kSwz = kBox == 128 ? 7 : 3;  // the swizzle's row bits
+  static_assert(kWk % 16 == 0 && kTk <= 256, "whole 16-key pieces a warp; a box has <= 256 rows");
+  static constexpr int kTile = kTk * kRow;  // bytes of a K (or V) tile
+  // fp8: a tile's K (or V) row scales arrive as kTk + 4 floats from the 16-byte boundary at or
+  // before its first row's (a tensor copy's first element must be 16-byte aligned), each in a
+  // 128-byte aligned slot.
+  static constexpr int kScaleBox = kF8 ? kTk + 4 : 0;
+  static constexpr int kScaleSlot = (kScaleBox * 4 + 127) / 128 * 128;
+  // A stage: K, V, (fp8) K scales, V scales; stages start 1024-aligned (the swizzle's period).
+  static constexpr int kStage = (2 * kTile + 2 * kScaleSlot + 1023) / 1024 * 1024;
+  static constexpr uint32_t kTx = 2 * kTile + 2 * kScaleBox * 4;  // bytes a stage receives
+  static constexpr int kRing = kStages * kStage;
+  // The warps' merge, in the ring once streaming is done: m, l and weights (32 floats each),
+  // then the outputs [4 warps][8 rows][kOs] (rows padded: distinct banks for the quads' stores).
+  static constexpr int kOs = D + 8;
+  static constexpr int kMerge = (96 + 4 * 8 * kOs) * 4;
+  static constexpr int kStrQ = D + 8;  // Q rows (TM) padded: ldmatrix rows hit distinct banks
+  static constexpr int kQOff = kRing > kMerge ? kRing : kMerge;
+  static constexpr size_t kBytes = 1024 + kQOff + size_t{16} * kStrQ * 2;
+  static_assert(kBoxes * kBox == kRow && kTx <= kStage && kSwz >= 3, "a stage holds its tiles");
+};
+
+// Byte offset in a tile of byte c of row r, as the swizzled tensor copies lay it out: box
+// c / kBox holds [kTk rows][kBox bytes], and within each 1024 bytes (512 for 64-byte boxes)
+// the 16-byte chunks of a row are permuted by its row bits.
+template <typename C>
+__device__ inline uint32_t Swz(int r, int c) {
+  const uint32_t off =
+      uint32_t(c / C::kBox) * (C::kTk * C::kBox) + uint32_t(r) * C::kBox + uint32_t(c % C::kBox);
+  return off ^ (((off >> 7) & C::kSwz) << 4);
+}
+
+// fp8 in registers: the d that Q's logical column L holds (flash.cu's KPerm: lane (g, t) of a
+// k-step reads key g's bytes t·D/4 + 4·ks .. + 3).
+template <int D>
+__device__ inline int KPerm(int l) {
+  const int ks = l / 16, kk = l % 16;
+  return ((kk & 7) >> 1) * (D / 4) + 4 * ks + (kk & 1) + 2 * (kk >> 3);
+}
+
+template <typename T, int D, int Tk>
+__global__ void __launch_bounds__(128) StreamDecodeKernel(const __grid_constant__ AttendArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using C = Sd<T, D, Tk>;
+  using TM = typename C::TM;
+  constexpr int kStr = C::kStrQ, kTk = C::kTk, kWk = C::kWk;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* ring = smem_raw + ((1024u - (SmemAddr(smem_raw) & 1023u)) & 1023u);
+  TM* qh = reinterpret_cast<TM*>(ring + C::kQOff);  // [16][kStr]: rows 0..7 hi, 8..15 lo
+  __shared__ __align__(8) uint64_t bars[kStages];
+  __shared__ int32_t rowid[8];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = static_cast<int>(a.uniform_group);
+  const int kv = static_cast<int>(blockIdx.x);
+  // Every row is at q_pos0: one visible range, split in whole tiles over blockIdx.y.
+  const int64_t vb = Max<int64_t>(FirstVisible(a.q_pos0, a.window, a.k_pos0), a.begin);
+  const int64_t ve = Min<int64_t>(a.q_pos0 - a.k_pos0 + 1, a.end);
+  const uint32_t lo = vb < ve ? static_cast<uint32_t>(vb) : 0;
+  const uint32_t len = vb < ve ? static_cast<uint32_t>(ve - vb) : 0;
+  const uint32_t tiles = (len + kTk - 1) / kTk;
+  const uint32_t k0 = lo + Min<uint32_t>(len, SplitPoint(tiles, blockIdx.y, a.splits) * kTk);
+  const uint32_t k1 = lo + Min<uint32_t>(len, SplitPoint(tiles, blockIdx.y + 1, a.splits) * kTk);
+  const int ntiles = static_cast<int>((k1 - k0 + kTk - 1) / kTk);
+
+  // fp8: the scales of row kv·rows + k0 + kTk·t sit this many floats into the tile's scale box.
+  const int scale_skew = static_cast<int>((uint32_t(kv) * a.rows + k0) & 3u);
+  // Tile t into stage t % kStages (thread 0): the boxes of K and V at rows k0 + kTk·t.. of head
+  // kv (rows past the slot land as zeros), fp8's scales from the 16-byte boundary before the
+  // head's row kv·rows + k0 + kTk·t.
+  auto issue = [&](int t) {
+    if (t >= ntiles) return;
+    uint8_t* st = ring + (t % kStages) * C::kStage;
+    uint64_t* bar = &bars[t % kStages];
+    const int first = static_cast<int>(k0 + t * kTk);
+    MbarArriveExpect(bar, C::kTx);
+#pragma unroll
+    for (int b = 0; b < C::kBoxes; ++b) {
+      TensorCopy3d(st + b * kTk * C::kBox, &a.map_k, b * C::kBox, first, kv, bar);
+      TensorCopy3d(st + C::kTile + b * kTk * C::kBox, &a.map_v, b * C::kBox, first, kv, bar);
+    }
+    if constexpr (C::kF8) {
+      const int srow = kv * static_cast<int>(a.rows) + first - scale_skew;
+      TensorCopy1d(st + 2 * C::kTile, &a.map_ks, srow, bar);
+      TensorCopy1d(st + 2 * C::kTile + C::kScaleSlot, &a.map_vs, srow, bar);
+    }
+  };
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) MbarInit(&bars[s], 1);
+    FenceMbarInit();
+    // The K/V tiles are never written by a kernel (slots arrive by copies), so the first ones
+    // are requested before waiting for the kernel ahead in the stream.
+#pragma unroll
+    for (int t = 0; t < kStages - 1; ++t) issue(t);
+  }
+  if (tid < 8) rowid[tid] = tid < group ? kv * group + tid : -1;
+  WaitForPrimary();  // the partials this launch writes may still be read by the one before
+  // Q: rows 0..7 its fp16 (bf16) high parts, rows 8..15 the low parts (fp8: in KPerm order).
+#pragma unroll
+  for (int i = 0; i < (8 * D / 4 + 127) / 128; ++i) {
+    const int e = tid + 128 * i;
+    if (e >= 8 * D / 4) break;
+    const int r = e / (D / 4), c = (e % (D / 4)) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < group) {
+      const float* qr = a.q + size_t(kv * group + r) * D;
+      if constexpr (C::kF8) {
+        x = make_float4(qr[KPerm<D>(c)], qr[KPerm<D>(c + 1)], qr[KPerm<D>(c + 2)],
+                        qr[KPerm<D>(c + 3)]);
+      } else {
+        x = *reinterpret_cast<const float4*>(qr + c);
+      }
+    }
+    *reinterpret_cast<uint2*>(qh + r * kStr + c) =
+        uint2{Pack16<TM>(x.x, x.y), Pack16<TM>(x.z, x.w)};
+    *reinterpret_cast<uint2*>(qh + (r + 8) * kStr + c) =
+        uint2{PackLo16<TM>(x.x, x.y), PackLo16<TM>(x.z, x.w)};
+  }
+  __syncthreads();  // Q, rowid and the barriers' init are visible to every warp
+
+  const int g = lane >> 2, c2 = (lane & 3) * 2, lm = lane >> 3, lr = lane & 7;
+  const bool valid = g < group;
+  // Q's A fragments, kept in registers for every tile.
+  uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    Ldm4(qa[ks], qh + ((lm & 1) * 8 + lr) * kStr + ks * 16 + (lm >> 1) * 8);
+  }
+  const float sl2 = a.scale * kLog2e;
+  float m_run = -INFINITY, l_run = 0.f;
+  float v_unit = 1.f, v_inv = 1.f;  // fp8: P·V takes p · scale_v / v_unit
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  for (int t = 0; t < ntiles; ++t) {
+    const int buf = t % kStages;
+    if (tid == 0) issue(t + kStages - 1);  // into the stage every warp released last tile
+    MbarWait(&bars[buf], static_cast<uint32_t>(t / kStages) & 1u);
+    const uint8_t* kt = ring + buf * C::kStage;
+    uint8_t* vt = ring + buf * C::kStage + C::kTile;
+    const float* ksc_t = reinterpret_cast<const float*>(kt + 2 * C::kTile) + scale_skew;  // fp8
+    const float* vsc_t =
+        reinterpret_cast<const float*>(kt + 2 * C::kTile + C::kScaleSlot) + scale_skew;
+    const uint32_t wfirst = k0 + t * kTk + kWk * warp;  // this warp's first key
+    if (wfirst + kWk > k1) {  // V rows past the range (the range's last tile only) to zero
+      constexpr int kChunks = C::kRow / 16;
+#pragma unroll 4
+      for (int e = lane; e < kWk * kChunks; e += 32) {
+        const int j = e / kChunks;
+        if (wfirst + j >= k1) {
+          *reinterpret_cast<uint4*>(vt + Swz<C>(kWk * warp + j, (e % kChunks) * 16)) =
+              make_uint4(0, 0, 0, 0);
+        }
+      }
+      __syncwarp();
+    }
+    if constexpr (C::kF8) {
+      if (t == 0) {  // this warp's unit: a power of two near its first piece's V scales
+        float mx = 0.f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) mx = fmaxf(mx, vsc_t[kWk * warp + j]);
+        const float unit = __uint_as_float(__float_as_uint(mx) & 0x7f800000u);
+        if (unit > 0.f && isfinite(unit)) v_unit = unit, v_inv = 1.f / unit;
+      }
+    }
+#pragma unroll
+    for (int piece = 0; piece < kWk / 16; ++piece) {
+      const int wr = kWk * warp + 16 * piece;  // the piece's first row in the tile
+      const uint32_t first = wfirst + 16 * piece;
+      if (first >= k1) break;  // (warp-uniform) nothing of the range left in this tile
+      const bool full = first + 16 <= k1;
+      const float* ksc = ksc_t + wr;
+      const float* vsc = vsc_t + wr;
+      // S = Q·Kᵀ for the warp's 16 keys (two 8-key n-tiles); the odd k-steps in a second chain.
+      float s[2][4], s2[2][4];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        s2[n][0] = s2[n][1] = s2[n][2] = s2[n][3] = 0.f;
+      }
+      if constexpr (C::kF8) {
+        // This lane's K words of keys g and 8 + g: bytes (lane & 3)·D/4 .., a word a k-step.
+        uint32_t kw[2][D / 16];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+          for (int i = 0; i < D / 64; ++i) {
+            const uint4 u = *reinterpret_cast<const uint4*>(
+                kt + Swz<C>(wr + n * 8 + g, (lane & 3) * (D / 4) + 16 * i));
+            kw[n][4 * i] = u.x, kw[n][4 * i + 1] = u.y, kw[n][4 * i + 2] = u.z;
+            kw[n][4 * i + 3] = u.w;
+          }
+        }
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+            Mma16<TM>(ks % 2 ? s2[n] : s[n], qa[ks], Fp8x2ToHalf2(kw[n][ks]),
+                      Fp8x2ToHalf2(kw[n][ks] >> 16));
+          }
+        }
+      } else {
+        uint32_t kf[D / 16][4];
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          Ldm4(kf[ks], kt + Swz<C>(wr + (lm >> 1) * 8 + lr, (ks * 16 + (lm & 1) * 8) * 2));
+        }
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          Mma16<TM>(ks % 2 ? s2[0] : s[0], qa[ks], kf[ks][0], kf[ks][1]);
+          Mma16<TM>(ks % 2 ? s2[1] : s[1], qa[ks], kf[ks][2], kf[ks][3]);
+        }
+      }
+      // Row g's score: its high part (row g) + its low part (row g + 8), both chains.
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        float x[2] = {s[n][0] + s[n][2] + s2[n][0] + s2[n][2],
+                      s[n][1] + s[n][3] + s2[n][1] + s2[n][3]};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if constexpr (C::kF8) x[e] *= ksc[n * 8 + c2 + e];
+          const bool ok = valid && (full || first + n * 8 + c2 + e < k1);
+          s[n][e] = ok ? x[e] * sl2 : -INFINITY;
+          mx = fmaxf(mx, s[n][e]);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run, mx);
+      const float alpha = m_new == -INFINITY ? 1.f : exp2f(m_run - m_new);
+      m_run = m_new;
+      l_run *= alpha;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = m_run == -INFINITY ? 0.f : exp2f(s[n][e] - m_run);
+          l_run += p;
+          s[n][e] = C::kF8 ? p * (vsc[n * 8 + c2 + e] * v_inv) : p;
+        }
+      }
+      // Once the running maximum settles the factor is 1: skip the rescale (warp-uniform test).
+      if (__any_sync(0xffffffffu, alpha != 1.f)) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          o[n][0] *= alpha;
+          o[n][1] *= alpha;
+          o[n][2] *= alpha;
+          o[n][3] *= alpha;
+        }
+      }
+      // O += P·V: P's rows 0..7 the weights' high parts, rows 8..15 their low parts.
+      const uint32_t ph[4] = {Pack16<TM>(s[0][0], s[0][1]), PackLo16<TM>(s[0][0], s[0][1]),
+                              Pack16<TM>(s[1][0], s[1][1]), PackLo16<TM>(s[1][0], s[1][1])};
+      if constexpr (C::kF8) {
+        // B = V rows c2, c2 + 1 (b0) and c2 + 8, c2 + 9 (b1); d tile 4q + b's column g is
+        // d = 32q + 4g + b: one word of each of the four rows feeds four d tiles.
+#pragma unroll
+        for (int q = 0; q < D / 32; ++q) {
+          const int col = 4 * g + 32 * q;
+          const uint32_t w0 = *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2, col));
+          const uint32_t w1 = *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 1, col));
+          const uint32_t w8 = *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 8, col));
+          const uint32_t w9 = *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 9, col));
+          const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
+          const uint32_t lo89 = __byte_perm(w8, w9, 0x5140), hi89 = __byte_perm(w8, w9, 0x7362);
+          Mma16<TM>(o[4 * q], ph, Fp8x2ToHalf2(lo01), Fp8x2ToHalf2(lo89));
+          Mma16<TM>(o[4 * q + 1], ph, Fp8x2ToHalf2(lo01 >> 16), Fp8x2ToHalf2(lo89 >> 16));
+          Mma16<TM>(o[4 * q + 2], ph, Fp8x2ToHalf2(hi01), Fp8x2ToHalf2(hi89));
+          Mma16<TM>(o[4 * q + 3], ph, Fp8x2ToHalf2(hi01 >> 16), Fp8x2ToHalf2(hi89 >> 16));
+        }
+      } else {
+#pragma unroll
+        for (int dn = 0; dn < D / 16; ++dn) {
+          uint32_t b[4];
+          Ldm4T(b, vt + Swz<C>(wr + (lm & 1) * 8 + lr, (dn * 16 + (lm >> 1) * 8) * 2));
+          Mma16<TM>(o[2 * dn], ph, b[0], b[1]);
+          Mma16<TM>(o[2 * dn + 1], ph, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with the stage: it is refilled next tile
+  }
+  LaunchDependents();  // a combine launched after this one may start its blocks
+
+  // Rows g + 8 accumulated the weights' low parts: add them to rows g (fp8: back from units of
+  // v_unit, a power of two). Row sums over the quad.
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    o[n][0] = (o[n][0] + o[n][2]) * (C::kF8 ? v_unit : 1.f);
+    o[n][1] = (o[n][1] + o[n][3]) * (C::kF8 ? v_unit : 1.f);
+  }
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  // The four warps' states of the same rows over different keys, merged in shared memory.
+  float* ms = reinterpret_cast<float*>(ring);  // [4][8]
+  float* ls = ms + 32;                         // [4][8]
+  float* fs = ls + 32;                         // [8][4]
+  float* os = fs + 32;                         // [4][8][kOs]
+  if ((lane & 3) == 0) {
+    ms[warp * 8 + g] = m_run;
+    ls[warp * 8 + g] = l_run;
+  }
+  float* orow = os + (warp * 8 + g) * C::kOs;
+  if constexpr (C::kF8) {  // the permuted columns: 8 consecutive d a quad lane
+#pragma unroll
+    for (int q = 0; q < D / 32; ++q) {
+      *reinterpret_cast<float4*>(orow + 32 * q + 4 * c2) =
+          make_float4(o[4 * q][0], o[4 * q + 1][0], o[4 * q + 2][0], o[4 * q + 3][0]);
+      *reinterpret_cast<float4*>(orow + 32 * q + 4 * c2 + 4) =
+          make_float4(o[4 * q][1], o[4 * q + 1][1], o[4 * q + 2][1], o[4 * q + 3][1]);
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      *reinterpret_cast<float2*>(orow + n * 8 + c2) = make_float2(o[n][0], o[n][1]);
+    }
+  }
+  __syncthreads();
+  const size_t part = a.part0 + blockIdx.y;
+  if (tid < group) {  // row tid: the warps' weights, the partial's m (natural log) and l
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) m = fmaxf(m, ms[w * 8 + tid]);
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float f = m == -INFINITY ? 0.f : exp2f(ms[w * 8 + tid] - m);
+      fs[tid * 4 + w] = f;
+      l += ls[w * 8 + tid] * f;
+    }
+    const size_t pr = part * a.nrows + size_t(rowid[tid]);
+    a.part_m[pr] = m == -INFINITY ? -INFINITY : m * kLn2;
+    a.part_l[pr] = l;
+  }
+  __syncthreads();
+  constexpr int kC4 = D / 4;  // a thread a float4 column of a row
+  for (int e = tid; e < group * kC4; e += 128) {
+    const int row = e / kC4, c = (e % kC4) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float f = fs[row * 4 + w];
+      const float4 x = *reinterpret_cast<const float4*>(os + (w * 8 + row) * C::kOs + c);
+      acc.x += x.x * f;
+      acc.y += x.y * f;
+      acc.z += x.z * f;
+      acc.w += x.w * f;
+    }
+    const size_t pr = part * a.nrows + size_t(rowid[row]);
+    *reinterpret_cast<float4*>(a.part_o + pr * D + c) = acc;
+  }
+  FinishSplits(a, rowid, 8);
+#else
+  __trap();  // sm_90 only: StreamDecodeFits never takes another device
+#endif
+}
+
+template <typename T, int D, int Tk>
+cudaError_t OptIn() {
+  static const cudaError_t attr = cudaFuncSetAttribute(StreamDecodeKernel<T, D, Tk>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       static_cast<int>(Sd<T, D, Tk>::kBytes));
+  return attr;
+}
+
+// Blocks of the kernel that fit a multiprocessor (occupancy calculator), and its ring's bytes.
+template <typename T, int D, int Tk>
+int FitPerSm() {
+  static const int n = [] {
+    int fit = 0;
+    if (OptIn<T, D, Tk>() != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, StreamDecodeKernel<T, D, Tk>, 128,
+                                                      Sd<T, D, Tk>::kBytes) != cudaSuccess) {
+      cudaGetLastError();
+      return 1;
+    }
+    return std::max(fit, 1);
+  }();
+  return n;
+}
+
+std::atomic<uint32_t> tile_override{0};
+
+// f(T{}, integral_constant<int, D>{}, integral_constant<int, Tk>{}) for a's element type, head
+// dim (64 or 128) and tile: kTileTarget bytes of rows up to 128 keys (64 keys of fp16 d = 128,
+// 128 of the others), or 64 keys where SetStreamDecodeTile(64).
+template <typename F>
+auto WithShape(const AttendArgs& a, F&& f) {
+  const bool small = tile_override.load(std::memory_order_relaxed) == 64;
+  auto with_d = [&](auto t) {
+    using T = decltype(t);
+    auto with_tile = [&](auto d) {
+      constexpr int kRow = decltype(d)::value * int(sizeof(T));
+      constexpr int kAuto = kTileTarget / kRow < 128 ? kTileTarget / kRow : 128;
+      return small ? f(t, d, std::integral_constant<int, 64>{})
+                   : f(t, d, std::integral_constant<int, kAuto>{});
+    };
+    return a.d == 64 ? with_tile(std::integral_constant<int, 64>{})
+                     : with_tile(std::integral_constant<int, 128>{});
+  };
+  if (a.dtype == DType::kBF16) return with_d(__nv_bfloat16{});
+  if (a.dtype == DType::kFP8) return with_d(__nv_fp8_e4m3{});
+  return with_d(__half{});
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+bool StreamDecodeFits(const AttendArgs& a) {
+  if (!a.stream_decode || gpu::Info().cc_major < 9 || a.list != nullptr || !a.dense_items) {
+    return false;
+  }
+  if (a.dtype != DType::kF16 && a.dtype != DType::kBF16 && a.dtype != DType::kFP8) return false;
+  if (a.d != 64 && a.d != 128) return false;
+  if (a.m != 1 || a.uniform_group < 1 || a.uniform_group > 8 || a.heads == 0) return false;
+  if (a.n_items != a.heads || a.rows == 0 || a.rows >= (1u << 30)) return false;
+  if (!Aligned16(a.k) || !Aligned16(a.v)) return false;
+  if (a.dtype == DType::kFP8) {  // the row scales' 1-D maps: 16-byte bases, int32 coordinates
+    if (a.k_scale == nullptr || a.v_scale == nullptr || !Aligned16(a.k_scale) ||
+        !Aligned16(a.v_scale) || uint64_t{a.heads} * a.rows + 512 >= (1ull << 31)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+int StreamDecodeBlocksPerSm(const AttendArgs& a, uint64_t keys) {
+  return WithShape(a, [&](auto t, auto d, auto tk) {
+    using T = decltype(t);
+    constexpr int D = decltype(d)::value, kTk = decltype(tk)::value;
+    // Enough rings for about 96 KB of tiles in flight: one block of fp16 d = 128 (64-key tiles),
+    // fp16 d = 64 and fp8 d = 128 (128-key tiles), two of fp8 d = 64. Measured on an H100, GQA
+    // 32/8, µs, one block an SM / two: fp16 d = 128 32K 48.6 / 49.7; fp16 d = 64 32K 27.2 / 28.4,
+    // 128K 92.9 / 93.7; fp8 d = 128 32K 28.9 / 31.8, 128K 96.6 / 100.2; fp8 d = 64 (two / four)
+    // 32K 17.8 / 23.9, 128K 55.4 / 75.0. Short ranges (under 512 keys a block) take twice the
+    // blocks: fp16 d = 128 8K 10.59 -> 10.38, d = 64 8.67 -> 8.23.
+    int want = (98304 + Sd<T, D, kTk>::kRing - 1) / Sd<T, D, kTk>::kRing;
+    const uint64_t slots = uint64_t(want) * std::max(gpu::Info().sms, 1);
+    if (keys * std::max<uint32_t>(a.heads, 1) < 512 * slots) want *= 2;
+    return std::clamp(want, 1, FitPerSm<T, D, kTk>());
+  });
+}
+
+void SetStreamDecodeTile(uint32_t keys) {
+  tile_override.store(keys == 64 ? 64 : 0, std::memory_order_relaxed);
+}
+uint32_t StreamDecodeTile(const AttendArgs& a) {
+  return WithShape(a, [](auto, auto, auto tk) { return uint32_t{decltype(tk)::value}; });
+}
+
+Status LaunchStreamDecode(const AttendArgs& a_in, cudaStream_t stream) {
+  AttendArgs a = a_in;
+  return WithShape(a, [&](auto t, auto d, auto tk) -> Status {
+    using T = decltype(t);
+    constexpr int D = decltype(d)::value, kTk = decltype(tk)::value;
+    using C = Sd<T, D, kTk>;
+    // K and V as [heads][rows][row bytes]: boxes of kBox bytes × kTk rows × one head, so a tile
+    // never reads another head's rows (past the slot's rows it lands as zeros).
+    const uint64_t dims[3] = {uint64_t{C::kRow}, a.rows, a.heads};
+    const uint64_t strides[2] = {uint64_t{C::kRow}, uint64_t{C::kRow} * a.rows};
+    const uint32_t box[3] = {uint32_t{C::kBox}, uint32_t{kTk}, 1};
+    const TensorSwizzle sw = C::kBox == 128 ? TensorSwizzle::k128B : TensorSwizzle::k64B;
+    const Status km = EncodeTensorMap(&a.map_k, TensorElem::kU8, 3, a.k, dims, strides, box, sw);
+    if (!km.ok()) return km;
+    const Status vm = EncodeTensorMap(&a.map_v, TensorElem::kU8, 3, a.v, dims, strides, box, sw);
+    if (!vm.ok()) return vm;
+    if constexpr (C::kF8) {  // the row scales, [heads·rows] floats
+      const uint64_t sdims[1] = {uint64_t{a.heads} * a.rows};
+      const uint32_t sbox[1] = {uint32_t{C::kScaleBox}};
+      const Status ks = EncodeTensorMap(&a.map_ks, TensorElem::kF32, 1, a.k_scale, sdims, nullptr,
+                                        sbox, TensorSwizzle::kNone);
+      if (!ks.ok()) return ks;
+      const Status vs = EncodeTensorMap(&a.map_vs, TensorElem::kF32, 1, a.v_scale, sdims, nullptr,
+                                        sbox, TensorSwizzle::kNone);
+      if (!vs.ok()) return vs;
+    }
+    const cudaError_t attr = OptIn<T, D, kTk>();
+    if (attr != cudaSuccess) return gpu::CudaError(attr, "streaming decode shared memory");
+    return LaunchDependent(StreamDecodeKernel<T, D, kTk>, dim3(a.heads, a.splits), dim3(128),
+                           C::kBytes, stream, "streaming decode kernel", a);
+  });
+}
+
+}  // namespace pion::kernels::cuda
