@@ -11,7 +11,6 @@
 // pieces) or by one bulk copy each; block rings of T-row tiles by one bulk copy each (K and V),
 // or by 2-D tensor copies of 128-byte columns with the 128-byte swizzle; plain loads into
 // registers. Prints one JSON object per line.
-#include <cuda.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
@@ -21,6 +20,11 @@
 #include <cstdlib>
 #include <string>
 #include <vector>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+// bench/gpu_stream.cu: the streaming read, the bench's bandwidth ceiling.
+void LaunchStreamRead(const void* p, size_t bytes, uint32_t* sink, int sms, cudaStream_t s);
 
 #define CK(x)                                                                                 \
   do {                                                                                        \
@@ -33,9 +37,8 @@
 
 namespace {
 
-struct alignas(64) Map {
-  unsigned char b[128];
-};
+// Pion's bulk and tensor copies and mbarriers (cuda_common.cuh), EncodeTensorMap.
+using namespace pion::kernels::cuda;  // NOLINT
 
 struct Args {
   const uint8_t* k;
@@ -45,52 +48,14 @@ struct Args {
   uint32_t delay;  // spin cycles per 16 rows
   uint32_t mode;   // warp rings: 0 quarters, 1 block-interleaved, 2 head-wide
   uint32_t* sink;
-  Map mk, mv;
+  TensorMapBytes mk, mv;
 };
 
-__device__ inline uint32_t Smem(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ inline void Spin(uint32_t cycles) {
   if (cycles == 0) return;
   const long long t0 = clock64();
   while (clock64() - t0 < cycles) {
   }
-}
-__device__ inline void MbarInit(uint64_t* bar, uint32_t n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(Smem(bar)), "r"(n) : "memory");
-}
-__device__ inline void MbarFence() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ inline void MbarExpect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(Smem(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ inline void MbarWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-        "selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(Smem(bar)), "r"(parity)
-        : "memory");
-  }
-}
-__device__ inline void Bulk(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(Smem(dst)),
-      "l"(src), "r"(bytes), "r"(Smem(bar))
-      : "memory");
-}
-__device__ inline void Tensor2d(void* dst, const Map* map, int c0, int c1, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3}], [%4];" ::"r"(Smem(dst)),
-      "l"(map), "r"(c0), "r"(c1), "r"(Smem(bar))
-      : "memory");
 }
 
 // The rows [lo, hi) of split s of a head, whole tiles of `tile` rows.
@@ -105,6 +70,7 @@ __device__ inline void SplitRange(const Args& a, uint32_t tile, uint32_t s, uint
 // pieces (kBulk false) or one bulk copy each (true). Rows padded by 16 bytes (cp.async).
 template <bool kBulk>
 __global__ void __launch_bounds__(128) WarpRing(const __grid_constant__ Args a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ __align__(8) uint64_t bars[4][3];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -130,7 +96,7 @@ __global__ void __launch_bounds__(128) WarpRing(const __grid_constant__ Args a) 
   const int ntiles = first < hi ? int((hi - first + step - 1) / step) : 0;
   if (kBulk && lane == 0) {
     for (int b = 0; b < 3; ++b) MbarInit(&bars[warp][b], 1);
-    MbarFence();
+    FenceMbarInit();
   }
   __syncwarp();
   const uint8_t* kb = a.k + size_t(head) * a.n * a.row;
@@ -143,9 +109,9 @@ __global__ void __launch_bounds__(128) WarpRing(const __grid_constant__ Args a) 
       uint8_t* vs = ks + tileb;
       if (kBulk) {
         if (lane == 0) {
-          MbarExpect(&bars[warp][t % 3], 2 * rows * a.row);
-          Bulk(ks, kb + size_t(r0) * a.row, rows * a.row, &bars[warp][t % 3]);
-          Bulk(vs, vb + size_t(r0) * a.row, rows * a.row, &bars[warp][t % 3]);
+          MbarArriveExpect(&bars[warp][t % 3], 2 * rows * a.row);
+          BulkCopy(ks, kb + size_t(r0) * a.row, rows * a.row, &bars[warp][t % 3]);
+          BulkCopy(vs, vb + size_t(r0) * a.row, rows * a.row, &bars[warp][t % 3]);
         }
       } else {
         const uint32_t cpr = a.row / 16;
@@ -176,6 +142,9 @@ __global__ void __launch_bounds__(128) WarpRing(const __grid_constant__ Args a) 
     __syncwarp();
   }
   if (acc == 0x9e3779b9u) a.sink[blockIdx.x] = acc;
+#else
+  __trap();  // sm_90 only: bulk and tensor copies
+#endif
 }
 
 // Block rings: S stages of T rows of K and V; thread 0 issues (one bulk copy each, or 2-D tensor
@@ -183,9 +152,10 @@ __global__ void __launch_bounds__(128) WarpRing(const __grid_constant__ Args a) 
 // stage's barrier, reads its quarter, spins, and the block syncs before the stage is refilled.
 template <int S, bool kTensor>
 __global__ void __launch_bounds__(128) BlockRing(const __grid_constant__ Args a, uint32_t T) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) uint8_t smem_raw[];
   // The 128-byte swizzle repeats every 1024 bytes: stages start 1024-aligned (1 KB extra asked).
-  uint8_t* smem = smem_raw + ((1024 - (Smem(smem_raw) & 1023)) & 1023);
+  uint8_t* smem = smem_raw + ((1024 - (SmemAddr(smem_raw) & 1023)) & 1023);
   __shared__ __align__(8) uint64_t bars[S];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t head = blockIdx.y, tileb = T * a.row;
@@ -194,7 +164,7 @@ __global__ void __launch_bounds__(128) BlockRing(const __grid_constant__ Args a,
   const int ntiles = int((hi - lo + T - 1) / T);
   if (tid == 0) {
     for (int b = 0; b < S; ++b) MbarInit(&bars[b], 1);
-    MbarFence();
+    FenceMbarInit();
     if (kTensor) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(&a.mk) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(&a.mv) : "memory");
@@ -212,16 +182,16 @@ __global__ void __launch_bounds__(128) BlockRing(const __grid_constant__ Args a,
       // Boxes of 128 bytes × T rows (the map's box), row/128 of them a tile; a partial last
       // tile reads zeros past the tensor (full box bytes still count).
       const uint32_t boxes = a.row / 128;
-      MbarExpect(&bars[t % S], 2 * boxes * T * 128);
+      MbarArriveExpect(&bars[t % S], 2 * boxes * T * 128);
       for (uint32_t b = 0; b < boxes; ++b) {
         const int c0 = int(b * 128), c1 = int(head * a.n + r0);
-        Tensor2d(ks + b * T * 128, &a.mk, c0, c1, &bars[t % S]);
-        Tensor2d(vs + b * T * 128, &a.mv, c0, c1, &bars[t % S]);
+        TensorCopy2d(ks + b * T * 128, &a.mk, c0, c1, &bars[t % S]);
+        TensorCopy2d(vs + b * T * 128, &a.mv, c0, c1, &bars[t % S]);
       }
     } else {
-      MbarExpect(&bars[t % S], 2 * rows * a.row);
-      Bulk(ks, kb + size_t(r0) * a.row, rows * a.row, &bars[t % S]);
-      Bulk(vs, vb + size_t(r0) * a.row, rows * a.row, &bars[t % S]);
+      MbarArriveExpect(&bars[t % S], 2 * rows * a.row);
+      BulkCopy(ks, kb + size_t(r0) * a.row, rows * a.row, &bars[t % S]);
+      BulkCopy(vs, vb + size_t(r0) * a.row, rows * a.row, &bars[t % S]);
     }
   };
   for (int t = 0; t < S - 1; ++t) issue(t);
@@ -237,6 +207,9 @@ __global__ void __launch_bounds__(128) BlockRing(const __grid_constant__ Args a,
     __syncthreads();
   }
   if (acc == 0x9e3779b9u) a.sink[blockIdx.x] = acc;
+#else
+  __trap();  // sm_90 only: bulk and tensor copies
+#endif
 }
 
 // Plain loads: a warp takes U 16-byte pieces a lane in flight (K and V) over its split's rows.
@@ -263,16 +236,6 @@ __global__ void __launch_bounds__(128) Direct(const __grid_constant__ Args a) {
     Spin(a.delay * U * 128 * 16 / a.row / 16 / 4);
   }
   if (acc == 0x9e3779b9u) a.sink[blockIdx.x] = acc;
-}
-
-__global__ void StreamRead(const uint4* p, size_t n, uint32_t* sink) {
-  uint32_t acc = 0;
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
-       i += size_t{gridDim.x} * blockDim.x) {
-    const uint4 v = __ldcs(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;
 }
 
 template <typename F>
@@ -303,27 +266,14 @@ double TimeUs(cudaStream_t s, F&& launch, int iters) {
   return 1000.0 * ms / (reps * 20);
 }
 
-bool EncodeMap(Map* map, const void* base, uint32_t row, uint64_t rows, uint32_t box_rows) {
-  using Encode =
-      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                       &q) != cudaSuccess ||
-      q != cudaDriverEntryPointSuccess) {
-    return false;
-  }
-  const cuuint64_t dims[2] = {row, rows};
-  const cuuint64_t strides[1] = {row};
-  const cuuint32_t box[2] = {128, box_rows};
-  const cuuint32_t steps[2] = {1, 1};
-  return reinterpret_cast<Encode>(fn)(
-             reinterpret_cast<CUtensorMap*>(map->b), CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
-             const_cast<void*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+// K or V as [heads·rows][row bytes] in boxes of 128 bytes × box_rows rows, 128-byte swizzled.
+bool EncodeMap(TensorMapBytes* map, const void* base, uint32_t row, uint64_t rows,
+               uint32_t box_rows) {
+  const uint64_t dims[2] = {row, rows};
+  const uint64_t strides[1] = {row};
+  const uint32_t box[2] = {128, box_rows};
+  return EncodeTensorMap(map, TensorElem::kU8, 2, base, dims, strides, box, TensorSwizzle::k128B)
+      .ok();
 }
 
 }  // namespace
@@ -361,13 +311,8 @@ int main(int argc, char** argv) {
         name.c_str(), row, n, splits, delay, us, bytes / us / 1e6);
     std::fflush(stdout);
   };
-  const double stream_us = TimeUs(
-      s,
-      [&] {
-        StreamRead<<<sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(buf), 2 * half / 16,
-                                           sink);
-      },
-      iters);
+  auto stream = [&] { LaunchStreamRead(buf, 2 * half, sink, sms, s); };
+  const double stream_us = TimeUs(s, stream, iters);
   report("stream", 0, 0, stream_us);
   Args a{};
   a.k = buf;
@@ -439,13 +384,6 @@ int main(int argc, char** argv) {
                  s, [&] { Direct<8><<<dim3(a.splits, heads), 128, 0, s>>>(a); }, iters));
     }
   }
-  report("stream", 0, 0,
-         TimeUs(
-             s,
-             [&] {
-               StreamRead<<<sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(buf),
-                                                  2 * half / 16, sink);
-             },
-             iters));
+  report("stream", 0, 0, TimeUs(s, stream, iters));
   return 0;
 }

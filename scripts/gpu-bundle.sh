@@ -12,8 +12,7 @@ shift $(($# > 0 ? 1 : 0))
 OUT=$BUILD/devcarry
 rm -rf "$OUT"
 mkdir -p "$OUT/bin" "$OUT/lib" "$OUT/py" "$OUT/pytest"
-for b in pion-server pion-server-faults gpu_attention_test pion-gpu-attn-bench pion-fetch-bench \
-  pion-gpu-decode-patterns; do
+for b in pion-server pion-server-faults gpu_attention_test pion-gpu-attn-bench pion-fetch-bench; do
   [ -x "$BUILD/$b" ] && cp "$BUILD/$b" "$OUT/bin/"
 done
 for extra in "$@"; do

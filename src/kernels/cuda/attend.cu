@@ -687,11 +687,12 @@ uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
   // decode's 57.6 KB a block fit 3 an SM, not the 4 its dynamic bytes alone suggest, and the
   // fourth block's wave of splits ran alone — H200, GQA 32/8, fp16 d = 64: 128K 88.6 -> 72.9 µs
   // with 49 splits in one wave instead of 66, 32K 29.6 -> 25.0).
+  const bool stream = StreamDecodeFits(a);
   const uint64_t per_sm =
-      StreamDecodeFits(a) ? static_cast<uint64_t>(StreamDecodeBlocksPerSm(a, keys))
-      : tc                ? std::clamp<uint64_t>(static_cast<uint64_t>(FlashBlocksPerSm(a)), 1,
+      stream ? static_cast<uint64_t>(StreamDecodeBlocksPerSm(a, keys))
+      : tc   ? std::clamp<uint64_t>(static_cast<uint64_t>(FlashBlocksPerSm(a)), 1,
                                   FlashRowGroups(a) == 8 ? 64 : 4)
-           : std::clamp<uint64_t>((227u << 10) / std::max<size_t>(SimtSmem(a), 1), 1, 4);
+             : std::clamp<uint64_t>((227u << 10) / std::max<size_t>(SimtSmem(a), 1), 1, 4);
   const uint64_t slots = per_sm * std::max(gpu::Info().sms, 1);
   const uint64_t blocks = GridBlocks(a);
   uint64_t splits = std::max<uint64_t>(1, slots / std::max<uint64_t>(blocks, 1));
@@ -709,9 +710,10 @@ uint32_t PlanSplits(const AttendArgs& a, uint64_t keys) {
     cap = std::max(std::min<uint64_t>(32, keys / 64), keys / 128);
   }
   splits = std::min<uint64_t>(splits, std::max<uint64_t>(1, cap));
-  // The streaming decode's partials merge in CombineWarp, which takes up to 64 (fp8 d = 128 runs
-  // 4 blocks a multiprocessor: 66 splits for 8 K/V heads on 132 would take the block combine).
-  if (StreamDecodeFits(a)) splits = std::min<uint64_t>(splits, 64);
+  // The streaming decode's partials merge in CombineWarp, which takes up to 64 (fp8 d = 64 over a
+  // short range plans 4 blocks a multiprocessor: 66 splits for 8 K/V heads on 132 would take the
+  // block combine).
+  if (stream) splits = std::min<uint64_t>(splits, 64);
   return static_cast<uint32_t>(std::min<uint64_t>(splits, 4096));
 }
 

@@ -16,11 +16,12 @@
 // The math is flash.cu's packed decode: Q's fp16 (bf16) hi and lo parts as the MMA's rows 0..7
 // and 8..15 (so a row's score is the sum of its two accumulator rows, about fp32's accuracy),
 // K fragments by ldmatrix, online softmax in fp32, P (hi + lo) · V by ldmatrix.trans; fp8 tiles
-// are widened in registers (cvt e4m3x2 -> f16x2), K read in flash.cu's KPerm order of d and V
+// are widened in registers (cvt e4m3x2 -> f16x2), K read in KPerm's order of d (cuda_mma.cuh) and V
 // by words paired across rows, a score (q · k_e4m3) · scale_k and P entering P·V as
 // p · scale_v / unit. Rows past the range in a tile (only a range's last tile has them) are
 // masked, and their V rows zeroed in shared memory first (0 · NaN must not reach the sums).
-// The four warps then merge in shared memory and write the block's partial.
+// The four warps then merge in shared memory and write the block's partial (cuda_mma.cuh's
+// StoreWarpRow and MergeWarpsIntoPartial, as flash.cu's decode does).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -85,14 +86,6 @@ __device__ inline uint32_t Swz(int r, int c) {
   const uint32_t off =
       uint32_t(c / C::kBox) * (C::kTk * C::kBox) + uint32_t(r) * C::kBox + uint32_t(c % C::kBox);
   return off ^ (((off >> 7) & C::kSwz) << 4);
-}
-
-// fp8 in registers: the d that Q's logical column L holds (flash.cu's KPerm: lane (g, t) of a
-// k-step reads key g's bytes t·D/4 + 4·ks .. + 3).
-template <int D>
-__device__ inline int KPerm(int l) {
-  const int ks = l / 16, kk = l % 16;
-  return ((kk & 7) >> 1) * (D / 4) + 4 * ks + (kk & 1) + 2 * (kk >> 3);
 }
 
 template <typename T, int D, int Tk>
@@ -300,33 +293,19 @@ __global__ void __launch_bounds__(128) StreamDecodeKernel(const __grid_constant_
       }
       // Once the running maximum settles the factor is 1: skip the rescale (warp-uniform test).
       if (__any_sync(0xffffffffu, alpha != 1.f)) {
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          o[n][0] *= alpha;
-          o[n][1] *= alpha;
-          o[n][2] *= alpha;
-          o[n][3] *= alpha;
-        }
+        ScaleAcc(o, alpha);
       }
       // O += P·V: P's rows 0..7 the weights' high parts, rows 8..15 their low parts.
       const uint32_t ph[4] = {Pack16<TM>(s[0][0], s[0][1]), PackLo16<TM>(s[0][0], s[0][1]),
                               Pack16<TM>(s[1][0], s[1][1]), PackLo16<TM>(s[1][0], s[1][1])};
       if constexpr (C::kF8) {
-        // B = V rows c2, c2 + 1 (b0) and c2 + 8, c2 + 9 (b1); d tile 4q + b's column g is
-        // d = 32q + 4g + b: one word of each of the four rows feeds four d tiles.
 #pragma unroll
-        for (int q = 0; q < D / 32; ++q) {
+        for (int q = 0; q < D / 32; ++q) {  // MmaFp8V: V words at byte 4g + 32q of rows c2 ..
           const int col = 4 * g + 32 * q;
-          const uint32_t w0 = *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2, col));
-          const uint32_t w1 = *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 1, col));
-          const uint32_t w8 = *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 8, col));
-          const uint32_t w9 = *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 9, col));
-          const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
-          const uint32_t lo89 = __byte_perm(w8, w9, 0x5140), hi89 = __byte_perm(w8, w9, 0x7362);
-          Mma16<TM>(o[4 * q], ph, Fp8x2ToHalf2(lo01), Fp8x2ToHalf2(lo89));
-          Mma16<TM>(o[4 * q + 1], ph, Fp8x2ToHalf2(lo01 >> 16), Fp8x2ToHalf2(lo89 >> 16));
-          Mma16<TM>(o[4 * q + 2], ph, Fp8x2ToHalf2(hi01), Fp8x2ToHalf2(hi89));
-          Mma16<TM>(o[4 * q + 3], ph, Fp8x2ToHalf2(hi01 >> 16), Fp8x2ToHalf2(hi89 >> 16));
+          MmaFp8V<TM>(o, q, ph, *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2, col)),
+                      *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 1, col)),
+                      *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 8, col)),
+                      *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 9, col)));
         }
       } else {
 #pragma unroll
@@ -360,55 +339,8 @@ __global__ void __launch_bounds__(128) StreamDecodeKernel(const __grid_constant_
     ms[warp * 8 + g] = m_run;
     ls[warp * 8 + g] = l_run;
   }
-  float* orow = os + (warp * 8 + g) * C::kOs;
-  if constexpr (C::kF8) {  // the permuted columns: 8 consecutive d a quad lane
-#pragma unroll
-    for (int q = 0; q < D / 32; ++q) {
-      *reinterpret_cast<float4*>(orow + 32 * q + 4 * c2) =
-          make_float4(o[4 * q][0], o[4 * q + 1][0], o[4 * q + 2][0], o[4 * q + 3][0]);
-      *reinterpret_cast<float4*>(orow + 32 * q + 4 * c2 + 4) =
-          make_float4(o[4 * q][1], o[4 * q + 1][1], o[4 * q + 2][1], o[4 * q + 3][1]);
-    }
-  } else {
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      *reinterpret_cast<float2*>(orow + n * 8 + c2) = make_float2(o[n][0], o[n][1]);
-    }
-  }
-  __syncthreads();
-  const size_t part = a.part0 + blockIdx.y;
-  if (tid < group) {  // row tid: the warps' weights, the partial's m (natural log) and l
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) m = fmaxf(m, ms[w * 8 + tid]);
-    float l = 0.f;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const float f = m == -INFINITY ? 0.f : exp2f(ms[w * 8 + tid] - m);
-      fs[tid * 4 + w] = f;
-      l += ls[w * 8 + tid] * f;
-    }
-    const size_t pr = part * a.nrows + size_t(rowid[tid]);
-    a.part_m[pr] = m == -INFINITY ? -INFINITY : m * kLn2;
-    a.part_l[pr] = l;
-  }
-  __syncthreads();
-  constexpr int kC4 = D / 4;  // a thread a float4 column of a row
-  for (int e = tid; e < group * kC4; e += 128) {
-    const int row = e / kC4, c = (e % kC4) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const float f = fs[row * 4 + w];
-      const float4 x = *reinterpret_cast<const float4*>(os + (w * 8 + row) * C::kOs + c);
-      acc.x += x.x * f;
-      acc.y += x.y * f;
-      acc.z += x.z * f;
-      acc.w += x.w * f;
-    }
-    const size_t pr = part * a.nrows + size_t(rowid[row]);
-    *reinterpret_cast<float4*>(a.part_o + pr * D + c) = acc;
-  }
+  StoreWarpRow<D, 8, C::kOs, C::kF8>(os, warp, g, c2, 0, o);
+  MergeWarpsIntoPartial<D, 8, C::kOs, 8, 8>(a, a.part0 + blockIdx.y, rowid, ms, ls, fs, os);
   FinishSplits(a, rowid, 8);
 #else
   __trap();  // sm_90 only: StreamDecodeFits never takes another device

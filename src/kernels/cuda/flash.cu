@@ -89,16 +89,6 @@ struct Flash {
   static constexpr size_t kBytes = std::max(kQ + 2 * kStages * kTile + kScales, kQ + kMerge);
 };
 
-// fp8 in registers: the d that Q's logical column L (k-step L / 16, MMA column L % 16) holds.
-// Lane (g, t) of a k-step needs MMA columns 2t, 2t + 1, 2t + 8, 2t + 9 of key g: they are d =
-// t·D/4 + 4·ks + 0..3, so a lane's K bytes of a key are one run of D/4 and each k-step's four
-// are one word.
-template <int D>
-__device__ inline int KPerm(int l) {
-  const int ks = l / 16, kk = l % 16;
-  return ((kk & 7) >> 1) * (D / 4) + 4 * ks + (kk & 1) + 2 * (kk >> 3);
-}
-
 template <typename T, int D, int WR, bool kSplit, bool kPack>
 __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ AttendArgs a) {
   using C = Flash<T, D, WR, kSplit, kPack>;
@@ -573,25 +563,16 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
         o[n][3] *= alpha[kRowsPerThread - 1];
       }
     }
-    if constexpr (C::kF8) {
-      // o += P·V, 16 keys: B = V rows c2, c2 + 1 (b0) and c2 + 8, c2 + 9 (b1) at d tile 4q + b's
-      // column g = d 32q + 4g + b — one word of each of the four rows feeds four d tiles (bytes
-      // paired across rows by byte_perm, then widened).
+    if constexpr (C::kF8) {  // o += P·V, 16 keys (MmaFp8V)
       uint32_t ph[4] = {Pack16<TM>(s[0][0], s[0][1]), PackLo16<TM>(s[0][0], s[0][1]),
                         Pack16<TM>(s[1][0], s[1][1]), PackLo16<TM>(s[1][0], s[1][1])};
       const uint8_t* v8 = reinterpret_cast<const uint8_t*>(tile_v(buf)) + c2 * kStr + 4 * g;
 #pragma unroll
       for (int q = 0; q < D / 32; ++q) {
-        const uint32_t w0 = *reinterpret_cast<const uint32_t*>(v8 + 32 * q);
-        const uint32_t w1 = *reinterpret_cast<const uint32_t*>(v8 + kStr + 32 * q);
-        const uint32_t w8 = *reinterpret_cast<const uint32_t*>(v8 + 8 * kStr + 32 * q);
-        const uint32_t w9 = *reinterpret_cast<const uint32_t*>(v8 + 9 * kStr + 32 * q);
-        const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
-        const uint32_t lo89 = __byte_perm(w8, w9, 0x5140), hi89 = __byte_perm(w8, w9, 0x7362);
-        Mma16<TM>(o[4 * q], ph, Fp8x2ToHalf2(lo01), Fp8x2ToHalf2(lo89));
-        Mma16<TM>(o[4 * q + 1], ph, Fp8x2ToHalf2(lo01 >> 16), Fp8x2ToHalf2(lo89 >> 16));
-        Mma16<TM>(o[4 * q + 2], ph, Fp8x2ToHalf2(hi01), Fp8x2ToHalf2(hi89));
-        Mma16<TM>(o[4 * q + 3], ph, Fp8x2ToHalf2(hi01 >> 16), Fp8x2ToHalf2(hi89 >> 16));
+        MmaFp8V<TM>(o, q, ph, *reinterpret_cast<const uint32_t*>(v8 + 32 * q),
+                    *reinterpret_cast<const uint32_t*>(v8 + kStr + 32 * q),
+                    *reinterpret_cast<const uint32_t*>(v8 + 8 * kStr + 32 * q),
+                    *reinterpret_cast<const uint32_t*>(v8 + 9 * kStr + 32 * q));
       }
     } else if constexpr (C::kF32) {
       // o += P·V on tf32 m16n8k8, 8 keys a k-step. The MMA's key order is permuted so every
@@ -710,65 +691,10 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
         ms[warp * 16 + row] = m_run[i];
         ls[warp * 16 + row] = l_run[i];
       }
-      if constexpr (C::kF32 ||
-                    C::kF8) {  // the permuted columns (P·V above): 8 consecutive d a quad lane
-#pragma unroll
-        for (int q = 0; q < D / 32; ++q) {
-          float* dst = os + (warp * 16 + row) * C::kOs + 32 * q + 4 * c2;
-          *reinterpret_cast<float4*>(dst) =
-              make_float4(o[4 * q][0], o[4 * q + 1][0], o[4 * q + 2][0], o[4 * q + 3][0]);
-          *reinterpret_cast<float4*>(dst + 4) =
-              make_float4(o[4 * q][1], o[4 * q + 1][1], o[4 * q + 2][1], o[4 * q + 3][1]);
-        }
-      } else {
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          *reinterpret_cast<float2*>(os + (warp * 16 + row) * C::kOs + n * 8 + c2) =
-              make_float2(o[n][2 * i], o[n][2 * i + 1]);
-        }
-      }
+      StoreWarpRow<D, 16, C::kOs, C::kF32 || C::kF8>(os, warp, row, c2, i, o);
     }
-    __syncthreads();
-    // Per row: the warps' weights (one thread a row), then the weighted sums (a thread a column).
     float* fs = os + 4 * 16 * C::kOs;  // [16][4]
-    if (tid < 16 && rowid[tid] >= 0) {
-      float m = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) m = fmaxf(m, ms[w * 16 + tid]);
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float f = m == -INFINITY ? 0.f : exp2f(ms[w * 16 + tid] - m);
-        fs[tid * 4 + w] = f;
-        l += ls[w * 16 + tid] * f;
-      }
-      const size_t pr = part * a.nrows + size_t(rowid[tid]);
-      a.part_m[pr] = m == -INFINITY ? -INFINITY : m * kLn2;
-      a.part_l[pr] = l;
-    }
-    __syncthreads();
-    constexpr int kOutRows = kPack ? 8 : 16;
-    // A thread a float4 column of a row (D/4 threads a row): a quarter of the shared-memory
-    // loads and global stores of a thread a column (H200, same binary: f16 2K 8.14 -> 7.57 µs,
-    // 4K 10.04 -> 9.38, 8K 13.34 -> 12.76, M = 3 at 2K 11.33 -> 9.57, 32K 40.6 -> 40.0).
-    constexpr int kC4 = D / 4;
-#pragma unroll
-    for (int e = tid; e < kOutRows * kC4; e += 128) {
-      const int row = e / kC4, c = (e % kC4) * 4;
-      if (rowid[row] < 0) continue;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float f = fs[row * 4 + w];
-        const float4 x = *reinterpret_cast<const float4*>(os + (w * 16 + row) * C::kOs + c);
-        acc.x += x.x * f;
-        acc.y += x.y * f;
-        acc.z += x.z * f;
-        acc.w += x.w * f;
-      }
-      const size_t pr = part * a.nrows + size_t(rowid[row]);
-      *reinterpret_cast<float4*>(a.part_o + pr * D + c) = acc;
-    }
+    MergeWarpsIntoPartial<D, 16, C::kOs, 16, kPack ? 8 : 16>(a, part, rowid, ms, ls, fs, os);
   }
   FinishSplits(a, rowid, C::kRows);
 }
@@ -1033,7 +959,6 @@ bool UsesTensorCores(const AttendArgs& a) {
 }
 
 int FlashBlocksPerSm(const AttendArgs& a) {
-  if (StreamDecodeFits(a)) return StreamDecodeBlocksPerSm(a, a.end > a.begin ? a.end - a.begin : 0);
   if (a.dtype != DType::kF32 && FlashRowGroups(a) == 8) return BatchedBlocksPerSm(a);
   if (a.dtype == DType::kF32) return BlocksPerSmD<float, 1, false, true>(a.d);
   if (a.dtype == DType::kFP8) return BlocksPerSmD<__nv_fp8_e4m3, 1, false, true>(a.d);

@@ -517,13 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if (__any_sync(0xffffffffu, alpha != 1.f)) {
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][0] *= alpha;
-        o[n][1] *= alpha;
-        o[n][2] *= alpha;
-        o[n][3] *= alpha;
-      }
+      ScaleAcc(o, alpha);
     }
     // o += P·V: P's rows g are the weights' high parts, rows g + 8 their low parts.
     const uint32_t ph[4] = {Pack(x[0][0], x[0][1]), PackLo(x[0][0], x[0][1]),
