@@ -16,6 +16,7 @@
 //                       PION_BENCH_STREAM=0 M = 1 decode on the tensor-core decode instead of
 //                       the streaming decode, PION_BENCH_STREAM_TILE=64 its 64-key tiles for
 //                       every shape,
+//                       PION_BENCH_OVERLAP=0 back-to-back calls without overlap,
 //                       PION_BENCH_SKIP_COMBINE=1 the split-K
 //                       launch alone, PION_BENCH_FINISH=1 the launch merging its own splits;
 //                       M = 1 over a short range: the cluster decode's one launch where the
@@ -290,6 +291,8 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   if (const char* f = std::getenv("PION_BENCH_STREAM_TILE")) {
     kernels::cuda::SetStreamDecodeTile(U(f));
   }
+  if (const char* f = std::getenv("PION_BENCH_OVERLAP"))
+    kernels::cuda::SetOverlapCalls(f[0] == '1');
   bool tc = kernels::cuda::UsesTensorCores(a);
   const int pad = tc ? kernels::cuda::FlashRowGroups(a) : 1;
   auto items = kernels::cuda::DenseItems(hq, m, map.data(), pad);

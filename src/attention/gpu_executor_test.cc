@@ -668,6 +668,129 @@ TEST(GpuExecutor, StreamDecodeSmoke) {
   }
 }
 
+// Sets kernels::cuda::SetOverlapCalls for a scope, and back to the default (on).
+struct OverlapScope {
+  explicit OverlapScope(bool on) { kernels::cuda::SetOverlapCalls(on); }
+  ~OverlapScope() { kernels::cuda::SetOverlapCalls(true); }
+};
+
+// Back-to-back calls (OverlapCalls): each streaming decode lets the launch after it place its
+// blocks from its start and waits for the launch before it only where it writes its partials,
+// so calls queued with no wait between them overlap. Six calls with different queries over the
+// same partials (split-K + combine, and one split finished in the launch over the same
+// counters), queued at once on one stream, each against the scalar reference (1e-4) — with the
+// overlap and without, both tile sizes; a call that wrote its partials before the previous
+// call's combine read them would return the wrong output.
+TEST(GpuExecutor, StreamDecodeBackToBack) {
+  SKIP_WITHOUT_GPU();
+  if (gpu::Info().cc_major < 9) GTEST_SKIP() << "the streaming decode runs on sm_90";
+  auto ctx_or = gpu::Context::ForThisThread();
+  ASSERT_TRUE(ctx_or.ok()) << ctx_or.status().message();
+  gpu::Context* ctx = ctx_or.value();
+  constexpr uint32_t kCalls = 6, hq = 32, heads = 8, n = 6000;
+  const std::pair<DType, uint32_t> shapes[] = {
+      {DType::kF16, 128}, {DType::kBF16, 64}, {DType::kFP8, 128}, {DType::kFP8, 64}};
+  std::vector<int32_t> map(hq);
+  for (uint32_t h = 0; h < hq; ++h) map[h] = static_cast<int32_t>(h / (hq / heads));
+  for (auto [t, d] : shapes) {
+    std::mt19937 rng(17 + d);
+    auto ts = MakeSlot(heads, n, d, t, rng);
+    ASSERT_TRUE(static_cast<bool>(ts->pin));
+    const auto q = Randn(size_t{kCalls} * hq * d, rng);
+    const size_t per = size_t{hq} * d;  // output floats a call (then hq LSEs)
+    std::vector<float> ref(kCalls * per), ref_lse(kCalls * hq);
+    for (uint32_t c = 0; c < kCalls; ++c) {
+      Plan p;
+      p.q = {q.data() + c * per, hq, 1, d, map.data(), int64_t{n}};
+      Receipt r;
+      ASSERT_TRUE(attention::Run(kernels::ReferenceKernels(), Parallel{}, p, ts->K(), ts->V(),
+                                 ref.data() + c * per, ref_lse.data() + c * hq, &r)
+                      .ok());
+    }
+    for (bool overlap : {true, false}) {
+      OverlapScope os(overlap);
+      for (uint32_t tile : {0u, 64u}) {
+        StreamTileScope scope(tile);
+        ctx->Reset();
+        auto dq = ctx->Device(q.size() * sizeof(float));
+        ASSERT_TRUE(dq.ok());
+        ASSERT_TRUE(ctx->ToDevice(dq.value(), q.data(), q.size() * sizeof(float)).ok());
+        kernels::cuda::AttendArgs a;
+        a.hq = hq;
+        a.m = 1;
+        a.d = d;
+        a.q_pos0 = n;
+        a.k = ts->pin->block(0);
+        a.v = ts->pin->block(1);
+        a.dtype = t;
+        a.k_scale = kernels::MakeTensor(a.k, t, heads, n, d).scales;
+        a.v_scale = kernels::MakeTensor(a.v, t, heads, n, d).scales;
+        a.heads = heads;
+        a.rows = n;
+        a.end = n;
+        a.scale = 1.0f / std::sqrt(static_cast<float>(d));
+        a.nrows = hq;
+        a.dense_items = true;
+        const auto items = kernels::cuda::DenseItems(hq, 1, map.data());
+        auto di = ctx->Device(items.size() * sizeof(items[0]));
+        ASSERT_TRUE(di.ok());
+        ASSERT_TRUE(ctx->ToDevice(di.value(), items.data(), items.size() * sizeof(items[0])).ok());
+        a.items = static_cast<const kernels::cuda::Item*>(di.value());
+        a.n_items = static_cast<uint32_t>(items.size());
+        a.item_rows = kernels::cuda::MaxRows(items);
+        a.uniform_group = kernels::cuda::UniformGroup(items, 1);
+        ASSERT_TRUE(kernels::cuda::StreamDecodeFits(a));
+        const uint32_t planned = kernels::cuda::PlanSplits(a, n);
+        ASSERT_GT(planned, 1u);
+        for (uint32_t splits : {planned, 1u}) {
+          SCOPED_TRACE(std::string(t == DType::kF16    ? "f16"
+                                   : t == DType::kBF16 ? "bf16"
+                                                       : "f8") +
+                       " d " + std::to_string(d) + ", overlap " + std::to_string(overlap) +
+                       ", tile " + std::to_string(tile) + ", splits " + std::to_string(splits));
+          auto pm = ctx->Device(size_t{splits} * hq * sizeof(float));
+          auto pl = ctx->Device(size_t{splits} * hq * sizeof(float));
+          auto po = ctx->Device(size_t{splits} * per * sizeof(float));
+          auto out = ctx->Device(kCalls * (per + hq) * sizeof(float));
+          auto counters = ctx->Counters(kernels::cuda::GridBlocks(a));
+          ASSERT_TRUE(pm.ok() && pl.ok() && po.ok() && out.ok() && counters.ok());
+          ASSERT_TRUE(ctx->Memset(out.value(), 0xff, kCalls * (per + hq) * sizeof(float)).ok());
+          auto* dout = static_cast<float*>(out.value());
+          a.splits = splits;
+          a.part_m = static_cast<float*>(pm.value());
+          a.part_l = static_cast<float*>(pl.value());
+          a.part_o = static_cast<float*>(po.value());
+          for (uint32_t c = 0; c < kCalls; ++c) {
+            a.q = static_cast<const float*>(dq.value()) + c * per;
+            float* o = dout + c * per;
+            float* lse = dout + kCalls * per + c * hq;
+            a.counters = splits == 1 ? counters.value() : nullptr;
+            a.out = splits == 1 ? o : nullptr;
+            a.lse = splits == 1 ? lse : nullptr;
+            ASSERT_TRUE(kernels::cuda::LaunchAttend(a, ctx->stream()).ok());
+            if (splits > 1) {
+              ASSERT_TRUE(kernels::cuda::LaunchCombine(splits, hq, d, a.part_m, a.part_l, a.part_o,
+                                                       o, lse, ctx->stream())
+                              .ok());
+            }
+          }
+          std::vector<float> got(kCalls * (per + hq));
+          ASSERT_TRUE(ctx->ToHost(got.data(), dout, got.size() * sizeof(float)).ok());
+          ASSERT_TRUE(ctx->Sync().ok());
+          for (size_t i = 0; i < ref.size(); ++i) {
+            ASSERT_NEAR(got[i], ref[i], 1e-4 * (1 + std::fabs(ref[i])))
+                << "call " << i / per << ", output " << i % per;
+          }
+          for (size_t i = 0; i < ref_lse.size(); ++i) {
+            ASSERT_NEAR(got[kCalls * per + i], ref_lse[i], 1e-4 * (1 + std::fabs(ref_lse[i])))
+                << "call " << i / hq << ", lse " << i % hq;
+          }
+        }
+      }
+    }
+  }
+}
+
 // M = 1 over short ranges: the one launch of a thread-block cluster a K/V head
 // (decode_cluster.cu) where the device takes it — every group size up to 8 query heads a K/V
 // head, both of its head dims and dtypes, ranges shorter than its 64 warps, a tile's tail, a

@@ -466,10 +466,11 @@ Status LaunchSimtD(const AttendArgs& a, cudaStream_t stream) {
 constexpr uint32_t kCombineParts = 1024;
 __global__ void __launch_bounds__(128)
     Combine(uint32_t parts, uint32_t nrows, uint32_t d, const float* pm, const float* pl,
-            const float* po, float* out, float* lse) {
+            const float* po, float* out, float* lse, bool overlap) {
   __shared__ float top, wsum[4];
   __shared__ float wts[kCombineParts], lts[kCombineParts];
   __shared__ float4 part_o[4][128];  // [warp][column group], d <= 512
+  if (overlap) LaunchDependents();   // the next launch may place its blocks (OverlapCalls)
   WaitForPrimary();                  // launched early (programmatic dependent launch)
   const uint32_t row = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -555,7 +556,8 @@ __global__ void __launch_bounds__(128)
 template <int kP>
 __global__ void __launch_bounds__(128)
     CombineWarp(uint32_t parts, uint32_t nrows, uint32_t d, const float* pm, const float* pl,
-                const float* po, float* out, float* lse) {
+                const float* po, float* out, float* lse, bool overlap) {
+  if (overlap) LaunchDependents();       // the next launch may place its blocks (OverlapCalls)
   WaitForPrimary();                      // launched early (programmatic dependent launch)
   constexpr int kC = (kP + 31) / 32;     // parts a lane holds the m and l of
   constexpr int kB = kP < 32 ? kP : 32;  // output parts loaded at once
@@ -746,7 +748,8 @@ Status LaunchCombine(uint32_t parts, uint32_t nrows, uint32_t d, const float* pa
   // same run: fp16 2K 8.55 -> 8.28 µs, 4K 10.40 -> 10.11, 8K 13.86 -> 13.69; fp32 2K even).
   auto launch = [&](auto kernel, dim3 grid) {
     return LaunchDependent(kernel, grid, dim3(128), 0, static_cast<cudaStream_t>(stream),
-                           "combine kernel", parts, nrows, d, part_m, part_l, part_o, out, lse);
+                           "combine kernel", parts, nrows, d, part_m, part_l, part_o, out, lse,
+                           OverlapCalls());
   };
   const dim3 warps((nrows + 3) / 4);  // CombineWarp: four rows a block
   if (d <= 128 && parts <= 16) return launch(CombineWarp<16>, warps);

@@ -178,6 +178,15 @@ bool StreamDecodeFits(const AttendArgs& a);
 // for comparison (the bench's PION_BENCH_STREAM_TILE=64, GpuExecutor.StreamDecode); 0 restores.
 uint32_t StreamDecodeTile(const AttendArgs& a);
 void SetStreamDecodeTile(uint32_t keys);
+// Back-to-back launches overlap (on by default; the bench's PION_BENCH_OVERLAP=0 for
+// comparison): the streaming decode lets the launch after it place its blocks from its start and
+// waits for the launch before it only where it writes its partials, and the combine lets the
+// next launch place its blocks before it waits — so a decode's first tiles stream while the
+// call before it drains. Safe because every kernel launched as a dependent waits before it
+// reads what an earlier kernel wrote, and the decode reads nothing a kernel writes (K, V and Q
+// arrive by copies).
+void SetOverlapCalls(bool on);
+bool OverlapCalls();
 // Key-range splits for a dense launch of `a` (items set) over `keys` keys: enough blocks for one
 // full wave of the device at the kernel's occupancy, at least two key tiles per split.
 uint32_t PlanSplits(const AttendArgs& a, uint64_t keys);
