@@ -742,8 +742,11 @@ def test_fp8_slots_error_against_fp32_is_bounded(shared_pion):
         pos_q = np.arange(p0, p0 + m)
         tail = ([w] if w else []) + (["QPOS", qpos] if qpos is not None else [])
 
-        def check(form, got, args32, args8):
-            assert_close(got, attend_ref(*args8)[0], what=form)
+        def check(form, got, args32, args8, rows_per_kv=(hq // hkv) * m):
+            # 64+ query rows a K/V head (d <= 128) on the cuda backend: the batched tensor-core
+            # kernel, Q and P rounded to 16 bits (flash-attention precision, docs/PROTOCOL.md).
+            flash = ATTENTION_BACKEND == "cuda" and rows_per_kv >= 64 and d <= 128
+            assert_close(got, attend_ref(*args8)[0], 4e-3 if flash else TOL, form)
             errs.append((form, i, rel_mse(got, attend_ref(*args32)[0])))
 
         out = r.execute_command("ATTEND.PREFIX.QUERY", sid, 0, hq, d, 0, f32(q), *tail)
@@ -759,7 +762,8 @@ def test_fp8_slots_error_against_fp32_is_bounded(shared_pion):
         pos_f, pos_k = np.arange(n + s_suf - mf, n + s_suf), np.arange(n + s_suf)
         check("fused", parse_out(out, hq, mf, d, False)[0],
               (qf, np.concatenate([k, ks], 1), np.concatenate([v, vs], 1), hm, pos_f, pos_k, w),
-              (qf, np.concatenate([k8, ks], 1), np.concatenate([v8, vs], 1), hm, pos_f, pos_k, w))
+              (qf, np.concatenate([k8, ks], 1), np.concatenate([v8, vs], 1), hm, pos_f, pos_k, w),
+              (hq // hkv) * mf)
 
         if m == 1:
             kmax = n // 2
