@@ -6,7 +6,8 @@
 #      decode's 16- and 32-key tiles), racecheck on them, on the one-launch SHARED
 #      sparse-auto's test, and memcheck and racecheck on the eight-group batched kernel's
 #      (BatchedSmoke) and the streaming decode's (StreamDecodeSmoke) — fp16, bf16 and fp8, each
-#      in a process of its own;
+#      in a process of its own — and memcheck on back-to-back overlapping decodes
+#      (StreamDecodeBackToBack);
 #   3. the Stage 2 and residency end-to-end suites against a real pion-server with
 #      --attention-backend cuda (and pion-server-faults for the failed-GPU-copy case);
 #   4. the transformers integration (tests/test_hf.py: Stage 1 over TCP, shm and CUDA IPC; Stage 2).
@@ -35,6 +36,7 @@ if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/comp
   run racecheck GpuExecutor.BatchedSmoke
   run memcheck GpuExecutor.StreamDecodeSmoke
   run racecheck GpuExecutor.StreamDecodeSmoke
+  run memcheck GpuExecutor.StreamDecodeBackToBack
 else
   echo "compute-sanitizer not found: the sanitizer runs need it" >&2
   exit 1
