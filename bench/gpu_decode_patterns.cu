@@ -9,8 +9,10 @@
 //
 // Patterns (one line each): warp rings of 16-row tiles by cp.async (the current decode's
 // pieces) or by one bulk copy each; block rings of T-row tiles by one bulk copy each (K and V),
-// or by 2-D tensor copies of 128-byte columns with the 128-byte swizzle; plain loads into
-// registers. Prints one JSON object per line.
+// or by 2-D tensor copies of 128-byte columns with the 128-byte swizzle (64-byte rows, fp8
+// d = 64: 64-byte columns, 64-byte swizzle); plain loads into registers. Prints one JSON object
+// per line. (64-byte rows at N read the bytes of 128-byte rows at N / 2: running both compares
+// the 64-byte tensor copies with the 128-byte ones over the same bytes.)
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
@@ -148,7 +150,8 @@ __global__ void __launch_bounds__(128) WarpRing(const __grid_constant__ Args a) 
 }
 
 // Block rings: S stages of T rows of K and V; thread 0 issues (one bulk copy each, or 2-D tensor
-// copies of 128-byte column boxes with the 128-byte swizzle, kTensor), every warp waits on the
+// copies of 128-byte column boxes with the 128-byte swizzle — 64-byte rows: one 64-byte box with
+// the 64-byte swizzle, as the decode reads fp8 d = 64 — kTensor), every warp waits on the
 // stage's barrier, reads its quarter, spins, and the block syncs before the stage is refilled.
 template <int S, bool kTensor>
 __global__ void __launch_bounds__(128) BlockRing(const __grid_constant__ Args a, uint32_t T) {
@@ -179,14 +182,14 @@ __global__ void __launch_bounds__(128) BlockRing(const __grid_constant__ Args a,
     uint8_t* ks = smem + (t % S) * 2 * tileb;
     uint8_t* vs = ks + tileb;
     if (kTensor) {
-      // Boxes of 128 bytes × T rows (the map's box), row/128 of them a tile; a partial last
-      // tile reads zeros past the tensor (full box bytes still count).
-      const uint32_t boxes = a.row / 128;
-      MbarArriveExpect(&bars[t % S], 2 * boxes * T * 128);
+      // Boxes of 128 bytes (64-byte rows: 64) × T rows (the map's box), row/box of them a
+      // tile; a partial last tile reads zeros past the tensor (full box bytes still count).
+      const uint32_t boxw = a.row < 128 ? a.row : 128, boxes = a.row / boxw;
+      MbarArriveExpect(&bars[t % S], 2 * boxes * T * boxw);
       for (uint32_t b = 0; b < boxes; ++b) {
-        const int c0 = int(b * 128), c1 = int(head * a.n + r0);
-        TensorCopy2d(ks + b * T * 128, &a.mk, c0, c1, &bars[t % S]);
-        TensorCopy2d(vs + b * T * 128, &a.mv, c0, c1, &bars[t % S]);
+        const int c0 = int(b * boxw), c1 = int(head * a.n + r0);
+        TensorCopy2d(ks + b * T * boxw, &a.mk, c0, c1, &bars[t % S]);
+        TensorCopy2d(vs + b * T * boxw, &a.mv, c0, c1, &bars[t % S]);
       }
     } else {
       MbarArriveExpect(&bars[t % S], 2 * rows * a.row);
@@ -266,14 +269,15 @@ double TimeUs(cudaStream_t s, F&& launch, int iters) {
   return 1000.0 * ms / (reps * 20);
 }
 
-// K or V as [heads·rows][row bytes] in boxes of 128 bytes × box_rows rows, 128-byte swizzled.
+// K or V as [heads·rows][row bytes] in boxes of 128 bytes × box_rows rows, 128-byte swizzled
+// (64-byte rows: boxes of 64 bytes, 64-byte swizzled).
 bool EncodeMap(TensorMapBytes* map, const void* base, uint32_t row, uint64_t rows,
                uint32_t box_rows) {
   const uint64_t dims[2] = {row, rows};
   const uint64_t strides[1] = {row};
-  const uint32_t box[2] = {128, box_rows};
-  return EncodeTensorMap(map, TensorElem::kU8, 2, base, dims, strides, box, TensorSwizzle::k128B)
-      .ok();
+  const uint32_t box[2] = {row == 64 ? 64u : 128u, box_rows};
+  const TensorSwizzle sw = row == 64 ? TensorSwizzle::k64B : TensorSwizzle::k128B;
+  return EncodeTensorMap(map, TensorElem::kU8, 2, base, dims, strides, box, sw).ok();
 }
 
 }  // namespace
@@ -352,7 +356,8 @@ int main(int argc, char** argv) {
              {uint32_t(per_sm * sms / heads), uint32_t(std::max(1, per_sm / 2) * sms / heads)}) {
           a.splits = std::max(1u, splits);
           for (int tensor = 0; tensor < 2; ++tensor) {
-            if (tensor && (row % 128 != 0 || !EncodeMap(&a.mk, a.k, row, uint64_t(heads) * n, T) ||
+            if (tensor && ((row % 128 != 0 && row != 64) ||
+                           !EncodeMap(&a.mk, a.k, row, uint64_t(heads) * n, T) ||
                            !EncodeMap(&a.mv, a.v, row, uint64_t(heads) * n, T))) {
               continue;
             }
