@@ -49,26 +49,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "gpu_stream.h"
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/gpu.h"
-
-void LaunchStreamRead(const void* p, size_t bytes, uint32_t* sink, int sms, cudaStream_t s);
-void LaunchEmpty(int blocks, cudaStream_t s);
 
 namespace {
 
 using namespace pion;
 using kernels::DType;
 using kernels::cuda::AttendArgs;
-
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 void Ok(const Status& s) {
   if (!s.ok()) {

@@ -23,19 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "gpu_stream.h"
 #include "kernels/cuda/cuda_common.cuh"
-
-// bench/gpu_stream.cu: the streaming read, the bench's bandwidth ceiling.
-void LaunchStreamRead(const void* p, size_t bytes, uint32_t* sink, int sms, cudaStream_t s);
-
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 namespace {
 

@@ -1,9 +1,7 @@
 // The ceilings for pion-gpu-attn-bench: a plain streaming read of n bytes (16-byte loads,
 // grid-stride, reduced to one word per block so the loads are not optimized away) — the
 // bandwidth ceiling — and an empty kernel, the launch floor.
-#include <cuda_runtime.h>
-
-#include <cstdint>
+#include "gpu_stream.h"
 
 namespace {
 

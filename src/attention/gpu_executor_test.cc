@@ -743,11 +743,9 @@ TEST(GpuExecutor, StreamDecodeBackToBack) {
         const uint32_t planned = kernels::cuda::PlanSplits(a, n);
         ASSERT_GT(planned, 1u);
         for (uint32_t splits : {planned, 1u}) {
-          SCOPED_TRACE(std::string(t == DType::kF16    ? "f16"
-                                   : t == DType::kBF16 ? "bf16"
-                                                       : "f8") +
-                       " d " + std::to_string(d) + ", overlap " + std::to_string(overlap) +
-                       ", tile " + std::to_string(tile) + ", splits " + std::to_string(splits));
+          SCOPED_TRACE(std::string(kernels::DTypeName(t)) + " d " + std::to_string(d) +
+                       ", overlap " + std::to_string(overlap) + ", tile " + std::to_string(tile) +
+                       ", splits " + std::to_string(splits));
           auto pm = ctx->Device(size_t{splits} * hq * sizeof(float));
           auto pl = ctx->Device(size_t{splits} * hq * sizeof(float));
           auto po = ctx->Device(size_t{splits} * per * sizeof(float));

@@ -10,7 +10,6 @@ namespace {
 
 constexpr std::string_view kNames[] = {"fp32",   "fp16",   "bf16", "int8",    "turbo4",
                                        "turbo3", "turbo2", "fp8",  "fp8_e5m2"};
-constexpr std::string_view kChoices = "fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2";
 constexpr uint32_t kInt8Block = 32;
 constexpr uint32_t kDefaultTurboBlock = 128;
 constexpr uint32_t kMinTurboBlock = 8;
@@ -49,7 +48,14 @@ std::optional<Format> ParseFormat(std::string_view name) {
   return std::nullopt;
 }
 
-std::string_view FormatChoices() { return kChoices; }
+std::string_view FormatChoices() {
+  static const std::string choices = [] {  // kNames joined by '|'
+    std::string s;
+    for (std::string_view n : kNames) s.append(s.empty() ? "" : "|").append(n);
+    return s;
+  }();
+  return choices;
+}
 
 std::string_view FormatName(Format f) {
   const auto i = static_cast<size_t>(f);
@@ -59,7 +65,7 @@ std::string_view FormatName(Format f) {
 StatusOr<RowCodec> RowCodec::Create(Format f, uint32_t dim, uint32_t block) {
   if (static_cast<size_t>(f) >= std::size(kNames)) {
     return Error("unknown value format " + std::to_string(static_cast<int>(f)) +
-                 ", expected one of " + std::string(kChoices));
+                 ", expected one of " + std::string(FormatChoices()));
   }
   if (dim == 0 || dim > kMaxDim) {
     return Error(Name(f) + " dim must be in [1, " + std::to_string(kMaxDim) + "], got " +
