@@ -15,7 +15,9 @@
 //                       PION_BENCH_BF16TC=0 bf16 decode on the SIMT kernel,
 //                       PION_BENCH_STREAM=0 M = 1 decode on the tensor-core decode instead of
 //                       the streaming decode, PION_BENCH_STREAM_TILE=64 its 64-key tiles for
-//                       every shape,
+//                       every shape, PION_BENCH_STREAM_BLOCKS=<n> its blocks a multiprocessor,
+//                       PION_BENCH_DUMP=<file> the output and LSEs as raw float32 (to compare
+//                       two builds),
 //                       PION_BENCH_OVERLAP=0 back-to-back calls without overlap,
 //                       PION_BENCH_SKIP_COMBINE=1 the split-K
 //                       launch alone, PION_BENCH_FINISH=1 the launch merging its own splits;
@@ -280,6 +282,9 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   if (const char* f = std::getenv("PION_BENCH_STREAM_TILE")) {
     kernels::cuda::SetStreamDecodeTile(U(f));
   }
+  if (const char* f = std::getenv("PION_BENCH_STREAM_BLOCKS")) {
+    kernels::cuda::SetStreamDecodeBlocks(U(f));
+  }
   if (const char* f = std::getenv("PION_BENCH_OVERLAP"))
     kernels::cuda::SetOverlapCalls(f[0] == '1');
   bool tc = kernels::cuda::UsesTensorCores(a);
@@ -331,6 +336,19 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
         }
       },
       Iters(bytes), &us_launches);
+  // PION_BENCH_DUMP=<file>: the last call's output rows and LSEs as raw float32, to compare
+  // two builds of a kernel on the same inputs (the inputs are a fixed sequence).
+  if (const char* dump = std::getenv("PION_BENCH_DUMP")) {
+    CK(cudaStreamSynchronize(s));
+    const auto o = Down(a.out, size_t{a.nrows} * d);
+    const auto l = Down(a.lse, a.nrows);
+    FILE* f = std::fopen(dump, "wb");
+    if (f == nullptr || std::fwrite(o.data(), 4, o.size(), f) != o.size() ||
+        std::fwrite(l.data(), 4, l.size(), f) != l.size() || std::fclose(f) != 0) {
+      std::fprintf(stderr, "PION_BENCH_DUMP: cannot write %s\n", dump);
+      return 1;
+    }
+  }
   const char* path = !tc                                  ? "simt"
                      : pad >= 4                           ? "tensor-core batched"
                      : kernels::cuda::StreamDecodeFits(a) ? "streaming decode"

@@ -178,6 +178,10 @@ bool StreamDecodeFits(const AttendArgs& a);
 // for comparison (the bench's PION_BENCH_STREAM_TILE=64, GpuExecutor.StreamDecode); 0 restores.
 uint32_t StreamDecodeTile(const AttendArgs& a);
 void SetStreamDecodeTile(uint32_t keys);
+// Its blocks a multiprocessor (the split-K plan's slots): enough rings for ~96 KB of tiles in
+// flight (decode_stream.cu) — or n after SetStreamDecodeBlocks(n), process-wide, for comparison
+// (the bench's PION_BENCH_STREAM_BLOCKS=n); 0 restores.
+void SetStreamDecodeBlocks(uint32_t n);
 // Back-to-back launches overlap (on by default; the bench's PION_BENCH_OVERLAP=0 for
 // comparison): the streaming decode lets the launch after it place its blocks from its start and
 // waits for the launch before it only where it writes its partials, and the combine lets the

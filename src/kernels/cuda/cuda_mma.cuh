@@ -119,6 +119,18 @@ __device__ inline uint32_t PackLo16(float x, float y) {
   }
 }
 
+// PackLo16 for the pair whose high parts hi = Pack16<E>(x, y) are already packed: widening
+// hi back costs less than rounding x and y a second time.
+template <typename E>
+__device__ inline uint32_t PackLoOf(float x, float y, uint32_t hi) {
+  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    return PackBf16(x - __uint_as_float(hi << 16), y - __uint_as_float(hi & 0xffff0000u));
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    return Pack(x - f.x, y - f.y);
+  }
+}
+
 // 16 bytes global -> shared at compile-time byte offsets from two base addresses (the offsets
 // ride in the instruction: no address arithmetic per copy).
 template <int kSmemOff, int kGlobalOff>

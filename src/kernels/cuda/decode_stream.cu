@@ -3,11 +3,12 @@
 //
 // A decode reads every K/V byte once and does little with it, so the kernel is built around
 // the read. Each block (a K/V head, a split of its visible range) streams its keys through one
-// ring of kStages tiles of 64 keys; a tile of K and of V is one tensor copy (TMA) each per
-// 128 bytes of row — d = 128 fp16 two, the others one — landing 128-byte (64-byte for fp8
-// d = 64) swizzled so the fragment loads below hit distinct banks, and an fp8 tile's row scales
-// are a copy each too. One thread issues; every stage completes on its mbarrier; the block's
-// four warps take 16 keys of every tile each and sync once a tile before the stage is refilled.
+// ring of kStages tiles (16 KB of K rows: 64 or 128 keys); a tile of K and of V is one tensor copy
+// (TMA) each per 128 bytes of row — d = 128 fp16 two, the others one — landing 128-byte (64-byte
+// for fp8 d = 64) swizzled so the fragment loads below hit distinct banks, and an fp8 tile's row
+// scales are a copy each too. One thread issues; every stage completes on its mbarrier; the block's
+// four warps take a quarter of every tile each (16 or 32 keys; a softmax step a 32) and sync once
+// a tile before the stage is refilled.
 // Measured on an H100 without the math (bench/gpu_decode_patterns.cu, 2026-12-06): this read
 // runs at the plain streaming read's rate (d = 128 fp16 at 128K 169.9 µs vs 171.1), where the
 // per-warp rings of 16-row cp.async pieces the tensor-core decode uses (flash.cu) run 5-8 %
@@ -234,26 +235,33 @@ __global__ void __launch_bounds__(128)
         if (unit > 0.f && isfinite(unit)) v_unit = unit, v_inv = 1.f / unit;
       }
     }
+    // A softmax step takes 32 keys where a warp's share of a tile holds whole 32s (16 else):
+    // one maximum, rescale and pair of shuffles per 32 keys, and two independent score chains
+    // in flight. H100, GQA 32/8, µs, 16 keys a step / 32 / 32 with PackLoOf's low parts: fp8
+    // d = 64 32K 12.4 / 11.9 / 11.8, fp8 d = 128 128K 87.0 / 84.2 / 83.7; fp16 and bf16 alike
+    // (d = 64 32K 20.3, d = 128 128K 164.5). Outputs equal to 1e-6.
+    constexpr int kP = kWk % 32 == 0 ? 32 : 16;
+    constexpr int kN = kP / 8;  // 8-key n-tiles a step
 #pragma unroll
-    for (int piece = 0; piece < kWk / 16; ++piece) {
-      const int wr = kWk * warp + 16 * piece;  // the piece's first row in the tile
-      const uint32_t first = wfirst + 16 * piece;
+    for (int piece = 0; piece < kWk / kP; ++piece) {
+      const int wr = kWk * warp + kP * piece;  // the step's first row in the tile
+      const uint32_t first = wfirst + kP * piece;
       if (first >= k1) break;  // (warp-uniform) nothing of the range left in this tile
-      const bool full = first + 16 <= k1;
+      const bool full = first + kP <= k1;
       const float* ksc = ksc_t + wr;
       const float* vsc = vsc_t + wr;
-      // S = Q·Kᵀ for the warp's 16 keys (two 8-key n-tiles); the odd k-steps in a second chain.
-      float s[2][4], s2[2][4];
+      // S = Q·Kᵀ for the step's keys (kN 8-key n-tiles); the odd k-steps in a second chain.
+      float s[kN][4], s2[kN][4];
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
+      for (int n = 0; n < kN; ++n) {
         s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
         s2[n][0] = s2[n][1] = s2[n][2] = s2[n][3] = 0.f;
       }
       if constexpr (C::kF8) {
-        // This lane's K words of keys g and 8 + g: bytes (lane & 3)·D/4 .., a word a k-step.
-        uint32_t kw[2][D / 16];
+        // This lane's K words of keys 8n + g: bytes (lane & 3)·D/4 .., a word a k-step.
+        uint32_t kw[kN][D / 16];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
+        for (int n = 0; n < kN; ++n) {
 #pragma unroll
           for (int i = 0; i < D / 64; ++i) {
             const uint4 u = *reinterpret_cast<const uint4*>(
@@ -265,27 +273,31 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
 #pragma unroll
-          for (int n = 0; n < 2; ++n) {
+          for (int n = 0; n < kN; ++n) {
             Mma16<TM>(ks % 2 ? s2[n] : s[n], qa[ks], Fp8x2ToHalf2(kw[n][ks]),
                       Fp8x2ToHalf2(kw[n][ks] >> 16));
           }
         }
       } else {
-        uint32_t kf[D / 16][4];
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-          Ldm4(kf[ks], kt + Swz<C>(wr + (lm >> 1) * 8 + lr, (ks * 16 + (lm & 1) * 8) * 2));
-        }
+        for (int h = 0; h < kN / 2; ++h) {  // 16 keys an ldmatrix pass
+          uint32_t kf[D / 16][4];
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-          Mma16<TM>(ks % 2 ? s2[0] : s[0], qa[ks], kf[ks][0], kf[ks][1]);
-          Mma16<TM>(ks % 2 ? s2[1] : s[1], qa[ks], kf[ks][2], kf[ks][3]);
+          for (int ks = 0; ks < D / 16; ++ks) {
+            Ldm4(kf[ks],
+                 kt + Swz<C>(wr + 16 * h + (lm >> 1) * 8 + lr, (ks * 16 + (lm & 1) * 8) * 2));
+          }
+#pragma unroll
+          for (int ks = 0; ks < D / 16; ++ks) {
+            Mma16<TM>(ks % 2 ? s2[2 * h] : s[2 * h], qa[ks], kf[ks][0], kf[ks][1]);
+            Mma16<TM>(ks % 2 ? s2[2 * h + 1] : s[2 * h + 1], qa[ks], kf[ks][2], kf[ks][3]);
+          }
         }
       }
       // Row g's score: its high part (row g) + its low part (row g + 8), both chains.
       float mx = -INFINITY;
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
+      for (int n = 0; n < kN; ++n) {
         float x[2] = {s[n][0] + s[n][2] + s2[n][0] + s2[n][2],
                       s[n][1] + s[n][3] + s2[n][1] + s2[n][3]};
 #pragma unroll
@@ -303,7 +315,7 @@ __global__ void __launch_bounds__(128)
       m_run = m_new;
       l_run *= alpha;
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
+      for (int n = 0; n < kN; ++n) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float p = m_run == -INFINITY ? 0.f : exp2f(s[n][e] - m_run);
@@ -315,25 +327,32 @@ __global__ void __launch_bounds__(128)
       if (__any_sync(0xffffffffu, alpha != 1.f)) {
         ScaleAcc(o, alpha);
       }
-      // O += P·V: P's rows 0..7 the weights' high parts, rows 8..15 their low parts.
-      const uint32_t ph[4] = {Pack16<TM>(s[0][0], s[0][1]), PackLo16<TM>(s[0][0], s[0][1]),
-                              Pack16<TM>(s[1][0], s[1][1]), PackLo16<TM>(s[1][0], s[1][1])};
-      if constexpr (C::kF8) {
+      // O += P·V, 16 keys an MMA k-step: P's rows 0..7 the weights' high parts, rows 8..15 their
+      // low parts (taken from the high parts already packed).
 #pragma unroll
-        for (int q = 0; q < D / 32; ++q) {  // MmaFp8V: V words at byte 4g + 32q of rows c2 ..
-          const int col = 4 * g + 32 * q;
-          MmaFp8V<TM>(o, q, ph, *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2, col)),
-                      *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 1, col)),
-                      *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 8, col)),
-                      *reinterpret_cast<const uint32_t*>(vt + Swz<C>(wr + c2 + 9, col)));
-        }
-      } else {
+      for (int h = 0; h < kN / 2; ++h) {
+        const uint32_t h0 = Pack16<TM>(s[2 * h][0], s[2 * h][1]);
+        const uint32_t h1 = Pack16<TM>(s[2 * h + 1][0], s[2 * h + 1][1]);
+        const uint32_t ph[4] = {h0, PackLoOf<TM>(s[2 * h][0], s[2 * h][1], h0), h1,
+                                PackLoOf<TM>(s[2 * h + 1][0], s[2 * h + 1][1], h1)};
+        const int vr = wr + 16 * h;
+        if constexpr (C::kF8) {
 #pragma unroll
-        for (int dn = 0; dn < D / 16; ++dn) {
-          uint32_t b[4];
-          Ldm4T(b, vt + Swz<C>(wr + (lm & 1) * 8 + lr, (dn * 16 + (lm >> 1) * 8) * 2));
-          Mma16<TM>(o[2 * dn], ph, b[0], b[1]);
-          Mma16<TM>(o[2 * dn + 1], ph, b[2], b[3]);
+          for (int q = 0; q < D / 32; ++q) {  // MmaFp8V: V words at byte 4g + 32q of rows c2 ..
+            const int col = 4 * g + 32 * q;
+            MmaFp8V<TM>(o, q, ph, *reinterpret_cast<const uint32_t*>(vt + Swz<C>(vr + c2, col)),
+                        *reinterpret_cast<const uint32_t*>(vt + Swz<C>(vr + c2 + 1, col)),
+                        *reinterpret_cast<const uint32_t*>(vt + Swz<C>(vr + c2 + 8, col)),
+                        *reinterpret_cast<const uint32_t*>(vt + Swz<C>(vr + c2 + 9, col)));
+          }
+        } else {
+#pragma unroll
+          for (int dn = 0; dn < D / 16; ++dn) {
+            uint32_t b[4];
+            Ldm4T(b, vt + Swz<C>(vr + (lm & 1) * 8 + lr, (dn * 16 + (lm >> 1) * 8) * 2));
+            Mma16<TM>(o[2 * dn], ph, b[0], b[1]);
+            Mma16<TM>(o[2 * dn + 1], ph, b[2], b[3]);
+          }
         }
       }
     }
@@ -396,6 +415,7 @@ int FitPerSm() {
 }
 
 std::atomic<uint32_t> tile_override{0};
+std::atomic<uint32_t> blocks_override{0};
 std::atomic<bool> overlap_calls{true};
 
 // f(T{}, integral_constant<int, D>{}, integral_constant<int, Tk>{}) for a's element type, head
@@ -455,6 +475,7 @@ int StreamDecodeBlocksPerSm(const AttendArgs& a, uint64_t keys) {
     int want = (98304 + Sd<T, D, kTk>::kRing - 1) / Sd<T, D, kTk>::kRing;
     const uint64_t slots = uint64_t(want) * std::max(gpu::Info().sms, 1);
     if (keys * std::max<uint32_t>(a.heads, 1) < 512 * slots) want *= 2;
+    if (const uint32_t n = blocks_override.load(std::memory_order_relaxed); n > 0) want = int(n);
     return std::clamp(want, 1, FitPerSm<T, D, kTk>());
   });
 }
@@ -462,6 +483,7 @@ int StreamDecodeBlocksPerSm(const AttendArgs& a, uint64_t keys) {
 void SetOverlapCalls(bool on) { overlap_calls.store(on, std::memory_order_relaxed); }
 bool OverlapCalls() { return overlap_calls.load(std::memory_order_relaxed); }
 
+void SetStreamDecodeBlocks(uint32_t n) { blocks_override.store(n, std::memory_order_relaxed); }
 void SetStreamDecodeTile(uint32_t keys) {
   tile_override.store(keys == 64 ? 64 : 0, std::memory_order_relaxed);
 }

@@ -61,6 +61,7 @@ bool UsesTensorCores(const AttendArgs&) { return false; }
 bool StreamDecodeFits(const AttendArgs&) { return false; }
 uint32_t StreamDecodeTile(const AttendArgs&) { return 0; }
 void SetStreamDecodeTile(uint32_t) {}
+void SetStreamDecodeBlocks(uint32_t) {}
 void SetOverlapCalls(bool) {}
 bool OverlapCalls() { return false; }
 int FlashRowGroups(const AttendArgs&) { return 1; }
