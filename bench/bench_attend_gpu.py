@@ -268,8 +268,8 @@ def main() -> int:
         apart = (pion_kernel(bin_dir, "dense", dtype, hq, hkv, m, n, dd,
                              env={**(env or {}), "PION_BENCH_OVERLAP": "0"})["us"]
                  if m == 1 else None)
-        rows.append({"pion_apart_us": apart, "case": label, "dtype": dtype, "m": m, "n": n, "d": dd, "pion_us": p["us"],
-                     "pion_loop_us": p["us_launches"],
+        rows.append({"case": label, "dtype": dtype, "m": m, "n": n, "d": dd, "pion_us": p["us"],
+                     "pion_loop_us": p["us_launches"], "pion_apart_us": apart,
                      "pion_tbps": p["bytes"] / p["us"] / 1e6, "path": p["path"],
                      "torch_us": tu, "torch_loop_us": tu_loop, "torch_dtype": torch_dtype,
                      "torch_tbps": torch_bytes / tu / 1e6, "torch_how": how,

@@ -76,21 +76,10 @@ __device__ inline uint32_t Pack(float x, float y) {
   __half2 h = __floats2half2_rn(x, y);
   return *reinterpret_cast<uint32_t*>(&h);
 }
-// x − fp16(x), packed: the low part of a hi/lo split.
-__device__ inline uint32_t PackLo(float x, float y) {
-  const float hx = __half2float(__float2half_rn(x)), hy = __half2float(__float2half_rn(y));
-  return Pack(x - hx, y - hy);
-}
 
 __device__ inline uint32_t PackBf16(float x, float y) {
   __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
   return *reinterpret_cast<uint32_t*>(&h);
-}
-// x − bf16(x), packed (bf16 hi + lo keeps 16 of fp32's 24 significand bits).
-__device__ inline uint32_t PackLoBf16(float x, float y) {
-  const float hx = __bfloat162float(__float2bfloat16_rn(x));
-  const float hy = __bfloat162float(__float2bfloat16_rn(y));
-  return PackBf16(x - hx, y - hy);
 }
 // The m16n8k16 MMA and the hi / lo packing of its 16-bit element type E (__half or
 // __nv_bfloat16): the fp16 kernels' code paths serve bf16 K/V with E = __nv_bfloat16.
@@ -110,19 +99,11 @@ __device__ inline uint32_t Pack16(float x, float y) {
     return Pack(x, y);
   }
 }
+// The low parts of a hi / lo split, x − hi(x) and y − hi(y), packed, for hi = Pack16<E>(x, y)
+// (fp16 hi + lo, or bf16's, keeps about fp32's significand): widening hi back costs less than
+// rounding x and y a second time, and gives the same parts.
 template <typename E>
-__device__ inline uint32_t PackLo16(float x, float y) {
-  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
-    return PackLoBf16(x, y);
-  } else {
-    return PackLo(x, y);
-  }
-}
-
-// PackLo16 for the pair whose high parts hi = Pack16<E>(x, y) are already packed: widening
-// hi back costs less than rounding x and y a second time.
-template <typename E>
-__device__ inline uint32_t PackLoOf(float x, float y, uint32_t hi) {
+__device__ inline uint32_t PackLo16(float x, float y, uint32_t hi) {
   if constexpr (std::is_same_v<E, __nv_bfloat16>) {
     return PackBf16(x - __uint_as_float(hi << 16), y - __uint_as_float(hi & 0xffff0000u));
   } else {

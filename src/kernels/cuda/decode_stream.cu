@@ -54,7 +54,7 @@ constexpr int kTileTarget = 16384;
 
 template <typename T, int D, int Tk>
 struct Sd {
-  static constexpr int kTk = Tk;  // keys a tile: kTk / 4 a warp, 16 at a time
+  static constexpr int kTk = Tk;  // keys a tile: kTk / 4 a warp, 16 or 32 a softmax step
   static constexpr int kWk = Tk / 4;
   // Tiles in the ring. Deeper rings measured slower with calls overlapping (H100, GQA 32/8,
   // µs, 3 / 4 / 6 tiles: fp16 d = 128 32K 41.0 / 44.0 / 43.8, 128K 165.8 / 173.6 / 173.8; fp8
@@ -183,10 +183,10 @@ __global__ void __launch_bounds__(128)
         x = *reinterpret_cast<const float4*>(qr + c);
       }
     }
-    *reinterpret_cast<uint2*>(qh + r * kStr + c) =
-        uint2{Pack16<TM>(x.x, x.y), Pack16<TM>(x.z, x.w)};
+    const uint2 hi{Pack16<TM>(x.x, x.y), Pack16<TM>(x.z, x.w)};
+    *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
     *reinterpret_cast<uint2*>(qh + (r + 8) * kStr + c) =
-        uint2{PackLo16<TM>(x.x, x.y), PackLo16<TM>(x.z, x.w)};
+        uint2{PackLo16<TM>(x.x, x.y, hi.x), PackLo16<TM>(x.z, x.w, hi.y)};
   }
   __syncthreads();  // Q, rowid and the barriers' init are visible to every warp
 
@@ -237,7 +237,8 @@ __global__ void __launch_bounds__(128)
     }
     // A softmax step takes 32 keys where a warp's share of a tile holds whole 32s (16 else):
     // one maximum, rescale and pair of shuffles per 32 keys, and two independent score chains
-    // in flight. H100, GQA 32/8, µs, 16 keys a step / 32 / 32 with PackLoOf's low parts: fp8
+    // in flight. H100, GQA 32/8, µs, 16 keys a step / 32 / 32 with PackLo16's low parts from
+    // the packed high parts (not a second rounding): fp8
     // d = 64 32K 12.4 / 11.9 / 11.8, fp8 d = 128 128K 87.0 / 84.2 / 83.7; fp16 and bf16 alike
     // (d = 64 32K 20.3, d = 128 128K 164.5). Outputs equal to 1e-6.
     constexpr int kP = kWk % 32 == 0 ? 32 : 16;
@@ -328,13 +329,13 @@ __global__ void __launch_bounds__(128)
         ScaleAcc(o, alpha);
       }
       // O += P·V, 16 keys an MMA k-step: P's rows 0..7 the weights' high parts, rows 8..15 their
-      // low parts (taken from the high parts already packed).
+      // low parts.
 #pragma unroll
       for (int h = 0; h < kN / 2; ++h) {
         const uint32_t h0 = Pack16<TM>(s[2 * h][0], s[2 * h][1]);
         const uint32_t h1 = Pack16<TM>(s[2 * h + 1][0], s[2 * h + 1][1]);
-        const uint32_t ph[4] = {h0, PackLoOf<TM>(s[2 * h][0], s[2 * h][1], h0), h1,
-                                PackLoOf<TM>(s[2 * h + 1][0], s[2 * h + 1][1], h1)};
+        const uint32_t ph[4] = {h0, PackLo16<TM>(s[2 * h][0], s[2 * h][1], h0), h1,
+                                PackLo16<TM>(s[2 * h + 1][0], s[2 * h + 1][1], h1)};
         const int vr = wr + 16 * h;
         if constexpr (C::kF8) {
 #pragma unroll

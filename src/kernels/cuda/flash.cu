@@ -356,14 +356,14 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       }
       uint2 hi{Pack16<TM>(x.x, x.y), Pack16<TM>(x.z, x.w)};
       if constexpr (kPack) {  // rows 0..7 hold the rows' high parts, rows 8..15 their low parts
-        uint2 lo{PackLo16<TM>(x.x, x.y), PackLo16<TM>(x.z, x.w)};
+        uint2 lo{PackLo16<TM>(x.x, x.y, hi.x), PackLo16<TM>(x.z, x.w, hi.y)};
         *reinterpret_cast<uint2*>(qh + r * kStrC + c) = hi;
         *reinterpret_cast<uint2*>(qh + (r + 8) * kStrC + c) = lo;
         continue;
       }
       *reinterpret_cast<uint2*>(qh + r * kStrC + c) = hi;
       if constexpr (kSplit) {
-        uint2 lo{PackLo16<TM>(x.x, x.y), PackLo16<TM>(x.z, x.w)};
+        uint2 lo{PackLo16<TM>(x.x, x.y, hi.x), PackLo16<TM>(x.z, x.w, hi.y)};
         *reinterpret_cast<uint2*>(ql + r * kStrC + c) = lo;
       }
     }
@@ -564,8 +564,9 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       }
     }
     if constexpr (C::kF8) {  // o += P·V, 16 keys (MmaFp8V)
-      uint32_t ph[4] = {Pack16<TM>(s[0][0], s[0][1]), PackLo16<TM>(s[0][0], s[0][1]),
-                        Pack16<TM>(s[1][0], s[1][1]), PackLo16<TM>(s[1][0], s[1][1])};
+      const uint32_t h0 = Pack16<TM>(s[0][0], s[0][1]), h1 = Pack16<TM>(s[1][0], s[1][1]);
+      uint32_t ph[4] = {h0, PackLo16<TM>(s[0][0], s[0][1], h0), h1,
+                        PackLo16<TM>(s[1][0], s[1][1], h1)};
       const uint8_t* v8 = reinterpret_cast<const uint8_t*>(tile_v(buf)) + c2 * kStr + 4 * g;
 #pragma unroll
       for (int q = 0; q < D / 32; ++q) {
@@ -607,20 +608,21 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       // o += P·V, 16 keys at a time.
 #pragma unroll
       for (int kk = 0; kk < kKw / 16; ++kk) {
-        uint32_t ph[4] = {Pack16<TM>(s[2 * kk][0], s[2 * kk][1]),
-                          Pack16<TM>(s[2 * kk][2], s[2 * kk][3]),
-                          Pack16<TM>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                          Pack16<TM>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        const uint32_t hi[4] = {Pack16<TM>(s[2 * kk][0], s[2 * kk][1]),
+                                Pack16<TM>(s[2 * kk][2], s[2 * kk][3]),
+                                Pack16<TM>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                Pack16<TM>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        uint32_t ph[4] = {hi[0], hi[1], hi[2], hi[3]};
         if constexpr (kPack) {  // P's rows g + 8: the low parts of rows g
-          ph[1] = PackLo16<TM>(s[2 * kk][0], s[2 * kk][1]);
-          ph[3] = PackLo16<TM>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          ph[1] = PackLo16<TM>(s[2 * kk][0], s[2 * kk][1], hi[0]);
+          ph[3] = PackLo16<TM>(s[2 * kk + 1][0], s[2 * kk + 1][1], hi[2]);
         }
         uint32_t pl[4];
         if constexpr (kSplit) {
-          pl[0] = PackLo16<TM>(s[2 * kk][0], s[2 * kk][1]);
-          pl[1] = PackLo16<TM>(s[2 * kk][2], s[2 * kk][3]);
-          pl[2] = PackLo16<TM>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-          pl[3] = PackLo16<TM>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+          pl[0] = PackLo16<TM>(s[2 * kk][0], s[2 * kk][1], hi[0]);
+          pl[1] = PackLo16<TM>(s[2 * kk][2], s[2 * kk][3], hi[1]);
+          pl[2] = PackLo16<TM>(s[2 * kk + 1][0], s[2 * kk + 1][1], hi[2]);
+          pl[3] = PackLo16<TM>(s[2 * kk + 1][2], s[2 * kk + 1][3], hi[3]);
         }
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
