@@ -111,6 +111,26 @@ __device__ inline uint32_t PackLo16(float x, float y, uint32_t hi) {
     return Pack(x - f.x, y - f.y);
   }
 }
+// Four values split in hi / lo: hi their pairs (x, y), (z, w) packed in E, lo what each misses
+// (a row of Q for the MMAs: its hi and lo parts go to different rows).
+struct HiLo4 {
+  uint2 hi, lo;
+};
+template <typename E>
+__device__ inline HiLo4 SplitHiLo(float4 x) {
+  const uint2 hi{Pack16<E>(x.x, x.y), Pack16<E>(x.z, x.w)};
+  return {hi, uint2{PackLo16<E>(x.x, x.y, hi.x), PackLo16<E>(x.z, x.w, hi.y)}};
+}
+// The packed decode's P as the A fragment of a 16-key k-step: rows 0..7 (a[0], a[2]) the high
+// parts of this thread's weights (x0, y0) and (x1, y1) — keys c2, c2 + 1 and c2 + 8, c2 + 9 —
+// and rows 8..15 (a[1], a[3]) their low parts.
+template <typename E>
+__device__ inline void PackRowsHiLo(uint32_t (&a)[4], float x0, float y0, float x1, float y1) {
+  a[0] = Pack16<E>(x0, y0);
+  a[1] = PackLo16<E>(x0, y0, a[0]);
+  a[2] = Pack16<E>(x1, y1);
+  a[3] = PackLo16<E>(x1, y1, a[2]);
+}
 
 // 16 bytes global -> shared at compile-time byte offsets from two base addresses (the offsets
 // ride in the instruction: no address arithmetic per copy).

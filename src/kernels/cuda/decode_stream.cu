@@ -183,10 +183,9 @@ __global__ void __launch_bounds__(128)
         x = *reinterpret_cast<const float4*>(qr + c);
       }
     }
-    const uint2 hi{Pack16<TM>(x.x, x.y), Pack16<TM>(x.z, x.w)};
-    *reinterpret_cast<uint2*>(qh + r * kStr + c) = hi;
-    *reinterpret_cast<uint2*>(qh + (r + 8) * kStr + c) =
-        uint2{PackLo16<TM>(x.x, x.y, hi.x), PackLo16<TM>(x.z, x.w, hi.y)};
+    const HiLo4 q = SplitHiLo<TM>(x);
+    *reinterpret_cast<uint2*>(qh + r * kStr + c) = q.hi;
+    *reinterpret_cast<uint2*>(qh + (r + 8) * kStr + c) = q.lo;
   }
   __syncthreads();  // Q, rowid and the barriers' init are visible to every warp
 
@@ -332,10 +331,8 @@ __global__ void __launch_bounds__(128)
       // low parts.
 #pragma unroll
       for (int h = 0; h < kN / 2; ++h) {
-        const uint32_t h0 = Pack16<TM>(s[2 * h][0], s[2 * h][1]);
-        const uint32_t h1 = Pack16<TM>(s[2 * h + 1][0], s[2 * h + 1][1]);
-        const uint32_t ph[4] = {h0, PackLo16<TM>(s[2 * h][0], s[2 * h][1], h0), h1,
-                                PackLo16<TM>(s[2 * h + 1][0], s[2 * h + 1][1], h1)};
+        uint32_t ph[4];
+        PackRowsHiLo<TM>(ph, s[2 * h][0], s[2 * h][1], s[2 * h + 1][0], s[2 * h + 1][1]);
         const int vr = wr + 16 * h;
         if constexpr (C::kF8) {
 #pragma unroll

@@ -354,17 +354,12 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
           x = *reinterpret_cast<const float4*>(qr + c);
         }
       }
-      uint2 hi{Pack16<TM>(x.x, x.y), Pack16<TM>(x.z, x.w)};
+      const HiLo4 q = SplitHiLo<TM>(x);
+      *reinterpret_cast<uint2*>(qh + r * kStrC + c) = q.hi;
       if constexpr (kPack) {  // rows 0..7 hold the rows' high parts, rows 8..15 their low parts
-        uint2 lo{PackLo16<TM>(x.x, x.y, hi.x), PackLo16<TM>(x.z, x.w, hi.y)};
-        *reinterpret_cast<uint2*>(qh + r * kStrC + c) = hi;
-        *reinterpret_cast<uint2*>(qh + (r + 8) * kStrC + c) = lo;
-        continue;
-      }
-      *reinterpret_cast<uint2*>(qh + r * kStrC + c) = hi;
-      if constexpr (kSplit) {
-        uint2 lo{PackLo16<TM>(x.x, x.y, hi.x), PackLo16<TM>(x.z, x.w, hi.y)};
-        *reinterpret_cast<uint2*>(ql + r * kStrC + c) = lo;
+        *reinterpret_cast<uint2*>(qh + (r + 8) * kStrC + c) = q.lo;
+      } else if constexpr (kSplit) {
+        *reinterpret_cast<uint2*>(ql + r * kStrC + c) = q.lo;
       }
     }
   }
@@ -564,9 +559,8 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
       }
     }
     if constexpr (C::kF8) {  // o += P·V, 16 keys (MmaFp8V)
-      const uint32_t h0 = Pack16<TM>(s[0][0], s[0][1]), h1 = Pack16<TM>(s[1][0], s[1][1]);
-      uint32_t ph[4] = {h0, PackLo16<TM>(s[0][0], s[0][1], h0), h1,
-                        PackLo16<TM>(s[1][0], s[1][1], h1)};
+      uint32_t ph[4];
+      PackRowsHiLo<TM>(ph, s[0][0], s[0][1], s[1][0], s[1][1]);
       const uint8_t* v8 = reinterpret_cast<const uint8_t*>(tile_v(buf)) + c2 * kStr + 4 * g;
 #pragma unroll
       for (int q = 0; q < D / 32; ++q) {

@@ -200,12 +200,9 @@ __global__ void __launch_bounds__(128) BatchedKernel(AttendArgs a) {
     const int r = e / (D / 4), c = (e % (D / 4)) * 4;
     float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
     if (rowid[r] >= 0) x = *reinterpret_cast<const float4*>(a.q + size_t(rowid[r]) * D + c);
-    const uint2 hi{Pack16<TM>(x.x, x.y), Pack16<TM>(x.z, x.w)};
-    *reinterpret_cast<uint2*>(qs + r * kStr + c) = hi;
-    if constexpr (kBf16) {
-      *reinterpret_cast<uint2*>(ql + r * kStr + c) =
-          uint2{PackLo16<TM>(x.x, x.y, hi.x), PackLo16<TM>(x.z, x.w, hi.y)};
-    }
+    const HiLo4 q = SplitHiLo<TM>(x);
+    *reinterpret_cast<uint2*>(qs + r * kStr + c) = q.hi;
+    if constexpr (kBf16) *reinterpret_cast<uint2*>(ql + r * kStr + c) = q.lo;
   }
   __syncthreads();
   for (int t = 0; t < ntiles; ++t) {

@@ -262,11 +262,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp == 0 && lane < D / 4) {
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
-      const float4 x = q4[g];
-      const uint2 hi = make_uint2(Pack(x.x, x.y), Pack(x.z, x.w));
-      *reinterpret_cast<uint2*>(qh + g * kStr + 4 * lane) = hi;
-      *reinterpret_cast<uint2*>(qh + (g + 8) * kStr + 4 * lane) =
-          make_uint2(PackLo16<__half>(x.x, x.y, hi.x), PackLo16<__half>(x.z, x.w, hi.y));
+      const HiLo4 q = SplitHiLo<__half>(q4[g]);
+      *reinterpret_cast<uint2*>(qh + g * kStr + 4 * lane) = q.hi;
+      *reinterpret_cast<uint2*>(qh + (g + 8) * kStr + 4 * lane) = q.lo;
     }
   }
   mark(2);
@@ -520,9 +518,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       ScaleAcc(o, alpha);
     }
     // o += P·V: P's rows g are the weights' high parts, rows g + 8 their low parts.
-    const uint32_t h0 = Pack(x[0][0], x[0][1]), h1 = Pack(x[1][0], x[1][1]);
-    const uint32_t ph[4] = {h0, PackLo16<__half>(x[0][0], x[0][1], h0), h1,
-                            PackLo16<__half>(x[1][0], x[1][1], h1)};
+    uint32_t ph[4];
+    PackRowsHiLo<__half>(ph, x[0][0], x[0][1], x[1][0], x[1][1]);
 #pragma unroll
     for (int dn = 0; dn < D / 16; ++dn) {
       uint32_t b[4];
