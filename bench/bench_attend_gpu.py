@@ -245,6 +245,9 @@ def main() -> int:
     ap.add_argument("--sections", default="decode,compare,batched,sparse,e2e",
                     help="comma-separated subset of decode, compare (the decode's other paths "
                     "and the batched SIMT rows), batched, sparse, e2e (default: all)")
+    ap.add_argument("--decode-shapes", default=None,
+                    help="the decode grid's dtype/d pairs to run, comma-separated (e.g. f8/64; "
+                    "default: f16, bf16, f8 at d 128 and 64, and fp32)")
     a = ap.parse_args()
     sections = set(a.sections.split(","))
     unknown = sections - {"decode", "compare", "batched", "sparse", "e2e"}
@@ -280,12 +283,15 @@ def main() -> int:
     floor = [pion_kernel(bin_dir, "empty", k, 128)["us"] for k in (1, 2)]
     # The decode goal's grid (issue 31): fp16, bf16 and fp8 (against torch fp16), d 128 and 64,
     # N 1K .. 128K.
+    shapes = None if a.decode_shapes is None else set(a.decode_shapes.split(","))
     if "decode" in sections:
         for dd in (128, 64):
             for dty in ("f16", "bf16", "f8"):
+                if shapes is not None and "%s/%d" % (dty, dd) not in shapes:
+                    continue
                 for n in DECODE_N:
                     kernel_row("decode", dty, 1, n, dd=dd)
-        for n in (2048, 32768, 131072):
+        for n in (2048, 32768, 131072) if shapes is None or "f32/128" in shapes else ():
             kernel_row("decode", "f32", 1, n)
     if "compare" in sections:
         # For comparison: the M = 1 decodes on the per-warp-ring tensor-core decode instead of

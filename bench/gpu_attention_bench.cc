@@ -16,6 +16,8 @@
 //                       PION_BENCH_STREAM=0 M = 1 decode on the tensor-core decode instead of
 //                       the streaming decode, PION_BENCH_STREAM_TILE=64 its 64-key tiles for
 //                       every shape, PION_BENCH_STREAM_BLOCKS=<n> its blocks a multiprocessor,
+//                       PION_BENCH_STREAM_TEAMS=1|2 its teams of four warps a block (2 only
+//                       where a ring holds under 64 KB),
 //                       PION_BENCH_DUMP=<file> the output and LSEs as raw float32 (to compare
 //                       two builds),
 //                       PION_BENCH_OVERLAP=0 back-to-back calls without overlap,
@@ -284,6 +286,9 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   }
   if (const char* f = std::getenv("PION_BENCH_STREAM_BLOCKS")) {
     kernels::cuda::SetStreamDecodeBlocks(U(f));
+  }
+  if (const char* f = std::getenv("PION_BENCH_STREAM_TEAMS")) {
+    kernels::cuda::SetStreamDecodeTeams(U(f));
   }
   if (const char* f = std::getenv("PION_BENCH_OVERLAP"))
     kernels::cuda::SetOverlapCalls(f[0] == '1');

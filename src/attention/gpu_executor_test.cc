@@ -571,6 +571,12 @@ struct StreamTileScope {
   ~StreamTileScope() { kernels::cuda::SetStreamDecodeTile(0); }
 };
 
+// Sets kernels::cuda::SetStreamDecodeTeams for a scope, and back to the plan's choice.
+struct StreamTeamsScope {
+  explicit StreamTeamsScope(uint32_t n) { kernels::cuda::SetStreamDecodeTeams(n); }
+  ~StreamTeamsScope() { kernels::cuda::SetStreamDecodeTeams(0); }
+};
+
 // The streaming decode's probe for a dense M = 1 shape (items as DenseItems lays them out).
 kernels::cuda::AttendArgs StreamProbe(DType t, uint32_t d, uint32_t hq, uint32_t heads) {
   kernels::cuda::AttendArgs probe;
@@ -588,7 +594,8 @@ kernels::cuda::AttendArgs StreamProbe(DType t, uint32_t d, uint32_t hq, uint32_t
 }
 
 // M = 1 on the streaming decode (decode_stream.cu, sm_90): fp16, bf16 and fp8, d 64 and 128,
-// groups of 1, 2, 4 and 8 query heads a K/V head, its tiles of 16 KB and of 64 keys, one split
+// groups of 1, 2, 4 and 8 query heads a K/V head, its tiles of 16 KB and of 64 keys, blocks of
+// one team and — where a ring holds under 64 KB — two (forced: these ranges plan one), one split
 // (finished in the launch) and many, a range shorter than a tile, windows whose first key starts
 // mid-tile (fp8: its row scales off a 16-byte boundary), and queries inside the prefix whose
 // last tile is partial with NaN rows past it (V rows past the range are zeroed before P·V), a
@@ -596,8 +603,9 @@ kernels::cuda::AttendArgs StreamProbe(DType t, uint32_t d, uint32_t hq, uint32_t
 TEST(GpuExecutor, StreamDecode) {
   SKIP_WITHOUT_GPU();
   const bool hopper = gpu::Info().cc_major >= 9;
-  for (uint32_t tile : {0u, 64u}) {
+  for (auto [tile, teams] : {std::pair{0u, 0u}, {64u, 0u}, {0u, 2u}, {64u, 2u}}) {
     StreamTileScope scope(tile);
+    StreamTeamsScope teams_scope(teams);
     for (DType t : {DType::kF16, DType::kBF16, DType::kFP8}) {
       for (uint32_t d : {64u, 128u}) {
         for (auto [hq, heads] : {std::pair{8u, 8u}, {16u, 8u}, {32u, 8u}, {16u, 2u}}) {
@@ -606,7 +614,18 @@ TEST(GpuExecutor, StreamDecode) {
           if (hopper) {
             const uint32_t want = tile == 64 || (t != DType::kFP8 && d == 128) ? 64 : 128;
             EXPECT_EQ(kernels::cuda::StreamDecodeTile(probe), want);
+            if (tile == 0 && teams == 0) {  // the plan: two teams for fp8 d = 64's long ranges
+              const bool f8d64 = t == DType::kFP8 && d == 64;
+              EXPECT_EQ(kernels::cuda::StreamDecodeTeams(probe, 131072), f8d64 ? 2u : 1u);
+              EXPECT_EQ(kernels::cuda::StreamDecodeTeams(probe, 1024), 1u);
+            }
           }
+          // Two teams: only the shapes whose ring holds under 64 KB (fp8 d = 64; with 64-key
+          // tiles also fp16 / bf16 d = 64 and fp8 d = 128) take them; the others ran above.
+          if (teams == 2 && (!hopper || kernels::cuda::StreamDecodeTeams(probe, 5000) != 2)) {
+            continue;
+          }
+          SCOPED_TRACE("tile " + std::to_string(tile) + ", teams " + std::to_string(teams));
           Case c;
           c.dtype = t;
           c.d = d;
@@ -645,14 +664,20 @@ TEST(GpuExecutor, StreamDecode) {
   }
 }
 
-// The streaming decode's sanitizer target: small ranges of every element type, head dim and
-// tile, a window off a 16-byte boundary and a partial last tile with NaN rows past it.
+// The streaming decode's sanitizer target: small ranges of every element type, head dim, tile
+// and team count, a window off a 16-byte boundary and a partial last tile with NaN rows past it.
 TEST(GpuExecutor, StreamDecodeSmoke) {
   SKIP_WITHOUT_GPU();
-  for (uint32_t tile : {0u, 64u}) {
+  const bool hopper = gpu::Info().cc_major >= 9;
+  for (auto [tile, teams] : {std::pair{0u, 0u}, {64u, 0u}, {0u, 2u}, {64u, 2u}}) {
     StreamTileScope scope(tile);
+    StreamTeamsScope teams_scope(teams);
     for (DType t : {DType::kF16, DType::kBF16, DType::kFP8}) {
       for (uint32_t d : {64u, 128u}) {
+        if (teams == 2 &&
+            (!hopper || kernels::cuda::StreamDecodeTeams(StreamProbe(t, d, 16, 2), 900) != 2)) {
+          continue;  // one team only: ran above
+        }
         Case c;
         c.dtype = t;
         c.d = d;
@@ -709,8 +734,12 @@ TEST(GpuExecutor, StreamDecodeBackToBack) {
     }
     for (bool overlap : {true, false}) {
       OverlapScope os(overlap);
-      for (uint32_t tile : {0u, 64u}) {
+      for (auto [tile, teams] : {std::pair{0u, 0u}, {64u, 0u}, {0u, 2u}}) {
         StreamTileScope scope(tile);
+        StreamTeamsScope teams_scope(teams);
+        if (teams == 2 && kernels::cuda::StreamDecodeTeams(StreamProbe(t, d, hq, heads), n) != 2) {
+          continue;  // one team only: ran above
+        }
         ctx->Reset();
         auto dq = ctx->Device(q.size() * sizeof(float));
         ASSERT_TRUE(dq.ok());
@@ -745,7 +774,7 @@ TEST(GpuExecutor, StreamDecodeBackToBack) {
         for (uint32_t splits : {planned, 1u}) {
           SCOPED_TRACE(std::string(kernels::DTypeName(t)) + " d " + std::to_string(d) +
                        ", overlap " + std::to_string(overlap) + ", tile " + std::to_string(tile) +
-                       ", splits " + std::to_string(splits));
+                       ", teams " + std::to_string(teams) + ", splits " + std::to_string(splits));
           auto pm = ctx->Device(size_t{splits} * hq * sizeof(float));
           auto pl = ctx->Device(size_t{splits} * hq * sizeof(float));
           auto po = ctx->Device(size_t{splits} * per * sizeof(float));

@@ -182,6 +182,12 @@ void SetStreamDecodeTile(uint32_t keys);
 // flight (decode_stream.cu) — or n after SetStreamDecodeBlocks(n), process-wide, for comparison
 // (the bench's PION_BENCH_STREAM_BLOCKS=n); 0 restores.
 void SetStreamDecodeBlocks(uint32_t n);
+// Its teams of four warps a block: two (each streaming its own ring) where a ring holds under
+// 64 KB and the range is long (decode_stream.cu), else one — or n (1 or 2; 2 only where a ring
+// holds under 64 KB) after SetStreamDecodeTeams(n), process-wide, for comparison (the bench's
+// PION_BENCH_STREAM_TEAMS=n, GpuExecutor.StreamDecode); 0 restores.
+uint32_t StreamDecodeTeams(const AttendArgs& a, uint64_t keys);
+void SetStreamDecodeTeams(uint32_t n);
 // Back-to-back launches overlap (on by default; the bench's PION_BENCH_OVERLAP=0 for
 // comparison): the streaming decode lets the launch after it place its blocks from its start and
 // waits for the launch before it only where it writes its partials, and the combine lets the

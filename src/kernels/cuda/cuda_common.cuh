@@ -132,7 +132,7 @@ __device__ inline uint32_t SortKey(float f) {
 }
 
 // The first visible key of a query at position p (window W > 0), relative to keys at pos0.
-__device__ inline int64_t FirstVisible(int64_t p, int64_t window, int64_t pos0) {
+__host__ __device__ inline int64_t FirstVisible(int64_t p, int64_t window, int64_t pos0) {
   return window > 0 ? p - window + 1 - pos0 : 0;
 }
 

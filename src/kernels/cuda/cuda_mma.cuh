@@ -173,9 +173,10 @@ __device__ inline void MmaFp8V(float (&o)[N][4], int q, const uint32_t (&ph)[4],
   Mma16<TM>(o[4 * q + 2], ph, Fp8x2ToHalf2(hi01), Fp8x2ToHalf2(hi89));
   Mma16<TM>(o[4 * q + 3], ph, Fp8x2ToHalf2(hi01 >> 16), Fp8x2ToHalf2(hi89 >> 16));
 }
-// The decode shapes' merge of a block's four warps — states of the same rows over different
-// keys — into its split-K partial, through shared memory: ms, ls [4 warps][kRs rows] (m in the
-// log2 domain), os [4][kRs][kOs] the warps' outputs, fs [kRs][4] the weights.
+// The decode shapes' merge of a block's kW warps (four, or the streaming decode's eight where
+// it runs two rings) — states of the same rows over different keys — into its split-K partial,
+// through shared memory: ms, ls [kW warps][kRs rows] (m in the log2 domain), os [kW][kRs][kOs]
+// the warps' outputs, fs [kRs][kW] the weights.
 // StoreWarpRow: this thread's row `row` of its warp's output: accumulator columns n·8 + c2, + 1
 // (o[n][2h], o[n][2h + 1]), or with kPermuted the fp32 / fp8 P·V's columns (d tile 4q + b's
 // column g is d = 32q + 4g + b: 8 consecutive d a quad lane).
@@ -205,7 +206,7 @@ __device__ inline void StoreWarpRow(float* os, int warp, int row, int c2, int h,
 // a float4 column: a quarter of the shared-memory loads and global stores of a thread a column
 // — H200, same binary: f16 2K 8.14 -> 7.57 µs, 4K 10.04 -> 9.38, 8K 13.34 -> 12.76, M = 3 at 2K
 // 11.33 -> 9.57, 32K 40.6 -> 40.0).
-template <int D, int kRs, int kOs, int kRows, int kOutRows>
+template <int D, int kRs, int kOs, int kRows, int kOutRows, int kW = 4>
 __device__ inline void MergeWarpsIntoPartial(const AttendArgs& a, size_t part, const int32_t* rowid,
                                              const float* ms, const float* ls, float* fs,
                                              const float* os) {
@@ -214,12 +215,12 @@ __device__ inline void MergeWarpsIntoPartial(const AttendArgs& a, size_t part, c
   if (tid < kRows && rowid[tid] >= 0) {
     float m = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < 4; ++w) m = fmaxf(m, ms[w * kRs + tid]);
+    for (int w = 0; w < kW; ++w) m = fmaxf(m, ms[w * kRs + tid]);
     float l = 0.f;
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
+    for (int w = 0; w < kW; ++w) {
       const float f = m == -INFINITY ? 0.f : exp2f(ms[w * kRs + tid] - m);
-      fs[tid * 4 + w] = f;
+      fs[tid * kW + w] = f;
       l += ls[w * kRs + tid] * f;
     }
     const size_t pr = part * a.nrows + size_t(rowid[tid]);
@@ -229,13 +230,13 @@ __device__ inline void MergeWarpsIntoPartial(const AttendArgs& a, size_t part, c
   __syncthreads();
   constexpr int kC4 = D / 4;
 #pragma unroll
-  for (int e = tid; e < kOutRows * kC4; e += 128) {
+  for (int e = tid; e < kOutRows * kC4; e += kW * 32) {
     const int row = e / kC4, c = (e % kC4) * 4;
     if (rowid[row] < 0) continue;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const float f = fs[row * 4 + w];
+    for (int w = 0; w < kW; ++w) {
+      const float f = fs[row * kW + w];
       const float4 x = *reinterpret_cast<const float4*>(os + (w * kRs + row) * kOs + c);
       acc.x += x.x * f;
       acc.y += x.y * f;

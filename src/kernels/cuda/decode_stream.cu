@@ -2,13 +2,17 @@
 // query heads a K/V head) on sm_90, as split-K partials for LaunchCombine.
 //
 // A decode reads every K/V byte once and does little with it, so the kernel is built around
-// the read. Each block (a K/V head, a split of its visible range) streams its keys through one
-// ring of kStages tiles (16 KB of K rows: 64 or 128 keys); a tile of K and of V is one tensor copy
-// (TMA) each per 128 bytes of row — d = 128 fp16 two, the others one — landing 128-byte (64-byte
-// for fp8 d = 64) swizzled so the fragment loads below hit distinct banks, and an fp8 tile's row
-// scales are a copy each too. One thread issues; every stage completes on its mbarrier; the block's
-// four warps take a quarter of every tile each (16 or 32 keys; a softmax step a 32) and sync once
-// a tile before the stage is refilled.
+// the read. Each block (a K/V head, a split of its visible range) streams its keys through a
+// ring of kStages tiles (16 KB of K rows: 64 or 128 keys) a team of four warps; a tile of K and
+// of V is one tensor copy (TMA) each per 128 bytes of row — d = 128 fp16 two, the others one —
+// landing 128-byte (64-byte for fp8 d = 64) swizzled so the fragment loads below hit distinct
+// banks, and an fp8 tile's row scales are a copy each too. One thread a team issues; every stage
+// completes on its mbarrier; the team's four warps take a quarter of every tile each (16 or 32
+// keys; a softmax step a 32). A block is one team, whose warps sync once a tile before the stage
+// is refilled, or — where a ring holds under 64 KB (fp8 d = 64: 8 KB tiles) and the range is
+// long (WithTeams) — two, taking the split's tiles in turn through a ring each: eight warps and
+// about 96 KB in flight, as two blocks had, over half the splits; there the last warp of a team
+// out of a stage refills it (a count a stage), so no warp waits for the others a tile.
 // Measured on an H100 without the math (bench/gpu_decode_patterns.cu, 2026-12-06): this read
 // runs at the plain streaming read's rate (d = 128 fp16 at 128K 169.9 µs vs 171.1), where the
 // per-warp rings of 16-row cp.async pieces the tensor-core decode uses (flash.cu) run 5-8 %
@@ -21,7 +25,7 @@
 // by words paired across rows, a score (q · k_e4m3) · scale_k and P entering P·V as
 // p · scale_v / unit. Rows past the range in a tile (only a range's last tile has them) are
 // masked, and their V rows zeroed in shared memory first (0 · NaN must not reach the sums).
-// The four warps then merge in shared memory and write the block's partial (cuda_mma.cuh's
+// The block's warps then merge in shared memory and write its partial (cuda_mma.cuh's
 // StoreWarpRow and MergeWarpsIntoPartial, as flash.cu's decode does).
 //
 // Calls overlap (OverlapCalls, on by default): a decode lets the launch after it (its combine)
@@ -52,7 +56,7 @@ namespace {
 // Bytes of K (or V) a tile: 64 keys of 256-byte rows (fp16 d = 128), 128 of 128-byte rows.
 constexpr int kTileTarget = 16384;
 
-template <typename T, int D, int Tk>
+template <typename T, int D, int Tk, int Tm = 1>
 struct Sd {
   static constexpr int kTk = Tk;  // keys a tile: kTk / 4 a warp, 16 or 32 a softmax step
   static constexpr int kWk = Tk / 4;
@@ -80,12 +84,18 @@ struct Sd {
   static constexpr int kStage = (2 * kTile + 2 * kScaleSlot + 1023) / 1024 * 1024;
   static constexpr uint32_t kTx = 2 * kTile + 2 * kScaleBox * 4;  // bytes a stage receives
   static constexpr int kRing = kStages * kStage;
-  // The warps' merge, in the ring once streaming is done: m, l and weights (32 floats each),
-  // then the outputs [4 warps][8 rows][kOs] (rows padded: distinct banks for the quads' stores).
+  // Teams of four warps, each streaming its own ring (Tm: one, or two where a ring holds under
+  // 64 KB — StreamDecodeTeams).
+  static constexpr int kTeams = Tm;
+  static_assert(Tm == 1 || (Tm == 2 && kRing < 65536), "two teams where a ring is under 64 KB");
+  static constexpr int kWarps = 4 * kTeams, kThreads = 32 * kWarps;
+  // The warps' merge, in the rings once streaming is done: m, l and weights (8 floats a warp
+  // each), then the outputs [kWarps][8 rows][kOs] (rows padded: distinct banks for the quads'
+  // stores).
   static constexpr int kOs = D + 8;
-  static constexpr int kMerge = (96 + 4 * 8 * kOs) * 4;
+  static constexpr int kMerge = (3 * 8 * kWarps + kWarps * 8 * kOs) * 4;
   static constexpr int kStrQ = D + 8;  // Q rows (TM) padded: ldmatrix rows hit distinct banks
-  static constexpr int kQOff = kRing > kMerge ? kRing : kMerge;
+  static constexpr int kQOff = kTeams * kRing > kMerge ? kTeams* kRing : kMerge;
   static constexpr size_t kBytes = 1024 + kQOff + size_t{16} * kStrQ * 2;
   static_assert(kBoxes * kBox == kRow && kTx <= kStage && kSwz >= 3, "a stage holds its tiles");
 };
@@ -100,21 +110,25 @@ __device__ inline uint32_t Swz(int r, int c) {
   return off ^ (((off >> 7) & C::kSwz) << 4);
 }
 
-template <typename T, int D, int Tk>
-__global__ void __launch_bounds__(128)
+template <typename T, int D, int Tk, int Tm>
+__global__ void __launch_bounds__(Sd<T, D, Tk, Tm>::kThreads)
     StreamDecodeKernel(const __grid_constant__ AttendArgs a, bool overlap) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using C = Sd<T, D, Tk>;
-  constexpr int kStages = C::kStages;
+  using C = Sd<T, D, Tk, Tm>;
+  constexpr int kStages = C::kStages, kTeams = C::kTeams;
   using TM = typename C::TM;
   constexpr int kStr = C::kStrQ, kTk = C::kTk, kWk = C::kWk;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* ring = smem_raw + ((1024u - (SmemAddr(smem_raw) & 1023u)) & 1023u);
   TM* qh = reinterpret_cast<TM*>(ring + C::kQOff);  // [16][kStr]: rows 0..7 hi, 8..15 lo
-  __shared__ __align__(8) uint64_t bars[kStages];
+  __shared__ __align__(8) uint64_t bars[kTeams][kStages];
+  // Two teams: no barrier a tile — the last warp of a team out of a stage refills it.
+  constexpr bool kRefill = kTeams > 1;
+  __shared__ uint32_t released[kTeams][kStages];  // warps done with the stage's tile
   __shared__ int32_t rowid[8];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int team = warp / 4, wt = warp % 4;  // wt: the warp's quarter of its team's tiles
   const int group = static_cast<int>(a.uniform_group);
   const int kv = static_cast<int>(blockIdx.x);
   // Every row is at q_pos0: one visible range, split in whole tiles over blockIdx.y.
@@ -126,16 +140,20 @@ __global__ void __launch_bounds__(128)
   const uint32_t k0 = lo + Min<uint32_t>(len, SplitPoint(tiles, blockIdx.y, a.splits) * kTk);
   const uint32_t k1 = lo + Min<uint32_t>(len, SplitPoint(tiles, blockIdx.y + 1, a.splits) * kTk);
   const int ntiles = static_cast<int>((k1 - k0 + kTk - 1) / kTk);
+  // Team τ streams the split's tiles τ, τ + kTeams, ... through ring τ: the block's reads stay
+  // one window moving along the range.
+  const int mytiles = ntiles > team ? (ntiles - team + kTeams - 1) / kTeams : 0;
 
   // fp8: the scales of row kv·rows + k0 + kTk·t sit this many floats into the tile's scale box.
   const int scale_skew = static_cast<int>((uint32_t(kv) * a.rows + k0) & 3u);
-  // Tile t into stage t % kStages (thread 0): the boxes of K and V at rows k0 + kTk·t.. of head
-  // kv (rows past the slot land as zeros), fp8's scales from the 16-byte boundary before the
-  // head's row kv·rows + k0 + kTk·t.
-  auto issue = [&](int t) {
+  // Team τ's j-th tile (the split's tile t = j·kTeams + τ) into stage j % kStages of ring τ
+  // (one thread): the boxes of K and V at rows k0 + kTk·t.. of head kv (rows past the slot land
+  // as zeros), fp8's scales from the 16-byte boundary before the head's row kv·rows + k0 + kTk·t.
+  auto issue = [&](int tau, int j) {
+    const int t = j * kTeams + tau;
     if (t >= ntiles) return;
-    uint8_t* st = ring + (t % kStages) * C::kStage;
-    uint64_t* bar = &bars[t % kStages];
+    uint8_t* st = ring + tau * C::kRing + (j % kStages) * C::kStage;
+    uint64_t* bar = &bars[tau][j % kStages];
     const int first = static_cast<int>(k0 + t * kTk);
     MbarArriveExpect(bar, C::kTx);
 #pragma unroll
@@ -151,12 +169,18 @@ __global__ void __launch_bounds__(128)
   };
   if (tid == 0) {
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) MbarInit(&bars[s], 1);
+    for (int tau = 0; tau < kTeams; ++tau) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) MbarInit(&bars[tau][s], 1), released[tau][s] = 0;
+    }
     FenceMbarInit();
     // The K/V tiles are never written by a kernel (slots arrive by copies), so the first ones
     // are requested before waiting for the kernel ahead in the stream.
 #pragma unroll
-    for (int t = 0; t < kStages - 1; ++t) issue(t);
+    for (int j = 0; j < (kRefill ? kStages : kStages - 1); ++j) {
+#pragma unroll
+      for (int tau = 0; tau < kTeams; ++tau) issue(tau, j);
+    }
   }
   if (tid < 8) rowid[tid] = tid < group ? kv * group + tid : -1;
   // Overlapping calls: a launch after this one (the combine) may place its blocks now, and this
@@ -169,8 +193,8 @@ __global__ void __launch_bounds__(128)
   }
   // Q: rows 0..7 its fp16 (bf16) high parts, rows 8..15 the low parts (fp8: in KPerm order).
 #pragma unroll
-  for (int i = 0; i < (8 * D / 4 + 127) / 128; ++i) {
-    const int e = tid + 128 * i;
+  for (int i = 0; i < (8 * D / 4 + C::kThreads - 1) / C::kThreads; ++i) {
+    const int e = tid + C::kThreads * i;
     if (e >= 8 * D / 4) break;
     const int r = e / (D / 4), c = (e % (D / 4)) * 4;
     float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -203,33 +227,33 @@ __global__ void __launch_bounds__(128)
   float o[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  for (int t = 0; t < ntiles; ++t) {
-    const int buf = t % kStages;
-    if (tid == 0) issue(t + kStages - 1);  // into the stage every warp released last tile
-    MbarWait(&bars[buf], static_cast<uint32_t>(t / kStages) & 1u);
-    const uint8_t* kt = ring + buf * C::kStage;
-    uint8_t* vt = ring + buf * C::kStage + C::kTile;
+  for (int j = 0; j < mytiles; ++j) {
+    const int buf = j % kStages, t = j * kTeams + team;
+    if (!kRefill && tid == 0) issue(team, j + kStages - 1);  // into the stage released last
+    MbarWait(&bars[team][buf], static_cast<uint32_t>(j / kStages) & 1u);
+    const uint8_t* kt = ring + team * C::kRing + buf * C::kStage;
+    uint8_t* vt = ring + team * C::kRing + buf * C::kStage + C::kTile;
     const float* ksc_t = reinterpret_cast<const float*>(kt + 2 * C::kTile) + scale_skew;  // fp8
     const float* vsc_t =
         reinterpret_cast<const float*>(kt + 2 * C::kTile + C::kScaleSlot) + scale_skew;
-    const uint32_t wfirst = k0 + t * kTk + kWk * warp;  // this warp's first key
+    const uint32_t wfirst = k0 + t * kTk + kWk * wt;  // this warp's first key
     if (wfirst + kWk > k1) {  // V rows past the range (the range's last tile only) to zero
       constexpr int kChunks = C::kRow / 16;
 #pragma unroll 4
       for (int e = lane; e < kWk * kChunks; e += 32) {
-        const int j = e / kChunks;
-        if (wfirst + j >= k1) {
-          *reinterpret_cast<uint4*>(vt + Swz<C>(kWk * warp + j, (e % kChunks) * 16)) =
+        const int r = e / kChunks;
+        if (wfirst + r >= k1) {
+          *reinterpret_cast<uint4*>(vt + Swz<C>(kWk * wt + r, (e % kChunks) * 16)) =
               make_uint4(0, 0, 0, 0);
         }
       }
       __syncwarp();
     }
     if constexpr (C::kF8) {
-      if (t == 0) {  // this warp's unit: a power of two near its first piece's V scales
+      if (j == 0) {  // this warp's unit: a power of two near its first piece's V scales
         float mx = 0.f;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) mx = fmaxf(mx, vsc_t[kWk * warp + j]);
+        for (int r = 0; r < 16; ++r) mx = fmaxf(mx, vsc_t[kWk * wt + r]);
         const float unit = __uint_as_float(__float_as_uint(mx) & 0x7f800000u);
         if (unit > 0.f && isfinite(unit)) v_unit = unit, v_inv = 1.f / unit;
       }
@@ -244,7 +268,7 @@ __global__ void __launch_bounds__(128)
     constexpr int kN = kP / 8;  // 8-key n-tiles a step
 #pragma unroll
     for (int piece = 0; piece < kWk / kP; ++piece) {
-      const int wr = kWk * warp + kP * piece;  // the step's first row in the tile
+      const int wr = kWk * wt + kP * piece;  // the step's first row in the tile
       const uint32_t first = wfirst + kP * piece;
       if (first >= k1) break;  // (warp-uniform) nothing of the range left in this tile
       const bool full = first + kP <= k1;
@@ -354,8 +378,23 @@ __global__ void __launch_bounds__(128)
         }
       }
     }
-    __syncthreads();  // every warp is done with the stage: it is refilled next tile
+    if constexpr (kRefill) {
+      // Release: this warp's reads of the stage are done before its count; the last of the
+      // team's four sees every count before it issues the refill.
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence_block();
+        if (atomicAdd(&released[team][buf], 1u) == 3u) {
+          released[team][buf] = 0;
+          __threadfence_block();
+          issue(team, j + kStages);
+        }
+      }
+    } else {
+      __syncthreads();  // every warp is done with the stage: it is refilled next tile
+    }
   }
+  if constexpr (kTeams > 1) __syncthreads();  // every team is out of its ring (the merge's)
   if (overlap) {
     WaitForPrimary();  // the launch before this one may still read the partials written below
   } else {
@@ -371,39 +410,41 @@ __global__ void __launch_bounds__(128)
   }
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-  // The four warps' states of the same rows over different keys, merged in shared memory.
-  float* ms = reinterpret_cast<float*>(ring);  // [4][8]
-  float* ls = ms + 32;                         // [4][8]
-  float* fs = ls + 32;                         // [8][4]
-  float* os = fs + 32;                         // [4][8][kOs]
+  // The warps' states of the same rows over different keys, merged in shared memory.
+  float* ms = reinterpret_cast<float*>(ring);  // [kWarps][8]
+  float* ls = ms + 8 * C::kWarps;              // [kWarps][8]
+  float* fs = ls + 8 * C::kWarps;              // [8][kWarps]
+  float* os = fs + 8 * C::kWarps;              // [kWarps][8][kOs]
   if ((lane & 3) == 0) {
     ms[warp * 8 + g] = m_run;
     ls[warp * 8 + g] = l_run;
   }
   StoreWarpRow<D, 8, C::kOs, C::kF8>(os, warp, g, c2, 0, o);
-  MergeWarpsIntoPartial<D, 8, C::kOs, 8, 8>(a, a.part0 + blockIdx.y, rowid, ms, ls, fs, os);
+  MergeWarpsIntoPartial<D, 8, C::kOs, 8, 8, C::kWarps>(a, a.part0 + blockIdx.y, rowid, ms, ls, fs,
+                                                       os);
   FinishSplits(a, rowid, 8);
 #else
   __trap();  // sm_90 only: StreamDecodeFits never takes another device
 #endif
 }
 
-template <typename T, int D, int Tk>
+template <typename T, int D, int Tk, int Tm>
 cudaError_t OptIn() {
-  static const cudaError_t attr = cudaFuncSetAttribute(StreamDecodeKernel<T, D, Tk>,
+  static const cudaError_t attr = cudaFuncSetAttribute(StreamDecodeKernel<T, D, Tk, Tm>,
                                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       static_cast<int>(Sd<T, D, Tk>::kBytes));
+                                                       static_cast<int>(Sd<T, D, Tk, Tm>::kBytes));
   return attr;
 }
 
 // Blocks of the kernel that fit a multiprocessor (occupancy calculator).
-template <typename T, int D, int Tk>
+template <typename T, int D, int Tk, int Tm>
 int FitPerSm() {
   static const int n = [] {
     int fit = 0;
-    if (OptIn<T, D, Tk>() != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, StreamDecodeKernel<T, D, Tk>, 128,
-                                                      Sd<T, D, Tk>::kBytes) != cudaSuccess) {
+    if (OptIn<T, D, Tk, Tm>() != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, StreamDecodeKernel<T, D, Tk, Tm>,
+                                                      Sd<T, D, Tk, Tm>::kThreads,
+                                                      Sd<T, D, Tk, Tm>::kBytes) != cudaSuccess) {
       cudaGetLastError();
       return 1;
     }
@@ -414,6 +455,7 @@ int FitPerSm() {
 
 std::atomic<uint32_t> tile_override{0};
 std::atomic<uint32_t> blocks_override{0};
+std::atomic<uint32_t> teams_override{0};
 std::atomic<bool> overlap_calls{true};
 
 // f(T{}, integral_constant<int, D>{}, integral_constant<int, Tk>{}) for a's element type, head
@@ -436,6 +478,38 @@ auto WithShape(const AttendArgs& a, F&& f) {
   if (a.dtype == DType::kBF16) return with_d(__nv_bfloat16{});
   if (a.dtype == DType::kFP8) return with_d(__nv_fp8_e4m3{});
   return with_d(__half{});
+}
+
+// Keys of `a`'s visible range (every row at q_pos0), as the kernel computes it.
+uint64_t VisibleKeys(const AttendArgs& a) {
+  const int64_t vb = Max<int64_t>(FirstVisible(a.q_pos0, a.window, a.k_pos0), a.begin);
+  const int64_t ve = Min<int64_t>(a.q_pos0 - a.k_pos0 + 1, a.end);
+  return vb < ve ? static_cast<uint64_t>(ve - vb) : 0;
+}
+
+// f(T{}, D, Tk, integral_constant<int, Tm>{}) with Tm the teams a block for `a` over `keys`:
+// two where a ring holds under 64 KB (fp8 d = 64's 8 KB tiles) and one block a multiprocessor
+// gets at least kTeamKeys keys — eight warps and about 96 KB of tiles in flight, as two one-team
+// blocks had, over half the splits (half the partials to write and combine, and each block's
+// ramp and merge over twice the keys); else one (or SetStreamDecodeTeams' choice). Measured on
+// an H100 (GQA 32/8, fp8 d = 64, µs, CUDA graph of 20 calls, one team / two, overlapping; calls
+// apart): 8K 5.54 / 5.86, 8.80 / 8.91; 12K 7.47 / 5.07, 11.77 / 9.93; 16K 9.10 / 5.68, 13.53 /
+// 11.09; 24K 9.98 / 7.66; 32K 11.87 / 9.79 (the plain streaming read of the same bytes 9.70),
+// 17.80 / 16.22; 128K 45.61 / 44.47, 55.14 / 53.56.
+constexpr uint64_t kTeamKeys = 512;
+template <typename F>
+auto WithTeams(const AttendArgs& a, uint64_t keys, F&& f) {
+  return WithShape(a, [&](auto t, auto d, auto tk) {
+    using T = decltype(t);
+    constexpr int D = decltype(d)::value, kTk = decltype(tk)::value;
+    if constexpr (Sd<T, D, kTk>::kRing < 65536) {
+      const uint32_t o = teams_override.load(std::memory_order_relaxed);
+      const uint64_t sms = static_cast<uint64_t>(std::max(gpu::Info().sms, 1));
+      const bool two = o != 0 ? o == 2 : keys * std::max<uint32_t>(a.heads, 1) >= kTeamKeys * sms;
+      if (two) return f(t, d, tk, std::integral_constant<int, 2>{});
+    }
+    return f(t, d, tk, std::integral_constant<int, 1>{});
+  });
 }
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -461,20 +535,22 @@ bool StreamDecodeFits(const AttendArgs& a) {
 }
 
 int StreamDecodeBlocksPerSm(const AttendArgs& a, uint64_t keys) {
-  return WithShape(a, [&](auto t, auto d, auto tk) {
+  return WithTeams(a, keys, [&](auto t, auto d, auto tk, auto tm) {
     using T = decltype(t);
-    constexpr int D = decltype(d)::value, kTk = decltype(tk)::value;
-    // Enough rings for about 96 KB of tiles in flight: one block of fp16 d = 128 (64-key tiles),
-    // fp16 d = 64 and fp8 d = 128 (128-key tiles), two of fp8 d = 64. Measured on an H100, GQA
-    // 32/8, µs, one block an SM / two: fp16 d = 128 32K 48.6 / 49.7; fp16 d = 64 32K 27.2 / 28.4,
-    // 128K 92.9 / 93.7; fp8 d = 128 32K 28.9 / 31.8, 128K 96.6 / 100.2; fp8 d = 64 (two / four)
-    // 32K 17.8 / 23.9, 128K 55.4 / 75.0. Short ranges (under 512 keys a block) take twice the
-    // blocks: fp16 d = 128 8K 10.59 -> 10.38, d = 64 8.67 -> 8.23.
-    int want = (98304 + Sd<T, D, kTk>::kRing - 1) / Sd<T, D, kTk>::kRing;
+    constexpr int D = decltype(d)::value, kTk = decltype(tk)::value, kTm = decltype(tm)::value;
+    // Enough rings for about 96 KB of tiles in flight: one block of fp16 d = 128 (64-key
+    // tiles), fp16 d = 64 and fp8 d = 128 (128-key tiles), and of fp8 d = 64's two teams.
+    // Measured on an H100, GQA 32/8, µs, one block an SM / two: fp16 d = 128 32K 48.6 / 49.7;
+    // fp16 d = 64 32K 27.2 / 28.4, 128K 92.9 / 93.7; fp8 d = 128 32K 28.9 / 31.8, 128K 96.6 /
+    // 100.2; fp8 d = 64 (one team, two blocks / four) 32K 17.8 / 23.9, 128K 55.4 / 75.0. Short
+    // ranges (under 512 keys a block) take twice the blocks: fp16 d = 128 8K 10.59 -> 10.38,
+    // d = 64 8.67 -> 8.23.
+    constexpr int kInFlight = kTm * Sd<T, D, kTk>::kRing;  // bytes a block
+    int want = (98304 + kInFlight - 1) / kInFlight;
     const uint64_t slots = uint64_t(want) * std::max(gpu::Info().sms, 1);
     if (keys * std::max<uint32_t>(a.heads, 1) < 512 * slots) want *= 2;
     if (const uint32_t n = blocks_override.load(std::memory_order_relaxed); n > 0) want = int(n);
-    return std::clamp(want, 1, FitPerSm<T, D, kTk>());
+    return std::clamp(want, 1, FitPerSm<T, D, kTk, kTm>());
   });
 }
 
@@ -482,6 +558,13 @@ void SetOverlapCalls(bool on) { overlap_calls.store(on, std::memory_order_relaxe
 bool OverlapCalls() { return overlap_calls.load(std::memory_order_relaxed); }
 
 void SetStreamDecodeBlocks(uint32_t n) { blocks_override.store(n, std::memory_order_relaxed); }
+uint32_t StreamDecodeTeams(const AttendArgs& a, uint64_t keys) {
+  return WithTeams(a, keys,
+                   [](auto, auto, auto, auto tm) { return uint32_t{decltype(tm)::value}; });
+}
+void SetStreamDecodeTeams(uint32_t n) {
+  teams_override.store(n == 1 || n == 2 ? n : 0, std::memory_order_relaxed);
+}
 void SetStreamDecodeTile(uint32_t keys) {
   tile_override.store(keys == 64 ? 64 : 0, std::memory_order_relaxed);
 }
@@ -491,10 +574,10 @@ uint32_t StreamDecodeTile(const AttendArgs& a) {
 
 Status LaunchStreamDecode(const AttendArgs& a_in, cudaStream_t stream) {
   AttendArgs a = a_in;
-  return WithShape(a, [&](auto t, auto d, auto tk) -> Status {
+  return WithTeams(a, VisibleKeys(a), [&](auto t, auto d, auto tk, auto tm) -> Status {
     using T = decltype(t);
-    constexpr int D = decltype(d)::value, kTk = decltype(tk)::value;
-    using C = Sd<T, D, kTk>;
+    constexpr int D = decltype(d)::value, kTk = decltype(tk)::value, kTm = decltype(tm)::value;
+    using C = Sd<T, D, kTk, kTm>;
     // K and V as [heads][rows][row bytes]: boxes of kBox bytes × kTk rows × one head, so a tile
     // never reads another head's rows (past the slot's rows it lands as zeros).
     const uint64_t dims[3] = {uint64_t{C::kRow}, a.rows, a.heads};
@@ -515,10 +598,11 @@ Status LaunchStreamDecode(const AttendArgs& a_in, cudaStream_t stream) {
                                         sbox, TensorSwizzle::kNone);
       if (!vs.ok()) return vs;
     }
-    const cudaError_t attr = OptIn<T, D, kTk>();
+    const cudaError_t attr = OptIn<T, D, kTk, kTm>();
     if (attr != cudaSuccess) return gpu::CudaError(attr, "streaming decode shared memory");
-    return LaunchDependent(StreamDecodeKernel<T, D, kTk>, dim3(a.heads, a.splits), dim3(128),
-                           C::kBytes, stream, "streaming decode kernel", a, OverlapCalls());
+    return LaunchDependent(StreamDecodeKernel<T, D, kTk, kTm>, dim3(a.heads, a.splits),
+                           dim3(C::kThreads), C::kBytes, stream, "streaming decode kernel", a,
+                           OverlapCalls());
   });
 }
 

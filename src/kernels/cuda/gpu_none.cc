@@ -62,6 +62,8 @@ bool StreamDecodeFits(const AttendArgs&) { return false; }
 uint32_t StreamDecodeTile(const AttendArgs&) { return 0; }
 void SetStreamDecodeTile(uint32_t) {}
 void SetStreamDecodeBlocks(uint32_t) {}
+void SetStreamDecodeTeams(uint32_t) {}
+uint32_t StreamDecodeTeams(const AttendArgs&, uint64_t) { return 1; }
 void SetOverlapCalls(bool) {}
 bool OverlapCalls() { return false; }
 int FlashRowGroups(const AttendArgs&) { return 1; }
