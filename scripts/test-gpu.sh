@@ -12,6 +12,8 @@
 #      --attention-backend cuda (and pion-server-faults for the failed-GPU-copy case);
 #   4. the transformers integration (tests/test_hf.py: Stage 1 over TCP, shm and CUDA IPC; Stage 2).
 # PION_GPU_BIN names the directory with pion-server and gpu_attention_test (default: build).
+# Every step runs even when an earlier one fails (a sanitizer's report does not hide the
+# end-to-end suites'); the script then names the failed steps and exits 1.
 set -euo pipefail
 BIN=$(cd "${PION_GPU_BIN:-build}" && pwd)
 PY=${PYTHON:-python3}
@@ -19,14 +21,25 @@ PY=${PYTHON:-python3}
 if compgen -G "$BIN/*.xz" >/dev/null && [ -f "$BIN/../unpack.py" ]; then
   "$PY" "$BIN/../unpack.py"
 fi
-"$BIN/gpu_attention_test"
+failed=()
+# step NAME CMD...: runs CMD, and records NAME when it fails.
+step() {
+  local name=$1
+  shift
+  echo "== test-gpu: $name"
+  if ! "$@"; then
+    failed+=("$name")
+    echo "== test-gpu: $name FAILED" >&2
+  fi
+}
+step gpu_attention_test "$BIN/gpu_attention_test"
 if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
   CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   # --num-cuda-barriers: room to track every mbarrier of a test's launches (the default table
   # overflows over the cluster kernels' many launches: synccheck then fails the launch, and
   # racecheck reports hazards against barriers it no longer tracks).
   smoke='GpuExecutor.Smoke:GpuTier.*'
-  run() { "$CS" --tool "$1" --num-cuda-barriers 65536 --error-exitcode 1 \
+  run() { step "$1 $2" "$CS" --tool "$1" --num-cuda-barriers 65536 --error-exitcode 1 \
     "$BIN/gpu_attention_test" --gtest_filter="$2"; }
   run memcheck "$smoke"
   run synccheck "$smoke"
@@ -39,13 +52,18 @@ if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/comp
   run memcheck GpuExecutor.StreamDecodeBackToBack
 else
   echo "compute-sanitizer not found: the sanitizer runs need it" >&2
-  exit 1
+  failed+=("compute-sanitizer (not found)")
 fi
 PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda" \
   PION_FAULT_SERVER="$BIN/pion-server-faults" \
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_attend_prefix.py tests/test_attend_gpu.py \
-  tests/test_residency.py
+  step "Stage 2 and residency suites (cuda)" "$PY" -m pytest -q -p no:cacheprovider \
+  tests/test_attend_prefix.py tests/test_attend_gpu.py tests/test_residency.py
 # The transformers integration (skipped with the reason where transformers is not installed).
 PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda --gpu-memory 8gb" \
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_hf.py
+  step "transformers integration" "$PY" -m pytest -q -p no:cacheprovider tests/test_hf.py
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'test-gpu: %d step(s) failed:\n' "${#failed[@]}" >&2
+  printf '  %s\n' "${failed[@]}" >&2
+  exit 1
+fi
 echo "test-gpu: all GPU suites passed"
