@@ -6,11 +6,11 @@
 // ring of kStages tiles (16 KB of K rows: 64 or 128 keys) a team of four warps; a tile of K and
 // of V is one tensor copy (TMA) each per 128 bytes of row — d = 128 fp16 two, the others one —
 // landing 128-byte (64-byte for fp8 d = 64) swizzled so the fragment loads below hit distinct
-// banks, and an fp8 tile's row scales are a copy each too. One thread a team issues; every stage
-// completes on its mbarrier; the team's four warps take a quarter of every tile each (16 or 32
-// keys; a softmax step a 32). A block is one team, whose warps sync once a tile before the stage
-// is refilled, or — where a ring holds under 64 KB (fp8 d = 64: 8 KB tiles) and the range is
-// long (WithTeams) — two, taking the split's tiles in turn through a ring each: eight warps and
+// banks, and an fp8 tile's row scales are a copy each too. One thread issues a tile's copies;
+// every stage completes on its mbarrier; the team's four warps take a quarter of every tile each
+// (16 or 32 keys; a softmax step a 32). A block is one team, whose warps sync once a tile before
+// the stage is refilled, or — where a ring holds under 64 KB (fp8 d = 64: 8 KB tiles) and the range
+// is long (WithTeams) — two, taking the split's tiles in turn through a ring each: eight warps and
 // about 96 KB in flight, as two blocks had, over half the splits; there the last warp of a team
 // out of a stage refills it (a count a stage), so no warp waits for the others a tile.
 // Measured on an H100 without the math (bench/gpu_decode_patterns.cu, 2026-12-06): this read
