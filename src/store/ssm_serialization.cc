@@ -71,7 +71,7 @@ StatusOr<std::vector<SsmArray>> ParseSsmState(std::string_view blob) {
                    std::to_string(blob.size() - off));
     }
     arr.values.resize(count);
-    std::memcpy(arr.values.data(), blob.data() + off, count * 4);
+    if (count > 0) std::memcpy(arr.values.data(), blob.data() + off, count * 4);  // (a 0 dim)
     off += count * 4;
     arrays.push_back(std::move(arr));
   }

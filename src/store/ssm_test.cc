@@ -27,6 +27,20 @@ TEST(SsmSerialization, RoundTripMatchesTheSeedLayout) {
   EXPECT_EQ((*out)[1].values, in[1].values);
 }
 
+// An array with a zero dimension holds no values, and round-trips as such.
+TEST(SsmSerialization, ZeroDimensionArrayRoundTrips) {
+  std::vector<SsmArray> in(2);
+  in[0].shape = {0, 4};
+  in[1].shape = {2};
+  in[1].values = {1.5f, -2};
+  auto out = ParseSsmState(SerializeSsmState(in));
+  ASSERT_TRUE(out.ok()) << out.status().message();
+  ASSERT_EQ(out->size(), 2u);
+  EXPECT_EQ((*out)[0].shape, in[0].shape);
+  EXPECT_TRUE((*out)[0].values.empty());
+  EXPECT_EQ((*out)[1].values, in[1].values);
+}
+
 TEST(SsmSerialization, MalformedBlobsAreNamed) {
   EXPECT_FALSE(ParseSsmState("abc").ok());
   std::string bad_version("\x02\0\0\0\0\0\0\0", 8);
