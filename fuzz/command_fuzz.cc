@@ -576,7 +576,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     k.open = true;
     std::string why;
     Reply r;
-    if (!k.c.Connect(tcp ? std::string() : g->sock, g->server->port())) why = "connect failed";
+    if (!k.c.Connect(tcp ? std::string() : g->sock, g->server->port())) {
+      why = std::string(tcp ? "TCP" : "Unix socket") + " connect failed: " + k.c.LastError();
+    }
     if (why.empty() && user < 3) {
       if (!TryCall(k.c, {"AUTH", kUsers[user].name, kUsers[user].password}, &r)) {
         why = "closed before AUTH";

@@ -211,6 +211,8 @@ class RespClient {
     if (fd_ >= 0) close(fd_);
     fd_ = -1;
   }
+  // strerror of the last failed connect, read or write.
+  const char* LastError() const { return std::strerror(errno_); }
   bool connected() const { return fd_ >= 0 && !eof_ && !write_closed_; }
 
   // Appends one command in RESP to the send buffer.
@@ -313,6 +315,7 @@ class RespClient {
 
  private:
   bool Fail() {
+    errno_ = errno;
     Close();
     return false;
   }
@@ -358,6 +361,7 @@ class RespClient {
   }
 
   int fd_ = -1;
+  int errno_ = 0;  // of the last failed connect, read or write
   bool eof_ = false;
   bool write_closed_ = false;
   std::string in_;
