@@ -192,14 +192,14 @@ class RespClient {
       sockaddr_un a{};
       a.sun_family = AF_UNIX;
       std::snprintf(a.sun_path, sizeof(a.sun_path), "%s", path.c_str());
-      if (fd_ < 0 || connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) return Fail();
+      if (fd_ < 0 || !ConnectFd(reinterpret_cast<sockaddr*>(&a), sizeof(a))) return Fail();
     } else {
       fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
       sockaddr_in a{};
       a.sin_family = AF_INET;
       a.sin_port = htons(static_cast<uint16_t>(port));
       a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      if (fd_ < 0 || connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) return Fail();
+      if (fd_ < 0 || !ConnectFd(reinterpret_cast<sockaddr*>(&a), sizeof(a))) return Fail();
     }
     in_.clear();
     pos_ = 0;
@@ -314,6 +314,26 @@ class RespClient {
   }
 
  private:
+  // connect(2) on fd_. A signal (libFuzzer's -timeout alarm fires every second) may interrupt
+  // it: the connection then goes on, and its outcome is SO_ERROR once the socket is writable.
+  bool ConnectFd(const sockaddr* a, socklen_t n) {
+    if (connect(fd_, a, n) == 0) return true;
+    if (errno != EINTR) return false;
+    pollfd p{fd_, POLLOUT, 0};
+    int pr;
+    while ((pr = poll(&p, 1, 10000)) < 0) {
+      if (errno != EINTR) return false;
+    }
+    if (pr == 0) {
+      errno = ETIMEDOUT;
+      return false;
+    }
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (getsockopt(fd_, SOL_SOCKET, SO_ERROR, &err, &len) != 0) return false;
+    errno = err;
+    return err == 0;
+  }
   bool Fail() {
     errno_ = errno;
     Close();
