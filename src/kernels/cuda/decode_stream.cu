@@ -55,6 +55,9 @@ namespace {
 
 // Bytes of K (or V) a tile: 64 keys of 256-byte rows (fp16 d = 128), 128 of 128-byte rows.
 constexpr int kTileTarget = 16384;
+// A range under this many keys a block is short: it takes twice the blocks a multiprocessor
+// (StreamDecodeBlocksPerSm), and one team (WithTeams).
+constexpr uint64_t kShortKeys = 512;
 
 template <typename T, int D, int Tk, int Tm = 1>
 struct Sd {
@@ -86,8 +89,9 @@ struct Sd {
   static constexpr int kRing = kStages * kStage;
   // Teams of four warps, each streaming its own ring (Tm: one, or two where a ring holds under
   // 64 KB — StreamDecodeTeams).
+  static constexpr bool kTwoTeamsFit = kRing < 65536;
   static constexpr int kTeams = Tm;
-  static_assert(Tm == 1 || (Tm == 2 && kRing < 65536), "two teams where a ring is under 64 KB");
+  static_assert(Tm == 1 || (Tm == 2 && kTwoTeamsFit), "two teams where a ring is under 64 KB");
   static constexpr int kWarps = 4 * kTeams, kThreads = 32 * kWarps;
   // The warps' merge, in the rings once streaming is done: m, l and weights (8 floats a warp
   // each), then the outputs [kWarps][8 rows][kOs] (rows padded: distinct banks for the quads'
@@ -108,6 +112,17 @@ __device__ inline uint32_t Swz(int r, int c) {
   const uint32_t off =
       uint32_t(c / C::kBox) * (C::kTk * C::kBox) + uint32_t(r) * C::kBox + uint32_t(c % C::kBox);
   return off ^ (((off >> 7) & C::kSwz) << 4);
+}
+
+// The visible range of `a`'s rows (every row at q_pos0): its first key and its length — for the
+// kernel's splits and the host's plan alike.
+struct Range {
+  uint32_t lo, len;
+};
+__host__ __device__ inline Range VisibleRange(const AttendArgs& a) {
+  const int64_t vb = Max<int64_t>(FirstVisible(a.q_pos0, a.window, a.k_pos0), a.begin);
+  const int64_t ve = Min<int64_t>(a.q_pos0 - a.k_pos0 + 1, a.end);
+  return {vb < ve ? static_cast<uint32_t>(vb) : 0u, vb < ve ? static_cast<uint32_t>(ve - vb) : 0u};
 }
 
 template <typename T, int D, int Tk, int Tm>
@@ -132,10 +147,8 @@ __global__ void __launch_bounds__(Sd<T, D, Tk, Tm>::kThreads)
   const int group = static_cast<int>(a.uniform_group);
   const int kv = static_cast<int>(blockIdx.x);
   // Every row is at q_pos0: one visible range, split in whole tiles over blockIdx.y.
-  const int64_t vb = Max<int64_t>(FirstVisible(a.q_pos0, a.window, a.k_pos0), a.begin);
-  const int64_t ve = Min<int64_t>(a.q_pos0 - a.k_pos0 + 1, a.end);
-  const uint32_t lo = vb < ve ? static_cast<uint32_t>(vb) : 0;
-  const uint32_t len = vb < ve ? static_cast<uint32_t>(ve - vb) : 0;
+  const Range vis = VisibleRange(a);
+  const uint32_t lo = vis.lo, len = vis.len;
   const uint32_t tiles = (len + kTk - 1) / kTk;
   const uint32_t k0 = lo + Min<uint32_t>(len, SplitPoint(tiles, blockIdx.y, a.splits) * kTk);
   const uint32_t k1 = lo + Min<uint32_t>(len, SplitPoint(tiles, blockIdx.y + 1, a.splits) * kTk);
@@ -480,32 +493,24 @@ auto WithShape(const AttendArgs& a, F&& f) {
   return with_d(__half{});
 }
 
-// Keys of `a`'s visible range (every row at q_pos0), as the kernel computes it.
-uint64_t VisibleKeys(const AttendArgs& a) {
-  const int64_t vb = Max<int64_t>(FirstVisible(a.q_pos0, a.window, a.k_pos0), a.begin);
-  const int64_t ve = Min<int64_t>(a.q_pos0 - a.k_pos0 + 1, a.end);
-  return vb < ve ? static_cast<uint64_t>(ve - vb) : 0;
-}
-
 // f(T{}, D, Tk, integral_constant<int, Tm>{}) with Tm the teams a block for `a` over `keys`:
 // two where a ring holds under 64 KB (fp8 d = 64's 8 KB tiles) and one block a multiprocessor
-// gets at least kTeamKeys keys — eight warps and about 96 KB of tiles in flight, as two one-team
+// gets at least kShortKeys keys — eight warps and about 96 KB of tiles in flight, as two one-team
 // blocks had, over half the splits (half the partials to write and combine, and each block's
 // ramp and merge over twice the keys); else one (or SetStreamDecodeTeams' choice). Measured on
 // an H100 (GQA 32/8, fp8 d = 64, µs, CUDA graph of 20 calls, one team / two, overlapping; calls
 // apart): 8K 5.54 / 5.86, 8.80 / 8.91; 12K 7.47 / 5.07, 11.77 / 9.93; 16K 9.10 / 5.68, 13.53 /
 // 11.09; 24K 9.98 / 7.66; 32K 11.87 / 9.79 (the plain streaming read of the same bytes 9.70),
 // 17.80 / 16.22; 128K 45.61 / 44.47, 55.14 / 53.56.
-constexpr uint64_t kTeamKeys = 512;
 template <typename F>
 auto WithTeams(const AttendArgs& a, uint64_t keys, F&& f) {
   return WithShape(a, [&](auto t, auto d, auto tk) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value, kTk = decltype(tk)::value;
-    if constexpr (Sd<T, D, kTk>::kRing < 65536) {
+    if constexpr (Sd<T, D, kTk>::kTwoTeamsFit) {
       const uint32_t o = teams_override.load(std::memory_order_relaxed);
       const uint64_t sms = static_cast<uint64_t>(std::max(gpu::Info().sms, 1));
-      const bool two = o != 0 ? o == 2 : keys * std::max<uint32_t>(a.heads, 1) >= kTeamKeys * sms;
+      const bool two = o != 0 ? o == 2 : keys * std::max<uint32_t>(a.heads, 1) >= kShortKeys * sms;
       if (two) return f(t, d, tk, std::integral_constant<int, 2>{});
     }
     return f(t, d, tk, std::integral_constant<int, 1>{});
@@ -543,12 +548,12 @@ int StreamDecodeBlocksPerSm(const AttendArgs& a, uint64_t keys) {
     // Measured on an H100, GQA 32/8, µs, one block an SM / two: fp16 d = 128 32K 48.6 / 49.7;
     // fp16 d = 64 32K 27.2 / 28.4, 128K 92.9 / 93.7; fp8 d = 128 32K 28.9 / 31.8, 128K 96.6 /
     // 100.2; fp8 d = 64 (one team, two blocks / four) 32K 17.8 / 23.9, 128K 55.4 / 75.0. Short
-    // ranges (under 512 keys a block) take twice the blocks: fp16 d = 128 8K 10.59 -> 10.38,
+    // ranges (under kShortKeys a block) take twice the blocks: fp16 d = 128 8K 10.59 -> 10.38,
     // d = 64 8.67 -> 8.23.
     constexpr int kInFlight = kTm * Sd<T, D, kTk>::kRing;  // bytes a block
     int want = (98304 + kInFlight - 1) / kInFlight;
     const uint64_t slots = uint64_t(want) * std::max(gpu::Info().sms, 1);
-    if (keys * std::max<uint32_t>(a.heads, 1) < 512 * slots) want *= 2;
+    if (keys * std::max<uint32_t>(a.heads, 1) < kShortKeys * slots) want *= 2;
     if (const uint32_t n = blocks_override.load(std::memory_order_relaxed); n > 0) want = int(n);
     return std::clamp(want, 1, FitPerSm<T, D, kTk, kTm>());
   });
@@ -574,7 +579,7 @@ uint32_t StreamDecodeTile(const AttendArgs& a) {
 
 Status LaunchStreamDecode(const AttendArgs& a_in, cudaStream_t stream) {
   AttendArgs a = a_in;
-  return WithTeams(a, VisibleKeys(a), [&](auto t, auto d, auto tk, auto tm) -> Status {
+  return WithTeams(a, VisibleRange(a).len, [&](auto t, auto d, auto tk, auto tm) -> Status {
     using T = decltype(t);
     constexpr int D = decltype(d)::value, kTk = decltype(tk)::value, kTm = decltype(tm)::value;
     using C = Sd<T, D, kTk, kTm>;
