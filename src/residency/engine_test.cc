@@ -161,6 +161,12 @@ class EngineTest : public ::testing::Test {
   // A host-resident object of one block with seed-determined bytes (its charge reserved,
   // making room first when needed).
   ObjectRef Put(size_t n, uint32_t seed, Family f = Family::kSsm) {
+    return PutBlocks({n}, seed, f);
+  }
+  // The same with blocks of these sizes, each block the bytes Bytes(size, seed) gives.
+  ObjectRef PutBlocks(std::vector<size_t> sizes, uint32_t seed, Family f = Family::kSsm) {
+    size_t n = 0;
+    for (size_t b : sizes) n += b;
     if (!engine_->RoomNow(Tier::kHost, f, n)) {
       std::promise<Status> p;
       engine_->MakeRoom(Tier::kHost, f, n, kNoDeadline, [&](const Status& s) { p.set_value(s); });
@@ -169,10 +175,14 @@ class EngineTest : public ::testing::Test {
     }
     auto charge = engine_->ReserveHost(f, n);
     EXPECT_TRUE(charge.ok()) << charge.status().message();
-    auto buf = BufferAllocator::Default()->Allocate(n);
-    auto bytes = Bytes(n, seed);
-    std::memcpy(buf.value()->data(), bytes.data(), n);
-    return engine_->CreateInHost(f, {buf.value()}, std::move(charge).value());
+    std::vector<BufferRef> blocks;
+    for (size_t b : sizes) {
+      auto buf = BufferAllocator::Default()->Allocate(b);
+      auto bytes = Bytes(b, seed);
+      if (b > 0) std::memcpy(buf.value()->data(), bytes.data(), b);
+      blocks.push_back(buf.value());
+    }
+    return engine_->CreateInHost(f, std::move(blocks), std::move(charge).value());
   }
 
   Status RequireSync(std::vector<ObjectRef> objs, Tier tier, Deadline dl = kNoDeadline,
@@ -343,23 +353,7 @@ TEST_F(EngineTest, EmptyBlocksSpillAndComeBack) {
   constexpr size_t kObj = 64 << 10;
   Make(/*host_limit=*/4 * kObj);
   std::vector<ObjectRef> objs;
-  for (uint32_t i = 0; i < 16; ++i) {  // 4x the host budget: most spill
-    if (!engine_->RoomNow(Tier::kHost, Family::kSsm, kObj)) {
-      std::promise<Status> p;
-      engine_->MakeRoom(Tier::kHost, Family::kSsm, kObj, kNoDeadline,
-                        [&](const Status& s) { p.set_value(s); });
-      ASSERT_TRUE(p.get_future().get().ok());
-    }
-    auto charge = engine_->ReserveHost(Family::kSsm, kObj);
-    ASSERT_TRUE(charge.ok()) << charge.status().message();
-    auto empty = BufferAllocator::Default()->Allocate(0);
-    auto full = BufferAllocator::Default()->Allocate(kObj);
-    ASSERT_TRUE(empty.ok() && full.ok());
-    auto bytes = Bytes(kObj, i);
-    std::memcpy(full.value()->data(), bytes.data(), kObj);
-    objs.push_back(engine_->CreateInHost(Family::kSsm, {empty.value(), full.value()},
-                                         std::move(charge).value()));
-  }
+  for (uint32_t i = 0; i < 16; ++i) objs.push_back(PutBlocks({0, kObj}, i));  // 4x the host budget
   size_t on_disk = 0;
   for (auto& o : objs) on_disk += !o->Resident(Tier::kHost) && o->Resident(Tier::kDisk);
   EXPECT_GE(on_disk, 8u);
