@@ -276,8 +276,11 @@ __global__ void __launch_bounds__(Sd<T, D, Tk, Tm>::kThreads)
     // in flight. H100, GQA 32/8, µs, 16 keys a step / 32 / 32 with PackLo16's low parts from
     // the packed high parts (not a second rounding): fp8
     // d = 64 32K 12.4 / 11.9 / 11.8, fp8 d = 128 128K 87.0 / 84.2 / 83.7; fp16 and bf16 alike
-    // (d = 64 32K 20.3, d = 128 128K 164.5). Outputs equal to 1e-6.
-    constexpr int kP = kWk % 32 == 0 ? 32 : 16;
+    // (d = 64 32K 20.3, d = 128 128K 164.5). Outputs equal to 1e-6. But not fp8 d = 128: there
+    // 32-key steps save 2-3 % inside a graph of back-to-back calls but make a lone call (calls
+    // apart, as the server runs a query after its copy) 27-33 % slower — H100, µs, 32 / 16 keys a
+    // step, overlapping; apart: 32K 20.3 / 20.9, 36.4 / 28.6; 128K 82.5 / 84.5, 125.5 / 94.3.
+    constexpr int kP = kWk % 32 == 0 && !(C::kF8 && D == 128) ? 32 : 16;
     constexpr int kN = kP / 8;  // 8-key n-tiles a step
 #pragma unroll
     for (int piece = 0; piece < kWk / kP; ++piece) {
