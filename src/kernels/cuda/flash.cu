@@ -116,6 +116,15 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
   WaitForPrimary();  // what the kernel before it in the stream wrote (e.g. selection lists)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rg = warp % WR;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Decode's copy barriers (tensor tiles, below), one ring a warp, set up before the block's
+  // first barrier, which orders them before any use and any other shared access. (Set up after
+  // it, where a warp's tiles were tensor copies, racecheck took the init instruction — under a
+  // uniform predicate, off in a sparse block — for writes to kidx's bytes: hazards, none real.)
+  if constexpr (WR == 1) {
+    if (a.tensor_tiles && lane == 0) MbarInitRing(bars[warp]);
+  }
+#endif
   const uint32_t first_item = blockIdx.x * WR;
   const bool sparse = a.list != nullptr;  // WR == 1, one row per item
   // Uniform dense decode: rows, positions and key range follow from the arguments (every row
@@ -214,8 +223,6 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
   // 128-byte aligned (they do: every tile is a multiple of 128 bytes from a 128-aligned base).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const bool tensor = kIndep && a.tensor_tiles && list == nullptr && (SmemAddr(kt) & 127u) == 0;
-  if (tensor && lane == 0) MbarInitRing(bars[warp]);
-  __syncwarp();
 #else
   constexpr bool tensor = false;
 #endif
