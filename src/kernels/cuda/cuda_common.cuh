@@ -136,6 +136,19 @@ __host__ __device__ inline int64_t FirstVisible(int64_t p, int64_t window, int64
   return window > 0 ? p - window + 1 - pos0 : 0;
 }
 
+// The keys [lo, lo + len) that queries at positions pmin..pmax see together: from pmin's first
+// visible key (a.window, a.begin) to pmax's last (a.end); len = 0 where there is none.
+struct KeySpan {
+  uint32_t lo, len;
+};
+__host__ __device__ inline KeySpan VisibleSpan(const AttendArgs& a, int64_t pmin, int64_t pmax) {
+  const int64_t b = Max<int64_t>(FirstVisible(pmin, a.window, a.k_pos0), a.begin);
+  const int64_t e = Min<int64_t>(pmax - a.k_pos0 + 1, a.end);
+  const uint32_t lo = static_cast<uint32_t>(b < e ? b : 0),
+                 hi = static_cast<uint32_t>(b < e ? e : 0);
+  return {lo, hi - lo};
+}
+
 // The end of a split-K attention block when the launch finishes itself (a.counters set): every
 // block counts itself done; the last of its blockIdx.x merges the splits of its rows (`rows`,
 // −1 = none) into a.out / a.lse, exactly as LaunchCombine would, and resets the counter.

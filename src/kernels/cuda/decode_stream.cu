@@ -114,17 +114,6 @@ __device__ inline uint32_t Swz(int r, int c) {
   return off ^ (((off >> 7) & C::kSwz) << 4);
 }
 
-// The visible range of `a`'s rows (every row at q_pos0): its first key and its length — for the
-// kernel's splits and the host's plan alike.
-struct Range {
-  uint32_t lo, len;
-};
-__host__ __device__ inline Range VisibleRange(const AttendArgs& a) {
-  const int64_t vb = Max<int64_t>(FirstVisible(a.q_pos0, a.window, a.k_pos0), a.begin);
-  const int64_t ve = Min<int64_t>(a.q_pos0 - a.k_pos0 + 1, a.end);
-  return {vb < ve ? static_cast<uint32_t>(vb) : 0u, vb < ve ? static_cast<uint32_t>(ve - vb) : 0u};
-}
-
 template <typename T, int D, int Tk, int Tm>
 __global__ void __launch_bounds__(Sd<T, D, Tk, Tm>::kThreads)
     StreamDecodeKernel(const __grid_constant__ AttendArgs a, bool overlap) {
@@ -147,7 +136,7 @@ __global__ void __launch_bounds__(Sd<T, D, Tk, Tm>::kThreads)
   const int group = static_cast<int>(a.uniform_group);
   const int kv = static_cast<int>(blockIdx.x);
   // Every row is at q_pos0: one visible range, split in whole tiles over blockIdx.y.
-  const Range vis = VisibleRange(a);
+  const KeySpan vis = VisibleSpan(a, a.q_pos0, a.q_pos0);
   const uint32_t lo = vis.lo, len = vis.len;
   const uint32_t tiles = (len + kTk - 1) / kTk;
   const uint32_t k0 = lo + Min<uint32_t>(len, SplitPoint(tiles, blockIdx.y, a.splits) * kTk);
@@ -582,7 +571,8 @@ uint32_t StreamDecodeTile(const AttendArgs& a) {
 
 Status LaunchStreamDecode(const AttendArgs& a_in, cudaStream_t stream) {
   AttendArgs a = a_in;
-  return WithTeams(a, VisibleRange(a).len, [&](auto t, auto d, auto tk, auto tm) -> Status {
+  const uint32_t keys = VisibleSpan(a, a.q_pos0, a.q_pos0).len;
+  return WithTeams(a, keys, [&](auto t, auto d, auto tk, auto tm) -> Status {
     using T = decltype(t);
     constexpr int D = decltype(d)::value, kTk = decltype(tk)::value, kTm = decltype(tm)::value;
     using C = Sd<T, D, kTk, kTm>;

@@ -155,18 +155,15 @@ __global__ void __launch_bounds__(128) FlashKernel(const __grid_constant__ Atten
     }
     qspan[0] = pmin;
     qspan[1] = pmax;
-    uint32_t lo = 0, hi = 0;
+    KeySpan span{0, 0};
     if (sparse) {
       const int32_t r0 = a.items[first_item].n > 0 ? a.items[first_item].rows[0] : -1;
-      hi = r0 >= 0 ? static_cast<uint32_t>(a.counts[r0]) : 0;
+      span.len = r0 >= 0 ? static_cast<uint32_t>(a.counts[r0]) : 0;
     } else if (pmin <= pmax) {
-      const int64_t b = Max<int64_t>(FirstVisible(pmin, a.window, a.k_pos0), a.begin);
-      const int64_t e = Min<int64_t>(pmax - a.k_pos0 + 1, a.end);
-      lo = static_cast<uint32_t>(b < e ? b : 0);
-      hi = static_cast<uint32_t>(b < e ? e : 0);
+      span = VisibleSpan(a, pmin, pmax);
     }
-    range[0] = lo;
-    range[1] = hi - lo;
+    range[0] = span.lo;
+    range[1] = span.len;
   }
   __syncthreads();
   // Decode (WR = 1): each warp streams its own quarter of the block's keys through its own

@@ -103,15 +103,9 @@ __global__ void __launch_bounds__(128) BatchedKernel(AttendArgs a) {
     }
     qspan[0] = pmin;
     qspan[1] = pmax;
-    uint32_t lo = 0, hi = 0;
-    if (pmin <= pmax) {
-      const int64_t b = Max<int64_t>(FirstVisible(pmin, a.window, a.k_pos0), a.begin);
-      const int64_t e = Min<int64_t>(pmax - a.k_pos0 + 1, a.end);
-      lo = static_cast<uint32_t>(b < e ? b : 0);
-      hi = static_cast<uint32_t>(b < e ? e : 0);
-    }
-    range[0] = lo;
-    range[1] = hi - lo;
+    const KeySpan span = pmin <= pmax ? VisibleSpan(a, pmin, pmax) : KeySpan{0, 0};
+    range[0] = span.lo;
+    range[1] = span.len;
   }
   __syncthreads();
   // This split's tiles: the range's 32-key tiles spread evenly over the splits.
