@@ -4,12 +4,12 @@
 // SSM.PREFIX.SAVE makes a session durable (one object file, crash-safe like KV.PREFIX.SAVE);
 // start-up finds saved sessions again. The disk holds what was last saved: a STORE or a layer
 // DROP after the save changes memory only, until the next SAVE.
-#include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include "families/args.h"
 #include "families/cluster_internal.h"
 #include "families/families.h"
+#include "families/keyed_saved.h"
 #include "families/tiering.h"
 #include "server/server.h"
 #include "store/disk/object_file.h"
@@ -23,11 +23,8 @@ using residency::Family;
 using residency::Tier;
 using server::CommandContext;
 
-constexpr const char* kDirName = "ssm";
-
-std::string ObjectName(server::Server& srv, const store::TenantKey& key) {
-  return store::SavedObjectName("ssm", srv.users().TenantName(key.tenant), key.name);
-}
+// The family as keyed_saved.h saves, reloads and copies it (defined at the end).
+const KeyedFamily& Sessions();
 
 // SSM.PREFIX.STORE <sid> <layer> <state_blob>
 void Store(CommandContext& ctx, CmdArgs& args) {
@@ -72,8 +69,8 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
   uint64_t saved_version = 0;
   if (!layer && session != nullptr && session->saved) {
     // Gone everywhere, disk included (a few unlinks and one directory fsync).
-    Status s =
-        store::disk::RemoveObject(SavedDir(*ctx.server, kDirName), ObjectName(*ctx.server, key));
+    Status s = store::disk::RemoveObject(SavedDir(*ctx.server, Sessions().dir),
+                                         SavedNameOf(*ctx.server, Sessions(), key));
     if (!s.ok()) return ctx.Error(s);
     saved_version = session->saved_version;
   }
@@ -89,80 +86,36 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->Ok();
 }
 
-using SavedFile = StatusOr<std::pair<std::string, uint64_t>>;
-
-// Every layer of the session as of now in one durable object file: `done` runs on the shard
-// with the file and its version (the newer one when a later save finished first). Runs on the
-// owning shard.
-void SaveSession(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
-                 std::function<void(SavedFile)> done) {
-  auto& ssm = shard.store().ssm;
-  store::SsmStore::Session* session = ssm.Find(key);
-  if (session == nullptr)
-    return done(Error("no such SSM session '" + key.name.substr(0, 128) + "'"));
-  if (!session->dirty())
-    return done(std::make_pair(session->saved->path(), session->saved_version));
-  if (session->layers.empty()) {
-    return done(Error("SSM session '" + key.name.substr(0, 128) +
-                      "' has no layers to save (SSM.PREFIX.DROP it instead)"));
+// What SSM.PREFIX.SAVE writes: every layer's blob, in layer order, with the layer numbers in
+// the record.
+StatusOr<SaveContent> SessionContent(server::Server& srv, server::Shard& shard,
+                                     const store::TenantKey& key, store::Durable& o) {
+  const auto& session = static_cast<const store::SsmStore::Session&>(o);
+  if (session.layers.empty()) {
+    return Error("SSM session '" + key.name.substr(0, 128) +
+                 "' has no layers to save (SSM.PREFIX.DROP it instead)");
   }
-  std::vector<residency::Engine::SaveItem> items;
+  SaveContent c;
   std::string layers;
-  for (const auto& [l, obj] : session->layers) {
-    items.push_back({"", obj});
-    layers += (layers.empty() ? "" : ",") + std::to_string(l);
+  for (const auto& [l, obj] : session.layers) {
+    c.items.push_back({"", obj});
+    if (!layers.empty()) layers += ',';
+    layers += std::to_string(l);
   }
   store::SavedRecord rec;
   rec.kind = "ssm";
   rec.Set("tenant", srv.users().TenantName(key.tenant));
   rec.Set("sid", key.name);
   rec.Set("layers", layers);
-  const uint64_t version = ssm.NextVersion(key);
-  const uint64_t incarnation = session->incarnation, writes = session->writes;
-  bool queued = WriteObjectsLater(
-      srv, shard, SavedDir(srv, kDirName), ObjectName(srv, key), version,
-      store::EncodeSavedRecord(rec), std::move(items),
-      [key, version, incarnation, writes, done](server::Shard& sh, auto file) {
-        store::SsmStore::Session* cur = sh.store().ssm.Find(key);
-        if (cur == nullptr || cur->incarnation != incarnation) {
-          if (file.ok()) unlink(file.value()->path().c_str());  // dropped meanwhile: the drop wins
-          return done(
-              Error("SSM session '" + key.name.substr(0, 128) + "' was dropped during the save"));
-        }
-        if (!file.ok()) {
-          spdlog::error("disk tier: saving SSM session '{}' failed: {}", key.name,
-                        file.status().message());
-          return done(file.status());
-        }
-        if (version > cur->saved_version) {
-          cur->saved = file.value();
-          cur->saved_version = version;
-          cur->saved_writes = writes;
-        }
-        done(std::make_pair(cur->saved->path(), cur->saved_version));
-      });
-  if (!queued) done(Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
+  c.meta = store::EncodeSavedRecord(rec);
+  c.version = shard.store().ssm.NextVersion(key);
+  return c;
 }
 
 // SSM.PREFIX.SAVE <sid>: every layer of the session into one durable object file; in cluster
 // mode acknowledged once the replicas hold it too (again when unchanged: a failed copy is
 // retried).
-void Save(CommandContext& ctx, CmdArgs& args) {
-  const store::TenantKey key = ctx.Key(args[1]);
-  store::SsmStore::Session* session = ctx.shard->store().ssm.Find(key);
-  const bool cluster = cluster_sync::Enabled(*ctx.server);
-  if (session != nullptr && !session->dirty() && !cluster) return ctx.rb->Ok();
-  auto reply = ctx.Defer();
-  server::Server* srv = ctx.server;
-  const std::string tenant = srv->users().TenantName(key.tenant);
-  SaveSession(*srv, *ctx.shard, key, [srv, key, tenant, cluster, reply](SavedFile file) {
-    if (!file.ok()) return reply([st = file.status()](proto::ReplyBuilder& rb) { rb.Error(st); });
-    if (!cluster) return reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
-    cluster_sync::ReplicateSaved(
-        *srv, {"SSM", tenant, key.name, ""}, file->second, file->first,
-        cluster_sync::AnswerWith(reply, [](proto::ReplyBuilder& rb) { rb.Ok(); }));
-  });
-}
+void Save(CommandContext& ctx, CmdArgs& args) { SaveCommand(ctx, Sessions(), ctx.Key(args[1])); }
 
 // SSM.PREFIX.INFO <sid>: layers, bytes and where they are.
 void Info(CommandContext& ctx, CmdArgs& args) {
@@ -220,111 +173,40 @@ Status Adopt(server::Server& srv, uint64_t version,
   if (expect != nullptr && !(key == *expect)) {
     return Status(ErrorKind::kCorrupt, "it holds SSM session '" + key.name.substr(0, 64) + "'");
   }
-  auto& ssm = srv.shard(srv.OwnerOf(tid, key.name)).store().ssm;
+  server::Shard& shard = srv.shard(srv.OwnerOf(tid, key.name));
+  auto& ssm = shard.store().ssm;
   ssm.NoteVersion(key, version);
-  std::string old_path;
-  if (store::SsmStore::Session* old = ssm.Find(key)) {
-    if (old->saved) old_path = old->saved->path();
-    ssm.Drop(key, std::nullopt);
-  }
+  const std::string old_path = ForgetHeld(shard, Sessions(), key);
   for (size_t i = 0; i < ids.size(); ++i) {
     ssm.Put(key, ids[i],
             srv.residency()->CreateOnDisk(Family::kSsm, {file->file().block_length(i)}, file,
                                           {static_cast<uint32_t>(i)}));
   }
   store::SsmStore::Session& session = ssm.Get(key);
-  session.saved = file;
-  session.saved_version = version;
-  session.saved_writes = session.writes;
+  session.NoteSaved(file, version, session.writes);
   if (!old_path.empty() && old_path != file->path()) unlink(old_path.c_str());
   return Status::Ok();
 }
 
-// Start-up: every saved session comes back on its owning shard, its layers known by their
-// disk copies (read on first FETCH).
-Status LoadSaved(server::Server& srv) {
-  return LoadSavedObjects(
-      srv, SavedDir(srv, kDirName), "SSM session",
-      [&](const store::disk::ListedObject& o, const std::shared_ptr<residency::DiskFile>& file) {
-        return Adopt(srv, o.version, file, nullptr);
-      });
-}
-
-cluster_sync::HeldObject HeldOf(server::Server& srv, const store::TenantKey& key,
-                                const store::SsmStore::Session& s) {
-  return {key,
-          srv.users().TenantName(key.tenant),
-          "",
-          s.saved_version,
-          s.saved ? s.saved->path() : std::string(),
-          s.dirty(),
-          false};
-}
-
-Status CheckCopy(server::Shard& sh, const store::TenantKey& key, uint64_t version) {
-  const store::SsmStore::Session* s = sh.store().ssm.Find(key);
-  if (s == nullptr) return Status::Ok();
-  if (s->saved_version >= version) {
-    return Status(ErrorKind::kMismatch, "stale: SSM session '" + key.name.substr(0, 128) +
-                                            "' is at version " + std::to_string(s->saved_version) +
-                                            " here, not below " + std::to_string(version));
-  }
-  if (s->dirty()) {
-    return Status(ErrorKind::kBusy, "SSM session '" + key.name.substr(0, 128) +
-                                        "' was written on this node meanwhile; not replaced");
-  }
-  return Status::Ok();
-}
-
-// SSM.PREFIX sessions as cluster mode copies and moves them (cluster_internal.h).
-cluster_sync::SavedKind SavedKindOf() {
-  using cluster_sync::HeldObject;
-  cluster_sync::SavedKind k;
-  k.name = "SSM";
-  k.held = [](server::Server& srv, server::Shard& sh) {
-    std::vector<HeldObject> out;
-    sh.store().ssm.ForEachSession(
-        [&](const store::TenantKey& key, const store::SsmStore::Session& s) {
-          out.push_back(HeldOf(srv, key, s));
-        });
-    return out;
-  };
-  k.find = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
-              const std::string&) -> std::optional<HeldObject> {
-    const store::SsmStore::Session* s = sh.store().ssm.Find(key);
-    if (s == nullptr) return std::nullopt;
-    return HeldOf(srv, key, *s);
-  };
-  k.file_of = [](server::Server& srv, const cluster_sync::ObjectId& id) {
-    return std::make_pair(SavedDir(srv, kDirName),
-                          store::SavedObjectName("ssm", id.tenant, id.key));
-  };
-  k.check = [](server::Server&, server::Shard& sh, const store::TenantKey& key, const std::string&,
-               uint64_t version) { return CheckCopy(sh, key, version); };
-  k.install = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
-                 const std::string&, uint64_t version, const std::string& path) {
-    return InstallSavedCopy(
-        srv, path, "SSM session '" + key.name.substr(0, 128) + "'",
-        [&] { return CheckCopy(sh, key, version); },
-        [&](const auto& file) { return Adopt(srv, version, file, &key); });
-  };
-  k.discard = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
-                 const std::string&, uint64_t max_version) {
-    store::SsmStore::Session* s = sh.store().ssm.Find(key);
-    if (s == nullptr) return Status::Ok();
-    if (max_version != 0 && s->saved_version > max_version) return Status::Ok();
-    if (s->saved) {
-      Status st = store::disk::RemoveObject(SavedDir(srv, kDirName), ObjectName(srv, key));
-      if (!st.ok()) return st;
-    }
-    sh.store().ssm.Drop(key, std::nullopt);
-    return Status::Ok();
-  };
-  k.save_for_move = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
-                       const std::string&, std::function<void(SavedFile)> done) {
-    SaveSession(srv, sh, key, std::move(done));
-  };
-  return k;
+const KeyedFamily& Sessions() {
+  static const KeyedFamily f{
+      "SSM",
+      "ssm",
+      "SSM session",
+      "dropped",
+      [](server::Shard& sh, const store::TenantKey& key) -> store::Durable* {
+        return sh.store().ssm.Find(key);
+      },
+      [](server::Shard& sh, const auto& each) {
+        sh.store().ssm.ForEachSession(
+            [&](const store::TenantKey& key, const store::SsmStore::Session& s) { each(key, s); });
+      },
+      [](server::Shard& sh, const store::TenantKey& key) {
+        sh.store().ssm.Drop(key, std::nullopt);
+      },
+      SessionContent,
+      Adopt};
+  return f;
 }
 
 }  // namespace
@@ -351,8 +233,8 @@ void RegisterSsmFamily(server::Server& srv) {
               "The session's layers, bytes, bytes in memory and on disk only, saved version and "
               "whether it changed since.",
               "<sid>"});
-  srv.AddStartupHook(LoadSaved);
-  cluster_sync::AddSavedKind(SavedKindOf());
+  srv.AddStartupHook([](server::Server& srv) { return LoadKeyedSaved(srv, Sessions()); });
+  cluster_sync::AddSavedKind(KeyedSavedKind(Sessions()));
 }
 
 }  // namespace pion::families

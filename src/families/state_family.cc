@@ -3,7 +3,6 @@
 // residency object: under memory pressure it moves to disk, and READ/WRITE bring it back
 // first. STATE.SAVE makes a slot durable (crash-safe, like KV.PREFIX.SAVE); saved slots come
 // back after a restart with their last saved bytes.
-#include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -11,6 +10,7 @@
 #include "families/args.h"
 #include "families/cluster_internal.h"
 #include "families/families.h"
+#include "families/keyed_saved.h"
 #include "families/shard_sum.h"
 #include "families/tiering.h"
 #include "net/connection.h"
@@ -26,11 +26,8 @@ using residency::Family;
 using residency::Tier;
 using server::CommandContext;
 
-constexpr const char* kDirName = "state";
-
-std::string ObjectName(server::Server& srv, const store::TenantKey& key) {
-  return store::SavedObjectName("state", srv.users().TenantName(key.tenant), key.name);
-}
+// The family as keyed_saved.h saves, reloads and copies it (defined at the end).
+const KeyedFamily& Slots();
 
 // A host-resident object of `size` bytes: zeros, or a copy of `from` (copy on write).
 StatusOr<residency::ObjectRef> NewSlotObject(CommandContext& ctx, uint64_t size,
@@ -118,8 +115,8 @@ void Free(CommandContext& ctx, CmdArgs& args) {
   auto slot = ctx.shard->store().state.Find(key);
   uint64_t saved_version = 0;
   if (slot.ok() && slot.value()->saved) {
-    Status s =
-        store::disk::RemoveObject(SavedDir(*ctx.server, kDirName), ObjectName(*ctx.server, key));
+    Status s = store::disk::RemoveObject(SavedDir(*ctx.server, Slots().dir),
+                                         SavedNameOf(*ctx.server, Slots(), key));
     if (!s.ok()) return ctx.Error(s);
     saved_version = slot.value()->saved_version;
   }
@@ -135,68 +132,22 @@ void Free(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->Integer(existed ? 1 : 0);
 }
 
-using SavedFile = StatusOr<std::pair<std::string, uint64_t>>;
-
-// The slot's bytes as of now, durable: `done` runs on the shard with the file and its version
-// (the newer one when a later save finished first). Runs on the owning shard.
-void SaveSlot(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
-              std::function<void(SavedFile)> done) {
-  auto& slots = shard.store().state;
-  auto slot = slots.Find(key);
-  if (!slot.ok()) return done(slot.status());
-  store::StateSlots::Slot& sl = *slot.value();
-  if (!sl.dirty()) return done(std::make_pair(sl.saved->path(), sl.saved_version));
+// What STATE.SAVE writes: the slot's one block, its id and size in the record.
+StatusOr<SaveContent> SlotContent(server::Server& srv, server::Shard& shard,
+                                  const store::TenantKey& key, store::Durable& o) {
+  const auto& sl = static_cast<const store::StateSlots::Slot&>(o);
   store::SavedRecord rec;
   rec.kind = "state";
   rec.Set("tenant", srv.users().TenantName(key.tenant));
   rec.Set("id", key.name);
   rec.SetUint("size", sl.size);
-  const uint64_t version = slots.NextVersion(key);
-  const uint64_t incarnation = sl.incarnation, writes = sl.writes;
-  bool queued = WriteObjectsLater(
-      srv, shard, SavedDir(srv, kDirName), ObjectName(srv, key), version,
-      store::EncodeSavedRecord(rec), {{"", sl.obj}},
-      [key, version, incarnation, writes, done](server::Shard& sh, auto file) {
-        auto cur = sh.store().state.Find(key);
-        if (!cur.ok() || cur.value()->incarnation != incarnation) {
-          if (file.ok()) unlink(file.value()->path().c_str());  // freed meanwhile
-          return done(
-              Error("state slot '" + key.name.substr(0, 128) + "' was freed during the save"));
-        }
-        if (!file.ok()) {
-          spdlog::error("disk tier: saving state slot '{}' failed: {}", key.name,
-                        file.status().message());
-          return done(file.status());
-        }
-        if (version > cur.value()->saved_version) {
-          cur.value()->saved = file.value();
-          cur.value()->saved_version = version;
-          cur.value()->saved_writes = writes;
-        }
-        done(std::make_pair(cur.value()->saved->path(), cur.value()->saved_version));
-      });
-  if (!queued) done(Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
+  return SaveContent{
+      store::EncodeSavedRecord(rec), {{"", sl.obj}}, shard.store().state.NextVersion(key)};
 }
 
 // STATE.SAVE <id>: the slot's bytes durably on disk; replies once they are (and, in cluster
 // mode, once the replicas hold them too — again when unchanged, so a failed copy is retried).
-void Save(CommandContext& ctx, CmdArgs& args) {
-  const store::TenantKey key = ctx.Key(args[1]);
-  auto slot = ctx.shard->store().state.Find(key);
-  if (!slot.ok()) return ctx.Error(slot.status());
-  const bool cluster = cluster_sync::Enabled(*ctx.server);
-  if (!slot.value()->dirty() && !cluster) return ctx.rb->Ok();  // the disk holds exactly this
-  auto reply = ctx.Defer();
-  server::Server* srv = ctx.server;
-  const std::string tenant = srv->users().TenantName(key.tenant);
-  SaveSlot(*srv, *ctx.shard, key, [srv, key, tenant, cluster, reply](SavedFile file) {
-    if (!file.ok()) return reply([st = file.status()](proto::ReplyBuilder& rb) { rb.Error(st); });
-    if (!cluster) return reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
-    cluster_sync::ReplicateSaved(
-        *srv, {"STATE", tenant, key.name, ""}, file->second, file->first,
-        cluster_sync::AnswerWith(reply, [](proto::ReplyBuilder& rb) { rb.Ok(); }));
-  });
-}
+void Save(CommandContext& ctx, CmdArgs& args) { SaveCommand(ctx, Slots(), ctx.Key(args[1])); }
 
 void Info(CommandContext& ctx, CmdArgs&) {
   const uint32_t tenant = ctx.tenant;
@@ -226,106 +177,34 @@ Status Adopt(server::Server& srv, uint64_t version,
   if (expect != nullptr && !(key == *expect)) {
     return Status(ErrorKind::kCorrupt, "it holds state slot '" + key.name.substr(0, 64) + "'");
   }
-  auto& slots = srv.shard(srv.OwnerOf(tid, key.name)).store().state;
-  slots.NoteVersion(key, version);
-  std::string old_path;
-  if (auto old = slots.Find(key); old.ok()) {
-    if (old.value()->saved) old_path = old.value()->saved->path();
-    slots.Free(key);
-  }
-  store::StateSlots::Slot& sl =
-      slots.Insert(key, srv.residency()->CreateOnDisk(Family::kState, {size.value()}, file, {0}));
-  sl.saved = file;
-  sl.saved_version = version;
-  sl.saved_writes = sl.writes;
+  server::Shard& shard = srv.shard(srv.OwnerOf(tid, key.name));
+  shard.store().state.NoteVersion(key, version);
+  const std::string old_path = ForgetHeld(shard, Slots(), key);
+  store::StateSlots::Slot& sl = shard.store().state.Insert(
+      key, srv.residency()->CreateOnDisk(Family::kState, {size.value()}, file, {0}));
+  sl.NoteSaved(file, version, sl.writes);
   if (!old_path.empty() && old_path != file->path()) unlink(old_path.c_str());
   return Status::Ok();
 }
 
-// Start-up: saved slots come back on their owning shards, known by their disk copies.
-Status LoadSaved(server::Server& srv) {
-  return LoadSavedObjects(
-      srv, SavedDir(srv, kDirName), "state slot",
-      [&](const store::disk::ListedObject& o, const std::shared_ptr<residency::DiskFile>& file) {
-        return Adopt(srv, o.version, file, nullptr);
-      });
-}
-
-cluster_sync::HeldObject HeldOf(server::Server& srv, const store::TenantKey& key,
-                                const store::StateSlots::Slot& sl) {
-  return {key,
-          srv.users().TenantName(key.tenant),
-          "",
-          sl.saved_version,
-          sl.saved ? sl.saved->path() : std::string(),
-          sl.dirty(),
-          false};
-}
-
-Status CheckCopy(server::Shard& sh, const store::TenantKey& key, uint64_t version) {
-  auto slot = sh.store().state.Find(key);
-  if (!slot.ok()) return Status::Ok();
-  const store::StateSlots::Slot& sl = *slot.value();
-  if (sl.saved_version >= version) {
-    return Status(ErrorKind::kMismatch, "stale: state slot '" + key.name.substr(0, 128) +
-                                            "' is at version " + std::to_string(sl.saved_version) +
-                                            " here, not below " + std::to_string(version));
-  }
-  if (sl.dirty()) {
-    return Status(ErrorKind::kBusy, "state slot '" + key.name.substr(0, 128) +
-                                        "' was written on this node meanwhile; not replaced");
-  }
-  return Status::Ok();
-}
-
-// STATE slots as cluster mode copies and moves them (cluster_internal.h).
-cluster_sync::SavedKind SavedKindOf() {
-  using cluster_sync::HeldObject;
-  cluster_sync::SavedKind k;
-  k.name = "STATE";
-  k.held = [](server::Server& srv, server::Shard& sh) {
-    std::vector<HeldObject> out;
-    sh.store().state.ForEach([&](const store::TenantKey& key, const store::StateSlots::Slot& sl) {
-      out.push_back(HeldOf(srv, key, sl));
-    });
-    return out;
-  };
-  k.find = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
-              const std::string&) -> std::optional<HeldObject> {
-    auto slot = sh.store().state.Find(key);
-    if (!slot.ok()) return std::nullopt;
-    return HeldOf(srv, key, *slot.value());
-  };
-  k.file_of = [](server::Server& srv, const cluster_sync::ObjectId& id) {
-    return std::make_pair(SavedDir(srv, kDirName),
-                          store::SavedObjectName("state", id.tenant, id.key));
-  };
-  k.check = [](server::Server&, server::Shard& sh, const store::TenantKey& key, const std::string&,
-               uint64_t version) { return CheckCopy(sh, key, version); };
-  k.install = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
-                 const std::string&, uint64_t version, const std::string& path) {
-    return InstallSavedCopy(
-        srv, path, "state slot '" + key.name.substr(0, 128) + "'",
-        [&] { return CheckCopy(sh, key, version); },
-        [&](const auto& file) { return Adopt(srv, version, file, &key); });
-  };
-  k.discard = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
-                 const std::string&, uint64_t max_version) {
-    auto slot = sh.store().state.Find(key);
-    if (!slot.ok()) return Status::Ok();
-    if (max_version != 0 && slot.value()->saved_version > max_version) return Status::Ok();
-    if (slot.value()->saved) {
-      Status s = store::disk::RemoveObject(SavedDir(srv, kDirName), ObjectName(srv, key));
-      if (!s.ok()) return s;
-    }
-    sh.store().state.Free(key);
-    return Status::Ok();
-  };
-  k.save_for_move = [](server::Server& srv, server::Shard& sh, const store::TenantKey& key,
-                       const std::string&, std::function<void(SavedFile)> done) {
-    SaveSlot(srv, sh, key, std::move(done));
-  };
-  return k;
+const KeyedFamily& Slots() {
+  static const KeyedFamily f{
+      "STATE",
+      "state",
+      "state slot",
+      "freed",
+      [](server::Shard& sh, const store::TenantKey& key) -> store::Durable* {
+        auto slot = sh.store().state.Find(key);
+        return slot.ok() ? slot.value() : nullptr;
+      },
+      [](server::Shard& sh, const auto& each) {
+        sh.store().state.ForEach(
+            [&](const store::TenantKey& key, const store::StateSlots::Slot& sl) { each(key, sl); });
+      },
+      [](server::Shard& sh, const store::TenantKey& key) { sh.store().state.Free(key); },
+      SlotContent,
+      Adopt};
+  return f;
 }
 
 }  // namespace
@@ -350,8 +229,8 @@ void RegisterStateFamily(server::Server& srv) {
               "<id>"});
   r.Register({"STATE.INFO", 1, kKv | kCmdReadOnly | kCmdConnection, 0, 0, 0, Info, "state",
               "Slot count and bytes of the caller's tenant.", ""});
-  srv.AddStartupHook(LoadSaved);
-  cluster_sync::AddSavedKind(SavedKindOf());
+  srv.AddStartupHook([](server::Server& srv) { return LoadKeyedSaved(srv, Slots()); });
+  cluster_sync::AddSavedKind(KeyedSavedKind(Slots()));
 }
 
 }  // namespace pion::families

@@ -15,21 +15,17 @@
 
 #include "residency/disk_file.h"
 #include "residency/object.h"
+#include "store/durable.h"
 #include "store/tenant_key.h"
 
 namespace pion::store {
 
 class SsmStore {
  public:
-  struct Session {
+  // Its saves (store/durable.h): `writes` counts STOREs and layer DROPs; the newest
+  // SSM.PREFIX.SAVE.
+  struct Session : Durable {
     std::map<uint64_t, residency::ObjectRef> layers;
-    uint64_t incarnation = 0;  // new for every session of this name (a save racing a DROP)
-    uint64_t writes = 0;       // STOREs and layer DROPs so far (dirty tracking)
-    // The newest durable version (SSM.PREFIX.SAVE), if any.
-    std::shared_ptr<residency::DiskFile> saved;
-    uint64_t saved_version = 0;
-    uint64_t saved_writes = 0;  // `writes` when that save was taken
-    bool dirty() const { return saved_version == 0 || writes != saved_writes; }
   };
 
   Session* Find(const TenantKey& sid);

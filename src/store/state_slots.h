@@ -19,21 +19,17 @@
 #include "common/status.h"
 #include "residency/disk_file.h"
 #include "residency/object.h"
+#include "store/durable.h"
 #include "store/tenant_key.h"
 
 namespace pion::store {
 
 class StateSlots {
  public:
-  struct Slot {
+  // Its saves (store/durable.h): `writes` counts WRITEs; the newest STATE.SAVE.
+  struct Slot : Durable {
     residency::ObjectRef obj;  // one block of `size` bytes
     uint64_t size = 0;
-    uint64_t incarnation = 0;  // new for every slot of this name (a save racing a FREE)
-    uint64_t writes = 0;
-    std::shared_ptr<residency::DiskFile> saved;  // the newest STATE.SAVE, if any
-    uint64_t saved_version = 0;
-    uint64_t saved_writes = 0;
-    bool dirty() const { return saved_version == 0 || writes != saved_writes; }
   };
 
   // kErr "no such state slot" when absent.
