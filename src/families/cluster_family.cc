@@ -199,6 +199,27 @@ std::string InfoText(ClusterNode& node, const SlotMap& m) {
   return out;
 }
 
+// Runs `work` (blocking etcd calls) on the I/O pool, never on the shard, and answers OK or its
+// error; kBusy when the pool's queue is full.
+void AnswerFromIo(CommandContext& ctx, std::function<Status()> work) {
+  auto reply = ctx.Defer();
+  bool queued = ctx.server->io()->Submit([work = std::move(work), reply] {
+    Status s = work();
+    reply([s](proto::ReplyBuilder& rb) {
+      if (s.ok()) {
+        rb.Ok();
+      } else {
+        rb.Error(s);
+      }
+    });
+  });
+  if (!queued) {
+    reply([](proto::ReplyBuilder& rb) {
+      rb.Error(Status(ErrorKind::kBusy, "the I/O queue is full; retry later"));
+    });
+  }
+}
+
 // CLUSTER SETSLOT <slot> NODE <node-id>: gives the slot to that node (its keys follow from the
 // old owner, -ASK meanwhile). Blocking etcd work runs on the I/O pool, never on the shard.
 void SetSlot(CommandContext& ctx, CmdArgs& args, ClusterNode* node) {
@@ -215,9 +236,8 @@ void SetSlot(CommandContext& ctx, CmdArgs& args, ClusterNode* node) {
   if (node->map()->IndexOf(id) < 0) {
     return ctx.rb->ErrorLine("ERR Unknown node " + id.substr(0, 64));
   }
-  auto reply = ctx.Defer();
-  bool queued = ctx.server->io()->Submit([node, slot, id, reply] {
-    Status s = node->membership().Change([&](SlotMap& m) {
+  AnswerFromIo(ctx, [node, slot, id] {
+    return node->membership().Change([&](SlotMap& m) {
       const int t = m.IndexOf(id);
       if (t < 0 || m.owner[slot] == t) return false;
       if (m.moving_from[slot] < 0) m.moving_from[slot] = m.owner[slot];
@@ -225,19 +245,7 @@ void SetSlot(CommandContext& ctx, CmdArgs& args, ClusterNode* node) {
       if (m.moving_from[slot] == t) m.moving_from[slot] = -1;
       return true;
     });
-    reply([s](proto::ReplyBuilder& rb) {
-      if (s.ok()) {
-        rb.Ok();
-      } else {
-        rb.Error(s);
-      }
-    });
   });
-  if (!queued) {
-    reply([](proto::ReplyBuilder& rb) {
-      rb.Error(Status(ErrorKind::kBusy, "the I/O queue is full; retry later"));
-    });
-  }
 }
 
 void Cluster(CommandContext& ctx, CmdArgs& args) {
@@ -462,22 +470,7 @@ void Del(CommandContext& ctx, CmdArgs& args) {
 void Refresh(CommandContext& ctx, CmdArgs&) {
   ClusterNode* node = NodeOf(*ctx.server);
   if (node == nullptr) return ctx.rb->ErrorLine(kDisabled);
-  auto reply = ctx.Defer();
-  bool queued = ctx.server->io()->Submit([node, reply] {
-    Status s = node->membership().RefreshNow();
-    reply([s](proto::ReplyBuilder& rb) {
-      if (s.ok()) {
-        rb.Ok();
-      } else {
-        rb.Error(s);
-      }
-    });
-  });
-  if (!queued) {
-    reply([](proto::ReplyBuilder& rb) {
-      rb.Error(Status(ErrorKind::kBusy, "the I/O queue is full; retry later"));
-    });
-  }
+  AnswerFromIo(ctx, [node] { return node->membership().RefreshNow(); });
 }
 
 // ATTEND.PREFIX.STORE <sid> <layer> FROM <ns>: <ns> is a key too.
