@@ -96,6 +96,23 @@ void SaveCommand(server::CommandContext& ctx, const KeyedFamily& f, const store:
   });
 }
 
+StatusOr<uint64_t> RemoveSaved(server::Server& srv, server::Shard& shard, const KeyedFamily& f,
+                               const store::TenantKey& key) {
+  const store::Durable* o = f.find(shard, key);
+  if (o == nullptr || !o->saved) return uint64_t{0};
+  Status s = store::disk::RemoveObject(SavedDir(srv, f.dir), SavedNameOf(srv, f, key));
+  if (!s.ok()) return s;
+  return o->saved_version;
+}
+
+void ReplyRemoved(server::CommandContext& ctx, const KeyedFamily& f, const store::TenantKey& key,
+                  uint64_t removed_version, server::CommandContext::ReplyWriter ok) {
+  if (removed_version == 0 || !cluster_sync::Enabled(*ctx.server)) return ok(*ctx.rb);
+  cluster_sync::ReplicateDrop(
+      *ctx.server, {f.kind, ctx.server->users().TenantName(key.tenant), key.name, ""},
+      removed_version, cluster_sync::AnswerWith(ctx.Defer(), std::move(ok)));
+}
+
 std::string ForgetHeld(server::Shard& shard, const KeyedFamily& f, const store::TenantKey& key) {
   const store::Durable* old = f.find(shard, key);
   if (old == nullptr) return "";
@@ -145,10 +162,8 @@ cluster_sync::SavedKind KeyedSavedKind(const KeyedFamily& f) {
     const store::Durable* o = f.find(sh, key);
     if (o == nullptr) return Status::Ok();
     if (max_version != 0 && o->saved_version > max_version) return Status::Ok();
-    if (o->saved) {
-      Status s = store::disk::RemoveObject(SavedDir(srv, f.dir), SavedNameOf(srv, f, key));
-      if (!s.ok()) return s;
-    }
+    auto removed = RemoveSaved(srv, sh, f, key);
+    if (!removed.ok()) return removed.status();
     f.forget(sh, key);
     return Status::Ok();
   };

@@ -73,6 +73,17 @@ void SaveKeyed(server::Server& srv, server::Shard& shard, const KeyedFamily& f,
 // replica holds that version; again when unchanged, so a failed copy is retried).
 void SaveCommand(server::CommandContext& ctx, const KeyedFamily& f, const store::TenantKey& key);
 
+// The removal commands (STATE.FREE, SSM.PREFIX.DROP of a whole session), before they forget the
+// object: removes its saved file, if any (a few unlinks and one directory fsync). Returns the
+// version removed (0: none) or why it could not be.
+StatusOr<uint64_t> RemoveSaved(server::Server& srv, server::Shard& shard, const KeyedFamily& f,
+                               const store::TenantKey& key);
+
+// ... and after: replies `ok`; in cluster mode, when a saved version was removed, once every
+// replica dropped its copy too (so a fail-over never serves it), else with their error.
+void ReplyRemoved(server::CommandContext& ctx, const KeyedFamily& f, const store::TenantKey& key,
+                  uint64_t removed_version, server::CommandContext::ReplyWriter ok);
+
 // For `adopt`: forgets the object of `key` held on `shard` (if any) and returns the path of its
 // saved file (empty: none), for the caller to remove once the new file is installed.
 std::string ForgetHeld(server::Shard& shard, const KeyedFamily& f, const store::TenantKey& key);

@@ -64,26 +64,15 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
     layer = l;
   }
   const store::TenantKey key = ctx.Key(args[1]);
-  auto& ssm = ctx.shard->store().ssm;
-  store::SsmStore::Session* session = ssm.Find(key);
-  uint64_t saved_version = 0;
-  if (!layer && session != nullptr && session->saved) {
-    // Gone everywhere, disk included (a few unlinks and one directory fsync).
-    Status s = store::disk::RemoveObject(SavedDir(*ctx.server, Sessions().dir),
-                                         SavedNameOf(*ctx.server, Sessions(), key));
-    if (!s.ok()) return ctx.Error(s);
-    saved_version = session->saved_version;
+  uint64_t removed = 0;
+  if (!layer) {
+    // The whole session: gone everywhere, disk included.
+    auto r = RemoveSaved(*ctx.server, *ctx.shard, Sessions(), key);
+    if (!r.ok()) return ctx.Error(r.status());
+    removed = r.value();
   }
-  ssm.Drop(key, layer);
-  if (saved_version > 0 && cluster_sync::Enabled(*ctx.server)) {
-    // Cluster mode: acknowledged once the replicas dropped their copies too.
-    cluster_sync::ReplicateDrop(
-        *ctx.server, {"SSM", ctx.server->users().TenantName(key.tenant), key.name, ""},
-        saved_version,
-        cluster_sync::AnswerWith(ctx.Defer(), [](proto::ReplyBuilder& rb) { rb.Ok(); }));
-    return;
-  }
-  ctx.rb->Ok();
+  ctx.shard->store().ssm.Drop(key, layer);
+  ReplyRemoved(ctx, Sessions(), key, removed, [](proto::ReplyBuilder& rb) { rb.Ok(); });
 }
 
 // What SSM.PREFIX.SAVE writes: every layer's blob, in layer order, with the layer numbers in

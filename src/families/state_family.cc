@@ -110,26 +110,14 @@ void Read(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->BulkRef(b, b->data() + offset, len);
 }
 
+// STATE.FREE <id>: 1 when the slot existed (its saved copy is gone too), 0 otherwise.
 void Free(CommandContext& ctx, CmdArgs& args) {
   const store::TenantKey key = ctx.Key(args[1]);
-  auto slot = ctx.shard->store().state.Find(key);
-  uint64_t saved_version = 0;
-  if (slot.ok() && slot.value()->saved) {
-    Status s = store::disk::RemoveObject(SavedDir(*ctx.server, Slots().dir),
-                                         SavedNameOf(*ctx.server, Slots(), key));
-    if (!s.ok()) return ctx.Error(s);
-    saved_version = slot.value()->saved_version;
-  }
+  auto removed = RemoveSaved(*ctx.server, *ctx.shard, Slots(), key);
+  if (!removed.ok()) return ctx.Error(removed.status());
   const bool existed = ctx.shard->store().state.Free(key);
-  if (saved_version > 0 && cluster_sync::Enabled(*ctx.server)) {
-    // Cluster mode: acknowledged once the replicas dropped their copies too.
-    cluster_sync::ReplicateDrop(
-        *ctx.server, {"STATE", ctx.server->users().TenantName(key.tenant), key.name, ""},
-        saved_version,
-        cluster_sync::AnswerWith(ctx.Defer(), [](proto::ReplyBuilder& rb) { rb.Integer(1); }));
-    return;
-  }
-  ctx.rb->Integer(existed ? 1 : 0);
+  ReplyRemoved(ctx, Slots(), key, removed.value(),
+               [existed](proto::ReplyBuilder& rb) { rb.Integer(existed ? 1 : 0); });
 }
 
 // What STATE.SAVE writes: the slot's one block, its id and size in the record.
