@@ -205,13 +205,7 @@ void AnswerFromIo(CommandContext& ctx, std::function<Status()> work) {
   auto reply = ctx.Defer();
   bool queued = ctx.server->io()->Submit([work = std::move(work), reply] {
     Status s = work();
-    reply([s](proto::ReplyBuilder& rb) {
-      if (s.ok()) {
-        rb.Ok();
-      } else {
-        rb.Error(s);
-      }
-    });
+    reply([s](proto::ReplyBuilder& rb) { rb.OkOrError(s); });
   });
   if (!queued) {
     reply([](proto::ReplyBuilder& rb) {
@@ -390,15 +384,7 @@ void Put(CommandContext& ctx, CmdArgs& args) {
   const int owner = srv->OwnerOf(key.tenant, route);
   const int slot = cluster::KeySlot(route);
   auto reply = ctx.Defer();
-  auto answer = [reply](Status s) {
-    reply([s](proto::ReplyBuilder& rb) {
-      if (s.ok()) {
-        rb.Ok();
-      } else {
-        rb.Error(s);
-      }
-    });
-  };
+  auto answer = [reply](Status s) { reply([s](proto::ReplyBuilder& rb) { rb.OkOrError(s); }); };
   // Whether this node owns the object's slot: it then makes sure its own replicas have the
   // copy before the sender lets go of it (a slot moving here).
   auto owns = [srv, slot] {
@@ -456,13 +442,7 @@ void Del(CommandContext& ctx, CmdArgs& args) {
   const int owner = srv->OwnerOf(key.tenant, cluster_sync::RouteKeyOf(*kind, key.name));
   srv->shard(owner).PostControl([=](server::Shard& sh) {
     Status s = kind->discard(*srv, sh, key, part, version);
-    reply([s](proto::ReplyBuilder& rb) {
-      if (s.ok()) {
-        rb.Ok();
-      } else {
-        rb.Error(s);
-      }
-    });
+    reply([s](proto::ReplyBuilder& rb) { rb.OkOrError(s); });
   });
 }
 

@@ -1,6 +1,7 @@
 #include "families/keyed_saved.h"
 
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include "families/tiering.h"
 #include "server/server.h"

@@ -116,13 +116,7 @@ void RestoreSealed(server::CommandContext& ctx, const std::string& sid, uint64_t
         spdlog::error("disk tier: sealed snapshot {} of '{}' is corrupt: {}", snapshot, key.name,
                       st.message());
       }
-      reply([st](proto::ReplyBuilder& rb) {
-        if (st.ok()) {
-          rb.Ok();
-        } else {
-          rb.Error(st);
-        }
-      });
+      reply([st](proto::ReplyBuilder& rb) { rb.OkOrError(st); });
     });
   });
   if (!queued) {
