@@ -12,9 +12,25 @@
 #      --attention-backend cuda (and pion-server-faults for the failed-GPU-copy case);
 #   4. the transformers integration (tests/test_hf.py: Stage 1 over TCP, shm and CUDA IPC; Stage 2).
 # PION_GPU_BIN names the directory with pion-server and gpu_attention_test (default: build).
+# Arguments pick steps (default: all four): kernels, sanitizers, suites, hf — e.g.
+# `scripts/test-gpu.sh kernels sanitizers` then `scripts/test-gpu.sh suites hf` where one
+# command may only run for a few minutes.
 # Every step runs even when an earlier one fails (a sanitizer's report does not hide the
 # end-to-end suites'); the script then names the failed steps and exits 1.
 set -euo pipefail
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(kernels sanitizers suites hf)
+for s in "${steps[@]}"; do
+  case $s in
+    kernels | sanitizers | suites | hf) ;;
+    *)
+      echo "test-gpu: unknown step '$s' (steps: kernels sanitizers suites hf)" >&2
+      exit 2
+      ;;
+  esac
+done
+# wants STEP: whether STEP was asked for.
+wants() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 BIN=$(cd "${PION_GPU_BIN:-build}" && pwd)
 PY=${PYTHON:-python3}
 # A gpu-bundle still packed (bin/*.xz): restore its binaries first.
@@ -32,8 +48,10 @@ step() {
     echo "== test-gpu: $name FAILED" >&2
   fi
 }
-step gpu_attention_test "$BIN/gpu_attention_test"
-if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
+wants kernels && step gpu_attention_test "$BIN/gpu_attention_test"
+if ! wants sanitizers; then
+  :
+elif command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
   CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   # --num-cuda-barriers: room to track every mbarrier of a test's launches (the default table
   # overflows over the cluster kernels' many launches: synccheck then fails the launch, and
@@ -54,16 +72,16 @@ else
   echo "compute-sanitizer not found: the sanitizer runs need it" >&2
   failed+=("compute-sanitizer (not found)")
 fi
-PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda" \
+wants suites && PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda" \
   PION_FAULT_SERVER="$BIN/pion-server-faults" \
   step "Stage 2 and residency suites (cuda)" "$PY" -m pytest -q -p no:cacheprovider \
   tests/test_attend_prefix.py tests/test_attend_gpu.py tests/test_residency.py
 # The transformers integration (skipped with the reason where transformers is not installed).
-PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda --gpu-memory 8gb" \
+wants hf && PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda --gpu-memory 8gb" \
   step "transformers integration" "$PY" -m pytest -q -p no:cacheprovider tests/test_hf.py
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'test-gpu: %d step(s) failed:\n' "${#failed[@]}" >&2
   printf '  %s\n' "${failed[@]}" >&2
   exit 1
 fi
-echo "test-gpu: all GPU suites passed"
+echo "test-gpu: all passed (${steps[*]})"
