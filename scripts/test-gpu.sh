@@ -76,12 +76,18 @@ wants suites && PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attentio
   PION_FAULT_SERVER="$BIN/pion-server-faults" \
   step "Stage 2 and residency suites (cuda)" "$PY" -m pytest -q -p no:cacheprovider \
   tests/test_attend_prefix.py tests/test_attend_gpu.py tests/test_residency.py
-# The transformers integration (skipped with the reason where transformers is not installed).
+# The transformers integration (skipped with the reason where PyTorch or transformers is not
+# installed: the module skips itself, pytest then exits 5, "no tests collected", which is no failure).
+hf_suite() {
+  local rc=0
+  "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_hf.py || rc=$?
+  [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]
+}
 wants hf && PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda --gpu-memory 8gb" \
-  step "transformers integration" "$PY" -m pytest -q -p no:cacheprovider tests/test_hf.py
+  step "transformers integration" hf_suite
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'test-gpu: %d step(s) failed:\n' "${#failed[@]}" >&2
   printf '  %s\n' "${failed[@]}" >&2
   exit 1
 fi
-echo "test-gpu: all passed (${steps[*]})"
+echo "test-gpu: no step failed (${steps[*]})"
