@@ -49,41 +49,44 @@ step() {
   fi
 }
 wants kernels && step gpu_attention_test "$BIN/gpu_attention_test"
-if ! wants sanitizers; then
-  :
-elif command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
-  CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  # --num-cuda-barriers: room to track every mbarrier of a test's launches (the default table
-  # overflows over the cluster kernels' many launches: synccheck then fails the launch, and
-  # racecheck reports hazards against barriers it no longer tracks).
-  smoke='GpuExecutor.Smoke:GpuTier.*'
-  run() { step "$1 $2" "$CS" --tool "$1" --num-cuda-barriers 65536 --error-exitcode 1 \
-    "$BIN/gpu_attention_test" --gtest_filter="$2"; }
-  run memcheck "$smoke"
-  run synccheck "$smoke"
-  run racecheck "$smoke"
-  run racecheck GpuExecutor.SparseAutoSharedOneLaunch
-  run memcheck GpuExecutor.BatchedSmoke
-  run racecheck GpuExecutor.BatchedSmoke
-  run memcheck GpuExecutor.StreamDecodeSmoke
-  run racecheck GpuExecutor.StreamDecodeSmoke
-  run memcheck GpuExecutor.StreamDecodeBackToBack
-else
-  echo "compute-sanitizer not found: the sanitizer runs need it" >&2
-  failed+=("compute-sanitizer (not found)")
-fi
+sanitizers() {
+  if command -v compute-sanitizer >/dev/null 2>&1 ||
+    [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
+    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    # --num-cuda-barriers: room to track every mbarrier of a test's launches (the default table
+    # overflows over the cluster kernels' many launches: synccheck then fails the launch, and
+    # racecheck reports hazards against barriers it no longer tracks).
+    smoke='GpuExecutor.Smoke:GpuTier.*'
+    run() { step "$1 $2" "$CS" --tool "$1" --num-cuda-barriers 65536 --error-exitcode 1 \
+      "$BIN/gpu_attention_test" --gtest_filter="$2"; }
+    run memcheck "$smoke"
+    run synccheck "$smoke"
+    run racecheck "$smoke"
+    run racecheck GpuExecutor.SparseAutoSharedOneLaunch
+    run memcheck GpuExecutor.BatchedSmoke
+    run racecheck GpuExecutor.BatchedSmoke
+    run memcheck GpuExecutor.StreamDecodeSmoke
+    run racecheck GpuExecutor.StreamDecodeSmoke
+    run memcheck GpuExecutor.StreamDecodeBackToBack
+  else
+    echo "compute-sanitizer not found: the sanitizer runs need it" >&2
+    failed+=("compute-sanitizer (not found)")
+  fi
+}
+wants sanitizers && sanitizers
 wants suites && PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda" \
   PION_FAULT_SERVER="$BIN/pion-server-faults" \
   step "Stage 2 and residency suites (cuda)" "$PY" -m pytest -q -p no:cacheprovider \
   tests/test_attend_prefix.py tests/test_attend_gpu.py tests/test_residency.py
 # The transformers integration (skipped with the reason where PyTorch or transformers is not
-# installed: the module skips itself, pytest then exits 5, "no tests collected", which is no failure).
+# installed: the module skips itself, and pytest's exit 5, "no tests collected", is no failure).
 hf_suite() {
   local rc=0
   "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_hf.py || rc=$?
   [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]
 }
-wants hf && PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda --gpu-memory 8gb" \
+wants hf && PION_SERVER="$BIN/pion-server" \
+  PION_TEST_SERVER_ARGS="--attention-backend cuda --gpu-memory 8gb" \
   step "transformers integration" hf_suite
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'test-gpu: %d step(s) failed:\n' "${#failed[@]}" >&2

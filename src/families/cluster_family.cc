@@ -202,16 +202,9 @@ std::string InfoText(ClusterNode& node, const SlotMap& m) {
 // Runs `work` (blocking etcd calls) on the I/O pool, never on the shard, and answers OK or its
 // error; kBusy when the pool's queue is full.
 void AnswerFromIo(CommandContext& ctx, std::function<Status()> work) {
-  auto reply = ctx.Defer();
-  bool queued = ctx.server->io()->Submit([work = std::move(work), reply] {
-    Status s = work();
-    reply([s](proto::ReplyBuilder& rb) { rb.OkOrError(s); });
-  });
-  if (!queued) {
-    reply([](proto::ReplyBuilder& rb) {
-      rb.Error(Status(ErrorKind::kBusy, "the I/O queue is full; retry later"));
-    });
-  }
+  auto answer = cluster_sync::AnswerWith(ctx.Defer(), [](proto::ReplyBuilder& rb) { rb.Ok(); });
+  bool queued = ctx.server->io()->Submit([work = std::move(work), answer] { answer(work()); });
+  if (!queued) answer(Status(ErrorKind::kBusy, "the I/O queue is full; retry later"));
 }
 
 // CLUSTER SETSLOT <slot> NODE <node-id>: gives the slot to that node (its keys follow from the
@@ -383,8 +376,7 @@ void Put(CommandContext& ctx, CmdArgs& args) {
   const std::string_view route = cluster_sync::RouteKeyOf(*kind, key.name);
   const int owner = srv->OwnerOf(key.tenant, route);
   const int slot = cluster::KeySlot(route);
-  auto reply = ctx.Defer();
-  auto answer = [reply](Status s) { reply([s](proto::ReplyBuilder& rb) { rb.OkOrError(s); }); };
+  auto answer = cluster_sync::AnswerWith(ctx.Defer(), [](proto::ReplyBuilder& rb) { rb.Ok(); });
   // Whether this node owns the object's slot: it then makes sure its own replicas have the
   // copy before the sender lets go of it (a slot moving here).
   auto owns = [srv, slot] {
@@ -438,12 +430,10 @@ void Del(CommandContext& ctx, CmdArgs& args) {
   if (!ParseObject(ctx, args, args.size(), 5, "CLUSTER.DEL", &kind, &part, &version)) return;
   server::Server* srv = ctx.server;
   const store::TenantKey key{srv->users().TenantId(args[2]), std::string(args[3])};
-  auto reply = ctx.Defer();
+  auto answer = cluster_sync::AnswerWith(ctx.Defer(), [](proto::ReplyBuilder& rb) { rb.Ok(); });
   const int owner = srv->OwnerOf(key.tenant, cluster_sync::RouteKeyOf(*kind, key.name));
-  srv->shard(owner).PostControl([=](server::Shard& sh) {
-    Status s = kind->discard(*srv, sh, key, part, version);
-    reply([s](proto::ReplyBuilder& rb) { rb.OkOrError(s); });
-  });
+  srv->shard(owner).PostControl(
+      [=](server::Shard& sh) { answer(kind->discard(*srv, sh, key, part, version)); });
 }
 
 // CLUSTER.REFRESH: re-read the slot map now (a slot was just handed to this node).

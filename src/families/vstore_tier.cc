@@ -87,7 +87,7 @@ void RestoreSealed(server::CommandContext& ctx, const std::string& sid, uint64_t
                                   std::to_string(snapshot) + "; V.DROP it first"));
     }
   }
-  auto reply = ctx.Defer();
+  auto answer = cluster_sync::AnswerWith(ctx.Defer(), [](proto::ReplyBuilder& rb) { rb.Ok(); });
   const std::shared_ptr<residency::DiskFile> file = sealed->file;
   const codec::RowCodec row_codec = codec.value();
   server::Shard* owner = ctx.shard;
@@ -116,14 +116,10 @@ void RestoreSealed(server::CommandContext& ctx, const std::string& sid, uint64_t
         spdlog::error("disk tier: sealed snapshot {} of '{}' is corrupt: {}", snapshot, key.name,
                       st.message());
       }
-      reply([st](proto::ReplyBuilder& rb) { rb.OkOrError(st); });
+      answer(st);
     });
   });
-  if (!queued) {
-    reply([](proto::ReplyBuilder& rb) {
-      rb.ErrorLine("BUSY the disk I/O queue is full; retry later");
-    });
-  }
+  if (!queued) answer(Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
 }
 
 namespace {

@@ -46,14 +46,6 @@ class ReplyBuilder {
   void SimpleString(std::string_view s);
   // "-<PREFIX> <message>\r\n" from a non-ok Status.
   void Error(const Status& status);
-  // +OK for an ok Status, else its error.
-  void OkOrError(const Status& status) {
-    if (status.ok()) {
-      Ok();
-    } else {
-      Error(status);
-    }
-  }
   // Raw error line without '-' or CRLF, e.g. "ERR unknown command ...". CR/LF are replaced.
   void ErrorLine(std::string_view line);
   void Integer(int64_t v);
