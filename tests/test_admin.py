@@ -11,10 +11,11 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
-from pionlib import (SERVER_BIN, RespError, ServerFactory, encode, free_port, parse_info,
-                     parse_metrics, wait_for)
+from pionlib import (HOST, SERVER_BIN, RespError, ServerFactory, encode, free_port,
+                     parse_info, parse_metrics, wait_for)
 
 ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", "client",
                 "config", "info", "slowlog", "state.alloc", "state.write", "state.read",
@@ -866,20 +867,20 @@ def test_port_in_use(tmp_path):
         p = subprocess.run([SERVER_BIN, "--bind", "127.0.0.1", "--port", str(port),
                             "--metrics-port", "0", "--binary-port", "0", "--dir", str(tmp_path)],
                            capture_output=True, text=True, timeout=10)
-        assert p.returncode == 1
+        assert p.returncode == 4  # cannot listen
         assert "cannot start" in p.stdout + p.stderr
         assert "127.0.0.1:%d" % port in p.stdout + p.stderr
         p = subprocess.run([SERVER_BIN, "--bind", "127.0.0.1", "--port", str(free_port()),
                             "--metrics-port", str(port), "--binary-port", "0", "--dir",
                             str(tmp_path)],
                            capture_output=True, text=True, timeout=10)
-        assert p.returncode == 1
+        assert p.returncode == 4  # cannot listen
         assert "metrics endpoint" in p.stdout + p.stderr
         p = subprocess.run([SERVER_BIN, "--bind", "127.0.0.1", "--port", str(free_port()),
                             "--metrics-port", "0", "--binary-port", str(port), "--dir",
                             str(tmp_path)],
                            capture_output=True, text=True, timeout=10)
-        assert p.returncode == 1
+        assert p.returncode == 4  # cannot listen
         assert "127.0.0.1:%d" % port in p.stdout + p.stderr
     finally:
         holder.close()
@@ -897,7 +898,7 @@ def test_logfile_flag(pion_factory, tmp_path):
     p = subprocess.run([SERVER_BIN, "--port", str(free_port()), "--metrics-port", "0",
                         "--logfile", str(not_a_dir / "x.log")],
                        capture_output=True, text=True, timeout=10)
-    assert p.returncode == 2
+    assert p.returncode == 3  # the log file
     assert "cannot open log file" in p.stderr
 
 
@@ -951,3 +952,120 @@ def test_polling_shards_forward_and_then_sleep(pion_factory):
         assert c.call("CONFIG", "SET", "poll-us", "-1") == RespError(
             "ERR CONFIG SET failed (possibly related to argument 'poll-us') - argument must be "
             "between 0 and 1000000 inclusive")
+
+
+# ------------------------------------------------------------------------------------------
+# Issue 54 §5: what a new user meets in the first hour
+# ------------------------------------------------------------------------------------------
+
+def test_ready_line_names_addresses_dir_and_budgets(pion_factory):
+    srv = pion_factory("--workers", "1", "--maxmemory", "1.5mb", "--disk-quota", "2gb")
+    line = [x for x in srv.log_text().splitlines() if "Pion ready" in x][0]
+    assert "RESP on %s:%d" % (HOST, srv.port) in line, line
+    assert "binary protocol on %s:%d" % (HOST, srv.binary_port) in line, line
+    assert "metrics on http://%s:%d/metrics" % (HOST, srv.metrics_port) in line, line
+    assert "data dir %s" % srv.data_dir.resolve() in line, line
+    assert "maxmemory 1.50M," in line and "disk-quota 2.00G," in line, line
+    assert "gpu-memory none (attention on the cpu)" in line or "gpu-memory " in line, line
+    assert int(srv.info("memory")["maxmemory"]) == 1536 * 1024  # decimals are taken
+
+
+def test_ready_line_brackets_ipv6(tmp_path):
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        probe.bind(("::1", 0))
+        probe.close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = free_port()
+    p = subprocess.Popen([SERVER_BIN, "--bind", "::1", "--port", str(port), "--metrics-port",
+                          "0", "--binary-port", "0", "--dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        line = ""
+        while time.monotonic() < deadline and "Pion ready" not in line:
+            line = p.stdout.readline()
+        assert "RESP on [::1]:%d" % port in line, line
+    finally:
+        p.terminate()
+        p.wait(timeout=10)
+
+
+def test_unitless_small_size_warns_and_exit_codes_name_the_class(tmp_path):
+    base = [SERVER_BIN, "--metrics-port", "0", "--binary-port", "0"]
+    p = subprocess.run(base + ["--port", str(free_port()), "--maxmemory", "10", "--nope"],
+                       capture_output=True, text=True, timeout=10)
+    assert "warning: --maxmemory 10 is 10 bytes" in p.stderr, p.stderr
+    # One exit status per class of start-up error (docs/OPERATIONS.md § Exit codes).
+    assert subprocess.run(base + ["--nope"], capture_output=True, timeout=10).returncode == 2
+    p = subprocess.run(base + ["--maxmemory", "1.5b"], capture_output=True, text=True, timeout=10)
+    assert p.returncode == 2 and "expected a size like 512mb or auto, got 1.5b" in p.stderr
+    plain = tmp_path / "file"
+    plain.write_text("")
+    p = subprocess.run(base + ["--port", str(free_port()), "--logfile", str(plain / "x.log")],
+                       capture_output=True, text=True, timeout=10)
+    assert p.returncode == 3, p.stderr
+    p = subprocess.run(base + ["--port", str(free_port()), "--attention-backend", "cuda",
+                               "--dir", str(tmp_path / "d1")],
+                       capture_output=True, text=True, timeout=20)
+    if "no usable CUDA device" in p.stdout + p.stderr:
+        assert p.returncode == 5
+    p = subprocess.run(base + ["--port", str(free_port()), "--dir", str(plain / "data")],
+                       capture_output=True, text=True, timeout=20)
+    assert p.returncode == 6, (p.returncode, p.stdout + p.stderr)
+    p = subprocess.run(base + ["--port", str(free_port()), "--dir", str(tmp_path / "d2"),
+                               "--cluster", "etcd://127.0.0.1:%d" % free_port(), "--node-id",
+                               "n1"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 7, (p.returncode, p.stdout + p.stderr)
+
+
+def test_info_and_metrics_show_no_unmeasured_rate_and_no_limit_zero(pion_factory):
+    srv = pion_factory("--workers", "1", "--maxmemory", "0", "--attention-backend", "cpu")
+    res = srv.info("residency")
+    assert "residency_rate_gpu_upload" not in res and "residency_rate_gpu_download" not in res
+    assert res["residency_host_limit"] == "unlimited"
+    assert srv.info("memory")["maxmemory_human"] == "unlimited"
+    assert srv.info("attention")["attention_memory_limit"] == "unlimited"
+    text = srv.metrics_text()
+    assert "pion_memory_max_bytes +Inf" in text
+    assert 'pion_residency_limit_bytes{tier="host"} +Inf' in text
+    assert 'transfer_rate_bytes_per_second{path="gpu_upload"}' not in text
+    # STORE ... FROM is counted as such, not as a promotion.
+    r = srv.client()
+    r.execute_command("KV.PREFIX.REGISTER", "sf", 1, 64, 1, 32, "fp32")
+    for part in ("pk", "pv"):
+        r.execute_command("V.STOREBATCH", "sf_" + part, 0, np.ones((64, 32), np.float32).tobytes())
+    r.execute_command("ATTEND.PREFIX.STORE", "sfa", 0, "FROM", "sf")
+    a = srv.info("attention")
+    assert (a["attention_stores_from"], a["attention_promotions"]) == ("1", "0"), a
+
+
+def test_receipt_times_are_rounded_doubles_and_counts_integers(pion_factory):
+    srv = pion_factory("--workers", "1", "--attention-backend", "cpu")
+    r = srv.client()
+    k = np.ones((2, 64, 32), np.float32)
+    r.execute_command("ATTEND.PREFIX.STORE", "rc", 0, 2, 64, 32, k.tobytes(), k.tobytes())
+    q = np.ones((2, 32), np.float32).tobytes()
+    for proto in (2, 3):
+        with srv.raw() as c:
+            if proto == 3:
+                c.call("HELLO", "3")
+            c.send(encode("ATTEND.PREFIX.QUERY", "rc", 0, 2, 32, 0, q, "RECEIPT"))
+            c.read_exact(2 * 32 * 4 + len("*2\r\n$256\r\n\r\n"))  # the output blob
+            raw = c.read_until(b"estimate_us\r\n")
+            raw += c.read_line() + b"\r\n"
+            if proto == 2:
+                raw += c.read_line() + b"\r\n"
+        text = raw.decode()
+        for key in ("micros", "queue_us", "merge_us", "estimate_us"):
+            if proto == 3:
+                m = re.search(r"\$%d\r\n%s\r\n,(-?[0-9.e+-]+)\r\n" % (len(key), key), text)
+            else:
+                m = re.search(r"\$%d\r\n%s\r\n\$\d+\r\n(-?[0-9.e+-]+)\r\n" % (len(key), key),
+                              text)
+            assert m, (key, text)
+            assert len(m.group(1).split(".")[1]) <= 3 if "." in m.group(1) else True, m.group(1)
+        for key in ("rows_attended", "visible_rows", "prefix_rows", "splits"):
+            assert re.search(r"\$%d\r\n%s\r\n:\d+\r\n" % (len(key), key), text), (key, text)
+        assert re.search(r"omitted_mass_estimate\r\n(,|\$\d+\r\n)0\r\n", text), text

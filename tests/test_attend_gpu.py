@@ -320,7 +320,7 @@ def test_store_from_namespace_lands_on_gpu(pion_factory):
     out = r.execute_command("ATTEND.PREFIX.QUERY", "s", 0, 4, D, 0, f32(q))
     ref, _, _ = attend_ref(q, k, v, contiguous_map(4, 2), [T], np.arange(T), 0)
     assert_close(parse_out(out, 4, 1, D, False)[0], ref)
-    assert int(attn(srv)["attention_promotions"]) == 1
+    assert int(attn(srv)["attention_stores_from"]) == 1
 
 
 def test_export_needs_the_unix_socket_and_the_gpu(pion_factory, tmp_path):

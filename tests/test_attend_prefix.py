@@ -830,7 +830,7 @@ def test_fp8_exact_query_refused_and_allow_approx_answers_sparse(pion_factory):
     assert "approx" in rc["fallback"] and rc["blocks_chosen"] > 0, rc
     k_top = int(rc["fallback"].split(" over ")[2].split(" blocks")[0])
     same = r.execute_command("ATTEND.PREFIX.QUERY_SPARSE_AUTO", "big8", 0, h, d, 64, k_top, h,
-                             f32(q), i32(np.arange(h)))
+                             f32(q), i32(np.arange(h)), "SHARED")
     assert same == out
     assert np.abs(np.frombuffer(out, np.float32) - np.frombuffer(exact, np.float32)).max() < 1.0
 
@@ -1169,8 +1169,9 @@ def test_store_from_namespace_equals_blob_store(shared_pion, fmt):
 
 
 def test_store_from_is_a_snapshot(shared_pion):
-    """The slot is a converted copy: rewriting the namespace afterwards does not change it; a new
-    STORE ... FROM picks up the new rows (and the new publication)."""
+    """The slot is a converted copy: publishing the namespace anew afterwards (DROP, REGISTER, new
+    rows: a published namespace itself never changes) does not change it; a new STORE ... FROM
+    picks up the new rows (and the new publication)."""
     r = shared_pion.client()
     rng = np.random.default_rng(12)
     T, H, D = 24, 2, 32
@@ -1179,8 +1180,8 @@ def test_store_from_is_a_snapshot(shared_pion):
     k1 = decoded_layer(r, "snap", "pk", 0, T, H, D)
     v1 = decoded_layer(r, "snap", "pv", 0, T, H, D)
     [s1] = info_slots(r, "snaps")
-    for part in ("pk", "pv"):
-        r.execute_command("V.STOREBATCH", "snap_" + part, 0, f32(rnd(rng, T, H * D)))
+    assert r.execute_command("KV.PREFIX.DROP", "snap") == 1
+    register_fill(r, "snap", 1, T, H, D, "fp32", rng)
     k2 = decoded_layer(r, "snap", "pk", 0, T, H, D)
     v2 = decoded_layer(r, "snap", "pv", 0, T, H, D)
     q = rnd(rng, 2, 1, D)
@@ -1407,7 +1408,8 @@ BAD = [
     (("ATTEND.PREFIX.QUERY", "e", 0, 2, 32, 0, Q2, 4, "QPOS", "-3"),
      "=ERR QPOS must be an integer in [0, 2^62], got '-3'"),
     (("ATTEND.PREFIX.QUERY", "e", 0, 2, 32, 0, Q2, 4, "BOGUS"),
-     "=ERR unexpected argument 'BOGUS'; expected [<fa_window>] then any of QPOS, RECEIPT"),
+     "=ERR unexpected argument 'BOGUS'; expected [<fa_window>] then any of QPOS, RECEIPT, "
+     "DEADLINE <ms>, ALLOW APPROX"),
     (("ATTEND.PREFIX.QUERY", "e", 0, 2, 32, 0, Q2, "RECEIPT", 4),
      "^ERR unexpected argument '4'"),
     (("ATTEND.PREFIX.QUERY", "e", 0, 2, 32, 0, Q2, "SELECT", "mean"),
@@ -1838,7 +1840,8 @@ def test_info_attention_section(pion_factory):
     srv = pion_factory("-w", "2", "--attention-memory", "64mb")
     r = srv.client()
     before = attn_info(srv)
-    for f in ATTN_FIELDS + ("attention_stores", "attention_promotions", "attention_misses",
+    for f in ATTN_FIELDS + ("attention_stores", "attention_stores_from", "attention_promotions",
+                            "attention_misses",
                             "attention_sessions", "attention_queries_topk",
                             "attention_queries_fused", "attention_queries_sparse",
                             "attention_queries_sparse_auto",
@@ -1897,7 +1900,8 @@ def test_info_attention_section(pion_factory):
     for part in ("pk", "pv"):
         r.execute_command("V.STOREBATCH", "ins_" + part, 0, f32(rnd(rng, 16, 64)))
     r.execute_command("ATTEND.PREFIX.STORE", "ic", 0, "FROM", "ins")
-    assert attn_info(srv)["attention_promotions"] == after["attention_promotions"] + 1
+    assert attn_info(srv)["attention_stores_from"] == after["attention_stores_from"] + 1
+    assert attn_info(srv)["attention_promotions"] == after["attention_promotions"]
     assert r.execute_command("ATTEND.PREFIX.DROP", "ia") == 1
     assert r.execute_command("ATTEND.PREFIX.DROP", "ic") == 1
     end = attn_info(srv)

@@ -125,3 +125,30 @@ def test_client_readme_runs_as_written(pion_factory, tmp_path):
                            + "\n".join(blocks), CLIENT_README, srv, sock)
     assert namespace["c"].last_fetch_path == "shm"
     assert namespace["res"].receipt["exact"]
+
+
+def test_deadline_grammar_matches_command_docs(shared_pion):
+    """PROTOCOL.md's grammar table of the commands that take DEADLINE is what COMMAND DOCS says,
+    command for command (and names exactly those commands)."""
+    protocol = (DOCS / "PROTOCOL.md").read_text()
+    start = protocol.index("| command | grammar (as `COMMAND DOCS` gives it) |")
+    table = protocol[start:protocol.index("\n\n", start)].splitlines()[2:]
+    documented = {}
+    for row in table:
+        m = re.match(r"^\| `([A-Z._]+)` \| `(.*)` \|$", row)
+        assert m, row
+        documented[m.group(1)] = m.group(2).replace("\\|", "|")
+    with shared_pion.raw() as c:
+        names = [n.decode() for n in c.call("COMMAND", "LIST")]
+        docs = c.call("COMMAND", "DOCS", *names)
+    served = {}
+    for i in range(0, len(docs), 2):
+        d = docs[i + 1]
+        fields = {d[j].decode(): d[j + 1] for j in range(0, len(d), 2)}
+        syntax = fields.get("syntax", b"").decode()
+        if "DEADLINE" in syntax:
+            name, _, grammar = syntax.partition(" ")
+            served[name.upper()] = grammar
+    assert documented == served
+    for name in ("V.FETCH", "V.STOREBATCH", "ATTEND.PREFIX.QUERY"):
+        assert "[DEADLINE <ms>]" in served[name], name

@@ -2,6 +2,7 @@
 frontier and blocks, generations, tenants, and many readers of one prefix."""
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -167,7 +168,7 @@ BAD = [
     (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp16", "COLOR", "red"), "ERR unknown option 'COLOR'; expected MODEL, POSITION or PREFILL_MS"),
     (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp16", "PREFILL_MS", "-1"), "ERR PREFILL_MS must be a non-negative number, got '-1'"),
     (("KV.PREFIX.LOOKUP", "x", "GENERATION", "g"), "ERR GENERATION must be a non-negative integer, got 'g'"),
-    (("KV.PREFIX.LOOKUP", "x", "SIZE", "1"), "ERR unknown option 'SIZE'; expected MODEL, POSITION or GENERATION"),
+    (("KV.PREFIX.LOOKUP", "x", "SIZE", "1"), "ERR unknown option 'SIZE'; expected MODEL, POSITION, GENERATION or EXPLAIN"),
     (("KV.PREFIX.INFO", "nosuch"), "ERR no such prefix namespace 'nosuch'"),
     (("KV.PREFIX.BLOCKS", "nosuch"), "ERR no such prefix namespace 'nosuch'"),
     (("KV.PREFIX.REGISTER", "x", L, T, H, D), "ERR wrong number of arguments for 'kv.prefix.register' command"),
@@ -250,7 +251,7 @@ def test_blocks_saved_is_conservative_after_a_write(pion_factory):
     srv = pion_factory()
     r = srv.client()
     register(r, "sv")
-    fill(r, "sv")
+    fill(r, "sv", upto=T - 1)  # not complete: still writable (a published one never changes)
     saved = lambda: {b[b.index(b"saved") + 1] for b in r.execute_command("KV.PREFIX.BLOCKS", "sv")}
     assert saved() == {0}
     assert r.execute_command("KV.PREFIX.SAVE", "sv") == b"OK"
@@ -259,3 +260,161 @@ def test_blocks_saved_is_conservative_after_a_write(pion_factory):
     assert saved() == {0}  # the disk copy no longer has every current row
     assert r.execute_command("KV.PREFIX.SAVE", "sv") == b"OK"
     assert saved() == {1}
+
+
+def test_published_prefix_never_changes(shared_pion):
+    """Issue 54 §1: a namespace is published once complete; what a reader saw as complete is
+    immutable. Writes into its sessions (any V.STOREBATCH form, V.RESTORE, V.DROP) are refused
+    with -READONLY naming what to do, and rows outside the manifest's L·T never land."""
+    r = shared_pion.client()
+    register(r, "pub1", fmt="fp32")
+    kv = fill(r, "pub1", upto=T - 1)  # one row short of complete: still writable
+    one = np.ones((1, DIM), np.float32)
+    assert r.execute_command("V.STOREBATCH", "pub1_pk", 0, one.tobytes()) == 1
+    assert r.execute_command("V.STOREBATCH", "pub1_pk", 0, kv[(0, "pk")][:1].tobytes()) == 1
+    # Rows beyond n_layers*n_tokens are refused, whichever form names them.
+    with pytest.raises(Exception, match=r"row 800 is outside namespace 'pub1'.*\[0, 800\)"):
+        r.execute_command("V.STOREBATCH", "pub1_pk", L * T, one.tobytes())
+    with pytest.raises(Exception, match="row 800 is outside"):
+        r.execute_command("V.STOREBATCH", "pub1_pv", L * T - 1, np.ones((2, DIM), np.float32)
+                          .tobytes())
+    with pytest.raises(Exception, match="row -1 is outside"):
+        r.execute_command("V.STOREBATCH", "pub1_pk", "IDS", np.array([3, -1], np.int64).tobytes(),
+                          np.ones((2, DIM), np.float32).tobytes())
+    assert info(r, "pub1")["publication_generation"] == 0
+    # The last rows complete it: published at once, LOOKUP is a HIT.
+    for l in range(L):
+        for part in ("pk", "pv"):
+            r.execute_command("V.STOREBATCH", f"pub1_{part}", l * T + T - 1,
+                              kv[(l, part)][T - 1:].tobytes())
+    i = info(r, "pub1")
+    assert i["complete"] == 1 and i["publication_generation"] >= 1
+    assert r.execute_command("KV.PREFIX.LOOKUP", "pub1") == b"HIT"
+    before = r.execute_command("V.FETCH", "pub1_pk", "RANGE", 0, L * T)
+    snap = None
+    with shared_pion.raw() as c:
+        for cmd in (["V.STOREBATCH", "pub1_pk", 0, one.tobytes()],
+                    ["V.STOREBATCH", "pub1_pv", T, one.tobytes()],
+                    ["V.STOREBATCH", "pub1_pk", "IDS", np.array([5], np.int64).tobytes(),
+                     one.tobytes()],
+                    ["V.DROP", "pub1_pv"]):
+            e = str(c.call(*cmd))
+            assert e.startswith("READONLY " + cmd[0] + " ") and "namespace 'pub1' is published" \
+                in e and "KV.PREFIX.DROP 'pub1' and KV.PREFIX.REGISTER it again" in e, e
+        snap = c.call("V.SNAPSHOT", "pub1_pk")
+        e = str(c.call("V.RESTORE", "pub1_pk", snap))
+        assert e.startswith("READONLY V.RESTORE of 'pub1_pk'"), e
+    assert r.execute_command("V.FETCH", "pub1_pk", "RANGE", 0, L * T) == before
+    assert r.execute_command("KV.PREFIX.LOOKUP", "pub1") == b"HIT"
+    assert r.execute_command("V.INFO", "pub1_pv")[9] == L * T  # rows: nothing added
+    # A new publication: DROP + REGISTER gives a new generation, writable until complete.
+    g = info(r, "pub1")["cache_generation"]
+    assert r.execute_command("KV.PREFIX.DROP", "pub1") == 1
+    register(r, "pub1", fmt="fp32")
+    assert info(r, "pub1")["cache_generation"] > g
+    assert r.execute_command("V.STOREBATCH", "pub1_pk", 0, one.tobytes()) == 1
+
+
+def test_python_store_layer_checks_the_manifest(shared_pion):
+    """The Python helper checks layer index and array shape against the manifest before
+    sending (a head_dim 32 array into a head_dim 64 namespace once overwrote half a layer)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients",
+                                    "python"))
+    import pion
+    with pion.Client(port=shared_pion.port) as c:
+        c.kv.register("pyl", 4, 256, 4, 64, "fp32")
+        good = np.ones((256, 4, 64), np.float32)
+        with pytest.raises(ValueError, match=r"do not match namespace 'pyl'.*head_dim 64"):
+            c.kv.store_layer("pyl", 1, np.ones((256, 4, 32), np.float32),
+                             np.ones((256, 4, 32), np.float32))
+        with pytest.raises(ValueError, match="layer 9 is outside namespace 'pyl'"):
+            c.kv.store_layer("pyl", 9, good, good)
+        with pytest.raises(ValueError, match="tokens \\[200, 456\\) are outside"):
+            c.kv.store_layer("pyl", 0, good, good, token_offset=200)
+        with pytest.raises(ValueError, match="n_tokens 128 is not"):
+            c.kv.store_layer("pyl", 0, good, good, n_tokens=128)
+        assert c.kv.info("pyl")["committed_frontier"] == 0  # nothing was sent
+        # A client that never registered it reads the manifest (a second client, same check).
+        with pion.Client(port=shared_pion.port) as c2:
+            with pytest.raises(ValueError, match="head_dim 64"):
+                c2.kv.store_layer("pyl", 0, np.ones((256, 4, 32), np.float32),
+                                  np.ones((256, 4, 32), np.float32))
+        for l in range(4):
+            assert c.kv.store_layer("pyl", l, good * l, good * l, layout="nhd") == 256
+        assert c.kv.lookup("pyl")
+        with pytest.raises(pion.ReadOnlyError, match="namespace 'pyl' is published"):
+            c.kv.store_layer("pyl", 0, good, good)
+        k, _ = c.kv.fetch_layer("pyl", 3)
+        assert np.array_equal(k, good * 3)
+
+
+def _explain(r, ns, *opts):
+    flat = r.execute_command("KV.PREFIX.LOOKUP", ns, *opts, "EXPLAIN")
+    return {flat[i].decode(): (flat[i + 1].decode() if isinstance(flat[i + 1], bytes)
+                               else flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def test_lookup_explain_says_why(shared_pion):
+    """Issue 54 §4: KV.PREFIX.LOOKUP ... EXPLAIN answers why a lookup missed, as a map."""
+    r = shared_pion.client()
+    e = _explain(r, "ex-nope")
+    assert e["result"] == "MISS" and e["reason"] == "not_registered", e
+    assert "no namespace 'ex-nope'" in e["detail"]
+    register(r, "ex1", "MODEL", "llama@a", "POSITION", "rope:1")
+    fill(r, "ex1", layers=range(2), upto=T)   # layers 0, 1 complete: 2 and 3 not
+    fill(r, "ex1", layers=range(2, L), upto=130)
+    e = _explain(r, "ex1")
+    assert e["result"] == "MISS" and e["reason"] == "incomplete", e
+    assert e["committed_frontier"] == 130 and e["n_tokens"] == T, e
+    assert "written up to token 130 of 200" in e["detail"]
+    e = _explain(r, "ex1", "MODEL", "llama@b")
+    assert (e["result"], e["reason"], e["expected"], e["held"]) == \
+        ("MISS", "model_differs", "llama@b", "llama@a"), e
+    e = _explain(r, "ex1", "POSITION", "rope:2")
+    assert (e["reason"], e["expected"], e["held"]) == ("position_differs", "rope:2", "rope:1")
+    g = info(r, "ex1")["cache_generation"]
+    e = _explain(r, "ex1", "GENERATION", g + 7)
+    assert (e["result"], e["reason"], e["expected"], e["held"]) == \
+        ("MISMATCH", "generation_differs", str(g + 7), str(g)), e
+    fill(r, "ex1", layers=range(2, L), upto=T)
+    e = _explain(r, "ex1", "MODEL", "llama@a", "GENERATION", g)
+    assert (e["result"], e["reason"], e["committed_frontier"]) == ("HIT", "", T), e
+    # Without EXPLAIN the answers stay as they were.
+    assert r.execute_command("KV.PREFIX.LOOKUP", "ex1") == b"HIT"
+    with pytest.raises(Exception, match="MISMATCH"):
+        r.execute_command("KV.PREFIX.LOOKUP", "ex1", "GENERATION", g + 7)
+    register(r, "ex-lost")
+    r.execute_command("V.DROP", "ex-lost_pv")
+    assert _explain(r, "ex-lost")["reason"] == "sessions_lost"
+
+
+def test_lookup_hit_rate_metrics_per_tenant(pion_factory, tmp_path):
+    """pion_prefix_lookups_total{tenant, result}: a hit rate per tenant is one PromQL ratio."""
+    users = tmp_path / "users.txt"
+    users.write_text("alice apw tenant-a\nbob bpw tenant-b\nroot rootpw default\n")
+    srv = pion_factory("--workers", "2", "--users", str(users))
+    a = srv.client(username="alice", password="apw")
+    b = srv.client(username="bob", password="bpw")
+    register(a, "m1")
+    fill(a, "m1")
+    for _ in range(3):
+        assert a.execute_command("KV.PREFIX.LOOKUP", "m1") == b"HIT"
+    assert a.execute_command("KV.PREFIX.LOOKUP", "m1", "MODEL", "x") == b"MISS"
+    assert b.execute_command("KV.PREFIX.LOOKUP", "m1") == b"MISS"  # tenant-b has none
+    with pytest.raises(Exception):
+        a.execute_command("KV.PREFIX.LOOKUP", "m1", "GENERATION", 999)
+    a.execute_command("KV.PREFIX.LOOKUP", "m1", "EXPLAIN")  # counted like any lookup
+    text = srv.metrics_text()
+    assert "# TYPE pion_prefix_lookups_total counter" in text
+
+    def count(tenant, result):
+        m = re.search(r'^pion_prefix_lookups_total\{tenant="%s",result="%s"\} (\d+)$'
+                      % (tenant, result), text, re.M)
+        return int(m.group(1)) if m else 0
+    assert (count("tenant-a", "hit"), count("tenant-a", "miss"),
+            count("tenant-a", "mismatch")) == (4, 1, 1)
+    assert (count("tenant-b", "hit"), count("tenant-b", "miss")) == (0, 1)
+    assert re.search(r'^pion_prefix_lookups_total\{tenant="default",result="hit"\} 0$', text,
+                     re.M)

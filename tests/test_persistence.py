@@ -18,13 +18,14 @@ L, T, H, D = 4, 256, 2, 64
 DIM = H * D
 
 
-def make_prefix(r, ns, fmt="fp16", seed=0, model="m"):
+def make_prefix(r, ns, fmt="fp16", seed=0, model="m", rows=L * T):
+    """A namespace with its first `rows` rows written (all: complete, so published)."""
     r.execute_command("KV.PREFIX.REGISTER", ns, L, T, H, D, fmt, "MODEL", model, "PREFILL_MS", 50)
     rng = np.random.default_rng(seed)
     for part in ("pk", "pv"):
-        x = rng.standard_normal((L * T, DIM)).astype(np.float32)
+        x = rng.standard_normal((rows, DIM)).astype(np.float32)
         r.execute_command("V.STOREBATCH", f"{ns}_{part}", 0, x.tobytes())
-    return {part: r.execute_command("V.FETCH", f"{ns}_{part}", "RANGE", 0, L * T, "RAW")
+    return {part: r.execute_command("V.FETCH", f"{ns}_{part}", "RANGE", 0, rows, "RAW")
             for part in ("pk", "pv")}
 
 
@@ -69,7 +70,8 @@ def test_saved_prefix_survives_restart_byte_exact(pion_factory, fmt):
 def test_warm_explicit_and_save_is_point_in_time(pion_factory):
     srv = pion_factory()
     r = srv.client()
-    want = make_prefix(r, "w", seed=1)
+    # Not complete (a published namespace never changes): written but its last row.
+    want = make_prefix(r, "w", seed=1, rows=L * T - 1)
     assert r.execute_command("KV.PREFIX.SAVE", "w") == b"OK"
     # Writes after the save are not in the saved version.
     r.execute_command("V.STOREBATCH", "w_pk", 0, np.zeros((T, DIM), np.float32).tobytes())
@@ -77,7 +79,7 @@ def test_warm_explicit_and_save_is_point_in_time(pion_factory):
     r = srv.client()
     assert r.execute_command("KV.PREFIX.WARM", "w") == b"OK"
     assert r.execute_command("KV.PREFIX.WARM", "w") == b"OK"  # already resident
-    assert r.execute_command("V.FETCH", "w_pk", "RANGE", 0, L * T, "RAW") == want["pk"]
+    assert r.execute_command("V.FETCH", "w_pk", "RANGE", 0, L * T - 1, "RAW") == want["pk"]
 
 
 def test_concurrent_lookups_promote_once(pion_factory):
@@ -296,3 +298,112 @@ def test_vcommit_seals_a_snapshot_that_survives_restart(pion_factory):
     restart(srv)
     with srv.raw() as c:
         assert str(c.call("V.RESTORE", "sess", snap)) == "ERR no such session 'sess'"
+
+
+def _everything_unsaved(r):
+    """One object of every family, none of them (wholly) saved: returns what must come back."""
+    rng = np.random.default_rng(54)
+    want = {}
+    r.execute_command("STATE.ALLOC", "saved", 8)
+    r.execute_command("STATE.WRITE", "saved", 0, b"old-old!")
+    assert r.execute_command("STATE.SAVE", "saved") == b"OK"
+    r.execute_command("STATE.WRITE", "saved", 0, b"new-new!")  # after the last SAVE
+    r.execute_command("STATE.ALLOC", "unsaved", 8)               # never saved
+    r.execute_command("STATE.WRITE", "unsaved", 0, b"fresh!!!")
+    want["state"] = {"saved": b"new-new!", "unsaved": b"fresh!!!"}
+    want["prefix"] = make_prefix(r, "ns", seed=7)                 # never saved
+    blob = rng.bytes(5000)
+    r.execute_command("SSM.PREFIX.STORE", "ssm", 3, blob)
+    want["ssm"] = blob
+    k = rng.standard_normal((2, 100, 32)).astype(np.float32)
+    v = rng.standard_normal((2, 100, 32)).astype(np.float32)
+    r.execute_command("ATTEND.PREFIX.STORE", "slot", 0, 2, 100, 32, k.tobytes(), v.tobytes())
+    q = rng.standard_normal((4, 32)).astype(np.float32)
+    want["attend"] = (q, r.execute_command("ATTEND.PREFIX.QUERY", "slot", 0, 4, 32, 0, q.tobytes()))
+    rows = rng.standard_normal((130, 24)).astype(np.float32)
+    r.execute_command("V.CREATE", "vs", 24, "bf16")
+    r.execute_command("V.STOREBATCH", "vs", 0, rows.tobytes())
+    want["v"] = r.execute_command("V.FETCH", "vs", "RANGE", 0, 130, "RAW")
+    r.execute_command("V.CREATE", "empty", 8, "fp32")  # a session with no rows is kept too
+    return want
+
+
+def _shutdown(srv, *args):
+    with srv.raw() as c:
+        c.send(encode("SHUTDOWN", *args))
+        c.expect_closed()  # like Redis: no reply on success
+    srv.proc.wait(timeout=30)
+    assert srv.proc.returncode == 0
+
+
+def test_shutdown_save_saves_every_family(pion_factory):
+    """Issue 54 §3: SHUTDOWN SAVE persists every dirty object of every family before it exits
+    (a slot written after its last STATE.SAVE, a slot never saved, a prefix, an SSM session, an
+    attention slot, V sessions); the restart serves them all, byte-exact."""
+    srv = pion_factory("-w", "2")
+    want = _everything_unsaved(srv.client())
+    _shutdown(srv, "SAVE")
+    log = srv.log_text()
+    assert "SHUTDOWN SAVE: saved" in log and "STATE 2" in log and "KV.PREFIX 1" in log, log
+    assert "every stored object is saved" in log
+    srv.start()
+    r = srv.client()
+    for key, data in want["state"].items():
+        assert r.execute_command("STATE.READ", key, 0, 8) == data
+    assert r.execute_command("KV.PREFIX.LOOKUP", "ns", "MODEL", "m") == b"HIT"
+    for part in ("pk", "pv"):
+        assert r.execute_command("V.FETCH", f"ns_{part}", "RANGE", 0, L * T, "RAW") == \
+            want["prefix"][part]
+    assert r.execute_command("SSM.PREFIX.FETCH", "ssm", 3) == want["ssm"]
+    q, out = want["attend"]
+    assert r.execute_command("ATTEND.PREFIX.QUERY", "slot", 0, 4, 32, 0, q.tobytes()) == out
+    assert r.execute_command("V.FETCH", "vs", "RANGE", 0, 130, "RAW") == want["v"]
+    assert r.execute_command("V.INFO", "empty")[1] == 8
+    # Unchanged since: a second SHUTDOWN SAVE writes nothing, and the sessions come back again
+    # from one image each (the older ones are replaced, not piled up).
+    _shutdown(srv, "SAVE")
+    assert srv.log_text().count("SHUTDOWN SAVE: saved nothing") == 1
+    srv.start()
+    r = srv.client()
+    assert r.execute_command("V.FETCH", "vs", "RANGE", 0, 130, "RAW") == want["v"]
+    info = dict(zip(*[iter(r.execute_command("V.INFO", "vs"))] * 2))
+    assert info[b"sealed"] == 1
+
+
+@pytest.mark.parametrize("how", ["nosave", "sigterm"])
+def test_exit_without_save_drops_and_says_what(pion_factory, how):
+    """SHUTDOWN NOSAVE (or a SIGTERM) saves nothing: what was never saved is gone after the
+    restart, the last saved bytes come back, and the log names what was dropped per family."""
+    srv = pion_factory("-w", "2")
+    _everything_unsaved(srv.client())
+    if how == "nosave":
+        _shutdown(srv, "NOSAVE")
+    else:
+        srv.stop(signal.SIGTERM)
+    log = srv.log_text()
+    assert "exit: unsaved objects are dropped" in log, log
+    line = [x for x in log.splitlines() if "exit: unsaved objects are dropped" in x][0]
+    for family in ("KV.PREFIX 1", "STATE 2", "SSM.PREFIX 1", "ATTEND.PREFIX 1", "V 2"):
+        assert family in line, line
+    srv.start()
+    r = srv.client()
+    assert r.execute_command("STATE.READ", "saved", 0, 8) == b"old-old!"
+    with pytest.raises(Exception, match="no such state slot"):
+        r.execute_command("STATE.READ", "unsaved", 0, 8)
+    assert r.execute_command("KV.PREFIX.LOOKUP", "ns") == b"MISS"
+
+
+def test_shutdown_save_pauses_writes_and_fails_loudly(pion_factory, tmp_path):
+    """A save that fails (the disk tier refuses it: quota) answers an error naming it, and the
+    server keeps running with writes allowed again; FORCE exits anyway."""
+    srv = pion_factory("--disk-quota", "64kb")
+    r = srv.client()
+    r.execute_command("STATE.ALLOC", "big", 200000)
+    with srv.raw() as c:
+        e = str(c.call("SHUTDOWN", "SAVE"))
+    assert e.startswith("ERR Errors trying to SHUTDOWN: 1 save(s) failed (STATE 0 (0B), 1 failed"), e
+    assert "SHUTDOWN SAVE FORCE exits anyway" in e
+    assert srv.alive()
+    r.execute_command("STATE.WRITE", "big", 0, b"still writable")
+    _shutdown(srv, "SAVE", "FORCE")
+    assert "exiting with 1 failed save(s)" in srv.log_text()

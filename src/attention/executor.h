@@ -63,7 +63,8 @@ struct Receipt {
   double piece_start_max_us = 0;
   double piece_max_us = 0;
   double merge_us = 0;
-  double queue_us = 0;  // set by the server: admitted -> a compute thread started the query
+  double queue_us = 0;     // set by the server: admitted -> a compute thread started the query
+  double estimate_us = 0;  // set by the server: the cost model's estimate of `micros` (0: none)
 };
 
 // Runs pieces in parallel: WorkerPool::ParallelFor in the server, a plain loop in tests.

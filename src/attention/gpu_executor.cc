@@ -370,6 +370,7 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
             const_cast<float*>(summaries->dev_mean()), const_cast<float*>(summaries->dev_min()),
             const_cast<float*>(summaries->dev_max()), job.stream());
         if (summaries->fill_status.ok()) summaries->fill_status = job.ctx()->Sync();
+        summaries->ready.store(summaries->fill_status.ok(), std::memory_order_release);
       });
       PION_TRY(summaries->fill_status);
       PION_TRY(job.Flush());

@@ -43,7 +43,8 @@ struct Summaries {
   std::vector<float> mean, min, max;  // [heads][nblocks][d] (host slots)
   gpu::DeviceMemory dev;              // GPU slots: mean, min, max back to back
   std::once_flag filled;
-  Status fill_status;  // set by the filling query (GPU slots can fail)
+  std::atomic<bool> ready{false};  // filled (the cost model counts no build for them then)
+  Status fill_status;              // set by the filling query (GPU slots can fail)
   std::unique_ptr<Charge> charge;
 
   size_t elems() const { return mean.empty() ? dev.size() / (3 * sizeof(float)) : mean.size(); }

@@ -16,12 +16,22 @@ TEST(ParseByteSize, UnitsArePowersOf1024) {
   EXPECT_EQ(ParseByteSize("1T"), 1ull << 40);
 }
 
+TEST(ParseByteSize, DecimalsWithAUnitRoundDownToWholeBytes) {
+  EXPECT_EQ(ParseByteSize("1.5gb"), 3ull << 29);
+  EXPECT_EQ(ParseByteSize("0.5k"), 512u);
+  EXPECT_EQ(ParseByteSize("1.3kb"), 1331u);  // 1331.2
+  EXPECT_EQ(ParseByteSize("2.25T"), 9ull << 38);
+}
+
 TEST(ParseByteSize, RejectsMalformedAndOverflow) {
   EXPECT_FALSE(ParseByteSize(""));
   EXPECT_FALSE(ParseByteSize("mb"));
   EXPECT_FALSE(ParseByteSize("-1"));
   EXPECT_FALSE(ParseByteSize("12xb"));
-  EXPECT_FALSE(ParseByteSize("1.5gb"));
+  EXPECT_FALSE(ParseByteSize("1.5"));  // a fraction of a byte
+  EXPECT_FALSE(ParseByteSize("1.5b"));
+  EXPECT_FALSE(ParseByteSize("1.gb"));
+  EXPECT_FALSE(ParseByteSize(".5gb"));
   EXPECT_FALSE(ParseByteSize("99999999999999999999"));
   EXPECT_FALSE(ParseByteSize("17179869184tb"));  // 2^34 TiB overflows 64 bits
 }

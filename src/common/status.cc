@@ -36,6 +36,8 @@ std::string_view ErrorPrefix(ErrorKind kind) {
       return "TIMEOUT";
     case ErrorKind::kClusterDown:
       return "CLUSTERDOWN";
+    case ErrorKind::kReadOnly:
+      return "READONLY";
   }
   return "ERR";
 }

@@ -30,6 +30,8 @@ enum class ErrorKind : unsigned char {
   kDevice,       // -DEVERR: the accelerator (CUDA) failed a copy or a kernel
   kTimeout,      // -TIMEOUT: the request's deadline cannot be (or was not) met; nothing changed
   kClusterDown,  // -CLUSTERDOWN: the cluster's slot map cannot be read or changed (etcd is down)
+  kReadOnly,     // -READONLY: a published (immutable) object refused a write; nothing changed
+  kLast = kReadOnly,
 };
 
 // The RESP prefix for an error kind, e.g. "ERR", "OOM".

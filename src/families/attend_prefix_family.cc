@@ -189,7 +189,7 @@ void Finish(server::Server* srv, int shard_id, std::shared_ptr<attention::Slot> 
       }
       slot->generation = attention::NextSlotGeneration();
       sh.store().attention.Publish(sid, layer, slot);
-      (promotion ? srv->attention_counters().promotions : srv->attention_counters().stores)
+      (promotion ? srv->attention_counters().stores_from : srv->attention_counters().stores)
           .fetch_add(1, std::memory_order_relaxed);
       reply([](proto::ReplyBuilder& rb) { rb.Ok(); });
     });
@@ -782,7 +782,8 @@ cluster_sync::HeldObject HeldOf(server::Server& srv, const store::TenantKey& sid
           saved != nullptr ? saved->version : 0,
           saved != nullptr ? saved->file->path() : std::string(),
           !current,
-          false};
+          false,
+          slot->bytes()};
 }
 
 // A copy's layer ("part" on the wire).
@@ -1051,12 +1052,14 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
   using namespace server;
   auto& r = srv.registry();
   constexpr uint32_t kKv = kCmdKvCache;
-  r.Register({"ATTEND.PREFIX.STORE", -5, kKv | kCmdWrite | kCmdDenyOom | kCmdDeadline, 1, 1, 1,
-              Store, "attend_prefix",
-              "Makes one layer's K/V resident for server-side attention (blobs, or bound from a "
-              "KV.PREFIX namespace).",
-              "<sid> <layer> <H> <N> <D> <K_blob> <V_blob> [DTYPE fp32|fp16|bf16|fp8] | <sid> "
-              "<layer> FROM <ns> [MODEL <id>] [POSITION <digest>], then [DEADLINE <ms>]"});
+  r.Register(WithOptions(
+      {"ATTEND.PREFIX.STORE", -5, kKv | kCmdWrite | kCmdDenyOom | kCmdDeadline, 1, 1, 1, Store,
+       "attend_prefix",
+       "Makes one layer's K/V resident for server-side attention (blobs, or bound from a "
+       "KV.PREFIX namespace).",
+       "<sid> <layer> <H> <N> <D> <K_blob> <V_blob> [DTYPE fp32|fp16|bf16|fp8] | <sid> <layer> "
+       "FROM <ns> [MODEL <id>] [POSITION <digest>]"},
+      {{"DTYPE", 1}, {"MODEL", 1}, {"POSITION", 1}}));
   r.Register({"ATTEND.PREFIX.LOOKUP", 3, kKv | kCmdReadOnly | kCmdFast, 1, 1, 1, Lookup,
               "attend_prefix", "+HIT when the slot is resident, +MISS otherwise.",
               "<sid> <layer>"});
@@ -1068,12 +1071,14 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
               "Makes one layer's slot, or every layer of the session, durable (a crash-safe "
               "object file each); replies once they are on disk.",
               "<sid> [<layer>]"});
-  r.Register({"ATTEND.PREFIX.EXPORT", -3, kKv | kCmdReadOnly | kCmdDeadline, 1, 1, 1, Export,
-              "attend_prefix",
-              "CUDA IPC handles to slots' GPU copies for a same-host process (Unix socket, cuda "
-              "backend), each pinned under a lease until SHM.RELEASE; several layers: an array; "
-              "PACKED: fixed binary records.",
-              "<sid> <layer> [<layer> ...] [PACKED] [DEADLINE <ms>]"});
+  r.Register(WithOptions(
+      {"ATTEND.PREFIX.EXPORT", -3, kKv | kCmdReadOnly | kCmdDeadline, 1, 1, 1, Export,
+       "attend_prefix",
+       "CUDA IPC handles to slots' GPU copies for a same-host process (Unix socket, cuda "
+       "backend), each pinned under a lease until SHM.RELEASE; several layers: an array; "
+       "PACKED: fixed binary records.",
+       "<sid> <layer> [<layer> ...] [PACKED]"},
+      {{"PACKED", 0}}));
   r.Register({"ATTEND.PREFIX.INFO", 2, kKv | kCmdReadOnly, 1, 1, 1, Info, "attend_prefix",
               "The session's resident layers: shape, storage type, bytes, generation, source.",
               "<sid>"});

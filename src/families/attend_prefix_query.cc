@@ -35,6 +35,12 @@ struct QueryJob {
   std::vector<BufferRef> hold;  // argument buffers the plan points into
   std::vector<int32_t> head_map;
   std::shared_ptr<attention::Summaries> summaries;
+  // What the cost model expects of it (Admit): its key, work and seconds once started (0:
+  // nothing comparable measured yet), and whether it runs on the shard thread.
+  attention::CostKey key;
+  attention::Work work;
+  double estimate = 0;
+  bool inline_run = false;
   size_t out_rows = 0;
   bool with_lse = false;
   bool receipt = false;
@@ -54,7 +60,9 @@ struct Tail {
   bool receipt = false;
 };
 
-Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_select, Tail* t) {
+// `admission`: the DEADLINE / ALLOW APPROX options the command also takes, for the error.
+Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_select,
+                 std::string_view admission, Tail* t) {
   if (i < args.size()) {
     int64_t w;
     if (ParseInt64(args[i], &w)) {
@@ -66,6 +74,7 @@ Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_sele
   std::string expected = "RECEIPT";
   if (allow_qpos) expected = "QPOS, " + expected;
   if (allow_select) expected = "SELECT, SHARED, " + expected;
+  expected += admission;
   for (; i < args.size(); ++i) {
     if (EqualsIgnoreCase(args[i], "RECEIPT")) {
       t->receipt = true;
@@ -196,7 +205,7 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
                   std::string_view backend) {
   const bool auto_form =
       job.plan.form == Form::kSparseAuto || job.plan.form == Form::kSparseAutoFused;
-  rb.Map(auto_form ? 23 : 20);
+  rb.Map(auto_form ? 24 : 21);
   rb.Bulk("exact");
   rb.Bool(r.exact);
   rb.Bulk("form");
@@ -239,22 +248,22 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
     }
   }
   rb.Bulk("omitted_mass_estimate");
-  rb.Double(r.omitted_mass_estimate);
+  rb.Double(r.omitted_mass_estimate, 6);
   rb.Bulk("splits");
   rb.Integer(r.splits);
   rb.Bulk("micros");
-  rb.Double(r.micros);
+  rb.Double(r.micros, 3);
   rb.Bulk("queue_us");  // handed to the compute pool -> a compute thread started it
-  rb.Double(r.queue_us);
+  rb.Double(r.queue_us, 3);
   rb.Bulk("piece_start_max_us");
-  rb.Double(r.piece_start_max_us);
+  rb.Double(r.piece_start_max_us, 3);
   rb.Bulk("piece_max_us");
-  rb.Double(r.piece_max_us);
+  rb.Double(r.piece_max_us, 3);
   rb.Bulk("merge_us");
-  rb.Double(r.merge_us);
+  rb.Double(r.merge_us, 3);
+  rb.Bulk("estimate_us");  // what the cost model expected of the computation (0: no estimate)
+  rb.Double(r.estimate_us, 3);
 }
-
-uint64_t EstimatedMacs(const QueryJob& job);
 
 // What a query produced: status, output (+ LSE) and receipt.
 struct QueryResult {
@@ -276,9 +285,14 @@ QueryResult Execute(server::Server* srv, const QueryJob& job, const attention::P
     return late;
   }
   const auto started = std::chrono::steady_clock::now();
+  double summarize_us = 0;  // part of the computation: counted in the receipt's micros
   if (job.summaries && !job.gpu) {
     std::call_once(job.summaries->filled, [&] {
+      const auto t0 = std::chrono::steady_clock::now();
       kern.Summarize(slot.Tensor(job.k), job.summaries->View(slot.heads, slot.d));
+      job.summaries->ready.store(true, std::memory_order_release);
+      summarize_us =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
     });
   }
   QueryResult res;
@@ -305,11 +319,10 @@ QueryResult Execute(server::Server* srv, const QueryJob& job, const attention::P
   if (job.submitted) {  // after Run, which starts the receipt afresh
     r->queue_us = std::chrono::duration<double, std::micro>(started - *job.submitted).count();
   }
+  r->micros += summarize_us;
+  r->estimate_us = job.estimate * 1e6;
   auto& c = srv->attention_counters();
-  if (res.status.ok()) {
-    c.RecordRate(job.gpu != nullptr, EstimatedMacs(job),
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-  }
+  if (res.status.ok()) c.cost.Record(job.key, job.work, r->micros * 1e-6);
   c.queries[static_cast<int>(job.plan.form)].fetch_add(1, std::memory_order_relaxed);
   (r->exact ? c.exact : c.approximate).fetch_add(1, std::memory_order_relaxed);
   c.rows_attended.fetch_add(r->rows_attended, std::memory_order_relaxed);
@@ -325,17 +338,40 @@ void WriteResult(proto::ReplyBuilder& rb, const QueryJob& job, const QueryResult
   if (job.receipt) WriteReceipt(rb, job, *res.receipt, backend);
 }
 
-// Queries this small (query rows × keys × D multiply-adds) run on the shard's own thread:
-// handing them to the compute pool and the reply back costs more than computing them. Host
-// memory: ~tens of µs on one core. GPU slots: the kernels take a few µs and the fixed costs of
-// a launch (staging, one upload, one download, a stream sync: ~tens of µs) dominate, so the
-// GPU bound is higher; the shard thread waits on its own stream, no other shard's.
-constexpr uint64_t kInlineMacs = uint64_t{1} << 20;
-constexpr uint64_t kInlineGpuMacs = uint64_t{1} << 24;
+// Queries this small (multiply-adds, attention::WorkOf) run on the shard's own thread: handing
+// them to the compute pool and the reply back costs more than computing them. Host memory:
+// ~tens of µs on one core. GPU slots: the kernels take a few µs and the fixed costs of a launch
+// (staging, one upload, one download, a stream sync: ~tens of µs) dominate, so the GPU bound is
+// higher; the shard thread waits on its own stream, no other shard's.
+constexpr double kInlineMacs = double{1 << 20};
+constexpr double kInlineGpuMacs = double{1 << 24};
 
-uint64_t EstimatedMacs(const QueryJob& job) {
-  const uint64_t keys = uint64_t{job.slot->rows} + job.plan.k_suffix.rows;
-  return uint64_t{job.plan.q.hq} * job.plan.q.m * keys * job.plan.q.d;
+// The job's work as the cost model counts it, and where it runs (attention/cost_model.h).
+void CostJob(server::Server& srv, QueryJob* job) {
+  const attention::Slot& slot = *job->slot;
+  const bool summarized = job->summaries == nullptr || job->summaries->ready.load();
+  job->work = attention::WorkOf(job->plan, slot.rows, slot.heads, slot.dtype, summarized);
+  job->inline_run = job->work.macs <= (job->gpu ? kInlineGpuMacs : kInlineMacs);
+  job->key = attention::KeyOf(job->gpu != nullptr, job->plan, slot.dtype, job->inline_run);
+  job->estimate = srv.attention_counters().cost.Estimate(job->key, job->work).value_or(0);
+}
+
+// How a job on the compute pool splits its work (ParallelFor on the pool); inline: one thread.
+attention::Parallel ParallelOf(server::Server& srv, bool inline_run) {
+  if (inline_run) return attention::Parallel{};
+  server::WorkerPool* pool = srv.compute();
+  return attention::Parallel{
+      pool->threads(),
+      [pool](size_t n, const std::function<void(size_t)>& fn) { pool->ParallelFor(n, fn); }};
+}
+
+// A CPU key nothing has measured yet is measured now, once (a few ms of the kernels over
+// synthetic K/V of the job's shape), so a deadline is judged by this machine's rate.
+void MeasureIfNew(server::Server& srv, const QueryJob& job) {
+  attention::CostModel& model = srv.attention_counters().cost;
+  if (job.key.gpu || model.Measured(job.key)) return;
+  attention::CalibrateCpu(model, Kernels(srv), ParallelOf(srv, job.inline_run), job.key,
+                          job.plan.q.hq, job.slot->heads, job.plan.q.d, job.plan.q.m);
 }
 
 // Brings the slot's K/V where the job computes — the GPU under the cuda backend, host memory
@@ -379,46 +415,39 @@ bool HoldBytes(CommandContext& ctx, QueryJob* job) {
         }
       }
     }
-    if (!ctx.Resident({slot.obj}, residency::Tier::kGpu)) return false;
+    if (!ctx.Resident({slot.obj}, residency::Tier::kGpu)) {
+      ctx.server->attention_counters().promotions.fetch_add(1, std::memory_order_relaxed);
+      return false;  // parked: the slot comes back to the GPU, then the query runs again
+    }
     job->gpu = std::make_shared<residency::GpuPin>(slot.obj->Gpu());
     job->tier = "gpu";
     return static_cast<bool>(*job->gpu);
   }
-  if (!ctx.Resident({slot.obj}, residency::Tier::kHost)) return false;
+  if (!ctx.Resident({slot.obj}, residency::Tier::kHost)) {
+    ctx.server->attention_counters().promotions.fetch_add(1, std::memory_order_relaxed);
+    return false;  // parked: the slot comes back from disk, then the query runs again
+  }
   job->k = slot.obj->HostBlock(0);
   job->v = slot.obj->HostBlock(1);
   return job->k && job->v;
 }
 
-// Seconds the job is expected to take to compute, behind the compute queue.
-double ComputeSeconds(server::Server* srv, const QueryJob& job, uint64_t macs) {
-  const bool gpu = job.gpu != nullptr;
-  const double per = srv->attention_counters().seconds_per_mac[gpu ? 1 : 0].load();
-  server::WorkerPool* pool = srv->compute();
-  const double queue =
-      static_cast<double>(pool->queued()) / std::max(1, pool->threads());  // jobs ahead a thread
-  return per * static_cast<double>(macs) * (1.0 + queue);
-}
-
 // The typed fallback of a dense decode step that cannot meet its deadline and whose caller
 // allows it (ALLOW APPROX): sparse-auto over the K_top best 64-row blocks (plus the first and
-// last), K_top as large as the time left allows. The receipt says so (exact 0, the form, the
-// omitted-mass estimate, fallback). False when even one block would be late.
-bool MakeApproximate(CommandContext& ctx, QueryJob* job, double left) {
+// last; SHARED, so a K/V head group reads each chosen row once), K_top as large as the time left
+// allows — and only when that is estimated to finish sooner than the exact answer. The receipt
+// says so (exact 0, the form, the omitted-mass estimate, fallback). False when no K_top does.
+bool MakeApproximate(CommandContext& ctx, QueryJob* job, double left, double dense_seconds) {
   const attention::Slot& slot = *job->slot;
+  server::Server& srv = *ctx.server;
   constexpr uint32_t kBlock = 64;
-  const double per = ctx.server->attention_counters().seconds_per_mac[job->gpu ? 1 : 0].load();
-  const double rows = left / per / (double{1} * job->plan.q.hq * job->plan.q.d);
-  const uint64_t blocks = static_cast<uint64_t>(rows / kBlock);
-  if (blocks < 3) return false;
   std::shared_ptr<attention::Summaries> summaries;
   if (job->gpu) {
-    auto s = slot.SummariesFor(kBlock, ctx.server->gpu_budget());
+    auto s = slot.SummariesFor(kBlock, srv.gpu_budget());
     if (!s.ok()) return false;
     summaries = std::move(s).value();
   } else if (!slot.gpu) {
-    auto s = slot.SummariesFor(kBlock,
-                               ctx.server->residency()->host_budget(residency::Family::kAttention));
+    auto s = slot.SummariesFor(kBlock, srv.residency()->host_budget(residency::Family::kAttention));
     if (!s.ok()) return false;
     summaries = std::move(s).value();
   } else {  // a GPU slot computed on the CPU: summaries of its own for this job
@@ -430,48 +459,78 @@ bool MakeApproximate(CommandContext& ctx, QueryJob* job, double left) {
     summaries->min.resize(n);
     summaries->max.resize(n);
   }
+  attention::Plan sparse = job->plan;
+  sparse.form = Form::kSparseAuto;
+  sparse.block = kBlock;
+  sparse.selector = kernels::BlockSelector::kMean;
+  sparse.shared_blocks = true;
+  QueryJob probe;  // the sparse job's key, for a measurement if it has none yet
+  probe.slot = job->slot;
+  probe.plan = sparse;
+  probe.plan.k_top = std::max<uint32_t>(1, summaries->nblocks / 8);
+  probe.gpu = job->gpu;
+  probe.summaries = summaries;
+  CostJob(srv, &probe);
+  probe.inline_run = false;  // a pass long enough to miss a deadline runs on the pool
+  probe.key.inline_run = false;
+  MeasureIfNew(srv, probe);
+  const auto k_top = attention::AffordableTopK(srv.attention_counters().cost, probe.key, sparse,
+                                               slot.rows, slot.heads, slot.dtype,
+                                               summaries->ready.load(), left, dense_seconds);
+  if (!k_top) return false;
   job->summaries = std::move(summaries);
-  job->plan.form = Form::kSparseAuto;
-  job->plan.block = kBlock;
-  job->plan.k_top = static_cast<uint32_t>(std::min<uint64_t>(blocks - 2, 1u << 20));
-  job->plan.selector = kernels::BlockSelector::kMean;
-  job->plan.shared_blocks = false;
+  job->plan = sparse;
+  job->plan.k_top = *k_top;
   job->plan.summaries = job->summaries->View(slot.heads, slot.d);
   job->with_lse = false;
-  char why[200];
+  CostJob(srv, job);
+  char why[240];
   std::snprintf(why, sizeof(why),
-                "%s%sapprox: dense over %u rows would pass the deadline; sparse-auto over %u "
-                "blocks of %u (ALLOW APPROX)",
+                "%s%sapprox: dense over %u rows estimated at %.2f ms would pass the deadline; "
+                "sparse-auto over %u blocks of %u (SHARED), estimated at %.2f ms (ALLOW APPROX)",
                 job->fallback.c_str(), job->fallback.empty() ? "" : "; ", slot.rows,
-                job->plan.k_top, kBlock);
+                dense_seconds * 1e3, job->plan.k_top, kBlock, job->estimate * 1e3);
   job->fallback = why;
-  ctx.server->attention_counters().approx_fallbacks.fetch_add(1, std::memory_order_relaxed);
+  srv.attention_counters().approx_fallbacks.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
 // Admission against the request's deadline (seed 004 §0x08L, §0x09K): a query the compute
-// stage cannot finish in time is refused now (-TIMEOUT naming the stage and the estimate),
-// never queued to answer late — or, with ALLOW APPROX, a dense decode step is answered sparse
-// with a receipt that says so. An exact request never becomes approximate by itself.
+// stage cannot finish in time — its estimate from this machine's measured rate for its form
+// and dtype, behind the work already queued — is refused now (-TIMEOUT naming the stage and the
+// estimate), never queued to answer late; or, with ALLOW APPROX, a dense decode step is answered
+// sparse with a receipt that says so, when that is estimated to come sooner. An exact request
+// never becomes approximate by itself; with nothing comparable measured (a GPU form's first
+// query) nothing is refused on a guess.
 bool Admit(CommandContext& ctx, QueryJob* job) {
   job->deadline = ctx.deadline;
+  CostJob(*ctx.server, job);
   if (ctx.deadline == residency::kNoDeadline) return true;
+  MeasureIfNew(*ctx.server, *job);
+  attention::CostModel& model = ctx.server->attention_counters().cost;
+  const std::optional<double> est = model.Estimate(job->key, job->work);
+  if (!est) return true;
+  job->estimate = *est;
   const double left = std::chrono::duration<double>(ctx.deadline - residency::Clock::now()).count();
-  const uint64_t macs = EstimatedMacs(*job);
-  const double est = ComputeSeconds(ctx.server, *job, macs);
-  if (est <= left) return true;
+  const double wait = job->inline_run ? 0 : model.queued_seconds();
+  if (wait + *est <= left) return true;
   const bool dense_decode =
       job->plan.form == Form::kDense && job->plan.q.m == 1 && job->plan.k_suffix.rows == 0;
-  if (ctx.allow_approx && dense_decode && left > 0 && MakeApproximate(ctx, job, left)) return true;
+  if (ctx.allow_approx && dense_decode && left - wait > 0 &&
+      MakeApproximate(ctx, job, left - wait, *est)) {
+    return true;
+  }
   ctx.server->residency()->CountRefusal(residency::Stage::kCompute, residency::Refusal::kDeadline);
-  char msg[240];
+  char msg[320];
   std::snprintf(msg, sizeof(msg),
-                "deadline cannot be met: %s attention of %llu multiply-adds is estimated at "
-                "%.2f ms on the %s (compute stage, %zu queued), %.2f ms left%s",
-                std::string(attention::FormName(job->plan.form)).c_str(),
-                static_cast<unsigned long long>(macs), est * 1e3, job->gpu ? "gpu" : "cpu",
-                ctx.server->compute()->queued(), std::max(0.0, left * 1e3),
-                dense_decode && !ctx.allow_approx ? "; ALLOW APPROX permits a sparse answer" : "");
+                "deadline cannot be met: %s attention is estimated at %.2f ms on the %s (compute "
+                "stage, rate measured here for %s) after %.2f ms of queued work, %.2f ms left%s",
+                std::string(attention::FormName(job->plan.form)).c_str(), *est * 1e3,
+                job->gpu ? "gpu" : "cpu", job->key.Name().c_str(), wait * 1e3,
+                std::max(0.0, left * 1e3),
+                dense_decode && !ctx.allow_approx
+                    ? "; ALLOW APPROX permits a sparse answer where one is faster"
+                    : "");
   ctx.Error(Status(ErrorKind::kTimeout, msg));
   return false;
 }
@@ -483,22 +542,22 @@ void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
   server::Shard* shard = ctx.shard;
   if (!HoldBytes(ctx, job.get())) return;  // parked (promoted, then run again) or refused
   if (!Admit(ctx, job.get())) return;      // the deadline cannot be met (and no fallback)
-  if (EstimatedMacs(*job) <= (job->gpu ? kInlineGpuMacs : kInlineMacs)) {
+  if (job->inline_run) {
     const QueryResult res = Execute(srv, *job, attention::Parallel{});
     srv->attention_counters().inline_queries.fetch_add(1, std::memory_order_relaxed);
     return WriteResult(*ctx.rb, *job, res, BackendName(*srv));
   }
   auto reply = ctx.Defer();
   job->submitted = std::chrono::steady_clock::now();
+  attention::CostModel& model = srv->attention_counters().cost;
+  model.AddQueued(job->estimate);
   bool queued = srv->compute()->Submit([srv, job, reply]() {
-    server::WorkerPool* pool = srv->compute();
-    attention::Parallel par{
-        pool->threads(),
-        [pool](size_t n, const std::function<void(size_t)>& fn) { pool->ParallelFor(n, fn); }};
-    auto res = std::make_shared<QueryResult>(Execute(srv, *job, par));
+    auto res = std::make_shared<QueryResult>(Execute(srv, *job, ParallelOf(*srv, false)));
+    srv->attention_counters().cost.SubQueued(job->estimate);
     const std::string_view backend = BackendName(*srv);
     reply([res, job, backend](proto::ReplyBuilder& rb) { WriteResult(rb, *job, *res, backend); });
   });
+  if (!queued) model.SubQueued(job->estimate);
   if (!queued) {
     shard->stats().Reject(server::RejectReason::kBusy);
     const size_t depth = srv->compute()->queued();
@@ -544,7 +603,7 @@ void Query(CommandContext& ctx, CmdArgs& args) {
   auto job = std::make_shared<QueryJob>();
   if (s.ok()) s = ContiguousHeadMap(*h.slot, h.hq, job.get());
   Tail tail;
-  if (s.ok()) s = ParseTail(args, 7, true, false, &tail);
+  if (s.ok()) s = ParseTail(args, 7, true, false, AdmissionOptionsHint(ctx.spec), &tail);
   if (!s.ok()) return ctx.Error(s);
   auto q = Take(args, 6, job.get());
   if (!q.ok()) return ctx.Error(q.status());
@@ -573,7 +632,7 @@ void QueryFused(CommandContext& ctx, CmdArgs& args) {
   if (s.ok()) s = ParseCount(args[6], "H_kv", kMaxHeads, &h_kv);
   if (s.ok()) s = CheckSlot(*h.slot, h.d, h_kv);
   Tail tail;
-  if (s.ok()) s = ParseTail(args, 11, false, false, &tail);
+  if (s.ok()) s = ParseTail(args, 11, false, false, AdmissionOptionsHint(ctx.spec), &tail);
   if (!s.ok()) return ctx.Error(s);
   auto job = std::make_shared<QueryJob>();
   auto q = Take(args, 7, job.get());
@@ -607,7 +666,7 @@ void QuerySparse(CommandContext& ctx, CmdArgs& args) {
   auto job = std::make_shared<QueryJob>();
   if (s.ok()) s = ContiguousHeadMap(*h.slot, h.hq, job.get());
   Tail tail;
-  if (s.ok()) s = ParseTail(args, 9, true, false, &tail);
+  if (s.ok()) s = ParseTail(args, 9, true, false, AdmissionOptionsHint(ctx.spec), &tail);
   if (s.ok()) {
     s = CheckBlobSize("Q_blob", "H*D*4 " + Shape({{"H", h.hq}, {"D", h.d}}),
                       uint64_t{h.hq} * h.d * 4, args[6].size());
@@ -681,7 +740,7 @@ void QuerySparseAutoImpl(CommandContext& ctx, CmdArgs& args, bool fused) {
   if (s.ok()) s = CheckSlot(*h.slot, h.d, h_kv);
   const size_t qi = fused ? 9 : 8, map_i = fused ? 12 : 9;
   Tail tail;
-  if (s.ok()) s = ParseTail(args, map_i + 1, !fused, true, &tail);
+  if (s.ok()) s = ParseTail(args, map_i + 1, !fused, true, AdmissionOptionsHint(ctx.spec), &tail);
   if (s.ok()) {
     s = CheckBlobSize("Q_blob", "H_q*D*4 " + Shape({{"H_q", h.hq}, {"D", h.d}}),
                       uint64_t{h.hq} * h.d * 4, args[qi].size());
@@ -725,28 +784,40 @@ void RegisterQueryCommands(server::Server& srv) {
   using namespace server;
   auto& r = srv.registry();
   constexpr uint32_t kRead = kCmdKvCache | kCmdReadOnly | kCmdDeadline | kCmdApprox;
-  r.Register({"ATTEND.PREFIX.QUERY", -7, kRead, 1, 1, 1, Query, "attend_prefix",
-              "Attention of Q over the slot: M=1 -> H*D fp32; M>1 -> H*M*D fp32 then LSE H*M. "
-              "top_k 0 = dense and exact.",
-              "<sid> <layer> <H> <D> <top_k> <Q_blob> [<fa_window>] [QPOS <p>] [RECEIPT]"});
-  r.Register({"ATTEND.PREFIX.QUERY_FUSED", -11, kRead, 1, 1, 1, QueryFused, "attend_prefix",
-              "Prefix + causal suffix attention merged in one call; H_q*M*D fp32.",
-              "<sid> <layer> <H_q> <D> <S_suf> <H_kv> <Q> <K_suf> <V_suf> <head_map> "
-              "[<fa_window>] [RECEIPT]"});
-  r.Register({"ATTEND.PREFIX.QUERY_SPARSE", -9, kRead, 1, 1, 1, QuerySparse, "attend_prefix",
-              "M=1 attention over caller-chosen rows per head; H*D fp32.",
-              "<sid> <layer> <H> <D> <K_sparse_max> <Q> <indices> <counts> [<fa_window>] "
-              "[QPOS <p>] [RECEIPT]"});
-  r.Register({"ATTEND.PREFIX.QUERY_SPARSE_AUTO", -10, kRead, 1, 1, 1, QuerySparseAuto,
-              "attend_prefix",
-              "M=1 attention over the K_top best blocks of B rows (+ first and last); H_q*D fp32.",
-              "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <Q> <head_map> [<fa_window>] "
-              "[QPOS <p>] [SELECT mean|quest] [SHARED] [RECEIPT]"});
-  r.Register({"ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", -13, kRead, 1, 1, 1, QuerySparseAutoFused,
-              "attend_prefix",
-              "Sparse-auto over the prefix plus the dense suffix, merged; H_q*D fp32.",
-              "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <S_suf> <Q> <K_suf> <V_suf> <head_map> "
-              "[<fa_window>] [SELECT mean|quest] [SHARED] [RECEIPT]"});
+  // The options after a form's arguments (ParseTail), which the dispatcher looks among for
+  // DEADLINE and ALLOW APPROX.
+  const std::vector<TrailingOption> kTail = {
+      {"RECEIPT", 0}, {"QPOS", 1}, {"SELECT", 1}, {"SHARED", 0}};
+  r.Register(
+      WithOptions({"ATTEND.PREFIX.QUERY", -7, kRead, 1, 1, 1, Query, "attend_prefix",
+                   "Attention of Q over the slot: M=1 -> H*D fp32; M>1 -> H*M*D fp32 then LSE H*M. "
+                   "top_k 0 = dense and exact.",
+                   "<sid> <layer> <H> <D> <top_k> <Q_blob> [<fa_window>] [QPOS <p>] [RECEIPT]"},
+                  kTail));
+  r.Register(
+      WithOptions({"ATTEND.PREFIX.QUERY_FUSED", -11, kRead, 1, 1, 1, QueryFused, "attend_prefix",
+                   "Prefix + causal suffix attention merged in one call; H_q*M*D fp32.",
+                   "<sid> <layer> <H_q> <D> <S_suf> <H_kv> <Q> <K_suf> <V_suf> <head_map> "
+                   "[<fa_window>] [RECEIPT]"},
+                  kTail));
+  r.Register(
+      WithOptions({"ATTEND.PREFIX.QUERY_SPARSE", -9, kRead, 1, 1, 1, QuerySparse, "attend_prefix",
+                   "M=1 attention over caller-chosen rows per head; H*D fp32.",
+                   "<sid> <layer> <H> <D> <K_sparse_max> <Q> <indices> <counts> [<fa_window>] "
+                   "[QPOS <p>] [RECEIPT]"},
+                  kTail));
+  r.Register(WithOptions(
+      {"ATTEND.PREFIX.QUERY_SPARSE_AUTO", -10, kRead, 1, 1, 1, QuerySparseAuto, "attend_prefix",
+       "M=1 attention over the K_top best blocks of B rows (+ first and last); H_q*D fp32.",
+       "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <Q> <head_map> [<fa_window>] "
+       "[QPOS <p>] [SELECT mean|quest] [SHARED] [RECEIPT]"},
+      kTail));
+  r.Register(WithOptions(
+      {"ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", -13, kRead, 1, 1, 1, QuerySparseAutoFused,
+       "attend_prefix", "Sparse-auto over the prefix plus the dense suffix, merged; H_q*D fp32.",
+       "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <S_suf> <Q> <K_suf> <V_suf> <head_map> "
+       "[<fa_window>] [SELECT mean|quest] [SHARED] [RECEIPT]"},
+      kTail));
 }
 
 }  // namespace pion::families::attend

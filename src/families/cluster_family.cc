@@ -479,25 +479,28 @@ void RegisterClusterFamily(server::Server& srv) {
 
   const Config& c = srv.config();
   if (c.cluster.empty()) return;
-  srv.AddStartupHook([](Server& s) -> Status {
-    const Config& cfg = s.config();
-    auto ep = cluster::ParseEtcdUrl(cfg.cluster);
-    if (!ep.ok()) return ep.status();
-    cluster::MembershipOptions o;
-    o.etcd = ep.value();
-    o.cluster_name = cfg.cluster_name;
-    o.node_id = cfg.node_id;
-    o.announce = cfg.announce.empty() ? cfg.bind + ":" + std::to_string(s.port()) : cfg.announce;
-    o.replicas = cfg.replicas;
-    o.lease_ttl_s = cfg.cluster_lease_ttl_s;
-    auto node = std::make_unique<ClusterNode>(s, o);
-    Status st = node->Start();
-    if (!st.ok()) return st;
-    ClusterNode* raw = node.get();
-    s.set_cluster(std::move(node));
-    s.AddShutdownHook([raw] { raw->Stop(); });
-    return Status::Ok();
-  });
+  srv.AddStartupHook(
+      [](Server& s) -> Status {
+        const Config& cfg = s.config();
+        auto ep = cluster::ParseEtcdUrl(cfg.cluster);
+        if (!ep.ok()) return ep.status();
+        cluster::MembershipOptions o;
+        o.etcd = ep.value();
+        o.cluster_name = cfg.cluster_name;
+        o.node_id = cfg.node_id;
+        o.announce =
+            cfg.announce.empty() ? cfg.bind + ":" + std::to_string(s.port()) : cfg.announce;
+        o.replicas = cfg.replicas;
+        o.lease_ttl_s = cfg.cluster_lease_ttl_s;
+        auto node = std::make_unique<ClusterNode>(s, o);
+        Status st = node->Start();
+        if (!st.ok()) return st;
+        ClusterNode* raw = node.get();
+        s.set_cluster(std::move(node));
+        s.AddShutdownHook([raw] { raw->Stop(); });
+        return Status::Ok();
+      },
+      kExitCluster);
 }
 
 }  // namespace pion::families

@@ -39,6 +39,7 @@ struct HeldObject {
   std::string path;      // the saved file
   bool live = false;     // clients changed it here since that save (or it was never saved)
   bool corrupt = false;  // its saved copy failed validation: never sent
+  uint64_t bytes = 0;    // its content's size, in whichever tier holds it
 };
 
 // A family's saved objects. Every function runs on the shard that owns the key.

@@ -34,6 +34,8 @@ void Kv(std::string& out, const char* key, const std::string& value) {
   out += "\r\n";
 }
 void Kv(std::string& out, const char* key, uint64_t v) { Kv(out, key, std::to_string(v)); }
+// A limit's bytes, or "unlimited" for none (0 on the command line).
+std::string Limit(uint64_t v) { return v == 0 ? "unlimited" : std::to_string(v); }
 
 void ServerSection(server::Server& srv, std::string& out) {
   out += "# Server\r\n";
@@ -90,7 +92,7 @@ void MemorySection(server::Server& srv, std::string& out) {
   Kv(out, "used_memory_rss_human", HumanBytes(rss));
   Kv(out, "used_memory_peak_rss", server::ProcessPeakRssBytes());
   Kv(out, "maxmemory", mem.maxmemory());
-  Kv(out, "maxmemory_human", HumanBytes(mem.maxmemory()));
+  Kv(out, "maxmemory_human", mem.maxmemory() == 0 ? "unlimited" : HumanBytes(mem.maxmemory()));
   Kv(out, "maxmemory_policy", "demote-lru");  // least recently used objects move to disk
   for (int f = 0; f < static_cast<int>(server::MemFamily::kCount); ++f) {
     auto fam = static_cast<server::MemFamily>(f);
@@ -224,8 +226,10 @@ void AttentionSection(server::Server& srv, std::string& out) {
   Kv(out, "attention_bytes", u.bytes);  // the slots' K and V, in whichever tier
   // Host memory: slot copies, summaries, transient STORE FROM decodes (--attention-memory).
   Kv(out, "attention_host_bytes", srv.memory().used(server::MemFamily::kAttention));
-  Kv(out, "attention_memory_limit", srv.memory().family_limit(server::MemFamily::kAttention));
+  Kv(out, "attention_memory_limit",
+     Limit(srv.memory().family_limit(server::MemFamily::kAttention)));
   Kv(out, "attention_stores", c.stores.load());
+  Kv(out, "attention_stores_from", c.stores_from.load());
   Kv(out, "attention_promotions", c.promotions.load());
   Kv(out, "attention_misses", c.misses.load());
   for (int f = 0; f < attention::kFormCount; ++f) {
@@ -268,8 +272,8 @@ void ResidencySection(server::Server& srv, std::string& out) {
   }
   Kv(out, "residency_gpu_limit", e->gpu_budget().limit());
   Kv(out, "residency_gpu_used", e->gpu_budget().used());
-  Kv(out, "residency_host_limit", srv.memory().maxmemory());
-  Kv(out, "residency_disk_quota", e->disk_quota().limit());
+  Kv(out, "residency_host_limit", Limit(srv.memory().maxmemory()));
+  Kv(out, "residency_disk_quota", Limit(e->disk_quota().limit()));
   Kv(out, "residency_disk_used", e->disk_quota().used());
   auto pair = [&](const char* what, const uint64_t(&m)[3][3], int a, int b) {
     Kv(out, (std::string("residency_") + what + "_" + names[a] + "_" + names[b]).c_str(), m[a][b]);
@@ -295,7 +299,8 @@ void ResidencySection(server::Server& srv, std::string& out) {
   Kv(out, "residency_promotion_inflight_bytes", st.inflight_promotion_bytes);
   Kv(out, "residency_promotion_credits", st.promotion_credits);
   const char* paths[] = {"disk_read", "disk_write", "gpu_upload", "gpu_download"};
-  for (int p = 0; p < 4; ++p) {
+  for (int p = 0; p < 4; ++p) {  // only what was measured (a guess is no rate)
+    if (!st.rate_measured[p]) continue;
     Kv(out, (std::string("residency_rate_") + paths[p]).c_str(), static_cast<uint64_t>(st.rate[p]));
   }
   // Refusals by the stage that refused and why (only those that happened), and their total.

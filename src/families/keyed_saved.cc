@@ -33,15 +33,16 @@ Status CheckCopy(const KeyedFamily& f, server::Shard& sh, const store::TenantKey
   return Status::Ok();
 }
 
-cluster_sync::HeldObject HeldOf(server::Server& srv, const store::TenantKey& key,
-                                const store::Durable& o) {
+cluster_sync::HeldObject HeldOf(server::Server& srv, const KeyedFamily& f,
+                                const store::TenantKey& key, const store::Durable& o) {
   return {key,
           srv.users().TenantName(key.tenant),
           "",
           o.saved_version,
           o.saved ? o.saved->path() : std::string(),
           o.dirty(),
-          false};
+          false,
+          f.bytes(o)};
 }
 
 }  // namespace
@@ -137,7 +138,7 @@ cluster_sync::SavedKind KeyedSavedKind(const KeyedFamily& f) {
   k.held = [&f](server::Server& srv, server::Shard& sh) {
     std::vector<HeldObject> out;
     f.for_each(sh, [&](const store::TenantKey& key, const store::Durable& o) {
-      out.push_back(HeldOf(srv, key, o));
+      out.push_back(HeldOf(srv, f, key, o));
     });
     return out;
   };
@@ -145,7 +146,7 @@ cluster_sync::SavedKind KeyedSavedKind(const KeyedFamily& f) {
                 const std::string&) -> std::optional<HeldObject> {
     const store::Durable* o = f.find(sh, key);
     if (o == nullptr) return std::nullopt;
-    return HeldOf(srv, key, *o);
+    return HeldOf(srv, f, key, *o);
   };
   k.file_of = [&f](server::Server& srv, const cluster_sync::ObjectId& id) {
     return std::make_pair(SavedDir(srv, f.dir), store::SavedObjectName(f.dir, id.tenant, id.key));

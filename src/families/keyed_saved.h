@@ -59,6 +59,8 @@ struct KeyedFamily {
   std::function<Status(server::Server&, uint64_t version,
                        const std::shared_ptr<residency::DiskFile>&, const store::TenantKey* expect)>
       adopt;
+  // The object's content size (the shutdown report counts what an exit without SAVE drops).
+  std::function<uint64_t(const store::Durable&)> bytes;
 };
 
 // <dir>'s object name of `key`.

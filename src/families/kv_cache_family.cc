@@ -99,7 +99,7 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
   rb.Bulk("id");
   rb.Integer(static_cast<int64_t>(hit->id));
   rb.Bulk("similarity");
-  rb.Double(hit->similarity);
+  rb.Double(hit->similarity, 6);
   rb.Bulk("model");
   rb.Bulk(hit->model);
   rb.Bulk("tensor");

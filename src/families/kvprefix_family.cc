@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 
 #include "cluster/key_slot.h"
 #include "families/args.h"
@@ -41,6 +42,40 @@ PrefixSessions SessionsOf(server::Shard& shard, uint32_t tenant, std::string_vie
 bool Complete(const PrefixSessions& s, const store::PrefixManifest& m) {
   int64_t n = static_cast<int64_t>(m.rows());
   return s.ok() && s.k->RangeWritten(0, n) && s.v->RangeWritten(0, n);
+}
+
+bool Published(server::Shard& shard, uint32_t tenant, std::string_view ns, store::PrefixEntry* e) {
+  if (e->publication > 0) return true;
+  if (!e->resident) return e->saved_complete;  // complete on disk; published when opened
+  const PrefixSessions s = SessionsOf(shard, tenant, ns, e->manifest);
+  const uint64_t n = e->manifest.rows();
+  // rows() counts distinct ids written: fewer than n in either session cannot be complete.
+  if (!s.ok() || s.k->rows() < n || s.v->rows() < n || !Complete(s, e->manifest)) return false;
+  shard.store().prefixes.Publish(e);
+  return true;
+}
+
+Status PublishedRefusal(std::string_view ns, const store::PrefixEntry& e, std::string_view what) {
+  const std::string name(ns.substr(0, 128));
+  return Status(ErrorKind::kReadOnly,
+                std::string(what) + " refused: namespace '" + name +
+                    "' is published (complete at cache_generation " +
+                    std::to_string(e.manifest.cache_generation) +
+                    ") and its K/V never change under readers; to publish other K/V, "
+                    "KV.PREFIX.DROP '" +
+                    name +
+                    "' and KV.PREFIX.REGISTER it again (a new generation), or use another "
+                    "namespace");
+}
+
+Status CheckRows(std::string_view ns, const store::PrefixManifest& m, int64_t lo, int64_t hi) {
+  const int64_t n = static_cast<int64_t>(m.rows());
+  if (lo >= 0 && hi <= n) return Status::Ok();
+  const int64_t bad = lo < 0 ? lo : hi - 1;
+  return Error("row " + std::to_string(bad) + " is outside namespace '" +
+               std::string(ns.substr(0, 128)) + "': its sessions hold rows [0, " +
+               std::to_string(n) + ") = n_layers " + std::to_string(m.n_layers) + " x n_tokens " +
+               std::to_string(m.n_tokens) + " (row = layer*n_tokens + token); nothing stored");
 }
 
 Status Intact(server::Server& srv, const store::TenantKey& ns, store::PrefixEntry* e,
@@ -182,76 +217,208 @@ void Register(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->Ok();
 }
 
-void Lookup(CommandContext& ctx, CmdArgs& args) {
-  PrefixEntry* e = ctx.shard->store().prefixes.Find(ctx.Key(args[1]));
+// What a LOOKUP found, and why (EXPLAIN answers it as a map).
+struct Verdict {
+  server::PrefixLookup result = server::PrefixLookup::kMiss;
+  std::string reason;  // "" for a hit; else a code, e.g. "incomplete"
+  std::string detail;  // one sentence
+  std::string expected, held;
+  int64_t frontier = -1, n_tokens = -1, generation = -1;
+};
+
+struct LookupArgs {
   std::optional<std::string> model, position;
   std::optional<uint64_t> generation;
-  for (size_t i = 2; i < args.size(); i += 2) {
+  bool explain = false;
+};
+
+// The identity checks, before anything is opened: a verdict when they decide (the namespace
+// is missing, or another model's, position's or generation's).
+std::optional<Verdict> CheckIdentity(std::string_view ns, const PrefixEntry* e,
+                                     const LookupArgs& a) {
+  Verdict v;
+  if (e == nullptr) {
+    v.reason = "not_registered";
+    v.detail = "no namespace '" + std::string(ns) +
+               "' is registered for this tenant (a key that differs between processes, or it "
+               "was dropped)";
+    return v;
+  }
+  const PrefixManifest& m = e->manifest;
+  v.n_tokens = m.n_tokens;
+  v.generation = static_cast<int64_t>(m.cache_generation);
+  if (a.generation && *a.generation != m.cache_generation) {
+    v.result = server::PrefixLookup::kMismatch;
+    v.reason = "generation_differs";
+    v.expected = std::to_string(*a.generation);
+    v.held = std::to_string(m.cache_generation);
+    v.detail = "namespace '" + std::string(ns) + "' is at generation " + v.held + ", not " +
+               v.expected + " (it was dropped and registered again)";
+    return v;
+  }
+  if (a.model && *a.model != m.model) {
+    v.reason = "model_differs";
+    v.expected = *a.model;
+    v.held = m.model;
+    v.detail =
+        "namespace '" + std::string(ns) + "' holds model '" + m.model + "', not '" + *a.model + "'";
+    return v;
+  }
+  if (a.position && *a.position != m.position) {
+    v.reason = "position_differs";
+    v.expected = *a.position;
+    v.held = m.position;
+    v.detail = "namespace '" + std::string(ns) + "' holds position digest '" + m.position +
+               "', not '" + *a.position + "' (another RoPE / position contract)";
+    return v;
+  }
+  return std::nullopt;
+}
+
+// The verdict on an open (or unopenable) namespace whose identity matched.
+Verdict Judge(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+              PrefixEntry* e) {
+  Verdict v;
+  const PrefixManifest& m = e->manifest;
+  v.n_tokens = m.n_tokens;
+  v.generation = static_cast<int64_t>(m.cache_generation);
+  const PrefixSessions ps = kvprefix::SessionsOf(shard, key.tenant, key.name, m);
+  if (!ps.ok()) {
+    v.reason = "sessions_lost";
+    v.detail = "namespace '" + key.name + "' has lost its sessions '" + key.name + "_pk' / '" +
+               key.name + "_pv' (V.DROP, or another shape): KV.PREFIX.REGISTER it again";
+    return v;
+  }
+  Status intact = kvprefix::Intact(srv, key, e, ps);
+  if (!intact.ok()) {
+    v.reason = "corrupt";
+    v.detail = intact.message();
+    return v;
+  }
+  v.frontier = static_cast<int64_t>(CommittedFrontier(ps, m));
+  if (!Complete(ps, m)) {
+    v.reason = "incomplete";
+    v.detail = "namespace '" + key.name + "' is written up to token " + std::to_string(v.frontier) +
+               " of " + std::to_string(m.n_tokens) +
+               " in every layer of K and V (a half-written prefix is never a hit)";
+    return v;
+  }
+  v.result = server::PrefixLookup::kHit;
+  return v;
+}
+
+void ReplyVerdict(proto::ReplyBuilder& rb, const Verdict& v, bool explain) {
+  if (!explain) {
+    if (v.result == server::PrefixLookup::kMismatch) {
+      return rb.Error(Status(ErrorKind::kMismatch, v.detail));
+    }
+    return rb.SimpleString(v.result == server::PrefixLookup::kHit ? "HIT" : "MISS");
+  }
+  rb.Map(8);
+  rb.Bulk("result");
+  rb.Bulk(v.result == server::PrefixLookup::kHit    ? "HIT"
+          : v.result == server::PrefixLookup::kMiss ? "MISS"
+                                                    : "MISMATCH");
+  rb.Bulk("reason");
+  rb.Bulk(v.reason);
+  rb.Bulk("detail");
+  rb.Bulk(v.detail);
+  rb.Bulk("expected");
+  rb.Bulk(v.expected);
+  rb.Bulk("held");
+  rb.Bulk(v.held);
+  rb.Bulk("committed_frontier");
+  rb.Integer(v.frontier);
+  rb.Bulk("n_tokens");
+  rb.Integer(v.n_tokens);
+  rb.Bulk("cache_generation");
+  rb.Integer(v.generation);
+}
+
+void Lookup(CommandContext& ctx, CmdArgs& args) {
+  PrefixEntry* e = ctx.shard->store().prefixes.Find(ctx.Key(args[1]));
+  LookupArgs a;
+  for (size_t i = 2; i < args.size(); ++i) {
+    if (EqualsIgnoreCase(args[i], "EXPLAIN")) {
+      a.explain = true;
+      continue;
+    }
     if (i + 1 >= args.size())
-      return ctx.Error(Error("option '" + std::string(args[i]) + "' needs a value"));
+      return ctx.Error(Error("option '" + std::string(args[i].substr(0, 32)) + "' needs a value"));
     if (EqualsIgnoreCase(args[i], "MODEL")) {
-      model = std::string(args[i + 1]);
+      a.model = std::string(args[i + 1]);
     } else if (EqualsIgnoreCase(args[i], "POSITION")) {
-      position = std::string(args[i + 1]);
+      a.position = std::string(args[i + 1]);
     } else if (EqualsIgnoreCase(args[i], "GENERATION")) {
       uint64_t g;
       Status s = ParseUint(args[i + 1], "GENERATION", &g);
       if (!s.ok()) return ctx.Error(s);
-      generation = g;
+      a.generation = g;
     } else {
       return ctx.Error(Error("unknown option '" + std::string(args[i].substr(0, 32)) +
-                             "'; expected MODEL, POSITION or GENERATION"));
+                             "'; expected MODEL, POSITION, GENERATION or EXPLAIN"));
     }
+    ++i;
   }
-  if (e == nullptr) return ctx.rb->SimpleString("MISS");
-  const PrefixManifest& m = e->manifest;
-  if (generation && *generation != m.cache_generation) {
-    return ctx.Error(Status(ErrorKind::kMismatch, "namespace '" + std::string(args[1]) +
-                                                      "' is at generation " +
-                                                      std::to_string(m.cache_generation) +
-                                                      ", not " + std::to_string(*generation) +
-                                                      " (it was dropped and registered again)"));
-  }
-  // Another model's or position contract's K/V is never a hit.
-  if ((model && *model != m.model) || (position && *position != m.position)) {
-    return ctx.rb->SimpleString("MISS");
+  const store::TenantKey key = ctx.Key(args[1]);
+  server::ShardStats& stats = ctx.shard->stats();
+  if (auto v = CheckIdentity(args[1], e, a)) {
+    stats.CountLookup(ctx.tenant, v->result);
+    return ReplyVerdict(*ctx.rb, *v, a.explain);
   }
   if (!e->resident) {
     // Saved on disk only: open it (its chunk index, read once however many clients ask), then
     // answer; the chunks come in when they are read.
-    if (!e->corrupt.empty() || !e->saved_complete) return ctx.rb->SimpleString("MISS");
+    if (!e->corrupt.empty() || !e->saved_complete) {
+      Verdict v;
+      v.n_tokens = e->manifest.n_tokens;
+      v.generation = static_cast<int64_t>(e->manifest.cache_generation);
+      v.reason = !e->corrupt.empty() ? "corrupt" : "incomplete";
+      v.detail = !e->corrupt.empty() ? e->corrupt
+                                     : "namespace '" + key.name +
+                                           "' was saved before it was complete (its disk copy "
+                                           "lacks rows); a half-written prefix is never a hit";
+      stats.CountLookup(ctx.tenant, v.result);
+      return ReplyVerdict(*ctx.rb, v, a.explain);
+    }
     auto reply = ctx.Defer();
-    const store::TenantKey key = ctx.Key(args[1]);
     server::Shard* shard = ctx.shard;
     server::Server* srv = ctx.server;
-    kvprefix::Open(*ctx.server, *ctx.shard, key, [reply, key, shard, srv](const Status& s) {
-      PrefixEntry* cur = shard->store().prefixes.Find(key);
-      const PrefixSessions ps =
-          cur ? kvprefix::SessionsOf(*shard, key.tenant, key.name, cur->manifest)
-              : PrefixSessions{};
-      bool hit = s.ok() && cur != nullptr && Complete(ps, cur->manifest) &&
-                 kvprefix::Intact(*srv, key, cur, ps).ok();
-      if (hit) {
-        shard->store().prefixes.Publish(cur);
-        ++cur->hits;
-      }
-      reply([hit, s](proto::ReplyBuilder& rb) {
-        if (hit || s.ok() || s.kind() == ErrorKind::kCorrupt) {
-          rb.SimpleString(hit ? "HIT" : "MISS");  // a corrupt copy is never served: a miss
-        } else {
-          rb.Error(s);  // -OOM / -BUSY: the prefix exists but could not be brought in now
-        }
-      });
-    });
+    const uint32_t tenant = ctx.tenant;
+    const bool explain = a.explain;
+    kvprefix::Open(*ctx.server, *ctx.shard, key,
+                   [reply, key, shard, srv, tenant, explain](const Status& s) {
+                     PrefixEntry* cur = shard->store().prefixes.Find(key);
+                     if (!s.ok() && s.kind() != ErrorKind::kCorrupt) {
+                       // -OOM / -BUSY: the prefix exists but could not be brought in now.
+                       return reply([s](proto::ReplyBuilder& rb) { rb.Error(s); });
+                     }
+                     Verdict v;
+                     if (cur == nullptr) {
+                       v.reason = "not_registered";
+                       v.detail = "namespace '" + key.name + "' was dropped while it opened";
+                     } else if (!s.ok()) {
+                       v.reason = "corrupt";  // a corrupt copy is never served: a miss
+                       v.detail = s.message();
+                     } else {
+                       v = Judge(*srv, *shard, key, cur);
+                     }
+                     if (v.result == server::PrefixLookup::kHit) {
+                       shard->store().prefixes.Publish(cur);
+                       ++cur->hits;
+                     }
+                     shard->stats().CountLookup(tenant, v.result);
+                     reply([v, explain](proto::ReplyBuilder& rb) { ReplyVerdict(rb, v, explain); });
+                   });
     return;
   }
-  const PrefixSessions ps = SessionsOf(ctx, args[1], m);
-  if (!Complete(ps, m) || !kvprefix::Intact(*ctx.server, ctx.Key(args[1]), e, ps).ok()) {
-    return ctx.rb->SimpleString("MISS");  // a corrupt copy is never served: a miss
+  const Verdict v = Judge(*ctx.server, *ctx.shard, key, e);
+  if (v.result == server::PrefixLookup::kHit) {
+    ctx.shard->store().prefixes.Publish(e);
+    ++e->hits;
   }
-  ctx.shard->store().prefixes.Publish(e);
-  ++e->hits;
-  ctx.rb->SimpleString("HIT");
+  stats.CountLookup(ctx.tenant, v.result);
+  ReplyVerdict(*ctx.rb, v, a.explain);
 }
 
 void InfoOne(CommandContext& ctx, std::string_view ns) {
@@ -287,11 +454,11 @@ void InfoOne(CommandContext& ctx, std::string_view ns) {
   rb.Bulk("complete");
   rb.Integer(frontier == m.n_tokens ? 1 : 0);
   rb.Bulk("prefill_ms");
-  rb.Double(e->prefill_ms);
+  rb.Double(e->prefill_ms, 3);
   rb.Bulk("fetches");
   rb.Integer(static_cast<int64_t>(e->hits));
   rb.Bulk("saved_prefill_ms");
-  rb.Double(e->prefill_ms * static_cast<double>(e->hits));
+  rb.Double(e->prefill_ms * static_cast<double>(e->hits), 3);
   rb.Bulk("bytes_ram");
   rb.Integer(static_cast<int64_t>(bytes));
   rb.Bulk("bytes_disk");
@@ -447,8 +614,9 @@ void RegisterKvPrefixFamily(server::Server& srv) {
               "<ns> <n_layers> <n_tokens> <kv_heads> <head_dim> <format> [MODEL <id>] "
               "[POSITION <digest>] [PREFILL_MS <ms>]"});
   r.Register({"KV.PREFIX.LOOKUP", -2, kKv | kCmdReadOnly, 1, 1, 1, Lookup, "kvprefix",
-              "HIT when the prefix is complete and its identity matches; MISS otherwise.",
-              "<ns> [MODEL <id>] [POSITION <digest>] [GENERATION <g>]"});
+              "HIT when the prefix is complete and its identity matches; MISS otherwise; "
+              "EXPLAIN: why, as a map.",
+              "<ns> [MODEL <id>] [POSITION <digest>] [GENERATION <g>] [EXPLAIN]"});
   r.Register({"KV.PREFIX.INFO", -1, kKv | kCmdReadOnly | kCmdConnection, 1, 1, 1, Info, "kvprefix",
               "A namespace's manifest and state, or the caller's totals without a namespace.",
               "[<ns>]"});

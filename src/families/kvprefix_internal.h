@@ -24,6 +24,17 @@ struct PrefixSessions {
 PrefixSessions SessionsOf(server::Shard& shard, uint32_t tenant, std::string_view ns,
                           const store::PrefixManifest& m);
 bool Complete(const PrefixSessions& s, const store::PrefixManifest& m);
+// A namespace is published once complete — every row of every layer written in K and V — and
+// what a reader saw as complete never changes (seed 004 §0x01, §0x04B): writes into a
+// published namespace's sessions are refused (PublishedRefusal); new K/V are a new publication
+// (KV.PREFIX.DROP + REGISTER: a higher cache generation, which readers' GENERATION fences tell
+// apart). True when `e` is published; publishes it (its publication generation) the first time
+// it is found complete. Runs on the owning shard.
+bool Published(server::Shard& shard, uint32_t tenant, std::string_view ns, store::PrefixEntry* e);
+// kReadOnly: `what` (e.g. "V.STOREBATCH into 'ns_pk'") would change published namespace ns.
+Status PublishedRefusal(std::string_view ns, const store::PrefixEntry& e, std::string_view what);
+// kErr when session rows [lo, hi) fall outside the manifest's n_layers*n_tokens rows.
+Status CheckRows(std::string_view ns, const store::PrefixManifest& m, int64_t lo, int64_t hi);
 // kCorrupt when the namespace's disk copy failed validation, or a chunk of its sessions did
 // (which marks the whole namespace corrupt from then on: counted, logged, never served).
 Status Intact(server::Server& srv, const store::TenantKey& ns, store::PrefixEntry* e,
@@ -58,6 +69,7 @@ struct HeldPrefix {
   bool resident = false;
   bool dirty = false;
   bool corrupt = false;
+  uint64_t bytes = 0;  // its sessions' chunks, in whichever tier
 };
 // Every namespace of this shard.
 std::vector<HeldPrefix> HeldPrefixes(server::Server& srv, server::Shard& shard);

@@ -295,8 +295,10 @@ bool ParkUntilOpen(CommandContext& ctx, const store::TenantKey& ns) {
 std::vector<HeldPrefix> HeldPrefixes(server::Server& srv, server::Shard& shard) {
   std::vector<HeldPrefix> out;
   shard.store().prefixes.ForEachEntry([&](const store::TenantKey& k, PrefixEntry& e) {
+    const PrefixSessions s = SessionsOf(shard, k.tenant, k.name, e.manifest);
     out.push_back({k, srv.users().TenantName(k.tenant), e.saved_version, e.disk_path, e.resident,
-                   e.dirty, !e.corrupt.empty()});
+                   e.dirty, !e.corrupt.empty(),
+                   s.ok() ? s.k->chunk_bytes() + s.v->chunk_bytes() : e.disk_bytes});
   });
   return out;
 }
@@ -415,7 +417,8 @@ void SaveForMove(server::Server& srv, server::Shard& shard, const store::TenantK
 cluster_sync::SavedKind SavedKindOf() {
   using cluster_sync::HeldObject;
   auto held_of = [](const HeldPrefix& p) {
-    return HeldObject{p.key, p.tenant, "", p.saved_version, p.disk_path, p.resident, p.corrupt};
+    return HeldObject{p.key,       p.tenant,   "",        p.saved_version,
+                      p.disk_path, p.resident, p.corrupt, p.bytes};
   };
   cluster_sync::SavedKind k;
   k.name = "PREFIX";

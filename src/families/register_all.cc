@@ -1,4 +1,5 @@
 #include "families/families.h"
+#include "families/save_all.h"
 
 namespace pion::families {
 
@@ -15,6 +16,7 @@ void RegisterAll(server::Server& server) {
   RegisterAttendIndexFamily(server);
   RegisterKvCacheFamily(server);
   RegisterShmFamily(server);
+  RegisterExitReport(server);
   RegisterClusterFamily(server);  // last: it joins after every family found its saved objects
 }
 

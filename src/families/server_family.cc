@@ -3,6 +3,7 @@
 
 #include "families/args.h"
 #include "families/families.h"
+#include "families/save_all.h"
 #include "net/connection.h"
 #include "server/server.h"
 
@@ -146,18 +147,62 @@ void Quit(CommandContext& ctx, CmdArgs&) {
 }
 
 void Shutdown(CommandContext& ctx, CmdArgs& args) {
+  bool save = false, nosave = false, force = false;
   for (size_t i = 1; i < args.size(); ++i) {
     std::string_view a = args[i];
-    if (!EqualsIgnoreCase(a, "NOSAVE") && !EqualsIgnoreCase(a, "SAVE") &&
-        !EqualsIgnoreCase(a, "NOW") && !EqualsIgnoreCase(a, "FORCE")) {
+    if (EqualsIgnoreCase(a, "SAVE")) {
+      save = true;
+    } else if (EqualsIgnoreCase(a, "NOSAVE")) {
+      nosave = true;
+    } else if (EqualsIgnoreCase(a, "FORCE")) {
+      force = true;
+    } else if (!EqualsIgnoreCase(a, "NOW")) {
       ctx.rb->ErrorLine("ERR syntax error: SHUTDOWN [NOSAVE|SAVE] [NOW] [FORCE]");
       return;
     }
   }
-  spdlog::info("SHUTDOWN requested by client {} ({})", ctx.conn->id(), ctx.conn->peer());
-  ctx.server->RequestShutdown();
-  // Like Redis, a successful SHUTDOWN closes the connection without a reply.
-  ctx.conn->Close(net::CloseReason::kShutdown);
+  if (save && nosave) {
+    ctx.rb->ErrorLine("ERR syntax error: SHUTDOWN takes SAVE or NOSAVE, not both");
+    return;
+  }
+  server::Server* srv = ctx.server;
+  const uint64_t conn_id = ctx.conn->id();
+  const std::string peer(ctx.conn->peer());
+  if (!save) {
+    spdlog::info("SHUTDOWN requested by client {} ({}){}", conn_id, peer, nosave ? ", NOSAVE" : "");
+    srv->RequestShutdown();
+    // Like Redis, a successful SHUTDOWN closes the connection without a reply.
+    ctx.conn->Close(net::CloseReason::kShutdown);
+    return;
+  }
+  // SAVE: every object of every family that is not durable is saved first, with writes
+  // refused meanwhile (so what is saved is everything); the server exits once it is durable.
+  spdlog::info("SHUTDOWN requested by client {} ({}), SAVE: saving every unsaved object", conn_id,
+               peer);
+  srv->PauseWrites(true);
+  auto reply = ctx.Defer();  // the connection waits; success closes it without a reply
+  const int origin = ctx.origin_shard;
+  SaveAll(*srv, [srv, reply, origin, conn_id, force](Tally t) {
+    const uint64_t failed = FailedSaves(t);
+    const std::string saved = DescribeTally(t, false);
+    spdlog::info("SHUTDOWN SAVE: saved {}", saved.empty() ? "nothing (all was saved)" : saved);
+    if (failed > 0 && !force) {
+      srv->PauseWrites(false);
+      const std::string why = DescribeTally(t, true);
+      spdlog::error("SHUTDOWN SAVE: {} save(s) failed, not shutting down: {}", failed, why);
+      return reply([failed, why](proto::ReplyBuilder& rb) {
+        rb.Error(Status(ErrorKind::kErr,
+                        "Errors trying to SHUTDOWN: " + std::to_string(failed) +
+                            " save(s) failed (" + why +
+                            "); the server keeps running (SHUTDOWN SAVE FORCE exits anyway)"));
+      });
+    }
+    if (failed > 0) spdlog::warn("SHUTDOWN SAVE FORCE: exiting with {} failed save(s)", failed);
+    srv->shard(origin).PostControl([srv, conn_id](server::Shard& home) {
+      if (net::Connection* c = home.FindConnection(conn_id)) c->Close(net::CloseReason::kShutdown);
+      srv->RequestShutdown();
+    });
+  });
 }
 
 void CommandFlags(const CommandSpec& s, proto::ReplyBuilder& rb) {

@@ -35,7 +35,7 @@ void ReplySumOverShards(server::CommandContext& ctx, std::vector<SumField> field
         for (size_t i = 0; i < fields.size(); ++i) {
           rb.Bulk(fields[i].name);
           if (fields[i].fractional) {
-            rb.Double(sums[i]);
+            rb.Double(sums[i], 3);  // sums of milliseconds
           } else {
             rb.Integer(static_cast<int64_t>(sums[i]));
           }

@@ -194,7 +194,14 @@ const KeyedFamily& Sessions() {
         sh.store().ssm.Drop(key, std::nullopt);
       },
       SessionContent,
-      Adopt};
+      Adopt,
+      [](const store::Durable& o) {
+        uint64_t n = 0;
+        for (const auto& [l, blob] : static_cast<const store::SsmStore::Session&>(o).layers) {
+          n += blob->bytes();
+        }
+        return n;
+      }};
   return f;
 }
 

@@ -191,7 +191,8 @@ const KeyedFamily& Slots() {
       },
       [](server::Shard& sh, const store::TenantKey& key) { sh.store().state.Free(key); },
       SlotContent,
-      Adopt};
+      Adopt,
+      [](const store::Durable& o) { return static_cast<const store::StateSlots::Slot&>(o).size; }};
   return f;
 }
 

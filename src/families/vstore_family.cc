@@ -7,6 +7,7 @@
 // two sessions live on one shard.
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -115,12 +116,25 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
   store::VSession& session = *entry.value()->session;
   const size_t row_floats_bytes = size_t{4} * session.dim();
   const uint64_t rows_before = session.rows();
+  // A KV.PREFIX session: never into a published namespace, only rows of its manifest.
+  const std::string_view ns = SessionRouteKey(args[1]);
+  auto refused_by_prefix = [&](int64_t lo, int64_t hi) {
+    if (prefix == nullptr) return false;
+    Status st = kvprefix::Published(*ctx.shard, ctx.tenant, ns, prefix)
+                    ? kvprefix::PublishedRefusal(ns, *prefix,
+                                                 "V.STOREBATCH into '" + std::string(args[1]) + "'")
+                    : kvprefix::CheckRows(ns, prefix->manifest, lo, hi);
+    if (st.ok()) return false;
+    ctx.Error(st);
+    return true;
+  };
   std::vector<float> fscratch;
   std::vector<residency::ObjectRef> missing;
   Status s;
   if (EqualsIgnoreCase(args[2], "IDS")) {
     if (args.size() != 5)
-      return ctx.Error(Error("syntax: V.STOREBATCH <sid> IDS <ids> <fp32_blob>"));
+      return ctx.Error(
+          Error("syntax: V.STOREBATCH <sid> IDS <int64_ids_blob> <fp32_blob> [DEADLINE <ms>]"));
     std::string_view ids_blob = args[3], data = args[4];
     if (ids_blob.size() % 8 != 0) {
       return ctx.Error(Error("int64_ids_blob has " + std::to_string(ids_blob.size()) +
@@ -134,6 +148,10 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
     }
     std::vector<int64_t> iscratch;
     const int64_t* ids = BlobAs<int64_t>(ids_blob, &iscratch);
+    if (n > 0) {
+      const auto [lo, hi] = std::minmax_element(ids, ids + n);
+      if (refused_by_prefix(*lo, *hi + 1)) return;
+    }
     session.MissingForIds(ids, n, &missing);
     if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreIds(ids, n))) return;
     if (prefix != nullptr) prefix->dirty = true;
@@ -158,6 +176,7 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
                              std::to_string(row_floats_bytes) + " (the lease is spent)"));
     }
     const size_t n = size.value() / row_floats_bytes;
+    if (refused_by_prefix(start, start + static_cast<int64_t>(n))) return;
     if (start >= 0) session.MissingForRange(start, n, &missing);
     if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreRange(start, n))) {
       return;  // the lease stays until the command runs again
@@ -185,10 +204,14 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
     s = session.StoreRange(start, reinterpret_cast<const float*>(b->data()), n);
     if (!s.ok()) return ctx.Error(s);
     vs.NoteRows(static_cast<int64_t>(session.rows() - rows_before));
+    ++entry.value()->writes;
+    if (prefix != nullptr) (void)kvprefix::Published(*ctx.shard, ctx.tenant, ns, prefix);
     return ctx.rb->Integer(static_cast<int64_t>(n));
   } else {
     if (args.size() != 4) {
-      return ctx.Error(Error("syntax: V.STOREBATCH <sid> <start_id> <fp32_blob>"));
+      return ctx.Error(Error(
+          "syntax: V.STOREBATCH <sid> <start_id> <fp32_blob> | <sid> IDS <int64_ids_blob> "
+          "<fp32_blob> | <sid> <start_id> SHM <lease> [CRC32 <value>], then [DEADLINE <ms>]"));
     }
     int64_t start = 0;
     s = ParseInt(args[2], "start_id", &start);
@@ -200,6 +223,7 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
           " bytes, expected a non-zero multiple of 4*dim = " + std::to_string(row_floats_bytes)));
     }
     const size_t n = data.size() / row_floats_bytes;
+    if (refused_by_prefix(start, start + static_cast<int64_t>(n))) return;
     if (start >= 0) session.MissingForRange(start, n, &missing);
     if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreRange(start, n))) {
       return;
@@ -209,6 +233,9 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
   }
   if (!s.ok()) return ctx.Error(s);
   vs.NoteRows(static_cast<int64_t>(session.rows() - rows_before));
+  ++entry.value()->writes;
+  // The write that completes a namespace publishes it (its publication generation).
+  if (prefix != nullptr) (void)kvprefix::Published(*ctx.shard, ctx.tenant, ns, prefix);
   size_t stored =
       EqualsIgnoreCase(args[2], "IDS") ? args[3].size() / 8 : args[3].size() / row_floats_bytes;
   ctx.rb->Integer(static_cast<int64_t>(stored));
@@ -277,6 +304,10 @@ void ReplyShm(CommandContext& ctx, const store::VSession& session,
   rb.Bulk("epoch");  // the arena's punch epoch: pinned (CUDA-registered) pages older than it
   rb.Integer(static_cast<int64_t>(plane.ArenaFor(ctx.tenant)->punch_epoch()));  // are stale
 }
+
+constexpr std::string_view kFetchSyntax =
+    "syntax: V.FETCH <sid> <id> [<id> ...] | <sid> RANGE <start> <end>, then any of [RAW|SHM] "
+    "[MODEL <id>] [GENERATION <g>] [DEADLINE <ms>]";
 
 void Fetch(CommandContext& ctx, CmdArgs& args) {
   store::PrefixEntry* prefix = PrefixOf(ctx, args[1]);
@@ -349,7 +380,7 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
   std::vector<int64_t> ids;
   Status s;
   if (range) {
-    if (end_arg != 5) return ctx.Error(Error("syntax: V.FETCH <sid> RANGE <start> <end> [RAW]"));
+    if (end_arg != 5) return ctx.Error(Error(std::string(kFetchSyntax)));
     s = ParseInt(args[3], "start", &start);
     if (s.ok()) s = ParseInt(args[4], "end", &end);
     if (s.ok() && (start < 0 || end <= start)) {
@@ -359,7 +390,7 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
     if (!s.ok()) return ctx.Error(s);
     s = session.CheckRange(start, end);
   } else {
-    if (end_arg < 3) return ctx.Error(Error("syntax: V.FETCH <sid> <id> [<id> ...] [RAW]"));
+    if (end_arg < 3) return ctx.Error(Error(std::string(kFetchSyntax)));
     ids.resize(end_arg - 2);
     for (size_t i = 2; i < end_arg && s.ok(); ++i) s = ParseInt(args[i], "id", &ids[i - 2]);
     if (!s.ok()) return ctx.Error(s);
@@ -413,9 +444,22 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->BulkRef(out.value());
 }
 
+// A session of a published KV.PREFIX namespace never changes (kvprefix::Published): V.DROP and
+// V.RESTORE of one are refused like a write. Ok otherwise.
+Status CheckNotPublished(CommandContext& ctx, std::string_view sid, std::string_view what) {
+  store::PrefixEntry* prefix = PrefixOf(ctx, sid);
+  const std::string_view ns = SessionRouteKey(sid);
+  if (prefix == nullptr || !kvprefix::Published(*ctx.shard, ctx.tenant, ns, prefix)) {
+    return Status::Ok();
+  }
+  return kvprefix::PublishedRefusal(ns, *prefix,
+                                    std::string(what) + " of '" + std::string(sid) + "'");
+}
+
 void Drop(CommandContext& ctx, CmdArgs& args) {
   auto& vs = ctx.shard->store().vstore;
   const store::TenantKey key = ctx.Key(args[1]);
+  if (Status s = CheckNotPublished(ctx, args[1], "V.DROP"); !s.ok()) return ctx.Error(s);
   bool existed = vs.Drop(key);
   std::vector<uint64_t> snapshots;
   vs.ForEachSealed([&](const store::TenantKey& k, uint64_t n, const auto&) {
@@ -456,6 +500,7 @@ void Restore(CommandContext& ctx, CmdArgs& args) {
   uint64_t id = 0;
   Status s = ParseUint(args[2], "snapshot", &id);
   if (!s.ok()) return ctx.Error(s);
+  if (s = CheckNotPublished(ctx, args[1], "V.RESTORE"); !s.ok()) return ctx.Error(s);
   store::VStore::Entry* e = vs.Find(ctx.Key(args[1]));
   const bool in_memory = e != nullptr && e->snapshots.count(id) != 0;
   if (!in_memory) {
@@ -469,6 +514,7 @@ void Restore(CommandContext& ctx, CmdArgs& args) {
   if (store::PrefixEntry* p = PrefixOf(ctx, args[1])) p->dirty = true;
   uint64_t before = e->session->rows();
   e->session->Restore(e->snapshots.at(id));
+  ++e->writes;
   vs.NoteRows(static_cast<int64_t>(e->session->rows()) - static_cast<int64_t>(before));
   ctx.rb->Ok();
 }
@@ -524,14 +570,17 @@ void RegisterVStoreFamily(server::Server& srv) {
   reg({"V.CREATE", -4, kKv | kCmdWrite, 1, 1, 1, Create, "vstore",
        "Creates a token-indexed session of fixed row width in one codec.",
        "<sid> <dim> fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2 [BLOCK <n>]"});
-  reg({"V.STOREBATCH", -4, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, StoreBatch, "vstore",
-       "Stores fp32 rows (quantized to the session's codec) at consecutive or given ids.",
+  reg(WithOptions(
+      {"V.STOREBATCH", -4, kKv | kCmdWrite | kCmdDenyOom | kCmdDeadline, 1, 1, 1, StoreBatch,
+       "vstore", "Stores fp32 rows (quantized to the session's codec) at consecutive or given ids.",
        "<sid> <start_id> <fp32_blob> | <sid> IDS <int64_ids_blob> <fp32_blob> | <sid> <start_id> "
-       "SHM <lease> [CRC32 <value>]"});
-  reg({"V.FETCH", -3, kKv | kCmdReadOnly, 1, 1, 1, Fetch, "vstore",
-       "Fetches rows as fp32 (or RAW stored encoding) by ids or an id range.",
-       "<sid> <id> [<id> ...] | <sid> RANGE <start> <end>, then [RAW|SHM] [MODEL <id>] "
-       "[GENERATION <g>]"});
+       "SHM <lease> [CRC32 <value>]"},
+      {{"CRC32", 1}}));
+  reg(WithOptions({"V.FETCH", -3, kKv | kCmdReadOnly | kCmdDeadline, 1, 1, 1, Fetch, "vstore",
+                   "Fetches rows as fp32 (or RAW stored encoding) by ids or an id range.",
+                   "<sid> <id> [<id> ...] | <sid> RANGE <start> <end>, then [RAW|SHM] "
+                   "[MODEL <id>] [GENERATION <g>]"},
+                  {{"RAW", 0}, {"SHM", 0}, {"MODEL", 1}, {"GENERATION", 1}}));
   reg({"V.DROP", 2, kKv | kCmdWrite, 1, 1, 1, Drop, "vstore",
        "Deletes a session and its snapshots; replies 1 if it existed.", "<sid>"});
   reg({"V.SNAPSHOT", 2, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, Snapshot, "vstore",

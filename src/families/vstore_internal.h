@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "families/cluster_internal.h"
 #include "server/command.h"
@@ -21,8 +23,23 @@ void Commit(server::CommandContext& ctx, proto::CmdArgs& args);
 // Restores the session from a sealed snapshot on disk (creating the session if it is not in
 // memory); replies later. Runs on the owning shard.
 void RestoreSealed(server::CommandContext& ctx, const std::string& sid, uint64_t snapshot);
-// Registers the sealed snapshots found on disk at start-up.
+// Registers the sealed snapshots found on disk at start-up, and restores every session that
+// has an image (below) from its newest one.
 Status LoadSealed(server::Server& srv);
+
+// Session images: SHUTDOWN SAVE keeps a plain V session (not a KV.PREFIX namespace's: the
+// namespace saves those) by sealing a snapshot of it marked as its image; start-up restores
+// the session from its newest image (its chunks read when first used), and an image replaces
+// the older ones. Each runs on the owning shard.
+struct UnsavedSession {
+  store::TenantKey key;
+  uint64_t bytes = 0;
+};
+// The plain sessions changed since their newest image (or never imaged).
+std::vector<UnsavedSession> UnsavedSessions(server::Shard& shard);
+// Seals the session as it is now as its image; `done` runs on the shard once it is durable.
+void SaveImage(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+               std::function<void(const Status&)> done);
 // Sealed snapshots as cluster mode copies and moves them (cluster_internal.h).
 cluster_sync::SavedKind SavedKindOf();
 

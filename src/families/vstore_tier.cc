@@ -9,6 +9,8 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <unordered_map>
+
 #include "families/args.h"
 #include "families/cluster_internal.h"
 #include "families/tiering.h"
@@ -107,6 +109,7 @@ void RestoreSealed(server::CommandContext& ctx, const std::string& sid, uint64_t
         if (st.ok()) {
           store.NoteRows(static_cast<int64_t>(e->session->rows()) - static_cast<int64_t>(before));
           e->snapshots[snapshot] = e->session->TakeSnapshot();  // shares the chunks
+          ++e->writes;
           if (e->next_snapshot <= snapshot) e->next_snapshot = snapshot + 1;
           server->disk_stats().warms.fetch_add(1);
         }
@@ -138,7 +141,7 @@ Status Adopt(server::Server& srv, const std::string& path,
                                            " of session '" + rec->sid.substr(0, 64) + "'");
   }
   auto& vs = srv.shard(srv.OwnerOf(tid, SessionRouteKey(rec->sid))).store().vstore;
-  vs.AddSealed(key, rec->snapshot, {path, rec->format, rec->dim, rec->block, file});
+  vs.AddSealed(key, rec->snapshot, {path, rec->format, rec->dim, rec->block, file, rec->image});
   return Status::Ok();
 }
 
@@ -166,12 +169,125 @@ Status CheckCopy(server::Shard& sh, const store::TenantKey& key, const std::stri
 
 }  // namespace
 
+namespace {
+
+// Start-up: the session of `key` as its image `snapshot` holds it (chunks known by their disk
+// copies). Main thread, before the shards run.
+Status RestoreImage(server::Shard& shard, const store::TenantKey& key, uint64_t snapshot,
+                    const store::VStore::Sealed& image) {
+  auto codec = codec::RowCodec::Create(image.format, image.dim, image.block);
+  if (!codec.ok()) return Status(ErrorKind::kCorrupt, codec.status().message());
+  const uint64_t chunk_bytes = uint64_t{store::kRowsPerChunk} * codec.value().row_bytes();
+  auto index = store::ReadChunkIndex(*image.file, chunk_bytes, /*parts=*/1);
+  if (!index.ok()) return index.status();
+  auto& vs = shard.store().vstore;
+  Status s = vs.Create(key, codec.value());
+  if (!s.ok()) return s;
+  store::VStore::Entry* e = vs.Find(key);
+  s = e->session->LoadFromDisk(image.file, index.value()[0]);
+  if (!s.ok()) {
+    vs.Drop(key);
+    return s;
+  }
+  vs.NoteRows(static_cast<int64_t>(e->session->rows()));
+  e->snapshots[snapshot] = e->session->TakeSnapshot();
+  e->next_snapshot = snapshot + 1;
+  e->imaged_writes = e->writes;
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status LoadSealed(server::Server& srv) {
-  return LoadSavedObjects(
+  Status s = LoadSavedObjects(
       srv, SealedDir(srv), "sealed snapshot",
       [&](const store::disk::ListedObject& o, const std::shared_ptr<residency::DiskFile>& file) {
         return Adopt(srv, o.path, file, nullptr, 0);
       });
+  if (!s.ok()) return s;
+  for (int i = 0; i < srv.shard_count(); ++i) {
+    server::Shard& shard = srv.shard(i);
+    std::unordered_map<store::TenantKey, std::pair<uint64_t, const store::VStore::Sealed*>,
+                       store::TenantKeyHash>
+        newest;
+    shard.store().vstore.ForEachSealed(
+        [&](const store::TenantKey& key, uint64_t n, const store::VStore::Sealed& sealed) {
+          auto& slot = newest[key];
+          if (sealed.image && n > slot.first) slot = {n, &sealed};
+        });
+    for (const auto& [key, image] : newest) {
+      if (image.second == nullptr) continue;
+      Status r = RestoreImage(shard, key, image.first, *image.second);
+      if (r.ok()) {
+        spdlog::info("disk tier: V session '{}' restored from its image (snapshot {})", key.name,
+                     image.first);
+      } else {
+        srv.disk_stats().objects_corrupt.fetch_add(1);
+        spdlog::error("disk tier: V session '{}' not restored from its image (snapshot {}): {}",
+                      key.name, image.first, r.message());
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+std::vector<UnsavedSession> UnsavedSessions(server::Shard& shard) {
+  std::vector<UnsavedSession> out;
+  auto& prefixes = shard.store().prefixes;
+  shard.store().vstore.ForEach([&](const store::TenantKey& key, const store::VStore::Entry& e) {
+    const std::string_view route = SessionRouteKey(key.name);
+    if (route.size() != key.name.size() &&
+        prefixes.Find(store::TenantKey{key.tenant, std::string(route)}) != nullptr) {
+      return;  // a KV.PREFIX namespace's session: the namespace's save keeps it
+    }
+    if (e.unsaved()) out.push_back({key, e.session->chunk_bytes()});
+  });
+  return out;
+}
+
+void SaveImage(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
+               std::function<void(const Status&)> done) {
+  store::VStore::Entry* e = shard.store().vstore.Find(key);
+  if (e == nullptr) return done(Status(ErrorKind::kMiss, "session '" + key.name + "' is gone"));
+  const uint64_t snap = e->next_snapshot++;
+  auto it = e->snapshots.emplace(snap, e->session->TakeSnapshot()).first;
+  const uint64_t writes_then = e->writes;
+  store::SealedRecord rec;
+  rec.tenant = srv.users().TenantName(key.tenant);
+  rec.sid = key.name;
+  rec.snapshot = snap;
+  const auto& c = e->session->codec();
+  rec.format = c.format();
+  rec.dim = c.dim();
+  rec.block = c.block();
+  rec.image = true;
+  std::vector<residency::ObjectRef> chunks;
+  std::vector<residency::Engine::SaveItem> items(1);
+  items[0].bytes = store::ChunkIndex({&it->second}, &chunks);
+  for (auto& ch : chunks) items.push_back({"", std::move(ch)});
+  const std::string dir = SealedDir(srv);
+  bool queued = WriteObjectsLater(
+      srv, shard, dir, store::SealedObjectName(rec), 1, store::EncodeSealedMeta(rec),
+      std::move(items),
+      [key, snap, rec, writes_then, dir, done](server::Shard& sh,
+                                               StatusOr<std::shared_ptr<residency::DiskFile>> f) {
+        if (!f.ok()) return done(f.status());
+        auto& vs = sh.store().vstore;
+        std::vector<std::string> older;  // the images this one replaces
+        std::vector<uint64_t> older_snaps;
+        vs.ForEachSealed([&](const store::TenantKey& k, uint64_t n, const auto& s) {
+          if (k == key && s.image && n < snap) older_snaps.push_back(n);
+        });
+        for (uint64_t n : older_snaps) older.push_back(vs.TakeSealed(key, n));
+        vs.AddSealed(key, snap,
+                     {f.value()->path(), rec.format, rec.dim, rec.block, f.value(), true});
+        store::VStore::Entry* cur = vs.Find(key);
+        if (cur != nullptr && (!cur->imaged_writes || *cur->imaged_writes < writes_then)) {
+          cur->imaged_writes = writes_then;
+        }
+        done(store::disk::RemoveFiles(dir, older));
+      });
+  if (!queued) done(Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
 }
 
 cluster_sync::SavedKind SavedKindOf() {

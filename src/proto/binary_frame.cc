@@ -54,8 +54,7 @@ bool DecodeHeader(const uint8_t in[kHeaderSize], FrameHeader* h) {
 
 uint16_t StatusOfError(std::string_view line) {
   const std::string_view prefix = line.substr(0, line.find(' '));
-  for (int k = static_cast<int>(ErrorKind::kErr); k <= static_cast<int>(ErrorKind::kClusterDown);
-       ++k) {
+  for (int k = static_cast<int>(ErrorKind::kErr); k <= static_cast<int>(ErrorKind::kLast); ++k) {
     const auto kind = static_cast<ErrorKind>(k);
     if (kind != ErrorKind::kProtocol && ErrorPrefix(kind) == prefix)
       return static_cast<uint16_t>(k);

@@ -1,5 +1,8 @@
 #include "proto/cmd_args.h"
 
+#include <algorithm>
+#include <cstddef>
+
 namespace pion::proto {
 
 StatusOr<BufferRef> CmdArgs::TakeBuffer(size_t i, BufferAllocator* alloc) {
@@ -18,6 +21,16 @@ void CmdArgs::PopBack(size_t n) {
     if (slots_.back().big) big_bytes_ -= slots_.back().length;
     slots_.pop_back();
   }
+}
+
+void CmdArgs::Erase(size_t i, size_t n) {
+  if (i >= slots_.size()) return;
+  n = std::min(n, slots_.size() - i);
+  for (size_t j = i; j < i + n; ++j) {
+    if (slots_[j].big) big_bytes_ -= slots_[j].length;
+  }
+  slots_.erase(slots_.begin() + static_cast<std::ptrdiff_t>(i),
+               slots_.begin() + static_cast<std::ptrdiff_t>(i + n));
 }
 
 void CmdArgs::AppendSmall(std::string_view s) {

@@ -42,6 +42,8 @@ class CmdArgs {
   void Clear();
   // Drops the last n arguments (trailing options a dispatcher consumed).
   void PopBack(size_t n);
+  // Drops arguments [i, i + n) (options a dispatcher consumed among others); later ones move up.
+  void Erase(size_t i, size_t n);
   void Reserve(size_t n) { slots_.reserve(n); }
   void AppendSmall(std::string_view s);
   void AppendBuffer(BufferRef buf);

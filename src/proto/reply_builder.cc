@@ -1,5 +1,6 @@
 #include "proto/reply_builder.h"
 
+#include <algorithm>
 #include <bit>
 #include <charconv>
 #include <cmath>
@@ -80,17 +81,33 @@ void ReplyBuilder::Integer(int64_t v) {
   out_->Append(std::string_view(buf, r.ptr - buf));
 }
 
-void ReplyBuilder::Double(double v) {
+void ReplyBuilder::Double(double v) { Double(v, -1); }
+
+void ReplyBuilder::Double(double v, int decimals) {
   if (binary_) {
+    if (decimals >= 0 && std::isfinite(v)) {
+      const double scale = std::pow(10.0, decimals);
+      v = std::round(v * scale) / scale;
+    }
     AppendTyped(out_, ',', &v);
     return;
   }
-  char buf[64];
+  char buf[400];
   int n;
   if (std::isinf(v)) {
     n = std::snprintf(buf, sizeof(buf), "%s", v > 0 ? "inf" : "-inf");
-  } else {
+  } else if (decimals < 0 || std::isnan(v) || std::fabs(v) >= 1e18) {
     n = std::snprintf(buf, sizeof(buf), "%.17g", v);
+  } else {
+    n = std::snprintf(buf, sizeof(buf), "%.*f", std::min(decimals, 12), v);
+    if (std::memchr(buf, '.', static_cast<size_t>(n)) != nullptr) {
+      while (n > 1 && buf[n - 1] == '0') --n;
+      if (buf[n - 1] == '.') --n;
+    }
+    if (n == 2 && buf[0] == '-' && buf[1] == '0') {  // a tiny negative rounds to 0, not -0
+      buf[0] = '0';
+      n = 1;
+    }
   }
   if (resp3_) {
     out_->Append(',');

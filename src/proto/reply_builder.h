@@ -50,6 +50,9 @@ class ReplyBuilder {
   void ErrorLine(std::string_view line);
   void Integer(int64_t v);
   void Double(double v);
+  // A measured value, rounded to what it measures: `decimals` places, trailing zeros dropped
+  // (micros from a nanosecond clock: 3; a fraction: 6). RESP3 double, RESP2 bulk string.
+  void Double(double v, int decimals);
   void Bool(bool v);
   void Bulk(std::string_view s);
   // Bulk reply of len bytes at p inside buf; referenced without copying when large.

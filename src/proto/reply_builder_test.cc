@@ -46,6 +46,19 @@ TEST(ReplyBuilder, Resp3Encodings) {
   EXPECT_EQ(Drain(b), "_\r\n%2\r\n~0\r\n#f\r\n,2\r\n=7\r\ntxt:abc\r\n");
 }
 
+TEST(ReplyBuilder, MeasuredDoublesAreRoundedToWhatTheyMeasure) {
+  ReplyBuffer b2, b3;
+  ReplyBuilder rb2(&b2, 2), rb3(&b3, 3);
+  for (ReplyBuilder* rb : {&rb2, &rb3}) {
+    rb->Double(21211.101999999999, 3);  // micros from a nanosecond clock
+    rb->Double(0.0312500001, 6);        // a fraction
+    rb->Double(5.0, 3);                 // no trailing zeros, no dot
+    rb->Double(-0.0000001, 3);          // not "-0"
+  }
+  EXPECT_EQ(Drain(b2), "$9\r\n21211.102\r\n$7\r\n0.03125\r\n$1\r\n5\r\n$1\r\n0\r\n");
+  EXPECT_EQ(Drain(b3), ",21211.102\r\n,0.03125\r\n,5\r\n,0\r\n");
+}
+
 TEST(ReplyBuilder, LargeBulkIsReferencedNotCopied) {
   auto buf = CopyToBuffer(std::string(1 << 20, 'q')).value();
   ReplyBuffer b;

@@ -1332,7 +1332,10 @@ Engine::Stats Engine::stats() const {
   for (int a = 0; a < kStageCount; ++a) {
     for (int b = 0; b < kRefusalCount; ++b) s.refusals[a][b] = refusals_[a][b].load();
   }
-  for (int p = 0; p < 4; ++p) s.rate[p] = meters_[p].rate();
+  for (int p = 0; p < 4; ++p) {
+    s.rate[p] = meters_[p].rate();
+    s.rate_measured[p] = meters_[p].samples() > 0;
+  }
   return s;
 }
 

@@ -185,6 +185,7 @@ class Engine {
     uint64_t inflight_promotion_bytes = 0, promotion_credits = 0;
     uint64_t refusals[kStageCount][kRefusalCount] = {};
     double rate[4] = {};  // measured bytes/s: disk read, disk write, GPU upload, GPU download
+    bool rate_measured[4] = {};  // false: no transfer on the path yet (rate is a guess)
   };
   Stats stats() const;
 

@@ -20,6 +20,7 @@ class BandwidthMeter {
   // by fixed costs and say little about the rate: they count in proportion to their size.
   void Record(uint64_t bytes, double seconds) {
     if (bytes == 0 || seconds <= 0) return;
+    samples_.fetch_add(1, std::memory_order_relaxed);
     const double sample = static_cast<double>(bytes) / seconds;
     const double weight = std::min(0.5, static_cast<double>(bytes) / (64.0 * (1 << 20)) + 0.05);
     double cur = rate_.load(std::memory_order_relaxed);
@@ -34,10 +35,13 @@ class BandwidthMeter {
   void Queue(uint64_t bytes) { queued_.fetch_add(bytes, std::memory_order_relaxed); }
   void Unqueue(uint64_t bytes) { queued_.fetch_sub(bytes, std::memory_order_relaxed); }
   uint64_t queued() const { return queued_.load(std::memory_order_relaxed); }
+  // Transfers measured so far (0: rate() is still the initial guess).
+  uint64_t samples() const { return samples_.load(std::memory_order_relaxed); }
 
  private:
   std::atomic<double> rate_;
   std::atomic<uint64_t> queued_{0};
+  std::atomic<uint64_t> samples_{0};
 };
 
 }  // namespace pion::residency

@@ -55,13 +55,30 @@ void Rerun(const std::shared_ptr<Parked>& p, Shard& shard, residency::PinSet pin
   ctx.reruns = p->reruns + 1;
   ctx.start = p->start;
   ctx.pins = &pins;
-  p->spec->handler(ctx, p->args);
+  if ((p->spec->flags & kCmdWrite) && p->server->writes_paused()) {
+    ctx.Error(WritesPausedError());  // parked before SHUTDOWN SAVE began: refused like the rest
+  } else {
+    p->spec->handler(ctx, p->args);
+  }
   if (ctx.deferred) return;  // it replies through its own deferred writer
   auto out = std::make_shared<proto::ReplyBuffer>(std::move(buf));
   p->reply([out](proto::ReplyBuilder& target) { target.buffer()->Splice(std::move(*out)); });
 }
 
 }  // namespace
+
+std::string AdmissionOptionsHint(const CommandSpec* spec) {
+  std::string out;
+  if (spec != nullptr && (spec->flags & kCmdDeadline)) out += ", DEADLINE <ms>";
+  if (spec != nullptr && (spec->flags & kCmdApprox)) out += ", ALLOW APPROX";
+  return out;
+}
+
+Status WritesPausedError() {
+  return Status(ErrorKind::kBusy,
+                "the server is shutting down: SHUTDOWN SAVE is saving every object and refuses "
+                "writes meanwhile");
+}
 
 void CommandContext::Error(const Status& status) {
   CountRejection(*shard, status);
@@ -175,6 +192,13 @@ void CommandRegistry::Register(CommandSpec spec) {
   if (by_name_.count(spec.name)) {
     std::fprintf(stderr, "duplicate command registration: %s\n", spec.name.c_str());
     std::abort();
+  }
+  // The admission options every such command takes, in its grammar (COMMAND DOCS).
+  if ((spec.flags & kCmdDeadline) && spec.syntax.find("DEADLINE") == std::string::npos) {
+    spec.syntax += " [DEADLINE <ms>]";
+  }
+  if ((spec.flags & kCmdApprox) && spec.syntax.find("ALLOW APPROX") == std::string::npos) {
+    spec.syntax += " [ALLOW APPROX]";
   }
   spec.index = specs_.size();
   by_name_.emplace(spec.name, spec.index);

@@ -107,6 +107,17 @@ struct CommandContext {
 
 using CommandHandler = std::function<void(CommandContext&, proto::CmdArgs&)>;
 
+// The refusal of a write while SHUTDOWN SAVE saves (Server::PauseWrites): kBusy.
+Status WritesPausedError();
+
+// A keyword option a command takes after its own arguments, in any order ("RECEIPT": 0
+// values, "MODEL <id>": 1). The dispatcher uses them to find DEADLINE <ms> and ALLOW APPROX
+// among a command's trailing options (kCmdDeadline / kCmdApprox), wherever they stand.
+struct TrailingOption {
+  std::string_view name;  // upper case
+  int values = 0;
+};
+
 struct CommandSpec {
   std::string name;  // upper case, e.g. "STATE.ALLOC"
   int arity;         // Redis convention: N exact (incl. name), -N at least N
@@ -126,7 +137,19 @@ struct CommandSpec {
   // Keys beyond first_key..last_key, at positions that depend on the arguments (ATTEND.PREFIX.
   // STORE ... FROM <ns>): cluster mode requires them in the routing key's slot (-CROSSSLOT).
   void (*more_keys)(const proto::CmdArgs& args, std::vector<std::string_view>* keys) = nullptr;
+  // The command's own trailing keyword options (see TrailingOption).
+  std::vector<TrailingOption> options;
 };
+
+// `spec` with its trailing keyword options, for registration.
+inline CommandSpec WithOptions(CommandSpec spec, std::vector<TrailingOption> options) {
+  spec.options = std::move(options);
+  return spec;
+}
+
+// ", DEADLINE <ms>, ALLOW APPROX" (what of it the command takes) for the family's "unknown
+// option" errors, so that they name every option the command accepts.
+std::string AdmissionOptionsHint(const CommandSpec* spec);
 
 class CommandRegistry {
  public:

@@ -17,15 +17,27 @@ namespace {
 constexpr const char* kVersion = "0.1.0";
 
 // CLI11 validator/transform for byte sizes ("512mb", "2gb").
+// A size without a unit is bytes: one under 1 MiB (`--maxmemory 10`) is most likely a unit left
+// out, so it is said on stderr (the value is taken as given).
+void WarnUnitless(const std::string& name, const std::string& v, uint64_t bytes) {
+  if (bytes == 0 || bytes >= (uint64_t{1} << 20)) return;
+  if (v.find_first_not_of("0123456789") != std::string::npos) return;  // it has a unit
+  std::fprintf(stderr,
+               "pion-server: warning: %s %s is %s bytes (a size without a unit is in bytes); "
+               "write %smb or %sgb if that was meant\n",
+               name.c_str(), v.c_str(), v.c_str(), v.c_str(), v.c_str());
+}
+
 void AddSize(CLI::App& app, const std::string& name, uint64_t* target, const std::string& help) {
   app.add_option_function<std::string>(
          name,
          [target, name](const std::string& v) {
            auto parsed = ParseByteSize(v);
            if (!parsed) throw CLI::ValidationError(name, "expected a size like 512mb, got " + v);
+           WarnUnitless(name, v, *parsed);
            *target = *parsed;
          },
-         help + " (bytes; units b/kb/mb/gb/tb)")
+         help + " (bytes; units b/kb/mb/gb/tb, decimals allowed: 1.5gb)")
       ->default_str(std::to_string(*target));
 }
 
@@ -43,10 +55,11 @@ void AddSizeOrAuto(CLI::App& app, const std::string& name, uint64_t* target, boo
            if (!parsed) {
              throw CLI::ValidationError(name, "expected a size like 512mb or auto, got " + v);
            }
+           WarnUnitless(name, v, *parsed);
            *target = *parsed;
            *is_auto = false;
          },
-         help + " (bytes; units b/kb/mb/gb/tb; or auto)")
+         help + " (bytes; units b/kb/mb/gb/tb, decimals allowed: 1.5gb; or auto)")
       ->default_str("auto");
 }
 
@@ -285,7 +298,8 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
     app.parse(full);
   } catch (const CLI::ParseError& e) {
     *should_exit = true;
-    *exit_code = app.exit(e);
+    // --help and --version exit 0; every other parse error is a usage error (kExitUsage = 2).
+    *exit_code = app.exit(e) == 0 ? 0 : 2;
     return Error("exit");
   }
   if (!c.cluster.empty()) {

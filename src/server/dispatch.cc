@@ -34,41 +34,67 @@ struct RemoteCall {
   SlotRoute route;
 };
 
-// Strips the trailing admission options of a kCmdDeadline / kCmdApprox command — DEADLINE <ms>
-// and ALLOW APPROX, in any order, after every other argument — as long as the positional
-// arguments the command's arity asks for remain (a value that happens to read "DEADLINE" is
-// never taken for the option).
+// Takes the admission options of a kCmdDeadline / kCmdApprox command — DEADLINE <ms> and ALLOW
+// APPROX — from among its trailing options, in any order: it scans back from the last argument
+// over the keywords the command declares (CommandSpec::options) and these two, never into the
+// arguments its arity asks for (a blob that happens to read "DEADLINE" is a blob). The
+// command's own options stay, in their order.
+// A word that can only be an option keyword (letters and '_', at most 32): looked past, so that
+// an unknown option after DEADLINE is named by the command, not DEADLINE. No value of an option
+// here, no id and no blob past a command's own arguments has that shape and is taken for one.
+bool IsWord(std::string_view a) {
+  if (a.empty() || a.size() > 32) return false;
+  for (char c : a) {
+    if (!std::isalpha(static_cast<unsigned char>(c)) && c != '_') return false;
+  }
+  return true;
+}
+
 Status TakeAdmission(const CommandSpec& spec, proto::CmdArgs& args, int64_t* deadline_ms,
                      bool* approx) {
   const size_t positional = static_cast<size_t>(spec.arity < 0 ? -spec.arity : spec.arity);
-  auto upper_eq = [](std::string_view a, std::string_view b) {
-    if (a.size() != b.size()) return false;
+  auto is = [](std::string_view a, std::string_view upper) {
+    if (a.size() != upper.size()) return false;
     for (size_t i = 0; i < a.size(); ++i) {
-      if (std::toupper(static_cast<unsigned char>(a[i])) != b[i]) return false;
+      if (std::toupper(static_cast<unsigned char>(a[i])) != upper[i]) return false;
     }
     return true;
   };
-  for (bool again = true; again;) {
-    again = false;
-    const size_t n = args.size();
-    if ((spec.flags & kCmdDeadline) && n >= positional + 2 && upper_eq(args[n - 2], "DEADLINE")) {
-      std::string v(args[n - 1]);
-      char* end = nullptr;
-      const long long ms = std::strtoll(v.c_str(), &end, 10);
-      if (v.empty() || *end != '\0' || ms < 1 || ms > 86400000) {
+  auto values_of = [&](std::string_view a) {
+    for (const TrailingOption& o : spec.options) {
+      if (is(a, o.name)) return o.values;
+    }
+    return -1;
+  };
+  const bool takes_deadline = spec.flags & kCmdDeadline, takes_approx = spec.flags & kCmdApprox;
+  std::vector<size_t> taken;  // first argument of each pair to drop, last one first
+  size_t end = args.size();
+  while (end > positional) {
+    const bool pair = end >= positional + 2;
+    if (takes_deadline && pair && is(args[end - 2], "DEADLINE")) {
+      std::string v(args[end - 1]);
+      char* stop = nullptr;
+      const long long ms = std::strtoll(v.c_str(), &stop, 10);
+      if (v.empty() || *stop != '\0' || ms < 1 || ms > 86400000) {
         return Error("DEADLINE must be a whole number of milliseconds in [1, 86400000], got '" +
                      v.substr(0, 32) + "'");
       }
       *deadline_ms = ms;
-      args.PopBack(2);
-      again = true;
-    } else if ((spec.flags & kCmdApprox) && n >= positional + 2 && upper_eq(args[n - 2], "ALLOW") &&
-               upper_eq(args[n - 1], "APPROX")) {
+      taken.push_back(end - 2);
+      end -= 2;
+    } else if (takes_approx && pair && is(args[end - 2], "ALLOW") && is(args[end - 1], "APPROX")) {
       *approx = true;
-      args.PopBack(2);
-      again = true;
+      taken.push_back(end - 2);
+      end -= 2;
+    } else if (pair && values_of(args[end - 2]) == 1) {
+      end -= 2;
+    } else if (values_of(args[end - 1]) == 0 || IsWord(args[end - 1])) {
+      end -= 1;  // an option without a value, or an unknown word the command will name
+    } else {
+      break;
     }
   }
+  for (size_t i : taken) args.Erase(i, 2);  // from the back: earlier indexes stay valid
   return Status::Ok();
 }
 
@@ -261,7 +287,8 @@ bool Server::Execute(const CommandSpec& spec, Shard& shard, net::Connection* con
   residency::PinSet pins;
   ctx.pins = &pins;
   Status admission;
-  if (spec.flags & (kCmdDeadline | kCmdApprox)) {
+  if ((spec.flags & kCmdWrite) && writes_paused()) admission = WritesPausedError();
+  if (admission.ok() && (spec.flags & (kCmdDeadline | kCmdApprox))) {
     int64_t ms = config_.default_deadline_ms;
     admission = TakeAdmission(spec, args, &ms, &ctx.allow_approx);
     if (ms > 0) ctx.deadline = t0 + std::chrono::milliseconds(ms);

@@ -21,7 +21,7 @@ int main(int argc, char** argv) {
   if (should_exit) return exit_code;
   if (!config.ok()) {
     std::fprintf(stderr, "pion-server: %s\n", config.status().message().c_str());
-    return 2;
+    return pion::server::kExitUsage;
   }
   try {
     auto logger = config->logfile.empty() ? spdlog::stderr_color_mt("pion")
@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   } catch (const spdlog::spdlog_ex& e) {
     std::fprintf(stderr, "pion-server: cannot open log file %s: %s\n", config->logfile.c_str(),
                  e.what());
-    return 2;
+    return pion::server::kExitLogFile;
   }
   spdlog::set_level(spdlog::level::from_str(config->loglevel));
   spdlog::set_pattern("%Y-%m-%d %H:%M:%S.%e %^%l%$ [%t] %v");
@@ -50,8 +50,8 @@ int main(int argc, char** argv) {
 #endif
   pion::Status s = server.Init();
   if (!s.ok()) {
-    spdlog::error("cannot start: {}", s.message());
-    return 1;
+    spdlog::error("cannot start: {} (exit status {})", s.message(), server.init_exit_code());
+    return server.init_exit_code();
   }
   return server.Run();
 }

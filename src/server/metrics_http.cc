@@ -13,6 +13,24 @@
 
 namespace pion::server {
 
+namespace {
+
+// A Prometheus label value: backslash, double quote and newline escaped.
+std::string LabelValue(std::string_view v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out.push_back('\\');
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out.push_back(c);
+  }
+  return out;
+}
+
+}  // namespace
+
 MetricsHttp::~MetricsHttp() {
   Stop();
   if (listen_fd_ >= 0) close(listen_fd_);
@@ -100,6 +118,11 @@ std::string MetricsHttp::Render(Server& server) {
     out += std::to_string(v);
     out += '\n';
   };
+  // A limit: its bytes, or +Inf when there is none (0 on the command line).
+  auto limit_line = [&out](const std::string& name_labels, uint64_t v) {
+    out += name_labels;
+    out += v == 0 ? " +Inf\n" : " " + std::to_string(v) + "\n";
+  };
 
   metric("pion_uptime_seconds", "gauge", "Seconds since the server started.");
   line("pion_uptime_seconds",
@@ -129,6 +152,28 @@ std::string MetricsHttp::Render(Server& server) {
          server.SumStat([r](const ShardStats& s) { return Read(s.rejected[r]); }));
   }
 
+  metric("pion_prefix_lookups_total", "counter",
+         "KV.PREFIX.LOOKUP answers by tenant and result (hit, miss, mismatch): the prefix "
+         "cache hit rate is hit / all.");
+  for (size_t t = 0; t <= ShardStats::kLookupTenants; ++t) {
+    std::array<uint64_t, static_cast<int>(PrefixLookup::kCount)> n{};
+    uint64_t any = 0;
+    for (int r = 0; r < static_cast<int>(PrefixLookup::kCount); ++r) {
+      n[r] = server.SumStat([t, r](const ShardStats& s) { return Read(s.prefix_lookups[t][r]); });
+      any += n[r];
+    }
+    if (any == 0 && t != 0) continue;  // the default tenant always, so the series exist
+    const std::string tenant =
+        t == ShardStats::kLookupTenants
+            ? "_other"
+            : LabelValue(server.users().TenantName(static_cast<uint32_t>(t)));
+    for (int r = 0; r < static_cast<int>(PrefixLookup::kCount); ++r) {
+      line("pion_prefix_lookups_total{tenant=\"" + tenant + "\",result=\"" +
+               std::string(PrefixLookupName(static_cast<PrefixLookup>(r))) + "\"}",
+           n[r]);
+    }
+  }
+
   auto& mem = server.memory();
   metric("pion_memory_used_bytes", "gauge", "Accounted memory by family.");
   for (int f = 0; f < static_cast<int>(MemFamily::kCount); ++f) {
@@ -142,8 +187,8 @@ std::string MetricsHttp::Render(Server& server) {
         server.shard(i).client_query_bytes.load() + server.shard(i).client_output_bytes.load();
   }
   line("pion_memory_used_bytes{family=\"clients\"}", client_bytes);
-  metric("pion_memory_max_bytes", "gauge", "--maxmemory (0 = no limit).");
-  line("pion_memory_max_bytes", mem.maxmemory());
+  metric("pion_memory_max_bytes", "gauge", "--maxmemory (+Inf: no limit).");
+  limit_line("pion_memory_max_bytes", mem.maxmemory());
   metric("pion_process_resident_bytes", "gauge", "Resident set size of the process.");
   line("pion_process_resident_bytes", ProcessRssBytes());
 
@@ -197,10 +242,13 @@ std::string MetricsHttp::Render(Server& server) {
       line(std::string("pion_residency_bytes{tier=\"") + tiers[t] + "\"}", st.tiers[t].bytes);
     }
     metric("pion_residency_limit_bytes", "gauge",
-           "The tier's budget: --gpu-memory, --maxmemory, --disk-quota (0 = none).");
-    line("pion_residency_limit_bytes{tier=\"gpu\"}", e->gpu_budget().limit());
-    line("pion_residency_limit_bytes{tier=\"host\"}", server.memory().maxmemory());
-    line("pion_residency_limit_bytes{tier=\"disk\"}", e->disk_quota().limit());
+           "The tier's budget: --gpu-memory, --maxmemory, --disk-quota (+Inf: no limit; no gpu "
+           "series without a GPU tier).");
+    if (server.gpu_attention()) {
+      line("pion_residency_limit_bytes{tier=\"gpu\"}", e->gpu_budget().limit());
+    }
+    limit_line("pion_residency_limit_bytes{tier=\"host\"}", server.memory().maxmemory());
+    limit_line("pion_residency_limit_bytes{tier=\"disk\"}", e->disk_quota().limit());
     metric("pion_residency_disk_used_bytes", "gauge", "Bytes of saved and spill files.");
     line("pion_residency_disk_used_bytes", e->disk_quota().used());
     auto moves = [&](const char* name, const char* help, const uint64_t(&m)[3][3]) {
@@ -247,9 +295,11 @@ std::string MetricsHttp::Render(Server& server) {
       }
     }
     metric("pion_residency_transfer_rate_bytes_per_second", "gauge",
-           "Measured rate of each transfer path (what deadlines are admitted against).");
+           "Measured rate of each transfer path (what deadlines are admitted against); a path "
+           "with no transfer yet has no series.");
     const char* paths[] = {"disk_read", "disk_write", "gpu_upload", "gpu_download"};
     for (int p = 0; p < 4; ++p) {
+      if (!st.rate_measured[p]) continue;
       line(std::string("pion_residency_transfer_rate_bytes_per_second{path=\"") + paths[p] + "\"}",
            static_cast<uint64_t>(st.rate[p]));
     }

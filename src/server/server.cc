@@ -10,6 +10,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include "common/bytes.h"
 #include "kernels/cuda/gpu.h"
 #include "net/socket.h"
 #include "server/metrics_http.h"
@@ -69,33 +70,33 @@ Server::~Server() {
 Status Server::Init() {
   if (!config_.users_file.empty()) {
     Status s = users_.LoadFile(config_.users_file);
-    if (!s.ok()) return s;
+    if (!s.ok()) return Fail(kExitUsage, s);
   }
   if (!config_.requirepass.empty()) users_.SetDefaultPassword(config_.requirepass);
 
   auto fd = net::ListenTcp(config_.bind, config_.port);
-  if (!fd.ok()) return fd.status();
+  if (!fd.ok()) return Fail(kExitListen, fd.status());
   listen_fd_ = fd.value();
   std::string local = net::SocketAddress(listen_fd_, /*local=*/true);
   bound_port_ = std::stoi(local.substr(local.rfind(':') + 1));
   if (config_.binary_port != 0) {
     auto bfd = net::ListenTcp(config_.bind, config_.binary_port);
-    if (!bfd.ok()) return bfd.status();
+    if (!bfd.ok()) return Fail(kExitListen, bfd.status());
     binary_fd_ = bfd.value();
     std::string blocal = net::SocketAddress(binary_fd_, /*local=*/true);
     bound_binary_port_ = std::stoi(blocal.substr(blocal.rfind(':') + 1));
   }
   if (!config_.unixsocket.empty()) {
     auto ufd = net::ListenUnix(config_.unixsocket, config_.unixsocketperm);
-    if (!ufd.ok()) return ufd.status();
+    if (!ufd.ok()) return Fail(kExitListen, ufd.status());
     unix_fd_ = ufd.value();
   }
 
   // The attention backend: slots on the GPU (cuda) or in host memory (cpu).
   const gpu::DeviceInfo& dev = gpu::Info();
   if (config_.attention_backend == "cuda" && !dev.present) {
-    return Error("--attention-backend cuda: no usable CUDA device (" + dev.reason +
-                 "); use --attention-backend cpu or auto");
+    return Fail(kExitGpu, Error("--attention-backend cuda: no usable CUDA device (" + dev.reason +
+                                "); use --attention-backend cpu or auto"));
   }
   uint64_t gpu_limit = 0;
   if (config_.attention_backend == "cuda" || (config_.attention_backend == "auto" && dev.present)) {
@@ -127,7 +128,7 @@ Status Server::Init() {
   engine_ = std::make_unique<residency::Engine>(std::move(eo));
   {
     Status s = engine_->Start();
-    if (!s.ok()) return s;
+    if (!s.ok()) return Fail(kExitDataDir, s);
   }
   for (int f = 0; f < residency::kFamilyCount; ++f) {
     const auto fam = static_cast<residency::Family>(f);
@@ -151,14 +152,14 @@ Status Server::Init() {
   io_ = std::make_unique<WorkerPool>(config_.io_threads, 1024);
   compute_ = std::make_unique<WorkerPool>(config_.compute_threads,
                                           static_cast<size_t>(config_.compute_queue_depth));
-  for (auto& hook : startup_) {
+  for (auto& [hook, exit_code] : startup_) {
     Status s = hook(*this);
-    if (!s.ok()) return s;
+    if (!s.ok()) return Fail(exit_code, s);
   }
   if (config_.metrics_port != 0) {
     metrics_ = std::make_unique<MetricsHttp>(this);
     Status s = metrics_->Listen(config_.bind, config_.metrics_port);
-    if (!s.ok()) return s;
+    if (!s.ok()) return Fail(kExitListen, s);
   }
   return Status::Ok();
 }
@@ -174,13 +175,7 @@ int Server::Run() {
   start_time_ = std::chrono::steady_clock::now();
   for (auto& s : shards_) s->Start();
   if (metrics_) metrics_->Start();
-  spdlog::info("Pion ready: RESP on {}:{}{}{} with {} shard(s){}, kvcache {}", config_.bind,
-               bound_port_, unix_fd_ >= 0 ? " and " + config_.unixsocket : "",
-               binary_fd_ >= 0 ? ", binary protocol on :" + std::to_string(bound_binary_port_) : "",
-               shards_.size(),
-               metrics_ ? ", metrics on :" + std::to_string(config_.metrics_port) : "",
-               config_.kvcache ? "on" : "off");
-
+  spdlog::info("{}", ReadyLine());
   timespec timeout{0, 100 * 1000 * 1000};
   while (!shutting_down()) {
     int sig = sigtimedwait(&set, nullptr, &timeout);
@@ -192,12 +187,38 @@ int Server::Run() {
   for (auto& hook : shutdown_hooks_) hook();
   for (auto& s : shards_) s->Stop();
   for (auto& s : shards_) s->Join();
+  for (auto& hook : exit_hooks_) hook(*this);
   if (metrics_) metrics_->Stop();  // it reads the pools' counters: stop it before they go
   compute_.reset();                // finishes queued queries (their replies have nowhere to go)
   io_.reset();  // finishes queued disk work (their replies have nowhere to go; the data does)
   gpu_copy_.reset();
   spdlog::info("Pion is now ready to exit, bye bye");
   return 0;
+}
+
+std::string Server::ReadyLine() const {
+  // host:port with an IPv6 host in brackets, as a client writes it.
+  auto addr = [this](int port) {
+    const std::string& h = config_.bind;
+    return (h.find(':') != std::string::npos ? "[" + h + "]" : h) + ":" + std::to_string(port);
+  };
+  auto limit = [](uint64_t v) { return v == 0 ? std::string("unlimited") : HumanBytes(v); };
+  std::error_code ec;
+  const std::string dir = std::filesystem::absolute(config_.dir, ec).lexically_normal().string();
+  std::string line = "Pion ready: RESP on " + addr(bound_port_);
+  if (unix_fd_ >= 0) line += " and " + config_.unixsocket;
+  if (binary_fd_ >= 0) line += ", binary protocol on " + addr(bound_binary_port_);
+  if (metrics_) line += ", metrics on http://" + addr(config_.metrics_port) + "/metrics";
+  line += "; data dir " + (ec ? config_.dir : dir);
+  line += "; maxmemory " + limit(memory_.maxmemory()) + (config_.maxmemory_auto ? " (auto)" : "");
+  line += ", disk-quota " + limit(engine_ ? engine_->disk_quota().limit() : 0) +
+          (config_.disk_quota_auto ? " (auto)" : "");
+  line += ", gpu-memory " + (gpu_attention_ ? HumanBytes(engine_->gpu_budget().limit()) +
+                                                  (config_.gpu_memory == 0 ? " (auto)" : "")
+                                            : std::string("none (attention on the cpu)"));
+  line += "; " + std::to_string(shards_.size()) + " shard(s), kvcache " +
+          (config_.kvcache ? "on" : "off");
+  return line;
 }
 
 void Server::RequestShutdown() { shutdown_.store(true, std::memory_order_release); }

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/counters.h"
@@ -28,13 +29,27 @@ namespace pion::server {
 
 class MetricsHttp;
 
+// pion-server's exit status, one per class of start-up error (docs/OPERATIONS.md § Exit codes).
+enum ExitCode : int {
+  kExitOk = 0,        // SHUTDOWN, SIGTERM/SIGINT, --help, --version
+  kExitInternal = 1,  // anything not below
+  kExitUsage = 2,     // a flag, the config file or the users file is wrong
+  kExitLogFile = 3,   // --logfile cannot be opened
+  kExitListen = 4,    // a port or the Unix socket cannot be listened on
+  kExitGpu = 5,       // --attention-backend cuda without a usable CUDA device
+  kExitDataDir = 6,   // --dir: the disk tier cannot be opened or its saved objects loaded
+  kExitCluster = 7,   // --cluster: etcd cannot be reached or the node cannot join
+};
+
 class Server {
  public:
   explicit Server(Config config);
   ~Server();
 
-  // Registers families, loads users, opens listeners. Must succeed before Run().
+  // Registers families, loads users, opens listeners. Must succeed before Run(); on failure
+  // init_exit_code() is the class of the error (ExitCode).
   Status Init();
+  int init_exit_code() const { return init_exit_; }
   // Starts shards and the metrics endpoint; blocks until SHUTDOWN or SIGINT/SIGTERM.
   // Returns the process exit code.
   int Run();
@@ -83,10 +98,21 @@ class Server {
 
   // Families add start-up work (loading the disk tier) that runs in Init() after the shards
   // exist and before any of them runs, on the main thread.
-  void AddStartupHook(std::function<Status(Server&)> hook) { startup_.push_back(std::move(hook)); }
+  // A failing hook stops the start with `exit_code`.
+  void AddStartupHook(std::function<Status(Server&)> hook, int exit_code = kExitDataDir) {
+    startup_.push_back({std::move(hook), exit_code});
+  }
   // Work that runs in Run() once shutdown is requested, while the shards still run (stopping
   // threads that post to them), in the order added.
   void AddShutdownHook(std::function<void()> hook) { shutdown_hooks_.push_back(std::move(hook)); }
+  // Work that runs in Run() after every shard stopped (their stores are quiet and may be read
+  // from the main thread), before the worker pools go: e.g. the log of what the exit drops.
+  void AddExitHook(std::function<void(Server&)> hook) { exit_hooks_.push_back(std::move(hook)); }
+
+  // SHUTDOWN SAVE pauses writes while it saves (so what it saved is everything): commands
+  // flagged `write` are refused with -BUSY meanwhile. Thread-safe.
+  void PauseWrites(bool on) { writes_paused_.store(on, std::memory_order_release); }
+  bool writes_paused() const { return writes_paused_.load(std::memory_order_acquire); }
 
   // Cluster mode (--cluster): the slot routing the dispatcher applies before a command runs
   // (-MOVED, -ASK, -CROSSSLOT). Null for a single node. Set at registration, before Init().
@@ -131,6 +157,13 @@ class Server {
   // must not run here; *route is kCheckKey when its key decides (on the key's shard).
   bool ClusterCheck(const CommandSpec& spec, const proto::CmdArgs& args, bool asking, int* slot,
                     SlotRoute* route, std::string* error);
+  // "Pion ready: RESP on 127.0.0.1:1974, ...": every address, the data dir, the budgets.
+  std::string ReadyLine() const;
+  // Init's failure of class `code` (ExitCode).
+  Status Fail(int code, Status s) {
+    init_exit_ = code;
+    return s;
+  }
 
   Config config_;
   RuntimeSettings settings_;
@@ -145,8 +178,10 @@ class Server {
   std::unique_ptr<store::SemanticCache> kv_cache_;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<std::function<void(Shard&)>> shard_inits_;
-  std::vector<std::function<Status(Server&)>> startup_;
+  std::vector<std::pair<std::function<Status(Server&)>, int>> startup_;
+  int init_exit_ = kExitInternal;
   std::vector<std::function<void()>> shutdown_hooks_;
+  std::vector<std::function<void(Server&)>> exit_hooks_;
   std::unique_ptr<ClusterRouting> cluster_;
   std::unique_ptr<WorkerPool> io_;
   std::unique_ptr<WorkerPool> compute_;
@@ -160,6 +195,7 @@ class Server {
   int bound_port_ = 0;
   int bound_binary_port_ = 0;
   std::atomic<bool> shutdown_{false};
+  std::atomic<bool> writes_paused_{false};
   std::atomic<uint64_t> next_client_id_{1};
   std::chrono::steady_clock::time_point start_time_;
 };

@@ -2,6 +2,7 @@
 // readers on other threads (INFO, the metrics endpoint) sum them with relaxed loads.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -34,6 +35,12 @@ enum class RejectReason : int {
 };
 std::string_view RejectReasonName(RejectReason r);
 
+// What a KV.PREFIX.LOOKUP answered (the hit rate is hit / all).
+enum class PrefixLookup : int { kHit, kMiss, kMismatch, kCount };
+inline std::string_view PrefixLookupName(PrefixLookup r) {
+  return r == PrefixLookup::kHit ? "hit" : r == PrefixLookup::kMiss ? "miss" : "mismatch";
+}
+
 // Latency histogram bucket upper bounds in microseconds (+Inf is the last bucket).
 inline constexpr std::array<uint64_t, 19> kLatencyBucketsUs = {
     10,    25,    50,     100,    250,    500,     1000,    2500,    5000,    10000,
@@ -59,8 +66,17 @@ struct ShardStats {
   std::atomic<uint64_t> forwarded_commands{0};  // handed to another shard
   std::array<std::atomic<uint64_t>, static_cast<int>(RejectReason::kCount)> rejected{};
   std::vector<CommandStats> commands;
+  // KV.PREFIX.LOOKUP answers per tenant (a bounded label set: tenants past the first
+  // kLookupTenants share the last row, "other"), by PrefixLookup.
+  static constexpr size_t kLookupTenants = 64;
+  std::array<std::array<std::atomic<uint64_t>, static_cast<int>(PrefixLookup::kCount)>,
+             kLookupTenants + 1>
+      prefix_lookups{};
 
   void Reject(RejectReason r) { Bump(rejected[static_cast<int>(r)]); }
+  void CountLookup(uint32_t tenant, PrefixLookup r) {
+    Bump(prefix_lookups[std::min<size_t>(tenant, kLookupTenants)][static_cast<int>(r)]);
+  }
 };
 
 }  // namespace pion::server

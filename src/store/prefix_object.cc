@@ -183,7 +183,7 @@ std::string EncodeSealedMeta(const SealedRecord& r) {
   return "pion-vsnap v1\ntenant=" + Hex(r.tenant) + "\nsid=" + Hex(r.sid) +
          "\nsnapshot=" + std::to_string(r.snapshot) +
          "\nformat=" + std::string(codec::FormatName(r.format)) + "\ndim=" + std::to_string(r.dim) +
-         "\nblock=" + std::to_string(r.block) + "\n";
+         "\nblock=" + std::to_string(r.block) + "\n" + (r.image ? "image=1\n" : "");
 }
 
 StatusOr<SealedRecord> DecodeSealedMeta(std::string_view meta) {
@@ -213,6 +213,9 @@ StatusOr<SealedRecord> DecodeSealedMeta(std::string_view meta) {
       r.dim = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
     } else if (k == "block") {
       r.block = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
+    } else if (k == "image") {
+      r.image = v == "1";
+      continue;  // optional: not counted among the required fields
     } else {
       continue;
     }

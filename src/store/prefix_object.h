@@ -66,6 +66,7 @@ struct SealedRecord {
   codec::Format format = codec::Format::kFp32;
   uint32_t dim = 0;
   uint32_t block = 0;
+  bool image = false;  // the live session as SHUTDOWN SAVE sealed it (restored at start-up)
 };
 std::string SealedObjectName(const SealedRecord& r);
 std::string EncodeSealedMeta(const SealedRecord& r);

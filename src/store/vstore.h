@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -23,6 +24,11 @@ class VStore {
     std::unique_ptr<VSession> session;
     std::map<uint64_t, VSession::Snapshot> snapshots;
     uint64_t next_snapshot = 1;
+    // Saves of the live session (SHUTDOWN SAVE seals it as an image that start-up restores):
+    // `writes` counts its changes, `imaged_writes` the count its newest image was taken at.
+    uint64_t writes = 0;
+    std::optional<uint64_t> imaged_writes;
+    bool unsaved() const { return !imaged_writes || *imaged_writes != writes; }
   };
 
   // The residency engine the sessions' chunks live in (set before any Create).
@@ -46,6 +52,7 @@ class VStore {
     uint32_t dim;
     uint32_t block;
     std::shared_ptr<residency::DiskFile> file;  // open: a restore reads chunks from it
+    bool image = false;  // the session's image (SHUTDOWN SAVE): start-up restores the newest
   };
   void AddSealed(const TenantKey& key, uint64_t snapshot, Sealed s) {
     sealed_[key][snapshot] = std::move(s);
@@ -62,6 +69,12 @@ class VStore {
     for (const auto& [k, snaps] : sealed_) {
       for (const auto& [n, s] : snaps) f(k, n, s);
     }
+  }
+
+  // f(key, entry) for every session of every tenant.
+  template <typename F>
+  void ForEach(F&& f) const {
+    for (const auto& [k, e] : sessions_) f(k, e);
   }
 
   // Keeps the rows gauge in step after a store into a session (rows_after - rows_before).

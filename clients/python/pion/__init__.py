@@ -16,7 +16,7 @@ from .client import Client
 from .cluster import ClusterClient, key_slot
 from .errors import (AuthError, BusyError, CommandError, CorruptError, DeadlineError,
                      DeviceError, IoError, MismatchError, MissError, NoAuthError, NoPermError,
-                     OomError, PionConnectionError, PionError, WrongPassError)
+                     OomError, PionConnectionError, PionError, ReadOnlyError, WrongPassError)
 from .ssm import deserialize_arrays, serialize_arrays
 
 __version__ = "0.1.0"
@@ -25,6 +25,7 @@ __all__ = [
     "Client", "ClusterClient", "key_slot", "BinaryClient", "FrameError", "AttendResult", "merge_lse", "parse_receipt", "serialize_arrays",
     "deserialize_arrays", "PionError", "CommandError", "OomError", "BusyError",
     "MismatchError", "MissError", "CorruptError", "IoError", "DeviceError", "DeadlineError",
+    "ReadOnlyError",
     "AuthError",
     "NoAuthError",
     "WrongPassError", "NoPermError", "PionConnectionError",

@@ -56,6 +56,22 @@ def text(x):
     return x
 
 
+def admission(deadline_ms=None, allow_approx: bool = False) -> list:
+    """The trailing admission options: DEADLINE <ms> (the request is answered within that many
+    milliseconds or refused with DeadlineError) and ALLOW APPROX (attention queries: an
+    approximate answer, told by the receipt, rather than a refusal)."""
+    out = []
+    if deadline_ms is not None:
+        ms = int(deadline_ms)
+        if ms < 1:
+            raise ValueError("deadline_ms must be a whole number of milliseconds >= 1, got %r"
+                             % (deadline_ms,))
+        out += ["DEADLINE", ms]
+    if allow_approx:
+        out += ["ALLOW", "APPROX"]
+    return out
+
+
 def parse_map(reply, floats: Iterable[str] = (), bools: Iterable[str] = ()) -> dict[str, Any]:
     """A RESP2 flat map (or a RESP3 dict) as {str: value}; bulk strings become str, the keys in
     `floats` become float (RESP2 sends doubles as bulk strings), those in `bools` bool."""

@@ -22,7 +22,8 @@ from . import _wire, errors
 if TYPE_CHECKING:
     from .client import Client
 
-RECEIPT_FLOATS = ("omitted_mass_estimate", "micros")
+RECEIPT_FLOATS = ("omitted_mass_estimate", "micros", "queue_us", "piece_start_max_us",
+                  "piece_max_us", "merge_us", "estimate_us")
 SELECTS = ("mean", "quest")
 
 
@@ -95,7 +96,8 @@ def _kv(x, what: str) -> np.ndarray:
     return a
 
 
-def _tail(window=0, qpos=None, select=None, receipt=False, shared=False) -> list:
+def _tail(window=0, qpos=None, select=None, receipt=False, shared=False, deadline_ms=None,
+          allow_approx=False) -> list:
     args = []
     if window:
         args.append(int(window))
@@ -109,7 +111,7 @@ def _tail(window=0, qpos=None, select=None, receipt=False, shared=False) -> list
         args.append("SHARED")
     if receipt:
         args.append("RECEIPT")
-    return args
+    return args + _wire.admission(deadline_ms, allow_approx)
 
 
 def _parse_export(reply) -> dict:
@@ -149,16 +151,16 @@ class Attend:
         self._c = client
 
     # --- slots ------------------------------------------------------------------------------
-    def store(self, sid: str, layer: int, k, v) -> None:
+    def store(self, sid: str, layer: int, k, v, *, deadline_ms: int | None = None) -> None:
         """Stores one layer's K and V ([H, N, D] float32) as slot (sid, layer), replacing any
         previous one atomically."""
         k, v = _kv(k, "K"), _kv(v, "V")
         h, n, d = k.shape
         self._c.execute("ATTEND.PREFIX.STORE", sid, int(layer), h, n, d, _wire.f32(k),
-                        _wire.f32(v))
+                        _wire.f32(v), *_wire.admission(deadline_ms))
 
     def store_from(self, sid: str, layer: int, ns: str, model: str | None = None,
-                   position: str | None = None) -> None:
+                   position: str | None = None, *, deadline_ms: int | None = None) -> None:
         """Binds layer `layer` of the complete KV.PREFIX namespace `ns` as slot (sid, layer),
         server-side (no bytes cross the network)."""
         args = ["ATTEND.PREFIX.STORE", sid, int(layer), "FROM", ns]
@@ -166,7 +168,7 @@ class Attend:
             args += ["MODEL", model]
         if position is not None:
             args += ["POSITION", position]
-        self._c.execute(*args)
+        self._c.execute(*args, *_wire.admission(deadline_ms))
 
     def lookup(self, sid: str, layer: int) -> bool:
         """True when the slot exists (on the GPU, in memory or on disk)."""
@@ -272,19 +274,28 @@ class Attend:
     # --- queries ------------------------------------------------------------------------------
     def query(self, sid: str, layer: int, q, top_k: int = 0, window: int = 0,
               qpos: int | None = None, receipt: bool = False,
-              as_torch: bool | None = None) -> AttendResult:
+              as_torch: bool | None = None, deadline_ms: int | None = None,
+              allow_approx: bool = False) -> AttendResult:
         """ATTEND.PREFIX.QUERY: q [H, D] or [H, M, D]; query row i sits at position qpos + i
         (default N, right after the prefix). top_k 0 is exact; top_k > 0 attends each row's
-        top_k keys. Returns out of q's shape, and lse [H, M] when M > 1."""
+        top_k keys. Returns out of q's shape, and lse [H, M] when M > 1.
+
+        Every query form takes `deadline_ms` (answered within it, or DeadlineError at once
+        when this machine's measured rate says it cannot be) and `allow_approx` (a dense
+        decode step that would miss the deadline may be answered sparse where that is
+        faster; the receipt says so: `exact` False, `fallback`)."""
         qa, squeeze = _queries(q)
         h, m, d = qa.shape
         reply = self._c.execute("ATTEND.PREFIX.QUERY", sid, int(layer), h, d, int(top_k),
-                                _wire.f32(qa), *_tail(window, qpos, None, receipt))
+                                _wire.f32(qa), *_tail(window, qpos, None, receipt,
+                                                      deadline_ms=deadline_ms,
+                                                      allow_approx=allow_approx))
         return self._result(reply, receipt, h, m, d, m > 1, squeeze, as_torch)
 
     def query_fused(self, sid: str, layer: int, q, k_suf, v_suf, head_map=None,
                     window: int = 0, receipt: bool = False,
-                    as_torch: bool | None = None) -> AttendResult:
+                    as_torch: bool | None = None, deadline_ms: int | None = None,
+                    allow_approx: bool = False) -> AttendResult:
         """ATTEND.PREFIX.QUERY_FUSED: the M queries (q [H_q, D] or [H_q, M, D]) are the last M
         of the S suffix positions; each attends the prefix and the suffix (k_suf, v_suf
         [H_kv, S, D]) causally, merged by the server. Exact; no lse."""
@@ -295,12 +306,14 @@ class Attend:
         hm = contiguous_head_map(hq, hkv) if head_map is None else head_map
         reply = self._c.execute("ATTEND.PREFIX.QUERY_FUSED", sid, int(layer), hq, d, s, hkv,
                                 _wire.f32(qa), _wire.f32(ks), _wire.f32(vs), _wire.i32(hm),
-                                *_tail(window, None, None, receipt))
+                                *_tail(window, None, None, receipt, deadline_ms=deadline_ms,
+                                       allow_approx=allow_approx))
         return self._result(reply, receipt, hq, m, d, False, squeeze, as_torch)
 
     def query_sparse(self, sid: str, layer: int, q, indices, counts=None, window: int = 0,
                      qpos: int | None = None, receipt: bool = False,
-                     as_torch: bool | None = None) -> AttendResult:
+                     as_torch: bool | None = None, deadline_ms: int | None = None,
+                     allow_approx: bool = False) -> AttendResult:
         """ATTEND.PREFIX.QUERY_SPARSE: head h attends the prefix rows it lists. `indices` is
         either int [H, K] with `counts` [H] (rows indices[h, :counts[h]]), or a list of H
         sequences of row indexes (ragged; padded here). q [H, D]; out [H, D]."""
@@ -323,13 +336,16 @@ class Attend:
             kmax = idx.shape[1]
         reply = self._c.execute("ATTEND.PREFIX.QUERY_SPARSE", sid, int(layer), h, d, kmax,
                                 _wire.f32(qa), _wire.i32(idx), _wire.i32(cnt),
-                                *_tail(window, qpos, None, receipt))
+                                *_tail(window, qpos, None, receipt, deadline_ms=deadline_ms,
+                                       allow_approx=allow_approx))
         return self._result(reply, receipt, h, 1, d, False, True, as_torch)
 
     def query_sparse_auto(self, sid: str, layer: int, q, block_size: int, k_top: int,
                           h_kv: int | None = None, head_map=None, window: int = 0,
                           qpos: int | None = None, select: str = "mean", shared: bool = False,
-                          receipt: bool = False, as_torch: bool | None = None) -> AttendResult:
+                          receipt: bool = False, as_torch: bool | None = None,
+                          deadline_ms: int | None = None,
+                          allow_approx: bool = False) -> AttendResult:
         """ATTEND.PREFIX.QUERY_SPARSE_AUTO: each query head (q [H_q, D]) scores the prefix's
         blocks of `block_size` rows (`select` "mean" or "quest") and attends the k_top best
         plus the first and last visible block; with `shared` the query heads of one K/V head
@@ -343,14 +359,16 @@ class Attend:
         hm = contiguous_head_map(hq, h_kv) if head_map is None else head_map
         reply = self._c.execute("ATTEND.PREFIX.QUERY_SPARSE_AUTO", sid, int(layer), hq, d,
                                 int(block_size), int(k_top), int(h_kv), _wire.f32(qa),
-                                _wire.i32(hm), *_tail(window, qpos, select, receipt, shared))
+                                _wire.i32(hm), *_tail(window, qpos, select, receipt, shared,
+                                                      deadline_ms, allow_approx))
         return self._result(reply, receipt, hq, 1, d, False, True, as_torch)
 
     def query_sparse_auto_fused(self, sid: str, layer: int, q, k_suf, v_suf, block_size: int,
                                 k_top: int, head_map=None, window: int = 0,
                                 select: str = "mean", shared: bool = False,
                                 receipt: bool = False,
-                                as_torch: bool | None = None) -> AttendResult:
+                                as_torch: bool | None = None, deadline_ms: int | None = None,
+                                allow_approx: bool = False) -> AttendResult:
         """ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED: one query per head (q [H_q, D]) at the last
         suffix position: sparse-auto over the prefix plus the dense causal suffix (k_suf,
         v_suf [H_kv, S, D]), merged. out [H_q, D]."""
@@ -362,7 +380,8 @@ class Attend:
         reply = self._c.execute("ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", sid, int(layer), hq, d,
                                 int(block_size), int(k_top), hkv, s, _wire.f32(qa),
                                 _wire.f32(ks), _wire.f32(vs), _wire.i32(hm),
-                                *_tail(window, None, select, receipt, shared))
+                                *_tail(window, None, select, receipt, shared, deadline_ms,
+                                       allow_approx))
         return self._result(reply, receipt, hq, 1, d, False, True, as_torch)
 
     # --- internals ----------------------------------------------------------------------------

@@ -32,7 +32,8 @@ LAYER_STORE, LAYER_FETCH, PING, AUTH, LAYER_DROP = 0x01, 0x02, 0x03, 0x04, 0x05
 ATTEND_CREATE, ATTEND_STORE, ATTEND_FINALIZE, ATTEND_QUERY = 0x20, 0x21, 0x22, 0x23
 ATTEND_INFO, ATTEND_DROP = 0x24, 0x25
 
-# Frame-level statuses (1..14 are the error kinds: 1 ERR, 3 OOM, 4 BUSY, 12 MISS, 14 TIMEOUT, ...).
+# Frame-level statuses (1..16 are the error kinds: 1 ERR, 3 OOM, 4 BUSY, 12 MISS, 14 TIMEOUT,
+# 16 READONLY, ...).
 BAD_FRAME, UNKNOWN_COMMAND, BAD_VERSION, TOO_LARGE = 64, 65, 66, 67
 _METRICS = {"ip": 0, "l2": 1, "cos": 2}
 

@@ -72,6 +72,12 @@ class DeviceError(PionError):
     prefix = "DEVERR"
 
 
+class ReadOnlyError(PionError):
+    """-READONLY: the object is published and immutable (a complete KV.PREFIX namespace):
+    nothing was changed. Drop it and register it again to publish other K/V."""
+    prefix = "READONLY"
+
+
 class AuthError(PionError):
     """Base of the authentication errors."""
 
@@ -101,11 +107,12 @@ class FullTextError(rex.ResponseError):
 
 _BY_PREFIX = {cls.prefix: cls for cls in (CommandError, OomError, BusyError, MismatchError,
                                           MissError, CorruptError, IoError, DeviceError,
-                                          DeadlineError,
+                                          DeadlineError, ReadOnlyError,
                                           NoAuthError, WrongPassError, NoPermError)}
 
 # Prefixes redis-py leaves in the message (it only strips those it knows).
-_UNSTRIPPED = set(_BY_PREFIX) - {"ERR", "NOAUTH", "NOPERM"} | {"NOPROTO", "WRONGTYPE"}
+_UNSTRIPPED = set(_BY_PREFIX) - {"ERR", "NOAUTH", "NOPERM", "READONLY"} | {"NOPROTO",
+                                                                     "WRONGTYPE"}
 
 
 def from_text(text: str) -> PionError:
@@ -125,6 +132,8 @@ def server_text(exc: rex.RedisError) -> str | None:
         return msg
     if isinstance(exc, rex.NoPermissionError):
         return "NOPERM " + msg
+    if isinstance(exc, rex.ReadOnlyError):
+        return "READONLY " + msg
     if isinstance(exc, rex.AuthenticationError):
         if msg.startswith(("NOAUTH", "WRONGPASS")):
             return msg

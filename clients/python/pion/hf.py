@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _wire
+from . import _wire, errors
 from .kvprefix import LOSSLESS, torch_dtype
 from .ssm import serialize_arrays
 
@@ -308,11 +308,16 @@ class PionPromptCache:
             ns = self._ns(namespace, g)
             self.client.kv.register(ns, len(idxs), n, h, d, self.codec, model=self.model_id,
                                     position=pos, prefill_ms=prefill_ms)
-            for j, i in enumerate(idxs):
-                layer = cache.layers[i]
-                self.client.kv.store_layer(ns, j, layer.keys[0], layer.values[0], layout="hnd",
-                                           n_tokens=n)
-                sent += 2 * h * n * d * 4
+            try:
+                for j, i in enumerate(idxs):
+                    layer = cache.layers[i]
+                    self.client.kv.store_layer(ns, j, layer.keys[0], layer.values[0],
+                                               layout="hnd")
+                    sent += 2 * h * n * d * 4
+            except errors.ReadOnlyError:
+                # Another writer of the same prefix (same model, tokens and position digest:
+                # the same K/V) completed it first; it is published and stays as it is.
+                pass
             if self.persist:
                 self.client.execute("KV.PREFIX.SAVE", ns)
         return sent

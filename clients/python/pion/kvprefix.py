@@ -76,6 +76,14 @@ class KVPrefix:
 
     def __init__(self, client: "Client"):
         self._c = client
+        # ns -> (n_layers, n_tokens, kv_heads, head_dim): what this client registered or read,
+        # to check store_layer's arguments before sending (refreshed once when they disagree).
+        self._shapes: dict[str, tuple[int, int, int, int]] = {}
+
+    def _shape(self, ns: str, fresh: bool = False) -> tuple[int, int, int, int]:
+        if fresh or ns not in self._shapes:
+            self.info(ns)
+        return self._shapes[ns]
 
     def register(self, ns: str, n_layers: int, n_tokens: int, kv_heads: int, head_dim: int,
                  fmt: str = "fp16", model: str | None = None, position: str | None = None,
@@ -91,23 +99,58 @@ class KVPrefix:
         if prefill_ms is not None:
             args += ["PREFILL_MS", repr(float(prefill_ms))]
         self._c.execute(*args)
+        self._shapes[ns] = (int(n_layers), int(n_tokens), int(kv_heads), int(head_dim))
 
     def store_layer(self, ns: str, layer: int, k, v, *, layout: str = "nhd",
                     token_offset: int = 0, n_tokens: int | None = None) -> int:
         """Writes layer `layer`'s K and V (each [t, kv_heads, head_dim] for layout "nhd", or
         [kv_heads, t, head_dim] for "hnd"; float32) at tokens token_offset .. token_offset+t
-        (default: the whole layer). `n_tokens` is the namespace's token count; None reads it
-        with KV.PREFIX.INFO (one more round trip). Returns t."""
+        (default: the whole layer). Returns t.
+
+        The layer index and the arrays' shape are checked against the namespace's manifest
+        before anything is sent (ValueError naming both): the manifest this client registered,
+        else KV.PREFIX.INFO (one round trip). `n_tokens`, when given, must be the manifest's.
+        A namespace that is already complete is published and immutable: the server refuses
+        the write with ReadOnlyError (drop and register it again to store other K/V)."""
         layout = _check_layout(layout)
-        kr, vr = _to_rows(k, layout), _to_rows(v, layout)
-        if kr.shape != vr.shape:
-            raise ValueError("K %s and V %s differ in shape" % (kr.shape, vr.shape))
-        if n_tokens is None:
-            n_tokens = self.info(ns)["n_tokens"]
+        ka, va = _wire.to_numpy(k, np.float32), _wire.to_numpy(v, np.float32)
+        if ka.shape != va.shape:
+            raise ValueError("K %s and V %s differ in shape" % (ka.shape, va.shape))
+        try:
+            self._check_layer(ns, self._shape(ns), layer, ka.shape, layout, token_offset,
+                              n_tokens)
+        except ValueError:  # what this client knew may be stale: check against the server's
+            self._check_layer(ns, self._shape(ns, fresh=True), layer, ka.shape, layout,
+                              token_offset, n_tokens)
+        n_tokens = self._shapes[ns][1]
+        kr, vr = _to_rows(ka, layout), _to_rows(va, layout)
         start = int(layer) * int(n_tokens) + int(token_offset)
         self._c.execute_many([("V.STOREBATCH", ns + "_pk", start, _wire.f32(kr)),
                               ("V.STOREBATCH", ns + "_pv", start, _wire.f32(vr))])
         return kr.shape[0]
+
+    @staticmethod
+    def _check_layer(ns, shape, layer, array_shape, layout, token_offset, n_tokens):
+        n_layers, t_all, heads, head_dim = shape
+        if n_tokens is not None and int(n_tokens) != t_all:
+            raise ValueError("n_tokens %d is not namespace %r's %d" % (n_tokens, ns, t_all))
+        if not 0 <= int(layer) < n_layers:
+            raise ValueError("layer %d is outside namespace %r's %d layers"
+                             % (layer, ns, n_layers))
+        if len(array_shape) != 3:
+            raise ValueError("K/V of a layer must be 3-d (%s), got shape %s"
+                             % (layout, array_shape))
+        t, h, d = array_shape if layout == "nhd" else (array_shape[1], array_shape[0],
+                                                       array_shape[2])
+        if (h, d) != (heads, head_dim):
+            want = (("t", heads, head_dim) if layout == "nhd" else (heads, "t", head_dim))
+            raise ValueError("K/V of shape %s (%s) do not match namespace %r: expected %s "
+                             "(kv_heads %d, head_dim %d)" % (tuple(array_shape), layout, ns,
+                                                             str(want).replace("'", ""),
+                                                             heads, head_dim))
+        if token_offset < 0 or token_offset + t > t_all or t == 0:
+            raise ValueError("tokens [%d, %d) are outside namespace %r's %d tokens"
+                             % (token_offset, token_offset + t, ns, t_all))
 
     def fetch_layer(self, ns: str, layer: int, *, raw: bool = False, layout: str = "nhd",
                     model: str | None = None, generation: int | None = None,
@@ -283,9 +326,15 @@ class KVPrefix:
         return out
 
     def lookup(self, ns: str, model: str | None = None, position: str | None = None,
-               generation: int | None = None) -> bool:
+               generation: int | None = None, explain: bool = False):
         """True (+HIT) when the namespace is complete and MODEL/POSITION match; False (+MISS)
-        otherwise. A GENERATION other than the namespace's raises MismatchError."""
+        otherwise. A GENERATION other than the namespace's raises MismatchError.
+
+        explain=True returns why instead, as a dict (KV.PREFIX.LOOKUP ... EXPLAIN): `result`
+        ("HIT", "MISS" or "MISMATCH"), `reason` ("" for a hit; "not_registered",
+        "model_differs", "position_differs", "generation_differs", "incomplete", "corrupt",
+        "sessions_lost"), `detail` (a sentence), `expected` / `held` (the identity field that
+        differs), `committed_frontier` / `n_tokens`, `cache_generation`."""
         args = ["KV.PREFIX.LOOKUP", ns]
         if model is not None:
             args += ["MODEL", model]
@@ -293,6 +342,8 @@ class KVPrefix:
             args += ["POSITION", position]
         if generation is not None:
             args += ["GENERATION", int(generation)]
+        if explain:
+            return _wire.parse_map(self._c.execute(*args, "EXPLAIN"))
         return _wire.status(self._c.execute(*args)) == "HIT"
 
     def info(self, ns: str | None = None) -> dict:
@@ -300,7 +351,10 @@ class KVPrefix:
         the tenant's totals without ns."""
         reply = self._c.execute("KV.PREFIX.INFO", ns) if ns is not None else \
             self._c.execute("KV.PREFIX.INFO")
-        return _wire.parse_map(reply, floats=self.INFO_FLOATS, bools=("complete",))
+        m = _wire.parse_map(reply, floats=self.INFO_FLOATS, bools=("complete",))
+        if ns is not None:
+            self._shapes[ns] = (m["n_layers"], m["n_tokens"], m["kv_heads"], m["head_dim"])
+        return m
 
     def blocks(self, ns: str) -> list[dict]:
         """Per 64-token block: {block, written (bool), rows, tier, saved (bool)}."""
@@ -317,6 +371,7 @@ class KVPrefix:
 
     def drop(self, ns: str) -> bool:
         """Drops the namespace, its sessions and disk copies; True when it existed."""
+        self._shapes.pop(ns, None)
         return bool(self._c.execute("KV.PREFIX.DROP", ns))
 
     def save(self, ns: str) -> None:

@@ -122,13 +122,15 @@ class SSM:
             return None
         return deserialize_arrays(blob, self._c.as_torch if as_torch is None else as_torch)
 
-    def store_blob(self, sid: str, layer: int, blob) -> None:
+    def store_blob(self, sid: str, layer: int, blob, *, deadline_ms: int | None = None) -> None:
         """Stores an opaque blob (replaces the layer's previous one)."""
-        self._c.execute("SSM.PREFIX.STORE", sid, int(layer), blob)
+        self._c.execute("SSM.PREFIX.STORE", sid, int(layer), blob, *_wire.admission(deadline_ms))
 
-    def fetch_blob(self, sid: str, layer: int) -> bytes | None:
+    def fetch_blob(self, sid: str, layer: int, *,
+                   deadline_ms: int | None = None) -> bytes | None:
         """The layer's blob, or None when absent."""
-        return self._c.execute("SSM.PREFIX.FETCH", sid, int(layer))
+        return self._c.execute("SSM.PREFIX.FETCH", sid, int(layer),
+                               *_wire.admission(deadline_ms))
 
     def drop(self, sid: str, layer: int | None = None) -> None:
         """Drops one layer, or every layer of the session and its saved copy (idempotent)."""

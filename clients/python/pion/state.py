@@ -18,35 +18,38 @@ class State:
     def __init__(self, client: "Client"):
         self._c = client
 
-    def alloc(self, slot_id: str, nbytes: int) -> None:
+    def alloc(self, slot_id: str, nbytes: int, *, deadline_ms: int | None = None) -> None:
         """Reserves a zero-filled slot of `nbytes` (again with the same size keeps the
         contents). Raises CommandError when the slot exists with another size, OomError over
         --maxmemory."""
-        self._c.execute("STATE.ALLOC", slot_id, int(nbytes))
+        self._c.execute("STATE.ALLOC", slot_id, int(nbytes), *_wire.admission(deadline_ms))
 
-    def write(self, slot_id: str, offset: int, data) -> None:
+    def write(self, slot_id: str, offset: int, data, *, deadline_ms: int | None = None) -> None:
         """Writes `data` (bytes-like, or a numpy array/torch tensor: its raw bytes in C order)
         at byte `offset`."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             a = np.ascontiguousarray(_wire.to_numpy(data))
             data = a.reshape(-1).view(np.uint8).data
-        self._c.execute("STATE.WRITE", slot_id, int(offset), data)
+        self._c.execute("STATE.WRITE", slot_id, int(offset), data,
+                        *_wire.admission(deadline_ms))
 
     def read(self, slot_id: str, offset: int = 0, length: int | None = None, dtype=None,
-             shape=None, as_torch: bool | None = None):
-        """Reads `length` bytes at `offset`. Without `dtype`, returns bytes. With `dtype`
+             shape=None, as_torch: bool | None = None, deadline_ms: int | None = None):
+        """Reads `length` bytes at `offset` (within `deadline_ms` or DeadlineError). Without `dtype`, returns bytes. With `dtype`
         (and optionally `shape`), returns a numpy array (read-only view of the reply; a torch
         tensor with as_torch); `length` then defaults to prod(shape)·itemsize."""
         if dtype is None:
             if length is None:
                 raise ValueError("STATE.READ needs a length (or a dtype and shape)")
-            return self._c.execute("STATE.READ", slot_id, int(offset), int(length))
+            return self._c.execute("STATE.READ", slot_id, int(offset), int(length),
+                                   *_wire.admission(deadline_ms))
         dt = np.dtype(dtype)
         if length is None:
             if shape is None:
                 raise ValueError("give length or shape with dtype")
             length = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        data = self._c.execute("STATE.READ", slot_id, int(offset), int(length))
+        data = self._c.execute("STATE.READ", slot_id, int(offset), int(length),
+                               *_wire.admission(deadline_ms))
         a = np.frombuffer(data, dtype=dt)
         if shape is not None:
             a = a.reshape(shape)

@@ -66,10 +66,11 @@ class VStore:
         self._c.last_store_path = "tcp"
         return self._c.execute("V.STOREBATCH", sid, int(start), _wire.f32(rows))
 
-    def store_ids(self, sid: str, ids: Sequence[int], rows) -> int:
+    def store_ids(self, sid: str, ids: Sequence[int], rows, *,
+                  deadline_ms: int | None = None) -> int:
         """Stores rows [n, dim] at the given int64 ids (a repeated id: the last row wins)."""
         return self._c.execute("V.STOREBATCH", sid, "IDS", _wire.i64(ids),
-                               _wire.f32(_rows(rows)))
+                               _wire.f32(_rows(rows)), *_wire.admission(deadline_ms))
 
     def fetch(self, sid: str, start: int, end: int, *, model: str | None = None,
               generation: int | None = None, as_torch: bool | None = None):
@@ -118,10 +119,13 @@ class VStore:
         self._formats[sid] = fmt
 
     def fetch_ids(self, sid: str, ids: Sequence[int], *, model: str | None = None,
-                  generation: int | None = None, as_torch: bool | None = None):
-        """Rows at `ids`, in that order: float32 [len(ids), dim]."""
+                  generation: int | None = None, as_torch: bool | None = None,
+                  deadline_ms: int | None = None):
+        """Rows at `ids`, in that order: float32 [len(ids), dim] (within `deadline_ms`, or
+        DeadlineError)."""
         ids = [int(i) for i in ids]
-        data = self._c.fetch_many([("V.FETCH", sid, *ids, *_identity(model, generation))])[0]
+        data = self._c.fetch_many([("V.FETCH", sid, *ids, *_identity(model, generation),
+                                    *_wire.admission(deadline_ms))])[0]
         return self._c._out(_wire.from_f32(data, (len(ids), -1)), as_torch)
 
     def fetch_raw(self, sid: str, start: int, end: int, *, decode: bool = True,
