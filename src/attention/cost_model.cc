@@ -113,12 +113,27 @@ CostModel::Fit CostModel::FitOf(const CostKey& key, const Stats& s) {
   return f;
 }
 
+double CostModel::Scaled(const Fit& f, const Stats& s, double units) {
+  const double shape = f.fixed_s + f.per_unit_s * units;
+  const size_t n = std::min<uint64_t>(s.n, kRecent);
+  if (n < 5) return shape;
+  std::array<double, kRecent> ratio{};
+  size_t m = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double fitted = f.fixed_s + f.per_unit_s * s.recent[i].first;
+    if (fitted > 0) ratio[m++] = s.recent[i].second / fitted;
+  }
+  if (m == 0) return shape;
+  const size_t k = m * 3 / 10;
+  std::nth_element(ratio.begin(), ratio.begin() + k, ratio.begin() + m);
+  return shape * ratio[k];
+}
+
 std::optional<double> CostModel::Estimate(const CostKey& key, const Work& w) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = stats_.find(key);
   if (it != stats_.end() && it->second.w > 0) {
-    const Fit f = FitOf(key, it->second);
-    return f.fixed_s + f.per_unit_s * w.units();
+    return Scaled(FitOf(key, it->second), it->second, w.units());
   }
   // A neighbour: the same backend, form and way of running, the nearest dtype / row class
   // measured (its rate per unit; units already count the dtype's bytes).
@@ -135,8 +150,7 @@ std::optional<double> CostModel::Estimate(const CostKey& key, const Work& w) con
     }
   }
   if (best == nullptr) return std::nullopt;
-  const Fit f = FitOf(key, *best);
-  return f.fixed_s + f.per_unit_s * w.units();
+  return Scaled(FitOf(key, *best), *best, w.units());
 }
 
 void CostModel::Record(const CostKey& key, const Work& w, double seconds) {
@@ -149,6 +163,7 @@ void CostModel::Record(const CostKey& key, const Work& w, double seconds) {
   s.sy = s.sy * kDecay + seconds;
   s.sxx = s.sxx * kDecay + x * x;
   s.sxy = s.sxy * kDecay + x * seconds;
+  s.recent[s.n % kRecent] = {x, seconds};
   ++s.n;
 }
 
@@ -223,7 +238,7 @@ void CalibrateCpu(CostModel& model, const kernels::AttentionKernels& kern, const
       const Work w = WorkOf(plan, rows, heads, key.dtype, summarized);
       const auto t0 = std::chrono::steady_clock::now();
       if (!summarized && plan.summaries.mean != nullptr) {
-        kern.Summarize(k, plan.summaries);
+        Summarize(kern, par, k, plan.summaries);
       }
       Receipt r;
       const bool lse_out = plan.form != Form::kSparseAuto && plan.form != Form::kSparseAutoFused;

@@ -6,13 +6,16 @@
 // the summaries' first build, included) plus their multiply-adds. Seconds = fixed + per_unit ·
 // units, fitted per key — backend, form, K/V dtype, query rows per head (1, 2–16, 17+), and
 // whether it runs inline on a shard thread or split across the compute pool — by exponentially
-// weighted least squares over the queries that ran (newest weigh most). A key nothing has run
+// weighted least squares over the queries that ran (newest weigh most), scaled to the low side
+// of the recent samples (their 30th percentile against the fit: runs slowed by other work on
+// the machine do not make a query look slower than it usually is). A key nothing has run
 // under yet is measured on demand (CPU: CalibrateCpu runs the form on synthetic K/V of the
 // key's shape and dtype, once) or borrows a measured neighbour's rate (same backend and form);
 // with nothing comparable measured there is no estimate and nothing is refused on a guess.
 // Thread-safe.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -75,11 +78,17 @@ class CostModel {
   std::vector<Fit> Fits() const;
 
  private:
+  static constexpr size_t kRecent = 32;
   struct Stats {  // weighted sums of (x = units, y = seconds)
     double w = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
     uint64_t n = 0;
+    // The last kRecent samples: how far the fit's shape sits from what really ran (the low
+    // side of it: a run slowed by other work is the machine's noise, not the query's cost).
+    std::array<std::pair<double, double>, kRecent> recent{};
   };
   static Fit FitOf(const CostKey& key, const Stats& s);
+  // The fit scaled to the 30th percentile of the recent samples' seconds / fitted seconds.
+  static double Scaled(const Fit& f, const Stats& s, double units);
 
   mutable std::mutex mu_;
   std::map<CostKey, Stats> stats_;

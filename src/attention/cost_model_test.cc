@@ -63,6 +63,18 @@ TEST(CostModel, FitsFixedCostAndRateAndFollowsTheNewest) {
   EXPECT_NEAR(*m.Estimate(key, Work{8e6, 0}), 50e-6 + 16e-3, 2e-4);
 }
 
+TEST(CostModel, RunsSlowedByOtherWorkDoNotInflateTheEstimate) {
+  CostModel m;
+  const CostKey key = KeyOf(false, Decode(32, 128), DType::kF32, false);
+  for (int i = 0; i < 40; ++i) {
+    const double units = 1e6 * (1 + i % 3);
+    const bool slowed = i % 4 == 0;  // a quarter of the runs shared the cores: twice as long
+    m.Record(key, Work{units, 0}, units * 1e-9 * (slowed ? 2.0 : 1.0));
+  }
+  // The query itself takes 1 ns a unit: the estimate stays near it, not near the mean (1.25).
+  EXPECT_NEAR(*m.Estimate(key, Work{4e6, 0}), 4e-3, 0.3e-3);
+}
+
 TEST(CostModel, OneSizeGivesARateThroughTheOrigin) {
   CostModel m;
   const CostKey key = KeyOf(false, Decode(32, 128), DType::kF32, false);

@@ -33,6 +33,27 @@ std::string_view FormName(Form f) {
   return "unknown";
 }
 
+void Summarize(const kernels::AttentionKernels& kern, const Parallel& par, const Tensor3& k,
+               const kernels::BlockSummaries& out) {
+  const uint32_t pieces = std::max(1u, std::min<uint32_t>(k.heads, std::max(par.threads, 1)));
+  par.For(pieces, [&](size_t i) {
+    const uint32_t h0 = static_cast<uint32_t>(k.heads * i / pieces);
+    const uint32_t h1 = static_cast<uint32_t>(k.heads * (i + 1) / pieces);
+    if (h0 == h1) return;
+    Tensor3 part = k;  // heads [h0, h1): their rows, and for fp8 their scales
+    part.data = k.Row(h0, 0);
+    part.heads = h1 - h0;
+    if (k.scales != nullptr) part.scales = k.scales + static_cast<size_t>(h0) * k.rows;
+    kernels::BlockSummaries s = out;
+    const size_t at = static_cast<size_t>(h0) * out.nblocks * out.d;
+    s.mean += at;
+    s.min += at;
+    s.max += at;
+    s.heads = h1 - h0;
+    kern.Summarize(part, s);
+  });
+}
+
 uint32_t SplitsFor(uint64_t bytes_read, uint64_t rows, int threads) {
   constexpr uint64_t kMinBytesPerPiece = 256 << 10;  // below this, a thread hop costs more
   constexpr uint64_t kMinRowsPerPiece = 64;

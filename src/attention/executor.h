@@ -84,6 +84,11 @@ Status Run(const kernels::AttentionKernels& kernels, const Parallel& parallel, P
            const kernels::Tensor3& k, const kernels::Tensor3& v, float* out, float* lse,
            Receipt* receipt);
 
+// Fills block summaries of k (heads, nblocks, block, d set; arrays allocated), the K/V heads
+// split across `parallel`.
+void Summarize(const kernels::AttentionKernels& kernels, const Parallel& parallel,
+               const kernels::Tensor3& k, const kernels::BlockSummaries& out);
+
 // How many key-range pieces a dense pass over `rows` rows should use with `threads` threads.
 uint32_t SplitsFor(uint64_t bytes_read, uint64_t rows, int threads);
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -274,6 +275,29 @@ TEST(Executor, TopKKeepsTheBestKeys) {
       if (s > bs) bs = s, best = static_cast<int>(t);
     }
     for (uint32_t j = 0; j < D; ++j) EXPECT_NEAR(one[h * D + j], kv.v[best * D + j], 1e-6f);
+  }
+}
+
+TEST(Executor, SummariesSplitAcrossHeadsEqualOnePass) {
+  std::mt19937 rng(21);
+  const uint32_t H = 5, N = 300, D = 64, B = 32, nb = (N + B - 1) / B;
+  Data kv(H, N, D, rng);
+  // fp32 and fp8 (its row scales follow the elements: each head range takes its own).
+  std::vector<uint8_t> fp8(kernels::TensorBytes(DType::kFP8, H, N, D));
+  for (size_t i = 0; i < size_t{H} * N * D; ++i) fp8[i] = static_cast<uint8_t>(rng() % 0x7e);
+  float* scales = reinterpret_cast<float*>(fp8.data() + size_t{H} * N * D);
+  for (size_t i = 0; i < size_t{H} * N; ++i) scales[i] = 0.01f * (1 + i % 7);
+  for (const Tensor3 k : {kv.K(), kernels::MakeTensor(fp8.data(), DType::kFP8, H, N, D)}) {
+    std::vector<float> a(size_t{H} * nb * D * 3), b(a.size());
+    const size_t n = size_t{H} * nb * D;
+    kernels::BlockSummaries one{a.data(), a.data() + n, a.data() + 2 * n, H, nb, B, D};
+    kernels::BlockSummaries split{b.data(), b.data() + n, b.data() + 2 * n, H, nb, B, D};
+    kernels::CpuKernels().Summarize(k, one);
+    Parallel par{3, [](size_t m, const std::function<void(size_t)>& fn) {
+                   for (size_t i = m; i-- > 0;) fn(i);  // out of order, as threads take them
+                 }};
+    Summarize(kernels::CpuKernels(), par, k, split);
+    EXPECT_EQ(a, b);
   }
 }
 

@@ -289,7 +289,7 @@ QueryResult Execute(server::Server* srv, const QueryJob& job, const attention::P
   if (job.summaries && !job.gpu) {
     std::call_once(job.summaries->filled, [&] {
       const auto t0 = std::chrono::steady_clock::now();
-      kern.Summarize(slot.Tensor(job.k), job.summaries->View(slot.heads, slot.d));
+      attention::Summarize(kern, par, slot.Tensor(job.k), job.summaries->View(slot.heads, slot.d));
       job.summaries->ready.store(true, std::memory_order_release);
       summarize_us =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
