@@ -418,3 +418,156 @@ def test_lookup_hit_rate_metrics_per_tenant(pion_factory, tmp_path):
     assert (count("tenant-b", "hit"), count("tenant-b", "miss")) == (0, 1)
     assert re.search(r'^pion_prefix_lookups_total\{tenant="default",result="hit"\} 0$', text,
                      re.M)
+
+
+FORMATS_53 = ["fp32", "fp16", "bf16", "int8", "fp8", "fp8_e5m2", "turbo4"]
+
+
+def _pion():
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients",
+                                    "python"))
+    import pion
+    return pion
+
+
+def _decode(fmt, dim, data, n):
+    codecs = _pion().codecs
+    return codecs.decode(fmt, dim, codecs.default_block(fmt), data, n)
+
+
+@pytest.mark.parametrize("fmt", FORMATS_53)
+def test_fetch_heads_reads_a_tp_ranks_share(shared_pion, fmt):
+    """Issue 53 §1: V.FETCH ... HEADS <first> <count> gives those K/V heads of a layer, exactly
+    the values of the full rows, in a quarter of the bytes for a TP-4 reader of 8 heads."""
+    r = shared_pion.client()
+    L_, T_, H_, D_ = 2, 100, 8, 128
+    ns = "tp-" + fmt
+    r.execute_command("KV.PREFIX.REGISTER", ns, L_, T_, H_, D_, fmt)
+    rng = np.random.default_rng(53)
+    for part in ("pk", "pv"):
+        r.execute_command("V.STOREBATCH", f"{ns}_{part}", 0,
+                          rng.standard_normal((L_ * T_, H_ * D_)).astype(np.float32).tobytes())
+    lo, hi = T_, 2 * T_  # layer 1
+    full = np.frombuffer(r.execute_command("V.FETCH", ns + "_pk", "RANGE", lo, hi), np.float32)
+    full = full.reshape(T_, H_, D_)
+    full_raw = r.execute_command("V.FETCH", ns + "_pk", "RANGE", lo, hi, "RAW")
+    for rank in range(4):
+        first, count = _pion().tp_heads(H_, rank, 4)
+        got = np.frombuffer(r.execute_command("V.FETCH", ns + "_pk", "RANGE", lo, hi, "HEADS",
+                                              first, count), np.float32)
+        assert np.array_equal(got.reshape(T_, count, D_), full[:, first:first + count])
+        raw = r.execute_command("V.FETCH", ns + "_pk", "RANGE", lo, hi, "RAW", "HEADS", first,
+                                count)
+        assert len(raw) <= len(full_raw) // 4 + 4 * T_, (len(raw), len(full_raw))
+        dec = _decode(fmt, count * D_, raw, T_).reshape(T_, count, D_)
+        assert np.array_equal(dec, full[:, first:first + count]), fmt
+    # Ids too, and HEADS with the identity options in any order.
+    got = np.frombuffer(r.execute_command("V.FETCH", ns + "_pv", T_ + 3, T_ + 1, "HEADS", 7, 1,
+                                          "GENERATION", info(r, ns)["cache_generation"]),
+                        np.float32)
+    fullv = np.frombuffer(r.execute_command("V.FETCH", ns + "_pv", T_ + 3, T_ + 1), np.float32)
+    assert np.array_equal(got.reshape(2, D_), fullv.reshape(2, H_, D_)[:, 7])
+
+
+def test_fetch_as_transcodes_like_the_target_encoder(shared_pion):
+    """Issue 53 §2: V.FETCH ... AS <codec> sends the rows in the reader's codec, exactly as that
+    codec's own encoder stores the stored values (lossless where it holds them)."""
+    r = shared_pion.client()
+    T_, H_, D_ = 96, 4, 64
+    rng = np.random.default_rng(54)
+    x = rng.standard_normal((T_, H_ * D_)).astype(np.float32)
+    for src in ("bf16", "fp16", "fp8", "int8", "turbo3"):
+        ns = "as-" + src
+        r.execute_command("KV.PREFIX.REGISTER", ns, 1, T_, H_, D_, src)
+        for part in ("pk", "pv"):
+            r.execute_command("V.STOREBATCH", f"{ns}_{part}", 0, x.tobytes())
+        decoded = np.frombuffer(r.execute_command("V.FETCH", ns + "_pk", "RANGE", 0, T_),
+                                np.float32)
+        for dst in ("fp16", "bf16", "fp8", "int8", "fp32"):
+            got = r.execute_command("V.FETCH", ns + "_pk", "RANGE", 0, T_, "AS", dst)
+            ref = "ref-%s-%s" % (src, dst)  # the target's own encoder, over the stored values
+            r.execute_command("V.CREATE", ref, H_ * D_, dst)
+            r.execute_command("V.STOREBATCH", ref, 0, decoded.tobytes())
+            assert got == r.execute_command("V.FETCH", ref, "RANGE", 0, T_, "RAW"), (src, dst)
+            # With HEADS: the target encoder over those heads' values.
+            got = r.execute_command("V.FETCH", ns + "_pk", "RANGE", 0, T_, "HEADS", 1, 2, "AS",
+                                    dst)
+            ref2 = ref + "-h"
+            r.execute_command("V.CREATE", ref2, 2 * D_, dst)
+            r.execute_command("V.STOREBATCH", ref2, 0, np.ascontiguousarray(
+                decoded.reshape(T_, H_, D_)[:, 1:3]).tobytes())
+            assert got == r.execute_command("V.FETCH", ref2, "RANGE", 0, T_, "RAW"), (src, dst)
+        # Lossless where the target holds the source: bf16/fp16/fp8 as fp32 are the values.
+        if src in ("bf16", "fp16", "fp8"):
+            assert np.array_equal(np.frombuffer(r.execute_command(
+                "V.FETCH", ns + "_pk", "RANGE", 0, T_, "AS", "fp32"), np.float32), decoded)
+        # The stored codec: the stored bytes.
+        assert r.execute_command("V.FETCH", ns + "_pk", "RANGE", 0, T_, "AS", src) == \
+            r.execute_command("V.FETCH", ns + "_pk", "RANGE", 0, T_, "RAW")
+    fp8 = r.execute_command("V.FETCH", "as-bf16_pk", "RANGE", 0, T_, "AS", "fp8")
+    bf16 = r.execute_command("V.FETCH", "as-bf16_pk", "RANGE", 0, T_, "RAW")
+    assert len(fp8) <= 0.55 * len(bf16)
+
+
+def test_fetch_heads_and_as_errors(shared_pion):
+    r = shared_pion.client()
+    r.execute_command("KV.PREFIX.REGISTER", "he", 1, 64, 8, 64, "turbo4")
+    for part in ("pk", "pv"):
+        r.execute_command("V.STOREBATCH", "he_" + part, 0, np.ones((64, 512), np.float32).tobytes())
+    r.execute_command("V.CREATE", "plainv", 8, "fp32")
+    r.execute_command("V.STOREBATCH", "plainv", 0, np.ones((2, 8), np.float32).tobytes())
+    cases = [
+        (("V.FETCH", "plainv", "RANGE", 0, 2, "HEADS", 0, 1),
+         "ERR HEADS applies to KV.PREFIX sessions"),
+        (("V.FETCH", "he_pk", "RANGE", 0, 64, "HEADS", 6, 3),
+         "ERR HEADS 6 3 is not inside the namespace's 8 K/V heads"),
+        (("V.FETCH", "he_pk", "RANGE", 0, 64, "HEADS", 0, 0),
+         "ERR HEADS 0 0 is not inside"),
+        (("V.FETCH", "he_pk", "RANGE", 0, 64, "RAW", "HEADS", 1, 1),
+         "ERR RAW columns [64, 128) of a turbo4 row split its blocks of 128 values"),
+        (("V.FETCH", "he_pk", "RANGE", 0, 64, "AS", "fp9"),
+         "ERR AS must name a codec, one of"),
+        (("V.FETCH", "he_pk", "RANGE", 0, 64, "HEADS", 1, 1, "AS", "turbo4"),
+         "ERR AS turbo4 cannot hold rows of 64 values"),
+        (("V.FETCH", "he_pk", "RANGE", 0, 64, "HEADS", "x", 1), "ERR HEADS first must be"),
+    ]
+    with shared_pion.raw() as c:
+        for cmd, want in cases:
+            got = str(c.call(*cmd))
+            assert got.startswith(want), (cmd, got)
+    # Decoded, the split block is no problem; and AS of the whole row fits turbo's blocks.
+    assert len(r.execute_command("V.FETCH", "he_pk", "RANGE", 0, 64, "HEADS", 1, 1)) == 64 * 64 * 4
+    assert r.execute_command("V.FETCH", "he_pk", "RANGE", 0, 64, "HEADS", 2, 2, "AS", "turbo4")
+
+
+def test_python_fetch_layer_heads_and_as_codec(pion_factory, tmp_path):
+    """kv.fetch_layer(heads=tp_heads(...), as_codec=...) over TCP and shared memory."""
+    pion = _pion()
+    path = str(tmp_path / "p.sock")
+    if len(path) > 100:
+        pytest.skip("tmp path too long for a Unix socket")
+    srv = pion_factory("--unixsocket", path)
+    L_, T_, H_, D_ = 2, 130, 8, 64
+    rng = np.random.default_rng(55)
+    k = rng.standard_normal((T_, H_, D_)).astype(np.float32)
+    with pion.Client(port=srv.port) as tcp, pion.Client(unix_socket_path=path) as local:
+        tcp.kv.register("pyh", L_, T_, H_, D_, "bf16")
+        for layer in range(L_):
+            tcp.kv.store_layer("pyh", layer, k * (layer + 1), k)
+        fk, fv = tcp.kv.fetch_layer("pyh", 1)
+        for c, path_name in ((tcp, "tcp"), (local, "shm")):
+            for rank in range(4):
+                first, count = pion.tp_heads(H_, rank, 4)
+                hk, hv = c.kv.fetch_layer("pyh", 1, heads=(first, count))
+                assert c.last_fetch_path == path_name
+                assert np.array_equal(hk, fk[:, first:first + count])
+                assert np.array_equal(hv, fv[:, first:first + count])
+            qk, _ = c.kv.fetch_layer("pyh", 1, as_codec="fp8", layout="hnd", heads=(2, 2))
+            want = pion.codecs.decode("fp8", 2 * D_, 0, tcp.execute(
+                "V.FETCH", "pyh_pk", "RANGE", T_, 2 * T_, "HEADS", 2, 2, "AS", "fp8"), T_)
+            assert np.array_equal(qk, want.reshape(T_, 2, D_).transpose(1, 0, 2))
+    assert pion.tp_heads(8, 3, 4) == (6, 2) and pion.tp_heads(2, 5, 8) == (1, 1)
+    with pytest.raises(ValueError):
+        pion.tp_heads(6, 0, 4)

@@ -24,6 +24,12 @@
 namespace pion::families {
 namespace vstore {
 
+store::PrefixEntry* PrefixOf(server::CommandContext& ctx, std::string_view sid) {
+  std::string_view ns = SessionRouteKey(sid);
+  if (ns.size() == sid.size()) return nullptr;
+  return ctx.shard->store().prefixes.Find(ctx.Key(ns));
+}
+
 std::string_view SessionRouteKey(std::string_view sid) {
   if (sid.size() > 3 && (sid.ends_with("_pk") || sid.ends_with("_pv"))) {
     return sid.substr(0, sid.size() - 3);
@@ -35,6 +41,7 @@ std::string_view SessionRouteKey(std::string_view sid) {
 
 namespace {
 
+using vstore::PrefixOf;
 using vstore::SessionRouteKey;
 
 using proto::CmdArgs;
@@ -76,13 +83,6 @@ void Create(CommandContext& ctx, CmdArgs& args) {
   s = ctx.shard->store().vstore.Create(ctx.Key(args[1]), codec.value());
   if (!s.ok()) return ctx.Error(s);
   ctx.rb->Ok();
-}
-
-// The KV.PREFIX namespace whose session this is, if any ("<ns>_pk" / "<ns>_pv").
-store::PrefixEntry* PrefixOf(CommandContext& ctx, std::string_view sid) {
-  std::string_view ns = SessionRouteKey(sid);
-  if (ns.size() == sid.size()) return nullptr;
-  return ctx.shard->store().prefixes.Find(ctx.Key(ns));
 }
 
 // Before a store: the written chunks it touches must be in memory, and its new bytes must fit
@@ -241,209 +241,6 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->Integer(static_cast<int64_t>(stored));
 }
 
-// V.FETCH … RANGE … SHM: the stored bytes as (segment, offset, length) pieces in the tenant's
-// shared-memory arena, under a lease that keeps them unchanged until released. Pieces held
-// outside an arena (a prefix warmed from disk) are copied into one first.
-void ReplyShm(CommandContext& ctx, const store::VSession& session,
-              const store::VSession::HostView& view, int64_t start, int64_t end) {
-  server::ShmPlane& plane = ctx.server->shm();
-  struct Piece {
-    int segment;
-    uint64_t offset, length;
-  };
-  std::vector<Piece> pieces;
-  std::vector<BufferRef> held;
-  uint64_t total = 0;
-  Status failed;
-  session.RawRange(view, start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
-    if (!failed.ok()) return;
-    BufferRef src = b;
-    uint64_t off = static_cast<uint64_t>(p - b->data());
-    if (b->segment_fd() < 0) {
-      auto copy = plane.AllocatorFor(ctx.tenant)->Allocate(len);
-      if (!copy.ok()) {
-        failed = copy.status();
-        return;
-      }
-      std::memcpy(copy.value()->data(), p, len);
-      src = std::move(copy).value();
-      off = 0;
-    }
-    total += len;
-    const int segment = src->segment_fd();
-    const uint64_t at = src->segment_offset() + off;
-    if (held.empty() || held.back() != src) held.push_back(src);  // the lease keeps it unchanged
-    if (!pieces.empty() && pieces.back().segment == segment &&
-        pieces.back().offset + pieces.back().length == at) {
-      // Adjacent in the segment (one buffer, or chunks allocated one after another): one piece,
-      // so the client makes one copy of it.
-      pieces.back().length += len;
-      return;
-    }
-    pieces.push_back({segment, at, len});
-  });
-  if (!failed.ok()) return ctx.Error(failed);
-  auto lease = plane.Grant(ctx.client_id, std::move(held), total);
-  if (!lease.ok()) return ctx.Error(lease.status());
-  auto& rb = *ctx.rb;
-  rb.Map(5);
-  rb.Bulk("lease");
-  rb.Integer(static_cast<int64_t>(lease.value()));
-  rb.Bulk("bytes");
-  rb.Integer(static_cast<int64_t>(total));
-  rb.Bulk("row_bytes");
-  rb.Integer(static_cast<int64_t>(session.codec().row_bytes()));
-  rb.Bulk("pieces");
-  rb.Array(pieces.size());
-  for (const Piece& p : pieces) {
-    rb.Array(3);
-    rb.Integer(p.segment);
-    rb.Integer(static_cast<int64_t>(p.offset));
-    rb.Integer(static_cast<int64_t>(p.length));
-  }
-  rb.Bulk("epoch");  // the arena's punch epoch: pinned (CUDA-registered) pages older than it
-  rb.Integer(static_cast<int64_t>(plane.ArenaFor(ctx.tenant)->punch_epoch()));  // are stale
-}
-
-constexpr std::string_view kFetchSyntax =
-    "syntax: V.FETCH <sid> <id> [<id> ...] | <sid> RANGE <start> <end>, then any of [RAW|SHM] "
-    "[MODEL <id>] [GENERATION <g>] [DEADLINE <ms>]";
-
-void Fetch(CommandContext& ctx, CmdArgs& args) {
-  store::PrefixEntry* prefix = PrefixOf(ctx, args[1]);
-  if (prefix != nullptr &&
-      kvprefix::ParkUntilOpen(ctx, {ctx.tenant, std::string(SessionRouteKey(args[1]))})) {
-    return;  // a namespace found on disk: its sessions first
-  }
-  auto entry = ctx.shard->store().vstore.Get(ctx.Key(args[1]));
-  if (!entry.ok()) return ctx.Error(entry.status());
-  const store::VSession& session = *entry.value()->session;
-  if (prefix != nullptr) {
-    const store::TenantKey ns{ctx.tenant, std::string(SessionRouteKey(args[1]))};
-    Status intact =
-        kvprefix::Intact(*ctx.server, ns, prefix,
-                         kvprefix::SessionsOf(*ctx.shard, ctx.tenant, ns.name, prefix->manifest));
-    if (!intact.ok()) return ctx.Error(intact);
-  }
-  // Trailing options (ids are integers, so keywords cannot be mistaken for them):
-  // RAW, and for a KV.PREFIX session the identity the reader expects, MODEL <id> and
-  // GENERATION <g> — a reader of another model or of a dropped generation is refused.
-  size_t end_arg = args.size();
-  bool raw = false, shm = false;
-  while (end_arg > 2) {
-    if (EqualsIgnoreCase(args[end_arg - 1], "RAW")) {
-      raw = true;
-      --end_arg;
-    } else if (EqualsIgnoreCase(args[end_arg - 1], "SHM")) {
-      shm = raw = true;  // a mapping of the stored encoding
-      --end_arg;
-    } else if (end_arg > 3 && (EqualsIgnoreCase(args[end_arg - 2], "MODEL") ||
-                               EqualsIgnoreCase(args[end_arg - 2], "GENERATION"))) {
-      std::string_view opt = args[end_arg - 2], val = args[end_arg - 1];
-      if (prefix == nullptr) {
-        return ctx.Error(Error(std::string(opt) +
-                               " applies to KV.PREFIX sessions (<ns>_pk, "
-                               "<ns>_pv); '" +
-                               std::string(args[1]) + "' is not one"));
-      }
-      const auto& m = prefix->manifest;
-      if (EqualsIgnoreCase(opt, "MODEL") && val != m.model) {
-        return ctx.Error(Status(ErrorKind::kMismatch, "session '" + std::string(args[1]) +
-                                                          "' holds model '" + m.model + "', not '" +
-                                                          std::string(val) + "'"));
-      }
-      if (EqualsIgnoreCase(opt, "GENERATION")) {
-        uint64_t g = 0;
-        Status gs = ParseUint(val, "GENERATION", &g);
-        if (!gs.ok()) return ctx.Error(gs);
-        if (g != m.cache_generation) {
-          return ctx.Error(Status(ErrorKind::kMismatch,
-                                  "session '" + std::string(args[1]) + "' is at generation " +
-                                      std::to_string(m.cache_generation) + ", not " +
-                                      std::to_string(g) +
-                                      " (its namespace was dropped and registered again)"));
-        }
-      }
-      end_arg -= 2;
-    } else {
-      break;
-    }
-  }
-  const bool range = end_arg > 2 && EqualsIgnoreCase(args[2], "RANGE");
-  if (shm && !range) return ctx.Error(Error("SHM needs the RANGE form of V.FETCH"));
-  if (shm && !ctx.unix_socket) {
-    return ctx.Error(
-        Error("SHM mappings are only given to clients on the Unix socket (--unixsocket); this "
-              "connection is TCP: fetch without SHM"));
-  }
-  int64_t start = 0, end = 0;
-  std::vector<int64_t> ids;
-  Status s;
-  if (range) {
-    if (end_arg != 5) return ctx.Error(Error(std::string(kFetchSyntax)));
-    s = ParseInt(args[3], "start", &start);
-    if (s.ok()) s = ParseInt(args[4], "end", &end);
-    if (s.ok() && (start < 0 || end <= start)) {
-      s = Error("RANGE needs 0 <= start < end, got " + std::to_string(start) + " " +
-                std::to_string(end));
-    }
-    if (!s.ok()) return ctx.Error(s);
-    s = session.CheckRange(start, end);
-  } else {
-    if (end_arg < 3) return ctx.Error(Error(std::string(kFetchSyntax)));
-    ids.resize(end_arg - 2);
-    for (size_t i = 2; i < end_arg && s.ok(); ++i) s = ParseInt(args[i], "id", &ids[i - 2]);
-    if (!s.ok()) return ctx.Error(s);
-    s = session.CheckIds(ids.data(), ids.size());
-  }
-  if (!s.ok()) {  // a missing id: name the session too
-    return ctx.Error(Error(s.message() + " in session '" + std::string(args[1]) + "'"));
-  }
-  const uint64_t n = range ? static_cast<uint64_t>(end - start) : ids.size();
-  const uint64_t bytes = n * (raw ? session.codec().row_bytes() : size_t{4} * session.dim());
-  const uint64_t max = ctx.server->settings().proto_max_bulk_len.load();
-  if (!shm && bytes > max) {
-    return ctx.Error(Error("reply of " + std::to_string(n) + " rows is " + std::to_string(bytes) +
-                           " bytes, more than proto-max-bulk-len " + std::to_string(max) +
-                           "; fetch it in parts"));
-  }
-  // The chunks it reads in memory (brought back from disk first when they were demoted).
-  store::VSession::HostView view;
-  std::vector<residency::ObjectRef> missing;
-  auto take_view = [&] {
-    return range ? session.ViewRange(start, end, &view, &missing)
-                 : session.ViewIds(ids.data(), ids.size(), &view, &missing);
-  };
-  if (!take_view()) {
-    if (!ctx.Resident(missing, residency::Tier::kHost)) return;  // runs again once they are in
-    missing.clear();
-    if (!take_view()) {
-      return ctx.Error(Status(ErrorKind::kMiss, "chunks of '" + std::string(args[1]) +
-                                                    "' left memory while being read; retry"));
-    }
-  }
-  if (shm) return ReplyShm(ctx, session, view, start, end);
-  if (raw && range) {  // straight from the stored chunks, no copy
-    ctx.rb->BulkStart(bytes);
-    session.RawRange(view, start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
-      ctx.rb->BulkPiece(b, p, len);
-    });
-    ctx.rb->BulkEnd();
-    return;
-  }
-  auto out = BufferAllocator::Default()->Allocate(bytes);
-  if (!out.ok()) return ctx.Error(out.status());
-  uint8_t* dst = out.value()->data();
-  if (raw) {
-    session.RawIds(view, ids.data(), ids.size(), dst);
-  } else if (range) {
-    session.DecodeRange(view, start, end, reinterpret_cast<float*>(dst));
-  } else {
-    session.DecodeIds(view, ids.data(), ids.size(), reinterpret_cast<float*>(dst));
-  }
-  ctx.rb->BulkRef(out.value());
-}
-
 // A session of a published KV.PREFIX namespace never changes (kvprefix::Published): V.DROP and
 // V.RESTORE of one are refused like a write. Ok otherwise.
 Status CheckNotPublished(CommandContext& ctx, std::string_view sid, std::string_view what) {
@@ -576,11 +373,13 @@ void RegisterVStoreFamily(server::Server& srv) {
        "<sid> <start_id> <fp32_blob> | <sid> IDS <int64_ids_blob> <fp32_blob> | <sid> <start_id> "
        "SHM <lease> [CRC32 <value>]"},
       {{"CRC32", 1}}));
-  reg(WithOptions({"V.FETCH", -3, kKv | kCmdReadOnly | kCmdDeadline, 1, 1, 1, Fetch, "vstore",
-                   "Fetches rows as fp32 (or RAW stored encoding) by ids or an id range.",
-                   "<sid> <id> [<id> ...] | <sid> RANGE <start> <end>, then [RAW|SHM] "
-                   "[MODEL <id>] [GENERATION <g>]"},
-                  {{"RAW", 0}, {"SHM", 0}, {"MODEL", 1}, {"GENERATION", 1}}));
+  reg(WithOptions(
+      {"V.FETCH", -3, kKv | kCmdReadOnly | kCmdDeadline, 1, 1, 1, vstore::Fetch, "vstore",
+       "Fetches rows as fp32 (or RAW stored encoding) by ids or an id range; of a "
+       "KV.PREFIX session, some K/V heads (HEADS) or in another codec (AS).",
+       "<sid> <id> [<id> ...] | <sid> RANGE <start> <end>, then [RAW|SHM] "
+       "[HEADS <first> <count>] [AS <codec>] [MODEL <id>] [GENERATION <g>]"},
+      {{"RAW", 0}, {"SHM", 0}, {"MODEL", 1}, {"GENERATION", 1}, {"HEADS", 2}, {"AS", 1}}));
   reg({"V.DROP", 2, kKv | kCmdWrite, 1, 1, 1, Drop, "vstore",
        "Deletes a session and its snapshots; replies 1 if it existed.", "<sid>"});
   reg({"V.SNAPSHOT", 2, kKv | kCmdWrite | kCmdDenyOom, 1, 1, 1, Snapshot, "vstore",

@@ -10,12 +10,19 @@
 
 #include "families/cluster_internal.h"
 #include "server/command.h"
+#include "store/prefix_registry.h"
 
 namespace pion::families::vstore {
 
 // "<ns>_pk" / "<ns>_pv" route like "<ns>" (a KV.PREFIX namespace and its sessions share a
 // shard); other session ids route as themselves.
 std::string_view SessionRouteKey(std::string_view sid);
+
+// The KV.PREFIX namespace whose session `sid` is ("<ns>_pk" / "<ns>_pv"), or null.
+store::PrefixEntry* PrefixOf(server::CommandContext& ctx, std::string_view sid);
+
+// V.FETCH (vstore_fetch.cc).
+void Fetch(server::CommandContext& ctx, proto::CmdArgs& args);
 
 std::string SealedDir(server::Server& srv);
 // V.COMMIT <sid> <snapshot>.

@@ -88,6 +88,8 @@ Status TakeAdmission(const CommandSpec& spec, proto::CmdArgs& args, int64_t* dea
       end -= 2;
     } else if (pair && values_of(args[end - 2]) == 1) {
       end -= 2;
+    } else if (end >= positional + 3 && values_of(args[end - 3]) == 2) {
+      end -= 3;
     } else if (values_of(args[end - 1]) == 0 || IsWord(args[end - 1])) {
       end -= 1;  // an option without a value, or an unknown word the command will name
     } else {

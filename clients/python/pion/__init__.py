@@ -14,6 +14,7 @@ from .attend import AttendResult, merge_lse, parse_receipt
 from .binary import BinaryClient, FrameError
 from .client import Client
 from .cluster import ClusterClient, key_slot
+from .kvprefix import tp_heads
 from .errors import (AuthError, BusyError, CommandError, CorruptError, DeadlineError,
                      DeviceError, IoError, MismatchError, MissError, NoAuthError, NoPermError,
                      OomError, PionConnectionError, PionError, ReadOnlyError, WrongPassError)
@@ -22,7 +23,7 @@ from .ssm import deserialize_arrays, serialize_arrays
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "ClusterClient", "key_slot", "BinaryClient", "FrameError", "AttendResult", "merge_lse", "parse_receipt", "serialize_arrays",
+    "Client", "ClusterClient", "tp_heads", "key_slot", "BinaryClient", "FrameError", "AttendResult", "merge_lse", "parse_receipt", "serialize_arrays",
     "deserialize_arrays", "PionError", "CommandError", "OomError", "BusyError",
     "MismatchError", "MissError", "CorruptError", "IoError", "DeviceError", "DeadlineError",
     "ReadOnlyError",

@@ -206,10 +206,12 @@ class Client:
                                        username=self._username, timeout=self._shm_timeout)
             return self._shm
 
-    def _shm_copy(self, ch, sid, start, end, model=None, generation=None, into=None):
+    def _shm_copy(self, ch, sid, start, end, model=None, generation=None, into=None, extra=()):
         """Fetches rows start..end over SHM, copies them into `into` (or a fresh uint8 array)
-        and releases the lease; returns the uint8 array holding exactly the bytes."""
-        lease, pieces, _row_bytes, nbytes = ch.fetch_range(sid, start, end, model, generation)
+        and releases the lease; returns the uint8 array holding exactly the bytes. `extra`:
+        HEADS / AS options (the server gathers those rows into one leased piece)."""
+        lease, pieces, _row_bytes, nbytes = ch.fetch_range(sid, start, end, model, generation,
+                                                           extra)
         try:
             if into is None:
                 out = _pool.empty(nbytes, np.uint8)

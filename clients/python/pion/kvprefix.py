@@ -35,6 +35,19 @@ def torch_dtype(torch, codec: str):
     return None if name is None else getattr(torch, name)
 
 
+def tp_heads(kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """The (first, count) K/V heads of tensor-parallel rank `rank` of `size` (contiguous
+    shares, as the engines split them); fetch_layer(heads=...) reads just those."""
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError("tp rank %d of size %d" % (rank, size))
+    if kv_heads % size:
+        if size % kv_heads:
+            raise ValueError("%d K/V heads do not split over TP %d" % (kv_heads, size))
+        return rank // (size // kv_heads), 1  # more ranks than heads: replicated heads
+    per = kv_heads // size
+    return rank * per, per
+
+
 def coalesce(pieces) -> list[list[int]]:
     """(segment, offset, length) pieces with runs adjacent in one segment merged: one copy each."""
     out: list[list[int]] = []
@@ -154,7 +167,8 @@ class KVPrefix:
 
     def fetch_layer(self, ns: str, layer: int, *, raw: bool = False, layout: str = "nhd",
                     model: str | None = None, generation: int | None = None,
-                    as_torch: bool | None = None, device: str | None = None):
+                    as_torch: bool | None = None, device: str | None = None,
+                    heads: tuple[int, int] | None = None, as_codec: str | None = None):
         """Layer `layer`'s (K, V), each float32 [n_tokens, kv_heads, head_dim] ("nhd") or
         [kv_heads, n_tokens, head_dim] ("hnd"). With raw=True (and always for fp16/bf16
         storage) the stored encoding is fetched and decoded here (pion.codecs; bit-identical
@@ -171,8 +185,17 @@ class KVPrefix:
         and the GPU copies straight from it (`last_fetch_path` "shm-cuda"; 128 MiB of K+V in
         10 ms on an H200); otherwise K and V are staged in pinned host tensors and copied with
         non_blocking=True. The result equals the host path and lives on `device`; as_torch
-        is implied."""
+        is implied.
+
+        heads=(first, count): only those K/V heads — a tensor-parallel rank's share of a prefix
+        written at any TP degree (`tp_heads(kv_heads, rank, size)`), moving only their bytes
+        (V.FETCH ... HEADS); the result has `count` heads. as_codec="fp8" (fp16, bf16, int8,
+        fp32, ...): the rows travel in that codec, transcoded by the server (V.FETCH ... AS),
+        and are decoded here — what an engine computing in that codec gets, in fewer bytes."""
         layout = _check_layout(layout)
+        if heads is not None or as_codec is not None:
+            return self._fetch_layer_shaped(ns, layer, layout, model, generation, as_torch,
+                                            device, heads, as_codec)
         ch = self._c._shm_channel()
         replies = self._c.execute_many([("KV.PREFIX.INFO", ns), ("V.INFO", ns + "_pk")])
         m = _wire.parse_map(replies[0])
@@ -201,6 +224,39 @@ class KVPrefix:
             kr, vr = self._fetch_rows_tcp(ns, lo, hi, t, h, d, raw, vi, model, generation)
         return (self._c._out(_from_rows(kr, h, d, layout), as_torch),
                 self._c._out(_from_rows(vr, h, d, layout), as_torch))
+
+    def _fetch_layer_shaped(self, ns, layer, layout, model, generation, as_torch, device, heads,
+                            as_codec):
+        """fetch_layer with heads= and/or as_codec=: the server shapes the rows (HEADS, AS), and
+        they are decoded here from the bytes that crossed."""
+        replies = self._c.execute_many([("KV.PREFIX.INFO", ns), ("V.INFO", ns + "_pk")])
+        m, vi = (_wire.parse_map(r) for r in replies)
+        t, h, d = m["n_tokens"], m["kv_heads"], m["head_dim"]
+        first, count = (0, h) if heads is None else (int(heads[0]), int(heads[1]))
+        extra = [] if heads is None else ["HEADS", first, count]
+        if as_codec is not None:
+            extra += ["AS", as_codec]
+        fmt = as_codec or vi["format"]
+        block = vi["block"] if fmt == vi["format"] else codecs.default_block(fmt)
+        lo, hi = int(layer) * t, (int(layer) + 1) * t
+        ch = self._c._shm_channel()
+        out = []
+        if ch is not None:
+            self._c.last_fetch_path = "shm"
+            for sfx in ("_pk", "_pv"):
+                data = self._c._shm_copy(ch, ns + sfx, lo, hi, model, generation, extra=extra)
+                out.append(codecs.decode(fmt, count * d, block, data, t))
+        else:
+            self._c.last_fetch_path = "tcp"
+            tail = ["RAW", *extra, *_identity(model, generation)]
+            cmds = [("V.FETCH", ns + sfx, "RANGE", lo, hi, *tail) for sfx in ("_pk", "_pv")]
+            out = list(self._c.fetch_decode(cmds, lambda r: tuple(
+                codecs.decode(fmt, count * d, block, x, t) for x in r)))
+        k, v = (_from_rows(rows, count, d, layout) for rows in out)
+        if device is not None and str(device) != "cpu":
+            torch = _wire.torch_module()
+            return tuple(torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in (k, v))
+        return self._c._out(k, as_torch), self._c._out(v, as_torch)
 
     def _fetch_rows_tcp(self, ns, lo, hi, t, h, d, raw, vi, model, generation):
         tail = ["RAW"] if raw else []

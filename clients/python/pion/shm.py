@@ -194,18 +194,20 @@ class ShmChannel:
                     os.close(fd)
 
     def fetch_range(self, sid: str, start: int, end: int, model: str | None = None,
-                    generation: int | None = None):
+                    generation: int | None = None, extra=()):
         """V.FETCH <sid> RANGE <start> <end> SHM → (lease, pieces, row_bytes, nbytes), pieces a
         list of (segment, offset, length) whose concatenation is the RAW reply. The lease must
-        be released (`release`) once the bytes have been read."""
-        return self.fetch_ranges([(sid, start, end)], model, generation)[0]
+        be released (`release`) once the bytes have been read. `extra`: more options (HEADS
+        <first> <count>, AS <codec>: the shaped rows, gathered into one leased piece)."""
+        return self.fetch_ranges([(sid, start, end)], model, generation, extra)[0]
 
-    def fetch_ranges(self, ranges, model: str | None = None, generation: int | None = None):
+    def fetch_ranges(self, ranges, model: str | None = None, generation: int | None = None,
+                     extra=()):
         """fetch_range of several (sid, start, end), pipelined (one round trip); a list of
         (lease, pieces, row_bytes, nbytes) in order. All or nothing: when one fails, the
         leases the others got are released and its error raised."""
         tail = (["MODEL", model] if model is not None else []) + \
-            (["GENERATION", int(generation)] if generation is not None else [])
+            (["GENERATION", int(generation)] if generation is not None else []) + list(extra)
         cmds = [("V.FETCH", sid, "RANGE", int(a), int(b), "SHM", *tail) for sid, a, b in ranges]
         with self._lock:
             out, failed = [], None
