@@ -37,7 +37,10 @@
 //                       exchange, cluster barrier, selection, compaction, first tiles
 //                       requested, omitted mass, first tile landed (warp 0), attention, warp
 //                       merge, cluster barrier, cluster merge, exit barrier)
-//   pion-gpu-attn-bench stream <bytes>
+//   pion-gpu-attn-bench stream <bytes> [sets]   (the best of gpu_stream.cu's forms; sets: read
+//                       that many distinct buffers in turn)
+//   Dense and stream: PION_BENCH_ROTATE=<R> / [sets] read R distinct copies in turn, as a model's
+//   decode step reads one layer after another (no call served from the L2 the call before filled).
 //   pion-gpu-attn-bench empty <kernels> <blocks>   (the launch floor: empty kernels per call)
 //
 // Prints one JSON object per line (us per call, bytes of K/V read, GB/s). Run by
@@ -183,7 +186,8 @@ void* RandomTensor(size_t elems, DType t, uint32_t seed, uint32_t d = 0) {
 // keeps the launches' programmatic dependencies); PION_BENCH_GRAPH=0 times plain back-to-back
 // launches instead. *loop_us (optional) gets the plain-launch time as well.
 template <typename F>
-double TimeUs(cudaStream_t s, F&& launch, int iters, double* loop_us = nullptr) {
+double TimeUs(cudaStream_t s, F&& launch, int iters, double* loop_us = nullptr,
+              int per_graph = 20) {
   for (int i = 0; i < 5; ++i) launch();
   CK(cudaStreamSynchronize(s));
   cudaEvent_t a, b;
@@ -206,7 +210,7 @@ double TimeUs(cudaStream_t s, F&& launch, int iters, double* loop_us = nullptr) 
   if (loop_us != nullptr) *loop_us = loop;
   const char* g = std::getenv("PION_BENCH_GRAPH");
   if (g != nullptr && g[0] == '0') return loop;
-  constexpr int kPerGraph = 20;
+  const int kPerGraph = std::max(20, per_graph);
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
@@ -227,6 +231,25 @@ double TimeUs(cudaStream_t s, F&& launch, int iters, double* loop_us = nullptr) 
 }
 
 int Iters(double bytes) { return bytes > 1e9 ? 30 : bytes > 1e8 ? 100 : 400; }
+
+// PION_BENCH_ROTATE=<R>: calls read R distinct copies of the K/V in turn (R >= 2), as a model's
+// decode step reads layer after layer — no call finds the bytes the call before it read in L2.
+// A graph then captures at least R calls. 0 or 1: every call reads the same K/V.
+uint32_t RotateSets() {
+  const char* r = std::getenv("PION_BENCH_ROTATE");
+  return r == nullptr ? 1u : std::max(1u, U(r));
+}
+
+// `count` device copies of `bytes` at p (the first is p itself).
+std::vector<const void*> Copies(const void* p, size_t bytes, uint32_t count) {
+  std::vector<const void*> out{p};
+  for (uint32_t i = 1; i < count; ++i) {
+    void* c = DevAlloc<uint8_t>(bytes);
+    CK(cudaMemcpy(c, p, bytes, cudaMemcpyDeviceToDevice));
+    out.push_back(c);
+  }
+  return out;
+}
 
 struct Setup {
   AttendArgs a;
@@ -330,17 +353,29 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   // A timing experiment: the split-K launch alone (its output is not merged).
   const char* nc = std::getenv("PION_BENCH_SKIP_COMBINE");
   const bool skip_combine = nc != nullptr && nc[0] == '1';
+  // Distinct K/V sets read in turn (PION_BENCH_ROTATE), the same bytes each.
+  const uint32_t sets = RotateSets();
+  const size_t tensor_bytes = kernels::TensorBytes(t, hkv, n, d);
+  const auto ks = Copies(a.k, tensor_bytes, sets), vs = Copies(a.v, tensor_bytes, sets);
+  size_t turn = 0;
   double us_launches = 0;
   const double us = TimeUs(
       s,
       [&] {
+        if (sets > 1) {
+          const size_t i = turn++ % sets;
+          a.k = ks[i];
+          a.v = vs[i];
+          a.k_scale = kernels::MakeTensor(a.k, t, hkv, n, d).scales;
+          a.v_scale = kernels::MakeTensor(a.v, t, hkv, n, d).scales;
+        }
         Ok(kernels::cuda::LaunchAttend(a, s));
         if (a.counters == nullptr && !skip_combine) {
           Ok(kernels::cuda::LaunchCombine(a.splits, a.nrows, d, a.part_m, a.part_l, a.part_o, a.out,
                                           a.lse, s));
         }
       },
-      Iters(bytes), &us_launches);
+      Iters(bytes), &us_launches, static_cast<int>(sets));
   // PION_BENCH_DUMP=<file>: the last call's output rows and LSEs as raw float32, to compare
   // two builds of a kernel on the same inputs (the inputs are a fixed sequence).
   if (const char* dump = std::getenv("PION_BENCH_DUMP")) {
@@ -385,8 +420,18 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
     c.lse = DevAlloc<float>(a.nrows);
     if (const char* w = std::getenv("PION_BENCH_CLUSTER_TILE")) c.tile = U(w);
     double c_launches = 0;
+    size_t c_turn = 0;
     const double c_us = TimeUs(
-        s, [&] { Ok(kernels::cuda::LaunchDecodeCluster(c, s)); }, Iters(bytes), &c_launches);
+        s,
+        [&] {
+          if (sets > 1) {
+            const size_t i = c_turn++ % sets;
+            c.k = ks[i];
+            c.v = vs[i];
+          }
+          Ok(kernels::cuda::LaunchDecodeCluster(c, s));
+        },
+        Iters(bytes), &c_launches, static_cast<int>(sets));
     CK(cudaStreamSynchronize(s));
     const size_t on = size_t{a.nrows} * d;
     const double err = std::max(MaxAbsDiff(Down(a.out, on), Down(c.out, on)),
@@ -403,9 +448,9 @@ int Dense(DType t, uint32_t hq, uint32_t hkv, uint32_t m, uint32_t n, uint32_t d
   std::printf(
       "{\"kind\": \"dense\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": %u, \"n\": %u, "
       "\"d\": %u, \"us\": %.2f, \"us_launches\": %.2f, \"bytes\": %.0f, \"gbps\": %.1f, "
-      "\"splits\": %u, \"tile\": %u, \"path\": \"%s\"%s}\n",
+      "\"splits\": %u, \"tile\": %u, \"path\": \"%s\", \"sets\": %u%s}\n",
       TypeName(t), hq, hkv, m, n, d, best, best_launches, bytes, bytes / best / 1e3, a.splits,
-      kernels::cuda::StreamDecodeFits(a) ? kernels::cuda::StreamDecodeTile(a) : 0u, path,
+      kernels::cuda::StreamDecodeFits(a) ? kernels::cuda::StreamDecodeTile(a) : 0u, path, sets,
       cluster.c_str());
   return 0;
 }
@@ -591,17 +636,39 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   return 0;
 }
 
-int Stream(size_t bytes) {
+// The plain streaming read of `bytes`, from `sets` distinct buffers in turn (as Dense reads its
+// rotated K/V), in every form of gpu_stream.cu: the best is the ceiling ("us", "gbps"), each
+// form's beside it.
+int Stream(size_t bytes, uint32_t sets) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  void* p = DevAlloc<uint8_t>(bytes);
-  CK(cudaMemset(p, 1, bytes));
+  std::vector<void*> bufs;
+  for (uint32_t i = 0; i < std::max(1u, sets); ++i) {
+    bufs.push_back(DevAlloc<uint8_t>(bytes));
+    CK(cudaMemset(bufs.back(), 1 + i, bytes));
+  }
   uint32_t* sink = DevAlloc<uint32_t>(1 << 16);
   const int sms = gpu::Info().sms;
-  const double us = TimeUs(
-      s, [&] { LaunchStreamRead(p, bytes, sink, sms, s); }, Iters(bytes));
-  std::printf("{\"kind\": \"stream\", \"bytes\": %zu, \"us\": %.2f, \"gbps\": %.1f}\n", bytes, us,
-              bytes / us / 1e3);
+  double best = 0;
+  int best_kind = 0;
+  std::string each;
+  for (int kind = 0; kind < kStreamKinds; ++kind) {
+    size_t turn = 0;
+    const double us = TimeUs(
+        s, [&] { LaunchStreamRead(bufs[turn++ % bufs.size()], bytes, sink, sms, s, kind); },
+        Iters(bytes), nullptr, static_cast<int>(bufs.size()));
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%s%.2f", kind ? ", " : "", us);
+    each += buf;
+    if (best == 0 || us < best) {
+      best = us;
+      best_kind = kind;
+    }
+  }
+  std::printf(
+      "{\"kind\": \"stream\", \"bytes\": %zu, \"sets\": %zu, \"us\": %.2f, \"gbps\": %.1f, "
+      "\"best_form\": %d, \"us_by_form\": [%s]}\n",
+      bytes, bufs.size(), best, bytes / best / 1e3, best_kind, each.c_str());
   return 0;
 }
 
@@ -645,13 +712,15 @@ int main(int argc, char** argv) {
     return SparseAuto(ParseType(argv[2]), U(argv[3]), U(argv[4]), U(argv[5]), U(argv[6]),
                       U(argv[7]), U(argv[8]), argc == 10, mode == "fused");
   }
-  if (kind == "stream" && argc == 3) return Stream(std::strtoull(argv[2], nullptr, 10));
+  if (kind == "stream" && (argc == 3 || argc == 4)) {
+    return Stream(std::strtoull(argv[2], nullptr, 10), argc == 4 ? U(argv[3]) : 1u);
+  }
   if (kind == "empty" && argc == 4) return Empty(U(argv[2]), U(argv[3]));
   std::fprintf(stderr,
                "usage: pion-gpu-attn-bench dense <f16|bf16|f32|f8> <H_q> <H_kv> <M> <N> <D>\n"
                "       pion-gpu-attn-bench sparse_auto <f16|f32|f8> <H_q> <H_kv> <N> <D> <block> "
                "<K_top> [shared|fused]\n"
-               "       pion-gpu-attn-bench stream <bytes>\n"
+               "       pion-gpu-attn-bench stream <bytes> [sets]\n"
                "       pion-gpu-attn-bench empty <kernels> <blocks>\n");
   return 2;
 }

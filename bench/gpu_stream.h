@@ -18,7 +18,11 @@
     }                                                                                         \
   } while (0)
 
-// A streaming read of `bytes` at p (16-byte loads, grid-stride over 8 blocks an SM of `sms`).
-void LaunchStreamRead(const void* p, size_t bytes, uint32_t* sink, int sms, cudaStream_t s);
+// A streaming read of `bytes` at p over the `sms` multiprocessors, in form `kind`
+// (gpu_stream.cu: 0 evict-first 16-byte loads, 1 and 2 four or eight non-coherent loads in
+// flight a thread). kStreamKinds forms.
+inline constexpr int kStreamKinds = 3;
+void LaunchStreamRead(const void* p, size_t bytes, uint32_t* sink, int sms, cudaStream_t s,
+                      int kind = 0);
 // An empty kernel on `blocks` blocks of 128 threads.
 void LaunchEmpty(int blocks, cudaStream_t s);
