@@ -399,3 +399,36 @@ def test_stage2_attention_offload_exact(server):
         assert diff < 1e-3
     finally:
         model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+def test_layerwise_warm_start_exact(server, shm):
+    """layerwise=True: the hit's layers arrive while the forward runs; the generation and the
+    suffix logits are those of the whole-cache fetch."""
+    model = llama(0)
+    client = client_for(server, shm)
+    prefix, suffix = prompt(1, 96), prompt(2, 8)
+    full = torch.cat([prefix, suffix])
+    want = generate(model, full)
+    pion.hf.PionPromptCache(model, client).get_or_prefill(prefix)  # the miss stores it
+    pc = pion.hf.PionPromptCache(model, client, layerwise=True)
+    got = generate(model, full, pc.get_or_prefill(prefix))
+    assert pc.last["hit"] is True and got == want
+    whole = pion.hf.PionPromptCache(model, client).fetch(prefix)
+    diff = (suffix_logits(model, full, 96, whole) -
+            suffix_logits(model, full, 96, pc.fetch(prefix))).abs().max().item()
+    assert diff == 0.0
+
+
+def test_tp_rank_fetches_only_its_heads(server):
+    """tp_rank / tp_size: each rank's cache holds its share of the K/V heads, byte-exact."""
+    model = llama(0)  # 2 K/V heads
+    client = client_for(server)
+    prefix = prompt(3, 96)
+    pion.hf.PionPromptCache(model, client).get_or_prefill(prefix)
+    whole = pion.hf.PionPromptCache(model, client).fetch(prefix)
+    for rank in range(2):
+        part = pion.hf.PionPromptCache(model, client, tp_rank=rank, tp_size=2).fetch(prefix)
+        for i, layer in enumerate(whole.layers):
+            assert torch.equal(part.layers[i].keys, layer.keys[:, rank:rank + 1])
+            assert torch.equal(part.layers[i].values, layer.values[:, rank:rank + 1])

@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import hashlib
 import json
+import threading
 import time
 import warnings
 import weakref
@@ -171,6 +172,91 @@ def _held_class(base: type) -> type:
     return cls
 
 
+class _Arrivals:
+    """The layers a layerwise cache waits for: put by the fetching thread, taken by the update
+    that needs them; an error of the fetch is raised there."""
+
+    def __init__(self, layers):
+        self._cv = threading.Condition()
+        self._pending = set(layers)
+        self._got: dict[int, tuple] = {}
+        self._error: BaseException | None = None
+
+    def put(self, i, k, v, done) -> None:
+        with self._cv:
+            self._got[i] = (k, v, done)
+            self._cv.notify_all()
+
+    def fail(self, e: BaseException) -> None:
+        with self._cv:
+            self._error = e
+            self._cv.notify_all()
+
+    def pending(self, i) -> bool:
+        with self._cv:
+            return i in self._pending
+
+    def take(self, i):
+        """The layer's (k, v, event) once it arrived; None when it is not one it waits for."""
+        with self._cv:
+            if i not in self._pending:
+                return None
+            while i not in self._got:
+                if self._error is not None:
+                    raise self._error
+                self._cv.wait()
+            self._pending.discard(i)
+            return self._got.pop(i)
+
+
+_LAYERWISE = None
+
+
+def _layerwise_cache_type():
+    """DynamicCache with layers that arrive while the forward runs (PionPromptCache(layerwise=
+    True)): an update of a layer first waits for it (and, on a GPU, orders the compute after
+    its copy); the sequence length is the prefix's from the start."""
+    global _LAYERWISE
+    if _LAYERWISE is not None:
+        return _LAYERWISE
+    from transformers.cache_utils import DynamicCache
+
+    class LayerwiseCache(DynamicCache):
+        def __init__(self, config, tokens: int, arrivals: _Arrivals):
+            super().__init__(config=config)
+            self._pion_tokens = tokens
+            self._pion_arrivals = arrivals
+
+        def arrive(self, i: int) -> None:
+            got = self._pion_arrivals.take(i)
+            if got is None:
+                return
+            k, v, done = got
+            if done is not None:
+                _torch().cuda.current_stream().wait_event(done)
+            layer = self.layers[i]
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+            if getattr(layer, "is_sliding", False):
+                layer.cumulative_length = self._pion_tokens
+
+        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+            self.arrive(layer_idx)
+            return super().update(key_states, value_states, layer_idx, cache_kwargs)
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            if self._pion_arrivals.pending(layer_idx):
+                return self._pion_tokens
+            return super().get_seq_length(layer_idx)
+
+        def get_mask_sizes(self, cache_position, layer_idx: int = 0):
+            self.arrive(layer_idx)  # the first layer of its kind: early in the order
+            return super().get_mask_sizes(cache_position, layer_idx)
+
+    _LAYERWISE = LayerwiseCache
+    return _LAYERWISE
+
+
 class PionPromptCache:
     """Stage 1: `get_or_prefill(prefix_ids)` returns a transformers DynamicCache holding the
     prefix — fetched from Pion on a hit, prefilled by the model and stored on a miss.
@@ -196,11 +282,20 @@ class PionPromptCache:
         cache within --shm-lease-ttl-ms (default 30 s) of the fetch, else its first update
         raises (fetch again). Otherwise the slots are copied into tensors of the model's dtype.
 
+      layerwise: a hit returns at once with the first attention layer in place and the others
+        arriving in model order on a background thread (transport "auto", TCP or shared
+        memory), each layer waited for by the model's first update of it: the forward computes
+        layer l while layer l+1 travels, so a warm start waits about for the longer of the
+        transfer and the compute rather than their sum.
+      tp_rank, tp_size: a tensor-parallel rank's cache — only its K/V heads (`tp_heads`) are
+        fetched, whatever TP degree stored the prefix (the namespace's layout is the identity).
+
     After each call `last` tells what happened: hit, prefill_ms, fetch_ms, store_ms, bytes,
     path ("tcp", "shm", "shm-cuda", "ipc")."""
 
     def __init__(self, model, client, codec: str | None = None, persist: bool = False,
-                 model_id: str | None = None, transport: str = "auto"):
+                 model_id: str | None = None, transport: str = "auto",
+                 layerwise: bool = False, tp_rank: int = 0, tp_size: int = 1):
         self.model = model
         self.client = client
         p = next(model.parameters())
@@ -210,6 +305,14 @@ class PionPromptCache:
         if transport not in ("auto", "ipc"):
             raise ValueError("transport must be 'auto' or 'ipc', got %r" % (transport,))
         self.transport = transport
+        if layerwise and transport == "ipc":
+            raise ValueError("layerwise applies to transport 'auto' (ipc aliases, nothing moves)")
+        self.layerwise = layerwise
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ValueError("tp_rank %d of tp_size %d" % (tp_rank, tp_size))
+        if tp_size > 1 and transport == "ipc":
+            raise ValueError("tp_size > 1 applies to transport 'auto'")
+        self.tp = (tp_rank, tp_size)
         self.model_id = model_id or model_identity(model)
         self.plan = _plan(model)
         self.last: dict[str, Any] = {}
@@ -342,8 +445,11 @@ class PionPromptCache:
             self._release_exports(exports)
             return None
         cache = DynamicCache(config=self.model.config)
-        nbytes = self._fill_attention(cache, base, int(ids.numel()), list(self.plan.groups),
-                                      pos, exports)
+        if self.layerwise and cache.layers and self.plan.groups:
+            cache, nbytes = self._layerwise_cache(base, int(ids.numel()))
+        else:
+            nbytes = self._fill_attention(cache, base, int(ids.numel()), list(self.plan.groups),
+                                          pos, exports)
         self._fill_states(cache, states)
         _sync(self.device)
         self.last = dict(hit=True, fetch_ms=(time.perf_counter() - t0) * 1e3, bytes=nbytes,
@@ -441,7 +547,7 @@ class PionPromptCache:
             if self.transport == "ipc":
                 kvs, leases = self._fetch_group_ipc(base, g, pos, (exports or {}).get(g))
             else:
-                kvs = self._fetch_group_shm(ns, len(idxs))
+                kvs = self._fetch_group_shm(ns, len(idxs)) if self.tp[1] == 1 else None
                 if kvs is None:
                     kvs = [self._fetch_layer(ns, j) for j in range(len(idxs))]
             for (k, v), i, lease in zip(kvs, idxs, leases):
@@ -567,10 +673,59 @@ class PionPromptCache:
                     layer.recurrent_states[s].copy_(rec)
                     layer.has_previous_state[s] = True
 
+    def _layerwise_cache(self, base: str, t: int):
+        """A cache whose attention layers arrive in model order from a background thread (the
+        first of them in place before it returns); returns (cache, bytes)."""
+        torch = _torch()
+        order = sorted((i, g, j) for g, idxs in self.plan.groups.items()
+                       for j, i in enumerate(idxs))
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        arrivals = _Arrivals({i for i, _, _ in order})
+
+        def fetch(i, g, j):
+            if side is None:
+                k, v = self._fetch_layer(self._ns(base, g), j)
+                return k, v, None
+            with torch.cuda.stream(side):
+                k, v = self._fetch_layer(self._ns(base, g), j)
+                done = torch.cuda.Event()
+                done.record(side)
+            return k, v, done
+
+        first = order[0]
+        arrivals.put(first[0], *fetch(*first))
+        cache = _layerwise_cache_type()(self.model.config, t, arrivals)
+        cache.arrive(first[0])  # what sizes the masks and positions is there before the forward
+
+        def run():
+            try:
+                for i, g, j in order[1:]:
+                    arrivals.put(i, *fetch(i, g, j))
+            except BaseException as e:  # noqa: BLE001 - raised by the update that waits for it
+                arrivals.fail(e)
+        threading.Thread(target=run, name="pion-layerwise", daemon=True).start()
+        nbytes = 0
+        for g, idxs in self.plan.groups.items():
+            tt, h, d = self._layer_shape(self._ns(base, g))
+            nbytes += 2 * len(idxs) * tt * self._tp_share(h)[1] * d * (
+                torch.tensor([], dtype=self.dtype).element_size())
+        return cache, nbytes
+
+    def _tp_share(self, heads: int) -> tuple[int, int]:
+        """(first, count) of this rank's K/V heads."""
+        from .kvprefix import tp_heads
+        return tp_heads(heads, *self.tp)
+
     def _fetch_layer(self, ns: str, j: int):
         """Layer j of namespace ns as ([1, H, T, D], [1, H, T, D]) tensors in the model's dtype
-        on its device."""
+        on its device (tp_size > 1: this rank's heads)."""
         dev = self.device
+        if self.tp[1] > 1:
+            _, h, _ = self._layer_shape(ns)
+            k, v = self.client.kv.fetch_layer(ns, j, layout="hnd", model=self.model_id,
+                                              heads=self._tp_share(h), as_torch=True)
+            return (k.to(dev, self.dtype)[None].contiguous(),
+                    v.to(dev, self.dtype)[None].contiguous())
         if self.client._shm_channel() is None and self.codec in LOSSLESS:
             return self._fetch_layer_raw(ns, j)
         if dev.type == "cuda":
