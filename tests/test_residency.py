@@ -692,3 +692,75 @@ def test_exact_query_is_refused_not_degraded_and_allow_approx_is_told(pion_facto
     # With time enough, ALLOW APPROX changes nothing: the exact answer.
     assert r.execute_command("ATTEND.PREFIX.QUERY", "big", 0, h, d, 0, f32(q), "DEADLINE", 60000,
                              "ALLOW", "APPROX") == exact
+
+
+# ------------------------------------------------------------------------------------------
+# Clean copies: an object with a valid disk copy can always give up its host copy
+# ------------------------------------------------------------------------------------------
+
+def _saved_mix(r, rng, namespaces, slots):
+    """KV.PREFIX namespaces of 512 KiB (fp16, 256 x 4 x 128 per session) and, per slot, a 1 MiB
+    ATTEND.PREFIX slot, a 512 KiB STATE slot and a 256 KiB SSM layer — all saved."""
+    for i in range(namespaces):
+        ns = "ns%d" % i
+        r.execute_command("KV.PREFIX.REGISTER", ns, 1, 256, 4, 128, "fp16")
+        for part in ("pk", "pv"):
+            r.execute_command("V.STOREBATCH", f"{ns}_{part}", 0,
+                              f32(rng.standard_normal((256, 512))))
+        assert r.execute_command("KV.PREFIX.SAVE", ns) == b"OK"
+    q = rng.standard_normal((4, 128)).astype(np.float32)
+    want = {}
+    for i in range(slots):
+        k = rng.standard_normal((4, 256, 128)).astype(np.float32)
+        r.execute_command("ATTEND.PREFIX.STORE", f"a{i}", 0, 4, 256, 128, f32(k), f32(k[:, ::-1]))
+        assert r.execute_command("ATTEND.PREFIX.SAVE", f"a{i}") == b"OK"
+        want[("attn", i)] = r.execute_command("ATTEND.PREFIX.QUERY", f"a{i}", 0, 4, 128, 0, f32(q))
+        want[("state", i)] = rng.bytes(MB // 2)
+        r.execute_command("STATE.ALLOC", f"s{i}", MB // 2)
+        r.execute_command("STATE.WRITE", f"s{i}", 0, want[("state", i)])
+        assert r.execute_command("STATE.SAVE", f"s{i}") == b"OK"
+        want[("ssm", i)] = rng.bytes(MB // 4)
+        r.execute_command("SSM.PREFIX.STORE", f"h{i}", 0, want[("ssm", i)])
+        assert r.execute_command("SSM.PREFIX.SAVE", f"h{i}") == b"OK"
+    return q, want
+
+
+def _read_saved(r, fam, i, q):
+    if fam == "attn":
+        return r.execute_command("ATTEND.PREFIX.QUERY", f"a{i}", 0, 4, 128, 0, f32(q))
+    if fam == "state":
+        return r.execute_command("STATE.READ", f"s{i}", 0, MB // 2)
+    return r.execute_command("SSM.PREFIX.FETCH", f"h{i}", 0)
+
+
+def test_saved_objects_always_give_up_memory_after_a_restart(pion_factory):
+    """Issue 51: after a restart every object is known by its saved file; reading twice the
+    host budget of KV.PREFIX chunks, then every other family's saved objects, one client at a
+    time, must never answer -OOM: each host copy read from a saved file can be dropped (nothing
+    is in flight, nothing needs a write)."""
+    srv = pion_factory("-w", "2", "--maxmemory", "16mb", "--attention-backend", "cpu")
+    r = srv.client(socket_timeout=30)
+    rng = np.random.default_rng(51)
+    q, want = _saved_mix(r, rng, namespaces=32, slots=12)
+    srv.stop()
+    srv.start()
+    r = srv.client(socket_timeout=30)
+    refused = []
+    for _ in range(2):
+        for i in range(32):  # 32 MiB of chunks through a 16 MiB budget
+            for part in ("pk", "pv"):
+                r.execute_command("V.FETCH", f"ns{i}_{part}", "RANGE", 0, 256, "RAW")
+        for fam in ("attn", "state", "ssm"):
+            for i in range(12):
+                try:
+                    got = _read_saved(r, fam, i, q)
+                except Exception as e:  # noqa: BLE001 - a refusal is the finding
+                    refused.append((fam, i, str(e)))
+                    continue
+                assert got == want[(fam, i)], (fam, i)
+    assert not refused, refused[:3]
+    after = res(srv)
+    assert after["residency_demotions_host_disk"] == 0  # dropped, never written
+    assert after["residency_drops_host"] > 0
+    assert int(srv.info("memory")["used_memory"]) <= 16 * MB
+

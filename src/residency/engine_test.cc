@@ -482,5 +482,42 @@ TEST_F(EngineTest, PinnedObjectsAreNotDemotedAndHostRoomIsTypedWhenAllArePinned)
   EXPECT_TRUE(a->Resident(Tier::kDisk));
 }
 
+// Issue 51: after a restart every object is known by its saved file and its last use is when it
+// was found. Read in the order clients happen to use them — many small chunks opened and read
+// one after another, then larger objects found long before them — every host copy is clean,
+// so each promotion makes its room by dropping others, however their last uses and their
+// places in the tier list differ: never -OOM, never a spill write.
+TEST_F(EngineTest, CleanCopiesPromotedFromSavedFilesAlwaysMakeRoom) {
+  constexpr size_t kChunk = 8 << 10, kLarge = 128 << 10;
+  Make(/*host_limit=*/256 * kChunk);
+  auto saved = [&](size_t n, uint32_t seed, Family f) {
+    auto data = Bytes(n, seed);
+    std::vector<std::span<const uint8_t>> spans{{data.data(), data.size()}};
+    auto file =
+        engine_->WriteSaved((dir_ / "saved").string(), "o" + std::to_string(seed), 1, "", spans);
+    EXPECT_TRUE(file.ok()) << file.status().message();
+    return engine_->CreateOnDisk(f, {n}, file.value(), {0});
+  };
+  auto read = [&](const ObjectRef& o, uint32_t seed) {
+    PinSet pins;
+    Status s = RequireSync({o}, Tier::kHost, kNoDeadline, &pins);
+    pins.Reset();
+    EXPECT_TRUE(s.ok()) << "object " << seed << ": " << s.message();
+    EXPECT_TRUE(s.ok() && Same(o, seed)) << seed;
+  };
+  std::vector<ObjectRef> large;
+  for (uint32_t i = 0; i < 12; ++i) large.push_back(saved(kLarge, 1000 + i, Family::kAttention));
+  std::vector<ObjectRef> chunks;
+  for (uint32_t ns = 0; ns < 32; ++ns) {  // each namespace found when first read: 16 chunks
+    for (uint32_t c = 0; c < 16; ++c) chunks.push_back(saved(kChunk, ns * 16 + c, Family::kVStore));
+    for (uint32_t c = 0; c < 16; ++c) read(chunks[ns * 16 + c], ns * 16 + c);
+  }
+  for (uint32_t i = 0; i < large.size(); ++i) read(large[i], 1000 + i);
+  EXPECT_LE(mem_.used.load(), 256 * kChunk);
+  const auto st = engine_->stats();
+  EXPECT_EQ(st.spill_files, 0u);  // dropped, nothing written
+  EXPECT_EQ(st.refusals[static_cast<int>(Stage::kHostRoom)][static_cast<int>(Refusal::kOom)], 0u);
+}
+
 }  // namespace
 }  // namespace pion::residency
