@@ -764,3 +764,48 @@ def test_saved_objects_always_give_up_memory_after_a_restart(pion_factory):
     assert after["residency_drops_host"] > 0
     assert int(srv.info("memory")["used_memory"]) <= 16 * MB
 
+
+def test_a_full_spill_disk_still_serves_saved_objects(pion_factory):
+    """Issue 51: with every spill write failing for want of space, saved objects still read back
+    under memory pressure (their host copies go without a write, before any unsaved object is
+    written out), and a write that would need a spill is refused -OOM tier=host (PROTOCOL.md §
+    Errors common to every command), nothing lost."""
+    srv = pion_factory("-w", "2", "--maxmemory", "8mb", "--attention-backend", "cpu",
+                       binary=faults_binary())
+    r = srv.client(socket_timeout=30)
+    rng = np.random.default_rng(52)
+    q, want = _saved_mix(r, rng, namespaces=16, slots=8)
+    srv.stop()
+    srv.start()  # every saved object is known by its file only
+    r = srv.client(socket_timeout=30)
+    unsaved = {i: rng.bytes(MB // 2) for i in range(4)}  # 2 MiB only in memory
+    for i, value in unsaved.items():
+        r.execute_command("SSM.PREFIX.STORE", "u", i, value)
+    r.execute_command("DEBUG.FAULT", "SET", "disk.write", "nospace", "COUNT", -1, "TARGET", "spill")
+    for _ in range(2):  # twice the budget of chunks, then every other saved object
+        for i in range(16):
+            for part in ("pk", "pv"):
+                r.execute_command("V.FETCH", f"ns{i}_{part}", "RANGE", 0, 256, "RAW")
+        for fam in ("attn", "state", "ssm"):
+            for i in range(8):
+                assert _read_saved(r, fam, i, q) == want[(fam, i)], (fam, i)
+    for i, value in unsaved.items():
+        assert r.execute_command("SSM.PREFIX.FETCH", "u", i) == value, i
+    assert res(srv)["residency_demotions_host_disk"] == 0
+    # Memory full of unsaved bytes: more of them would need a spill, and the disk is full.
+    refused = None
+    for i in range(4, 40):
+        with srv.raw() as c:
+            reply = c.call("SSM.PREFIX.STORE", "u", i, rng.bytes(MB // 2))
+        if isinstance(reply, RespError):
+            refused = str(reply)
+            break
+    assert refused is not None
+    assert refused.startswith("OOM tier=host: demotion to disk failed, nothing was lost"), refused
+    assert "No space left on device" in refused, refused
+    r.execute_command("DEBUG.FAULT", "CLEAR")
+    for i, value in unsaved.items():
+        assert r.execute_command("SSM.PREFIX.FETCH", "u", i) == value, i
+    for fam in ("attn", "state", "ssm"):
+        for i in range(8):
+            assert _read_saved(r, fam, i, q) == want[(fam, i)], (fam, i)

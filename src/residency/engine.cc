@@ -591,11 +591,14 @@ void Engine::SpillSegment(std::shared_ptr<std::vector<Victim>> seg, std::shared_
       }
     }
     meters_[kDiskWritePath].Unqueue(seg_bytes);
+    // No room on the disk (the quota, or a full file system) is no room for the demotion:
+    // -OOM, as when everything is pinned. A failing device stays -IOERR.
+    const bool no_room = s.kind() == ErrorKind::kOom || store::disk::IsNoSpace(s);
     if (s.ok()) {
       meters_[kDiskWritePath].Record(seg_bytes, Seconds(t0, Clock::now()));
       spill_files_.fetch_add(1, std::memory_order_relaxed);
     } else {
-      Refuse(Stage::kDiskWrite, s.kind() == ErrorKind::kOom ? Refusal::kOom : Refusal::kIo);
+      Refuse(Stage::kDiskWrite, no_room ? Refusal::kOom : Refusal::kIo);
     }
     std::vector<std::shared_ptr<HostReplica>> dead;
     {
@@ -627,7 +630,7 @@ void Engine::SpillSegment(std::shared_ptr<std::vector<Victim>> seg, std::shared_
     dead.clear();  // the host bytes go back to the budget here
     file.reset();
     if (!s.ok()) {
-      FinishRoom(r, Status(s.kind() == ErrorKind::kOom ? ErrorKind::kOom : ErrorKind::kIo,
+      FinishRoom(r, Status(no_room ? ErrorKind::kOom : ErrorKind::kIo,
                            "tier=host: demotion to disk failed, nothing was lost: " + s.message()));
     }
     if (left->fetch_sub(1) == 1) RoomStep(r);

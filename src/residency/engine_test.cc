@@ -385,6 +385,9 @@ TEST_F(EngineTest, FailedOrShortSpillWritesLoseNothing) {
     Status s = p.get_future().get();
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message().find("nothing was lost"), std::string::npos) << s.message();
+    // A full disk is no room (-OOM tier=host, as PROTOCOL.md says); a failing one is -IOERR.
+    EXPECT_EQ(s.kind(), action == faults::Action::kNoSpace ? ErrorKind::kOom : ErrorKind::kIo)
+        << s.message();
     for (uint32_t i = 0; i < objs.size(); ++i) EXPECT_TRUE(Same(objs[i], i)) << i;
   }
   injector_.Clear();
