@@ -84,11 +84,13 @@ store::PrefixEntry* PrefixOf(CommandContext& ctx, std::string_view sid) {
   return ctx.shard->store().prefixes.Find(ctx.Key(ns));
 }
 
-// Before a store: the written chunks it touches must be in memory, and its new bytes must fit
-// (demotions make room). False when the command was parked or refused (the reply is written).
-bool ReadyToStore(CommandContext& ctx, const store::VSession& session,
-                  std::vector<residency::ObjectRef> missing, uint64_t bytes) {
-  if (!missing.empty() && !ctx.Resident(missing, residency::Tier::kHost)) return false;
+// Before a store: every written chunk it touches is pinned in memory (brought back first, as
+// for a read: making room for the new bytes must not drop one of them), and its new bytes
+// fit (demotions make room). False when the command was parked or refused (the reply is
+// written).
+bool ReadyToStore(CommandContext& ctx, const std::vector<residency::ObjectRef>& touched,
+                  uint64_t bytes) {
+  if (!touched.empty() && !ctx.Resident(touched, residency::Tier::kHost)) return false;
   server::MemoryAccountant& mem = ctx.server->memory();
   const uint64_t max = mem.maxmemory(), free = mem.Headroom(server::MemFamily::kVStore);
   if (free >= bytes) return true;
@@ -116,7 +118,7 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
   const size_t row_floats_bytes = size_t{4} * session.dim();
   const uint64_t rows_before = session.rows();
   std::vector<float> fscratch;
-  std::vector<residency::ObjectRef> missing;
+  std::vector<residency::ObjectRef> touched;
   Status s;
   if (EqualsIgnoreCase(args[2], "IDS")) {
     if (args.size() != 5)
@@ -134,10 +136,10 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
     }
     std::vector<int64_t> iscratch;
     const int64_t* ids = BlobAs<int64_t>(ids_blob, &iscratch);
-    session.MissingForIds(ids, n, &missing);
-    if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreIds(ids, n))) return;
+    session.ChunksForIds(ids, n, &touched);
+    if (!ReadyToStore(ctx, touched, session.BytesToStoreIds(ids, n))) return;
     if (prefix != nullptr) prefix->dirty = true;
-    s = session.StoreIds(ids, BlobAs<float>(data, &fscratch), n);
+    s = session.StoreIds(ids, BlobAs<float>(data, &fscratch), n, *ctx.pins);
   } else if ((args.size() == 5 || args.size() == 7) && EqualsIgnoreCase(args[3], "SHM")) {
     // The rows were written by the client into a SHM.RESERVE region: commit them.
     if (!ctx.unix_socket) {
@@ -158,8 +160,8 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
                              std::to_string(row_floats_bytes) + " (the lease is spent)"));
     }
     const size_t n = size.value() / row_floats_bytes;
-    if (start >= 0) session.MissingForRange(start, n, &missing);
-    if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreRange(start, n))) {
+    if (start >= 0) session.ChunksForRange(start, n, &touched);
+    if (!ReadyToStore(ctx, touched, session.BytesToStoreRange(start, n))) {
       return;  // the lease stays until the command runs again
     }
     auto region = ctx.server->shm().Take(ctx.client_id, lease);
@@ -182,7 +184,7 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
       }
     }
     if (prefix != nullptr) prefix->dirty = true;
-    s = session.StoreRange(start, reinterpret_cast<const float*>(b->data()), n);
+    s = session.StoreRange(start, reinterpret_cast<const float*>(b->data()), n, *ctx.pins);
     if (!s.ok()) return ctx.Error(s);
     vs.NoteRows(static_cast<int64_t>(session.rows() - rows_before));
     return ctx.rb->Integer(static_cast<int64_t>(n));
@@ -200,12 +202,10 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
           " bytes, expected a non-zero multiple of 4*dim = " + std::to_string(row_floats_bytes)));
     }
     const size_t n = data.size() / row_floats_bytes;
-    if (start >= 0) session.MissingForRange(start, n, &missing);
-    if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreRange(start, n))) {
-      return;
-    }
+    if (start >= 0) session.ChunksForRange(start, n, &touched);
+    if (!ReadyToStore(ctx, touched, session.BytesToStoreRange(start, n))) return;
     if (prefix != nullptr) prefix->dirty = true;
-    s = session.StoreRange(start, BlobAs<float>(data, &fscratch), n);
+    s = session.StoreRange(start, BlobAs<float>(data, &fscratch), n, *ctx.pins);
   }
   if (!s.ok()) return ctx.Error(s);
   vs.NoteRows(static_cast<int64_t>(session.rows() - rows_before));

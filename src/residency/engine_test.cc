@@ -330,10 +330,19 @@ TEST_F(EngineTest, InPlaceWritesOnlyWhenExclusiveAndTheyDropStaleCopies) {
     BufferRef held = a->HostBlock(0);  // a reply in flight
     EXPECT_EQ(a->BeginWrite(0), nullptr);
   }
-  uint8_t* p = a->BeginWrite(0);
+  {
+    PinSet reader;  // a request reading it (perhaps on another thread)
+    ASSERT_TRUE(reader.TryPin(a, Tier::kHost));
+    EXPECT_EQ(a->BeginWrite(0), nullptr);
+  }
+  PinSet writer;  // the writer's own pin keeps it in memory and does not stop the write
+  ASSERT_TRUE(writer.TryPin(a, Tier::kHost));
+  EXPECT_EQ(writer.Counts(Tier::kHost).at(a.get()), 1u);
+  uint8_t* p = a->BeginWrite(0, /*own_host_pins=*/1);
   ASSERT_NE(p, nullptr);
   p[0] ^= 1;
   a->EndWrite();
+  writer.Reset();
   EXPECT_EQ(a->generation(), 2u);
   // Demote it by pressure, promote it back, then a write drops the now stale disk copy.
   std::vector<ObjectRef> others;
