@@ -151,6 +151,27 @@ std::string NodesText(const ClusterNode& node, const SlotMap& m) {
   return out;
 }
 
+// A CLUSTER INFO value as clients parse it: one line, no ':' (redis-py splits each line on
+// every ':'). An error's clauses ("unreachable: connection refused") are joined by "; ", a
+// host's port (host:port) by '#'.
+std::string InfoValue(std::string_view v) {
+  std::string out;
+  out.reserve(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const char c = v[i];
+    if (c == ':' && i + 1 < v.size() && v[i + 1] == ' ') {
+      out += ';';
+    } else if (c == ':') {
+      out += '#';
+    } else if (c == '\r' || c == '\n') {
+      out += ' ';
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 std::string InfoText(ClusterNode& node, const SlotMap& m) {
   int assigned = 0, moving = 0;
   std::vector<char> has(m.nodes.size(), 0);
@@ -170,7 +191,7 @@ std::string InfoText(ClusterNode& node, const SlotMap& m) {
   auto kv = [&out](const char* k, const std::string& v) {
     out += k;
     out += ':';
-    out += v;
+    out += InfoValue(v);
     out += "\r\n";
   };
   kv("cluster_state", assigned == cluster::kSlots ? "ok" : "fail");
