@@ -235,6 +235,8 @@ def test_three_nodes_route_redis_cluster_clients(cluster):
         a.execute_command("CLUSTER", "SETSLOT", 16384, "NODE", "n1")
     with pytest.raises(redis.ResponseError, match="Unknown node"):
         a.execute_command("CLUSTER", "SETSLOT", 1, "NODE", "nobody")
+    with pytest.raises(redis.ResponseError, match=r"CLUSTER.PUT takes MORE only after FROM"):
+        a.execute_command("CLUSTER.PUT", "PREFIX", "default", "{x}", 1, b"file", "MORE")
     rc.close()
 
 

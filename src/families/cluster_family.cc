@@ -387,7 +387,7 @@ void Put(CommandContext& ctx, CmdArgs& args) {
   std::string part, from;
   uint64_t version = 0;
   size_t argc = args.size();
-  const bool more = argc >= 9 && EqualsIgnoreCase(args[argc - 1], "MORE");
+  const bool more = argc >= 7 && EqualsIgnoreCase(args[argc - 1], "MORE");
   if (more) --argc;
   if (argc >= 8 && EqualsIgnoreCase(args[argc - 2], "FROM")) {
     from = std::string(args[argc - 1]);
