@@ -11,7 +11,10 @@ namespaces for --seconds; reported as fetches/s and GB/s over all nodes, with th
 per second of each node and of the clients. Fail-over: three nodes, --cluster-lease-ttl
 --ttl; each round kills one node (in turn), times until every saved namespace it owned is a HIT
 with the right bytes through a fresh RedisCluster, then restarts it and waits for the map to
-settle.
+settle. Kill -9 loop (--loop-rounds): the same kills, restarts and rebalances while a writer
+rewrites and saves namespaces and readers check every read against the writer's ledger: never
+older than the last acknowledged save, never K and V of different versions (the rebalance
+after each restart moves slots to nodes that hold replica copies of them — issue 51).
 
 Run:  /usr/bin/python3 bench/bench_cluster.py      writes bench/results/cluster-<date>.md
 """
@@ -29,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -44,6 +48,8 @@ from benchutil import free_port, report  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
+# The kill -9 loop: namespaces (tokens x 1 x dim fp16), and one write in SAVE_EVERY is saved.
+LOOP_NS, LOOP_TOKENS, LOOP_DIM, LOOP_SAVE_EVERY = 200, 128, 128, 4
 
 
 class Etcd:
@@ -262,6 +268,182 @@ def failover(binary, work, args) -> list[float]:
         etcd.stop()
 
 
+def kill_loop(binary, work, args) -> dict:
+    """Kills, restarts and rebalances, as failover() does, under writes, saves and reads (see
+    the module comment). Returns the counts."""
+    etcd = Etcd(work)
+    nodes = []
+    n_ns, tokens, dim = LOOP_NS, LOOP_TOKENS, LOOP_DIM
+    names = ["{k%d}" % i for i in range(n_ns)]
+    # The ledger, per namespace (its lock: a read never overlaps its writes):
+    #  - cur: the versions a read may return, K and V of one version: the last acknowledged
+    #    write; after its owner was killed, its last acknowledged save or a later one that was
+    #    sent but not answered (it may have reached the replica);
+    #  - floor: the last acknowledged save (never lost);
+    #  - unsure: a write was cut off between K and V (they may differ until the next write);
+    #  - hist: every version written (to name an older one that comes back).
+    cur = {ns: {0} for ns in names}
+    floor = {ns: 0 for ns in names}
+    unsure = {ns: False for ns in names}
+    pending = {ns: [] for ns in names}  # saves sent, not acknowledged, since the floor
+    hist = {ns: [0] for ns in names}
+    locks = {ns: threading.Lock() for ns in names}
+    counts = {"writes": 0, "saves": 0, "refused": 0, "reads": 0, "failed_reads": 0,
+              "older": 0, "mixed": 0, "unknown": 0, "rounds": 0, "lost": 0}
+    counts_mu = threading.Lock()
+    done = threading.Event()
+
+    def bump(what: str) -> None:
+        with counts_mu:
+            counts[what] += 1
+
+    def blobs(ns: str, version: int) -> tuple[bytes, bytes]:
+        seed = names.index(ns) * 1_000_000 + version
+        return (rows_of(2 * seed, tokens, dim).tobytes(),
+                rows_of(2 * seed + 1, tokens, dim).tobytes())
+
+    def raw(blob: bytes) -> bytes:
+        return np.frombuffer(blob, np.float32).astype(np.float16).tobytes()
+
+    def version_of(ns: str, got: bytes, part: int, among) -> int | None:
+        for x in among:
+            if raw(blobs(ns, x)[part]) == got:
+                return x
+        return None
+
+    def fresh(rc):
+        # A new client after a failure: redis-py 4.3's RedisCluster cannot re-read the map
+        # through a node it did not know at first (it deep-copies itself, lock included).
+        try:
+            if rc is not None:
+                rc.close()
+        except Exception:  # noqa: BLE001
+            pass
+        while True:
+            try:
+                return client([n for n in nodes if n.proc is not None])
+            except Exception:  # noqa: BLE001 - the map is changing
+                time.sleep(0.1)
+
+    def writer():
+        rc = fresh(None)
+        rnd = random.Random(1)
+        versions = {ns: 0 for ns in names}
+        while not done.is_set():
+            ns = rnd.choice(names)
+            versions[ns] += 1
+            v_ = versions[ns]
+            failed = False
+            with locks[ns]:
+                hist[ns].append(v_)
+                k, v = blobs(ns, v_)
+                try:
+                    rc.execute_command("V.STOREBATCH", ns + "_pk", 0, k)
+                    rc.execute_command("V.STOREBATCH", ns + "_pv", 0, v)
+                    cur[ns], unsure[ns] = {v_}, False
+                    bump("writes")
+                except Exception:  # noqa: BLE001 - a fail-over in progress: cut off
+                    cur[ns].add(v_)
+                    unsure[ns] = True
+                    failed = True
+                if not failed and rnd.random() < 1 / LOOP_SAVE_EVERY:
+                    pending[ns].append(v_)
+                    try:
+                        if rc.execute_command("KV.PREFIX.SAVE", ns) == b"OK":
+                            floor[ns], pending[ns] = v_, []
+                            bump("saves")
+                    except Exception:  # noqa: BLE001 - not acknowledged
+                        bump("refused")
+                        failed = True
+            if failed:
+                rc = fresh(rc)
+
+    def reader(seed):
+        rc = fresh(None)
+        rnd = random.Random(seed)
+        while not done.is_set():
+            ns = rnd.choice(names)
+            with locks[ns]:  # what the ledger allows, as of the read
+                allowed, mixed_ok = set(cur[ns]), unsure[ns]
+                older = [x for x in hist[ns] if x not in allowed]
+                try:
+                    k = rc.execute_command("V.FETCH", ns + "_pk", "RANGE", 0, tokens, "RAW")
+                    v = rc.execute_command("V.FETCH", ns + "_pv", "RANGE", 0, tokens, "RAW")
+                except Exception:  # noqa: BLE001 - a fail-over in progress
+                    k = v = None
+            if k is None:
+                bump("failed_reads")
+                rc = fresh(rc)
+                continue
+            bump("reads")
+            vk, vv = version_of(ns, k, 0, allowed), version_of(ns, v, 1, allowed)
+            if vk is not None and vv is not None and (vk == vv or mixed_ok):
+                continue
+            if vk is not None and vv is not None:
+                bump("mixed")
+            elif version_of(ns, k, 0, older) is not None or version_of(ns, v, 1, older) is not None:
+                bump("older")  # a version the ledger had moved past: back in time
+            else:
+                bump("unknown")
+
+    def owned_by(victim) -> list:
+        rc = client([n for n in nodes if n is not victim])
+        slots = rc.cluster_slots()
+        rc.close()
+        out = []
+        for (lo, hi), where in slots.items():
+            if where["primary"][1] == victim.port:
+                out += [ns for ns in names if lo <= key_slot(ns.encode()) <= hi]
+        return out
+
+    try:
+        for i in range(3):
+            nodes.append(Node(binary, work, etcd, "k%d" % (i + 1), args.ttl).start())
+        wait(lambda: settled(nodes), 60, "the map to settle")
+        rc = client(nodes)
+        for ns in names:
+            rc.execute_command("KV.PREFIX.REGISTER", ns, 1, tokens, 1, dim, "fp16")
+            k, v = blobs(ns, 0)
+            rc.execute_command("V.STOREBATCH", ns + "_pk", 0, k)
+            rc.execute_command("V.STOREBATCH", ns + "_pv", 0, v)
+            rc.execute_command("KV.PREFIX.SAVE", ns)
+        rc.close()
+        threads = [threading.Thread(target=writer, daemon=True)] + [
+            threading.Thread(target=reader, args=(s,), daemon=True) for s in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            for r in range(args.loop_rounds):
+                time.sleep(args.loop_dwell)  # the workload on a settled map
+                victim = nodes[r % 3]
+                held = owned_by(victim)
+                victim.kill()
+                for ns in held:  # unsaved writes die with their owner: its saves remain
+                    with locks[ns]:
+                        cur[ns], unsure[ns] = {floor[ns], *pending[ns]}, False
+                others = [n for n in nodes if n is not victim]
+                wait(lambda: settled(others), args.ttl + 30, "fail-over")
+                victim.start()  # then the rebalance moves slots back to it
+                wait(lambda: settled(nodes), 60, "the map to settle after the restart")
+                bump("rounds")
+        finally:
+            done.set()
+            for t in threads:
+                t.join(timeout=60)
+        # Last: every namespace reads back as the ledger allows — nothing acknowledged lost.
+        rc = client(nodes)
+        for ns in names:
+            k = rc.execute_command("V.FETCH", ns + "_pk", "RANGE", 0, tokens, "RAW")
+            if version_of(ns, k, 0, cur[ns]) is None:
+                counts["lost"] += 1
+        rc.close()
+        return counts
+    finally:
+        for n in nodes:
+            n.stop()
+        etcd.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin", default=str(REPO / "build"))
@@ -273,6 +455,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--ttl", type=int, default=3)
     ap.add_argument("--kills", type=int, default=10)
+    ap.add_argument("--loop-rounds", type=int, default=20)
+    ap.add_argument("--loop-dwell", type=float, default=2.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     # RedisCluster logs every redirection and refused connection it handles; the fail-over
@@ -291,6 +475,9 @@ def main() -> int:
         times = failover(binary, Path(d), args)
     print("fail-over: p50 %.2f s, min %.2f, max %.2f over %d kills" % (
         statistics.median(times), min(times), max(times), len(times)))
+    with tempfile.TemporaryDirectory(prefix="pion-bench-killloop-") as d:
+        loop = kill_loop(binary, Path(d), args)
+    print("kill -9 loop: %s" % loop)
     m = machine_info()
     size = args.tokens * args.kv_heads * args.head_dim * 2
     lines = [
@@ -334,6 +521,25 @@ def main() -> int:
         "",
         "The floor is the lease TTL (etcd expires the lease, checking about every 500 ms), then "
         "the leader's and the replica's watches fire at once; plus the client's own retry pacing.",
+        "",
+        "## Kill -9 loop under writes, saves and reads",
+        "",
+        "Three nodes, %d namespaces (%d x 1 x %d fp16); %d rounds: %.0f s of load, kill -9 of "
+        "a node (in turn), fail-over, restart, rebalance (slots move back to the restarted node, "
+        "which holds replica copies of them); one writer rewrites namespaces (K, then V) and "
+        "saves one write in %d, two readers check every K and V read against its ledger (a "
+        "read may return the last acknowledged write — after its owner was killed, its last "
+        "acknowledged save — never an older version, never K and V of two):" % (
+            LOOP_NS, LOOP_TOKENS, LOOP_DIM, loop["rounds"], args.loop_dwell, LOOP_SAVE_EVERY),
+        "",
+        "| rounds | acknowledged writes | acknowledged saves | saves or writes refused or cut "
+        "off | reads | failed reads (during fail-over) | reads older than the last acknowledged "
+        "write (its save after a kill) | K and V of different versions | bytes of no version | "
+        "acknowledged saves lost |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        "| %d | %d | %d | %d | %d | %d | %d | %d | %d | %d |" % (
+            loop["rounds"], loop["writes"], loop["saves"], loop["refused"], loop["reads"],
+            loop["failed_reads"], loop["older"], loop["mixed"], loop["unknown"], loop["lost"]),
     ]
     report(lines, out)
     return 0

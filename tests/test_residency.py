@@ -849,3 +849,119 @@ def test_python_helpers_take_deadline_and_allow_approx(pion_factory):
         assert c.ssm.fetch_blob("sm", 0, deadline_ms=100) == b"blob"
         with pytest.raises(ValueError, match="deadline_ms"):
             c.state.read("st", 0, 16, deadline_ms=0)
+
+
+# Clean copies: an object with a valid disk copy can always give up its host copy
+# ------------------------------------------------------------------------------------------
+
+def _saved_mix(r, rng, namespaces, slots):
+    """KV.PREFIX namespaces of 512 KiB (fp16, 256 x 4 x 128 per session) and, per slot, a 1 MiB
+    ATTEND.PREFIX slot, a 512 KiB STATE slot and a 256 KiB SSM layer — all saved."""
+    for i in range(namespaces):
+        ns = "ns%d" % i
+        r.execute_command("KV.PREFIX.REGISTER", ns, 1, 256, 4, 128, "fp16")
+        for part in ("pk", "pv"):
+            r.execute_command("V.STOREBATCH", f"{ns}_{part}", 0,
+                              f32(rng.standard_normal((256, 512))))
+        assert r.execute_command("KV.PREFIX.SAVE", ns) == b"OK"
+    q = rng.standard_normal((4, 128)).astype(np.float32)
+    want = {}
+    for i in range(slots):
+        k = rng.standard_normal((4, 256, 128)).astype(np.float32)
+        r.execute_command("ATTEND.PREFIX.STORE", f"a{i}", 0, 4, 256, 128, f32(k), f32(k[:, ::-1]))
+        assert r.execute_command("ATTEND.PREFIX.SAVE", f"a{i}") == b"OK"
+        want[("attn", i)] = r.execute_command("ATTEND.PREFIX.QUERY", f"a{i}", 0, 4, 128, 0, f32(q))
+        want[("state", i)] = rng.bytes(MB // 2)
+        r.execute_command("STATE.ALLOC", f"s{i}", MB // 2)
+        r.execute_command("STATE.WRITE", f"s{i}", 0, want[("state", i)])
+        assert r.execute_command("STATE.SAVE", f"s{i}") == b"OK"
+        want[("ssm", i)] = rng.bytes(MB // 4)
+        r.execute_command("SSM.PREFIX.STORE", f"h{i}", 0, want[("ssm", i)])
+        assert r.execute_command("SSM.PREFIX.SAVE", f"h{i}") == b"OK"
+    return q, want
+
+
+def _read_saved(r, fam, i, q):
+    if fam == "attn":
+        return r.execute_command("ATTEND.PREFIX.QUERY", f"a{i}", 0, 4, 128, 0, f32(q))
+    if fam == "state":
+        return r.execute_command("STATE.READ", f"s{i}", 0, MB // 2)
+    return r.execute_command("SSM.PREFIX.FETCH", f"h{i}", 0)
+
+
+def test_saved_objects_always_give_up_memory_after_a_restart(pion_factory):
+    """Issue 51: after a restart every object is known by its saved file; reading twice the
+    host budget of KV.PREFIX chunks, then every other family's saved objects, one client at a
+    time, must never answer -OOM: each host copy read from a saved file can be dropped (nothing
+    is in flight, nothing needs a write)."""
+    srv = pion_factory("-w", "2", "--maxmemory", "16mb", "--attention-backend", "cpu")
+    r = srv.client(socket_timeout=30)
+    rng = np.random.default_rng(51)
+    q, want = _saved_mix(r, rng, namespaces=32, slots=12)
+    srv.stop()
+    srv.start()
+    r = srv.client(socket_timeout=30)
+    refused = []
+    for _ in range(2):
+        for i in range(32):  # 32 MiB of chunks through a 16 MiB budget
+            for part in ("pk", "pv"):
+                r.execute_command("V.FETCH", f"ns{i}_{part}", "RANGE", 0, 256, "RAW")
+        for fam in ("attn", "state", "ssm"):
+            for i in range(12):
+                try:
+                    got = _read_saved(r, fam, i, q)
+                except Exception as e:  # noqa: BLE001 - a refusal is the finding
+                    refused.append((fam, i, str(e)))
+                    continue
+                assert got == want[(fam, i)], (fam, i)
+    assert not refused, refused[:3]
+    after = res(srv)
+    assert after["residency_demotions_host_disk"] == 0  # dropped, never written
+    assert after["residency_drops_host"] > 0
+    assert int(srv.info("memory")["used_memory"]) <= 16 * MB
+
+
+def test_a_full_spill_disk_still_serves_saved_objects(pion_factory):
+    """Issue 51: with every spill write failing for want of space, saved objects still read back
+    under memory pressure (their host copies go without a write, before any unsaved object is
+    written out), and a write that would need a spill is refused -OOM tier=host (PROTOCOL.md §
+    Errors common to every command), nothing lost."""
+    srv = pion_factory("-w", "2", "--maxmemory", "8mb", "--attention-backend", "cpu",
+                       binary=faults_binary())
+    r = srv.client(socket_timeout=30)
+    rng = np.random.default_rng(52)
+    q, want = _saved_mix(r, rng, namespaces=16, slots=8)
+    srv.stop()
+    srv.start()  # every saved object is known by its file only
+    r = srv.client(socket_timeout=30)
+    unsaved = {i: rng.bytes(MB // 2) for i in range(4)}  # 2 MiB only in memory
+    for i, value in unsaved.items():
+        r.execute_command("SSM.PREFIX.STORE", "u", i, value)
+    r.execute_command("DEBUG.FAULT", "SET", "disk.write", "nospace", "COUNT", -1, "TARGET", "spill")
+    for _ in range(2):  # twice the budget of chunks, then every other saved object
+        for i in range(16):
+            for part in ("pk", "pv"):
+                r.execute_command("V.FETCH", f"ns{i}_{part}", "RANGE", 0, 256, "RAW")
+        for fam in ("attn", "state", "ssm"):
+            for i in range(8):
+                assert _read_saved(r, fam, i, q) == want[(fam, i)], (fam, i)
+    for i, value in unsaved.items():
+        assert r.execute_command("SSM.PREFIX.FETCH", "u", i) == value, i
+    assert res(srv)["residency_demotions_host_disk"] == 0
+    # Memory full of unsaved bytes: more of them would need a spill, and the disk is full.
+    refused = None
+    for i in range(4, 40):
+        with srv.raw() as c:
+            reply = c.call("SSM.PREFIX.STORE", "u", i, rng.bytes(MB // 2))
+        if isinstance(reply, RespError):
+            refused = str(reply)
+            break
+    assert refused is not None
+    assert refused.startswith("OOM tier=host: demotion to disk failed, nothing was lost"), refused
+    assert "No space left on device" in refused, refused
+    r.execute_command("DEBUG.FAULT", "CLEAR")
+    for i, value in unsaved.items():
+        assert r.execute_command("SSM.PREFIX.FETCH", "u", i) == value, i
+    for fam in ("attn", "state", "ssm"):
+        for i in range(8):
+            assert _read_saved(r, fam, i, q) == want[(fam, i)], (fam, i)

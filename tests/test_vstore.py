@@ -302,3 +302,38 @@ def test_kvcache_off(pion_factory):
     with srv.raw() as c:
         for cmd in (("V.CREATE", "a", 8, "fp32"), ("V.FETCH", "a", 1), ("V.INFO",)):
             assert str(c.call(*cmd)) == "ERR state cache not enabled (use --kvcache)"
+
+
+def test_a_write_into_a_chunk_that_must_make_room_waits_for_it_like_a_read(pion_factory):
+    """Issue 51: a V.STOREBATCH into a chunk in memory, with memory full. The room its new bytes
+    need was made by dropping the one copy in memory that had another on disk — that very
+    chunk, saved — and the write answered -MISS 'chunk N is not in memory', an error no client
+    is told about. A write holds its chunks in memory like a read, and is stored."""
+    srv = pion_factory("--maxmemory", "1mb", "-w", "1")
+    r = srv.client()
+    rng = np.random.default_rng(51)
+    # 256 KiB per 64-row chunk (fp32, 1 x 1024): memory holds four. A saved namespace of one
+    # chunk per session (copies on disk), then two chunks of a session never saved.
+    # (Written but for its last row: not complete, so not published — a published namespace
+    # never changes — and these writes into it are allowed.)
+    r.execute_command("KV.PREFIX.REGISTER", "w", 1, 64, 1, 1024, "fp32")
+    k = rng.standard_normal((63, 1024)).astype(np.float32)
+    v = rng.standard_normal((63, 1024)).astype(np.float32)
+    r.execute_command("V.STOREBATCH", "w_pk", 0, k.tobytes())
+    r.execute_command("V.STOREBATCH", "w_pv", 0, v.tobytes())
+    assert r.execute_command("KV.PREFIX.SAVE", "w") == b"OK"
+    r.execute_command("V.CREATE", "d", 1024, "fp32")
+    d = rng.standard_normal((128, 1024)).astype(np.float32)
+    assert r.execute_command("V.STOREBATCH", "d", 0, d.tobytes()) == 128
+    assert int(srv.info("memory")["used_memory_vstore"]) == 1 << 20  # full
+    for rnd in range(4):
+        row = rng.standard_normal((1, 1024)).astype(np.float32)
+        with srv.raw() as conn:
+            reply = conn.call("V.STOREBATCH", "w_pk", 5 + rnd, row.tobytes())
+        assert reply == 1, (rnd, reply)
+        k[5 + rnd] = row[0]
+        np.testing.assert_array_equal(fetch_f32(r, "w_pk", "RANGE", 0, 63).reshape(63, 1024), k)
+        assert r.execute_command("KV.PREFIX.SAVE", "w") == b"OK"  # clean again
+    np.testing.assert_array_equal(fetch_f32(r, "w_pv", "RANGE", 0, 63).reshape(63, 1024), v)
+    np.testing.assert_array_equal(fetch_f32(r, "d", "RANGE", 0, 128).reshape(128, 1024), d)
+    assert int(srv.info("memory")["used_memory_vstore"]) <= 1 << 20

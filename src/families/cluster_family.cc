@@ -151,6 +151,27 @@ std::string NodesText(const ClusterNode& node, const SlotMap& m) {
   return out;
 }
 
+// A CLUSTER INFO value as clients parse it: one line, no ':' (redis-py splits each line on
+// every ':'). An error's clauses ("unreachable: connection refused") are joined by "; ", a
+// host's port (host:port) by '#'.
+std::string InfoValue(std::string_view v) {
+  std::string out;
+  out.reserve(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const char c = v[i];
+    if (c == ':' && i + 1 < v.size() && v[i + 1] == ' ') {
+      out += ';';
+    } else if (c == ':') {
+      out += '#';
+    } else if (c == '\r' || c == '\n') {
+      out += ' ';
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 std::string InfoText(ClusterNode& node, const SlotMap& m) {
   int assigned = 0, moving = 0;
   std::vector<char> has(m.nodes.size(), 0);
@@ -170,7 +191,7 @@ std::string InfoText(ClusterNode& node, const SlotMap& m) {
   auto kv = [&out](const char* k, const std::string& v) {
     out += k;
     out += ':';
-    out += v;
+    out += InfoValue(v);
     out += "\r\n";
   };
   kv("cluster_state", assigned == cluster::kSlots ? "ok" : "fail");
@@ -354,19 +375,28 @@ bool ParseObject(CommandContext& ctx, CmdArgs& args, size_t argc, size_t part_at
   return true;
 }
 
-// CLUSTER.PUT <kind> <tenant> <key> <version> <object_file> [<part> [MORE]]: a copy of a saved
-// object from the node that owns (or is moving) its slot. Checked against what is held (never
-// older), written durably, then installed on the key's shard. MORE: other parts of the key
-// follow (a slot moving here: until the last arrived, clients are sent to the old owner).
+// CLUSTER.PUT <kind> <tenant> <key> <version> <object_file> [<part>] [FROM <node-id> [MORE]]:
+// a copy of a saved object from the node that owns its slot (a replica's copy), or — FROM — of
+// a key moving here from that node, the slot's old owner: its current bytes. Checked against
+// what is held (never older), written durably, then installed on the key's shard. MORE: other
+// objects of the key follow; once the last one is here (installed, or what is held was as new)
+// this node serves the key, and until then sends clients for it to the old owner.
 void Put(CommandContext& ctx, CmdArgs& args) {
   if (NodeOf(*ctx.server) == nullptr) return ctx.rb->ErrorLine(kDisabled);
   const cluster_sync::SavedKind* kind = nullptr;
-  std::string part;
+  std::string part, from;
   uint64_t version = 0;
-  const bool more = args.size() == 8 && EqualsIgnoreCase(args[7], "MORE");
-  if (!ParseObject(ctx, args, more ? 7 : args.size(), 6, "CLUSTER.PUT", &kind, &part, &version)) {
-    return;
+  size_t argc = args.size();
+  const bool more = argc >= 7 && EqualsIgnoreCase(args[argc - 1], "MORE");
+  if (more) --argc;
+  if (argc >= 8 && EqualsIgnoreCase(args[argc - 2], "FROM")) {
+    from = std::string(args[argc - 1]);
+    argc -= 2;
   }
+  if (more && from.empty()) {
+    return ctx.rb->ErrorLine("ERR CLUSTER.PUT takes MORE only after FROM <node-id>");
+  }
+  if (!ParseObject(ctx, args, argc, 6, "CLUSTER.PUT", &kind, &part, &version)) return;
   server::Server* srv = ctx.server;
   const cluster_sync::ObjectId id{kind->name, std::string(args[2]), std::string(args[3]), part};
   const store::TenantKey key{srv->users().TenantId(id.tenant), id.key};
@@ -386,12 +416,16 @@ void Put(CommandContext& ctx, CmdArgs& args) {
     return self >= 0 && m->owner[slot] == self;
   };
   const store::TenantKey fence{key.tenant, std::string(vstore::SessionRouteKey(key.name))};
+  // The key's current bytes are here: served from here from now on.
+  const bool last_of_move = !from.empty() && !more;
   srv->shard(owner).PostControl([=](server::Shard& sh) {
     Status ok = kind->check(*srv, sh, key, part, version);
-    if (ok.ok() || ok.kind() == ErrorKind::kMismatch) NodeOf(*srv)->NoteArriving(sh, fence, more);
     if (!ok.ok()) {
-      // Held already (this node was a replica of the sender).
+      // Held already (this node was a replica of the sender), as new as this copy.
       auto held = kind->find(*srv, sh, key, part);
+      if (ok.kind() == ErrorKind::kMismatch && last_of_move) {
+        NodeOf(*srv)->NoteArrived(sh, fence, from, slot);
+      }
       if (ok.kind() == ErrorKind::kMismatch && held && held->version > 0 && owns()) {
         return cluster_sync::ReplicateSaved(
             *srv, id, held->version, held->path,
@@ -408,11 +442,9 @@ void Put(CommandContext& ctx, CmdArgs& args) {
       const std::string path = store::disk::ObjectPath(dir, name, version);
       srv->shard(owner).PostControl([=](server::Shard& sh2) {
         Status in = kind->install(*srv, sh2, key, part, version, path);
-        if (!in.ok()) {
-          NodeOf(*srv)->NoteArriving(sh2, fence, false);
-          return answer(in);
-        }
+        if (!in.ok()) return answer(in);
         NodeOf(*srv)->counters().received.fetch_add(1);
+        if (last_of_move) NodeOf(*srv)->NoteArrived(sh2, fence, from, slot);
         if (!owns()) return answer(in);
         cluster_sync::ReplicateSaved(*srv, id, version, path, answer);
       });
@@ -464,10 +496,10 @@ void RegisterClusterFamily(server::Server& srv) {
               "Refused: replicas hold saved copies, not live data.", ""});
   r.Register({"READWRITE", 1, kCmdFast | kCmdConnection, 0, 0, 0, ReadWrite, "cluster",
               "Reads and writes go to slot owners (the only mode).", ""});
-  r.Register(
-      {"CLUSTER.PUT", -6, kCmdAdmin | kCmdWrite, 0, 0, 0, Put, "cluster",
-       "Node to node: a copy of a saved object (replica, or a slot moving here).",
-       "PREFIX|STATE|SSM|ATTENTION|VSNAP <tenant> <key> <version> <object_file> [<part> [MORE]]"});
+  r.Register({"CLUSTER.PUT", -6, kCmdAdmin | kCmdWrite, 0, 0, 0, Put, "cluster",
+              "Node to node: a copy of a saved object (replica, or a slot moving here).",
+              "PREFIX|STATE|SSM|ATTENTION|VSNAP <tenant> <key> <version> <object_file> [<part>] "
+              "[FROM <node-id> [MORE]]"});
   r.Register({"CLUSTER.DEL", -5, kCmdAdmin | kCmdWrite, 0, 0, 0, Del, "cluster",
               "Node to node: drop the copy of an object its owner dropped.",
               "PREFIX|STATE|SSM|ATTENTION|VSNAP <tenant> <key> <version> [<part>]"});

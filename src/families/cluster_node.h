@@ -8,9 +8,11 @@
 //    this node's slots, and when this node takes slots (fail-over, a move) its replicas get
 //    theirs;
 //  - a slot that moves belongs to its new owner at once; the old one sends it the slot's
-//    objects one by one (saved if changed, sent, dropped here; a client writing one in
-//    flight gets -TRYAGAIN), the new owner sends clients to the old one with -ASK for keys not
-//    there yet, and when none is left the old one ends the move in the map;
+//    objects key by key (saved if changed, sent as the key's current bytes, dropped here; a
+//    client writing one in flight gets -TRYAGAIN), the new owner serves a key of the slot only
+//    once those bytes arrived — a copy it held before (it was the old owner's replica) is of
+//    an earlier save — and sends clients to the old one with -ASK for the others; when none
+//    is left the old one ends the move in the map;
 //  - what this node holds for slots that are neither its own, moving to it, nor its
 //    replicas' duty is dropped (a node back from a fail-over holds stale generations).
 // Not a public interface: cluster_family.cc (commands) and cluster_sync.cc implement it.
@@ -63,10 +65,12 @@ class ClusterNode final : public server::ClusterRouting {
   // Sends one command to the node at `addr` (replication thread only).
   StatusOr<cluster::Reply> Call(const std::string& addr, const std::vector<std::string_view>& args);
 
-  // CLUSTER.PUT of one part of a key whose other parts follow (`more`) or of its last one: while
-  // more follow, CheckKey sends clients for the key back to the slot's old owner, which still
-  // holds every part. Runs on the key's shard.
-  void NoteArriving(server::Shard& shard, const store::TenantKey& fence, bool more);
+  // A key moved here from node `from` (CLUSTER.PUT ... FROM without MORE: its last object):
+  // its current bytes are here — installed, or the copy held here was as new. Until then
+  // CheckKey sends clients for it back to the slot's old owner, which still holds it. `slot`:
+  // the key's hash slot. Runs on the key's shard.
+  void NoteArrived(server::Shard& shard, const store::TenantKey& fence, const std::string& from,
+                   int slot);
 
   // Replication thread only: whether every current replica (`replicas`: their ids and
   // incarnations) took version `version` of object `id` already (a save of something unchanged
@@ -90,32 +94,43 @@ class ClusterNode final : public server::ClusterRouting {
   void Loop();   // the replication thread
   void Apply();  // replication thread: discard, sync, move (see the header comment)
   void Discard(const cluster::SlotMap& m, int self);
+  // Forgets arrivals of slots whose move here ended by map `m`.
+  void ForgetArrivals(const cluster::SlotMap& m, int self);
   bool SyncReplicas(const cluster::SlotMap& m, int self);
   bool MoveSlots(const cluster::SlotMap& m, int self);
   // Runs f on every shard (control tasks) and waits; from the replication thread only.
   void OnEveryShard(const std::function<void(server::Shard&)>& f);
   // Pushes one saved object's file to `addr`; Ok when taken (or already newer there). `more`:
   // other parts of its key follow.
+  // `move`: a key moving there (FROM this node), `more` of its objects to follow.
   Status Push(const std::string& addr, const ObjectId& id, uint64_t version,
-              const std::string& path, bool more = false);
+              const std::string& path, bool move = false, bool more = false);
   // One object of a slot being moved.
   struct Part {
     const SavedKind* kind;
     int shard;
     HeldObject obj;
   };
-  // Moves every part of one key (the layers of an attention session, the sealed snapshots of a
-  // V session) to `addr` as one: each saved if changed and sent, the last marked so, and only
-  // then all dropped here (kept as copies when this node is a replica of the new owner).
-  // Clients writing the key meanwhile get -TRYAGAIN. Ok when every part moved.
+  // Moves every object clients reach by one key (a namespace and the sealed snapshots of its
+  // sessions, the layers of an attention session) to `addr` as one: each saved if changed and
+  // sent FROM this node, all but the last with MORE, and only then all dropped here (kept as
+  // copies when this node is a replica of the new owner). Clients writing the key meanwhile
+  // get -TRYAGAIN. Ok when every object moved.
   Status MoveKey(const std::string& addr, bool replica, const std::vector<Part>& parts);
 
   server::Server& srv_;
   cluster::Membership membership_;
   // Per shard (touched only on it): namespaces being sent to their slot's new owner.
   std::vector<std::set<store::TenantKey>> in_flight_;
-  // Per shard (touched only on it): keys arriving here part by part, not all there yet.
-  std::vector<std::set<store::TenantKey>> arriving_;
+  // Per shard (touched only on it): keys whose current bytes arrived here from a slot's old
+  // owner during its move (CheckKey serves only these of an importing slot), with that node's
+  // id, their slot and the map epoch when they arrived; forgotten once the slot's move ended.
+  struct Arrival {
+    std::string from;
+    int slot = 0;
+    uint64_t epoch = 0;
+  };
+  std::vector<std::map<store::TenantKey, Arrival>> arrived_;
   Counters counters_;
 
   std::mutex mu_;

@@ -115,7 +115,7 @@ ClusterNode::ClusterNode(server::Server& srv, cluster::MembershipOptions options
     : srv_(srv),
       membership_(std::move(options)),
       in_flight_(static_cast<size_t>(srv.shard_count())),
-      arriving_(static_cast<size_t>(srv.shard_count())),
+      arrived_(static_cast<size_t>(srv.shard_count())),
       owned_(cluster::kSlots, false) {}
 
 ClusterNode::~ClusterNode() { Stop(); }
@@ -149,6 +149,7 @@ server::SlotRoute ClusterNode::Route(int slot, bool asking) {
       r.kind = server::SlotRoute::Kind::kCheckKey;
       r.importing = true;
       r.addr = m.nodes[from].addr;
+      r.from_id = m.nodes[from].id;
     }
   } else if (asking && from == cache.self) {
     r.kind = server::SlotRoute::Kind::kCheckKey;  // here if not sent yet, else at the owner
@@ -178,10 +179,15 @@ bool ClusterNode::KeyPresent(server::Shard& shard, uint32_t tenant, std::string_
 std::string ClusterNode::CheckKey(server::Shard& shard, uint32_t tenant,
                                   const server::CommandSpec& spec, std::string_view key, int slot,
                                   const server::SlotRoute& route) {
-  // A key arriving part by part is whole only at the old owner until its last part is here.
-  const auto& arriving = arriving_[static_cast<size_t>(shard.id())];
-  if (route.importing && !arriving.empty() &&
-      arriving.count({tenant, std::string(vstore::SessionRouteKey(key))}) != 0) {
+  if (route.importing) {
+    // The slot is moving here: a key is served here once its current bytes arrived from the
+    // old owner (whole: every object of it). Until then the old owner has them, even where
+    // this node holds a copy — it was the old owner's replica, and the copy is of the last
+    // save, older than what clients wrote since. (A key the old owner does not have comes back
+    // here with -ASK, and ASKING serves it.)
+    const auto& arrived = arrived_[static_cast<size_t>(shard.id())];
+    auto it = arrived.find({tenant, std::string(vstore::SessionRouteKey(key))});
+    if (it != arrived.end() && it->second.from == route.from_id) return "";
     return "ASK " + std::to_string(slot) + " " + route.addr;
   }
   // A namespace in flight is still whole here: reads go on, writes wait for it to arrive.
@@ -373,24 +379,41 @@ void ClusterNode::NoteReplicated(const ObjectId& id, uint64_t version,
 
 void ClusterNode::ForgetReplicated(const ObjectId& id) { replicated_.erase(ObjectKey(id)); }
 
-void ClusterNode::NoteArriving(server::Shard& shard, const store::TenantKey& fence, bool more) {
-  auto& arriving = arriving_[static_cast<size_t>(shard.id())];
-  if (more) {
-    arriving.insert(fence);
-  } else {
-    arriving.erase(fence);
-  }
+void ClusterNode::NoteArrived(server::Shard& shard, const store::TenantKey& fence,
+                              const std::string& from, int slot) {
+  arrived_[static_cast<size_t>(shard.id())][fence] = {from, slot, map()->epoch};
+}
+
+void ClusterNode::ForgetArrivals(const SlotMap& m, int self) {
+  // Only maps newer than an arrival: a key may arrive before this node has read the map that
+  // moves its slot here.
+  OnEveryShard([&](server::Shard& sh) {
+    auto& arrived = arrived_[static_cast<size_t>(sh.id())];
+    for (auto it = arrived.begin(); it != arrived.end();) {
+      const int s = it->second.slot;
+      const bool importing = self >= 0 && m.owner[s] == self && m.moving_from[s] >= 0;
+      if (!importing && m.epoch > it->second.epoch) {
+        it = arrived.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  });
 }
 
 Status ClusterNode::Push(const std::string& addr, const ObjectId& id, uint64_t version,
-                         const std::string& path, bool more) {
+                         const std::string& path, bool move, bool more) {
   auto bytes = ReadFile(path);
   if (!bytes.ok()) return bytes.status();
   const std::string v = std::to_string(version);
   auto args = ObjectArgs("CLUSTER.PUT", id, v);
   args.push_back(bytes.value());
   AddPart(&args, id);
-  if (more && !id.part.empty()) args.push_back("MORE");
+  if (move) {
+    args.push_back("FROM");
+    args.push_back(node_id());
+    if (more) args.push_back("MORE");
+  }
   auto r = Call(addr, args);
   if (!r.ok()) {
     counters_.push_failures.fetch_add(1);
@@ -412,6 +435,7 @@ void ClusterNode::Apply() {
   // discarded): saves of unchanged objects send their copies again.
   replicated_.clear();
   Discard(*m, self);
+  ForgetArrivals(*m, self);
   if (self < 0) return;
   if (!SyncReplicas(*m, self)) retry_ = true;
   if (!MoveSlots(*m, self)) retry_ = true;
@@ -520,7 +544,7 @@ bool ClusterNode::SyncReplicas(const SlotMap& m, int self) {
 
 Status ClusterNode::MoveKey(const std::string& addr, bool replica, const std::vector<Part>& parts) {
   const store::TenantKey& key = parts.front().obj.key;
-  // What clients name while it is in flight (V sessions by their namespace).
+  // What clients name while it is in flight (V sessions by their namespace): every part's.
   const store::TenantKey fence{key.tenant, std::string(vstore::SessionRouteKey(key.name))};
   server::Shard& sh = srv_.shard(parts.front().shard);
   // Held in flight (clients writing it get -TRYAGAIN) from its first snapshot until it is
@@ -540,8 +564,8 @@ Status ClusterNode::MoveKey(const std::string& addr, bool replica, const std::ve
       if (file.status().kind() != ErrorKind::kMiss) st = file.status();
       continue;
     }
-    const ObjectId id{p.kind->name, p.obj.tenant, key.name, p.obj.part};
-    st = Push(addr, id, file->second, file->first, /*more=*/k + 1 < parts.size());
+    const ObjectId id{p.kind->name, p.obj.tenant, p.obj.key.name, p.obj.part};
+    st = Push(addr, id, file->second, file->first, /*move=*/true, /*more=*/k + 1 < parts.size());
     if (st.ok()) versions[k] = file->second;
   }
   // A replica of the new owner keeps the files as its copies; others let go of them.
@@ -558,6 +582,7 @@ Status ClusterNode::MoveKey(const std::string& addr, bool replica, const std::ve
       if (!one.ok() && d.ok()) d = one;
     }
     in_flight_[static_cast<size_t>(s.id())].erase(fence);
+    if (st.ok()) arrived_[static_cast<size_t>(s.id())].erase(fence);  // it is not ours any more
     dropped.set_value(d);
   });
   return dropped.get_future().get();
@@ -581,6 +606,9 @@ bool ClusterNode::MoveSlots(const SlotMap& m, int self) {
     for (int s : slots) in_batch[s] = 1;
     bool done = true;
     size_t moved = 0;
+    // Objects moved by an earlier pass: what is held of them now is a copy kept for the new
+    // owner (this node is its replica), not to be sent again.
+    std::set<std::tuple<const SavedKind*, uint32_t, std::string, std::string>> sent;
     // Passes until none is left: a client sent here with -ASK may have created one meanwhile
     // only before the owner had the slot (after that, new keys are the owner's).
     for (int pass = 0; pass < 3; ++pass) {
@@ -590,19 +618,23 @@ bool ClusterNode::MoveSlots(const SlotMap& m, int self) {
         for (const SavedKind& kind : SavedKinds()) {
           for (auto& o : kind.held(srv_, sh)) {
             if (!in_batch[cluster::KeySlot(RouteKeyOf(kind, o.key.name))]) continue;
+            if (sent.count({&kind, o.key.tenant, o.key.name, o.part}) != 0) continue;
             std::lock_guard<std::mutex> lock(mu);
             objs.push_back({&kind, sh.id(), std::move(o)});
           }
         }
       });
       if (objs.empty()) break;
-      // A key's parts go together, in one MoveKey.
-      auto same_key = [](const Part& a, const Part& b) {
-        return a.kind == b.kind && a.shard == b.shard && a.obj.key == b.obj.key;
+      // What clients reach by one key goes together, in one MoveKey: a key's parts, and a
+      // namespace with the sealed snapshots of its sessions (V sessions route by it).
+      auto fence_of = [](const Part& p) { return vstore::SessionRouteKey(p.obj.key.name); };
+      auto same_key = [&](const Part& a, const Part& b) {
+        return a.shard == b.shard && a.obj.key.tenant == b.obj.key.tenant &&
+               fence_of(a) == fence_of(b);
       };
-      std::stable_sort(objs.begin(), objs.end(), [](const Part& a, const Part& b) {
-        return std::tie(a.kind, a.shard, a.obj.key.tenant, a.obj.key.name) <
-               std::tie(b.kind, b.shard, b.obj.key.tenant, b.obj.key.name);
+      std::stable_sort(objs.begin(), objs.end(), [&](const Part& a, const Part& b) {
+        return std::make_tuple(a.shard, a.obj.key.tenant, fence_of(a), a.kind, a.obj.key.name) <
+               std::make_tuple(b.shard, b.obj.key.tenant, fence_of(b), b.kind, b.obj.key.name);
       });
       const bool replica = InList(m.replicas[target], self);
       for (size_t i = 0; i < objs.size() && done;) {
@@ -612,6 +644,8 @@ bool ClusterNode::MoveSlots(const SlotMap& m, int self) {
         Status d = MoveKey(to.addr, replica, parts);
         if (d.ok()) {
           moved += parts.size();
+          for (const Part& p : parts)
+            sent.insert({p.kind, p.obj.key.tenant, p.obj.key.name, p.obj.part});
         } else {
           spdlog::warn("cluster: moving {} '{}' to '{}': {}", objs[i].kind->name,
                        objs[i].obj.key.name, to.id, d.message());

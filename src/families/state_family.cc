@@ -79,9 +79,10 @@ void Write(CommandContext& ctx, CmdArgs& args) {
   store::StateSlots::Slot& sl = *slot.value();
   s = store::StateSlots::CheckRange(key, sl, offset, args[3].size(), "write");
   if (!s.ok()) return ctx.Error(s);
-  if (!ctx.Resident({sl.obj}, Tier::kHost)) return;  // back from disk first
-  ctx.pins->Reset();                                 // our own pin would forbid the in-place write
-  if (store::StateSlots::WriteInPlace(sl, offset, args[3])) return ctx.rb->Ok();
+  // Back from disk first, and pinned until written: making room for a copy must not drop it.
+  if (!ctx.Resident({sl.obj}, Tier::kHost)) return;
+  const uint32_t own_pins = ctx.pins->Counts(Tier::kHost)[sl.obj.get()];
+  if (store::StateSlots::WriteInPlace(sl, offset, args[3], own_pins)) return ctx.rb->Ok();
   // Someone holds the bytes (a READ reply in flight, a save, a demotion): copy, then write.
   BufferRef old = sl.obj->HostBlock(0);  // pinned: resident
   std::unique_ptr<Charge> charge;

@@ -85,11 +85,13 @@ void Create(CommandContext& ctx, CmdArgs& args) {
   ctx.rb->Ok();
 }
 
-// Before a store: the written chunks it touches must be in memory, and its new bytes must fit
-// (demotions make room). False when the command was parked or refused (the reply is written).
-bool ReadyToStore(CommandContext& ctx, const store::VSession& session,
-                  std::vector<residency::ObjectRef> missing, uint64_t bytes) {
-  if (!missing.empty() && !ctx.Resident(missing, residency::Tier::kHost)) return false;
+// Before a store: every written chunk it touches is pinned in memory (brought back first, as
+// for a read: making room for the new bytes must not drop one of them), and its new bytes
+// fit (demotions make room). False when the command was parked or refused (the reply is
+// written).
+bool ReadyToStore(CommandContext& ctx, const std::vector<residency::ObjectRef>& touched,
+                  uint64_t bytes) {
+  if (!touched.empty() && !ctx.Resident(touched, residency::Tier::kHost)) return false;
   server::MemoryAccountant& mem = ctx.server->memory();
   const uint64_t max = mem.maxmemory(), free = mem.Headroom(server::MemFamily::kVStore);
   if (free >= bytes) return true;
@@ -129,7 +131,7 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
     return true;
   };
   std::vector<float> fscratch;
-  std::vector<residency::ObjectRef> missing;
+  std::vector<residency::ObjectRef> touched;
   Status s;
   if (EqualsIgnoreCase(args[2], "IDS")) {
     if (args.size() != 5)
@@ -152,10 +154,10 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
       const auto [lo, hi] = std::minmax_element(ids, ids + n);
       if (refused_by_prefix(*lo, *hi + 1)) return;
     }
-    session.MissingForIds(ids, n, &missing);
-    if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreIds(ids, n))) return;
+    session.ChunksForIds(ids, n, &touched);
+    if (!ReadyToStore(ctx, touched, session.BytesToStoreIds(ids, n))) return;
     if (prefix != nullptr) prefix->dirty = true;
-    s = session.StoreIds(ids, BlobAs<float>(data, &fscratch), n);
+    s = session.StoreIds(ids, BlobAs<float>(data, &fscratch), n, *ctx.pins);
   } else if ((args.size() == 5 || args.size() == 7) && EqualsIgnoreCase(args[3], "SHM")) {
     // The rows were written by the client into a SHM.RESERVE region: commit them.
     if (!ctx.unix_socket) {
@@ -177,8 +179,8 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
     }
     const size_t n = size.value() / row_floats_bytes;
     if (refused_by_prefix(start, start + static_cast<int64_t>(n))) return;
-    if (start >= 0) session.MissingForRange(start, n, &missing);
-    if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreRange(start, n))) {
+    if (start >= 0) session.ChunksForRange(start, n, &touched);
+    if (!ReadyToStore(ctx, touched, session.BytesToStoreRange(start, n))) {
       return;  // the lease stays until the command runs again
     }
     auto region = ctx.server->shm().Take(ctx.client_id, lease);
@@ -201,7 +203,7 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
       }
     }
     if (prefix != nullptr) prefix->dirty = true;
-    s = session.StoreRange(start, reinterpret_cast<const float*>(b->data()), n);
+    s = session.StoreRange(start, reinterpret_cast<const float*>(b->data()), n, *ctx.pins);
     if (!s.ok()) return ctx.Error(s);
     vs.NoteRows(static_cast<int64_t>(session.rows() - rows_before));
     ++entry.value()->writes;
@@ -224,12 +226,10 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
     }
     const size_t n = data.size() / row_floats_bytes;
     if (refused_by_prefix(start, start + static_cast<int64_t>(n))) return;
-    if (start >= 0) session.MissingForRange(start, n, &missing);
-    if (!ReadyToStore(ctx, session, std::move(missing), session.BytesToStoreRange(start, n))) {
-      return;
-    }
+    if (start >= 0) session.ChunksForRange(start, n, &touched);
+    if (!ReadyToStore(ctx, touched, session.BytesToStoreRange(start, n))) return;
     if (prefix != nullptr) prefix->dirty = true;
-    s = session.StoreRange(start, BlobAs<float>(data, &fscratch), n);
+    s = session.StoreRange(start, BlobAs<float>(data, &fscratch), n, *ctx.pins);
   }
   if (!s.ok()) return ctx.Error(s);
   vs.NoteRows(static_cast<int64_t>(session.rows() - rows_before));

@@ -150,7 +150,11 @@ void Engine::LinkLocked(Object* o, Tier t) {
   list.head = o;
   if (list.tail == nullptr) list.tail = o;
   l.linked = true;
-  l.stamp = o->last_use_.load(std::memory_order_relaxed);
+  // The list stays ordered by stamp, newest at the head, which the demotion walk relies on: an
+  // object linked at the head (a promotion of one found on disk long ago, a spill copy) ranks
+  // as recently placed even when its last use is older than the head's.
+  const int64_t used = o->last_use_.load(std::memory_order_relaxed);
+  l.stamp = l.next != nullptr ? std::max(used, l.next->links_[T(t)].stamp) : used;
   ++list.count;
   list.bytes += o->bytes_;
 }
@@ -185,6 +189,9 @@ void Engine::ReorderLocked(Object* o, Tier t, int64_t used) {
     at = at->links_[T(t)].next;
   }
   Object::Link& l = o->links_[T(t)];
+  // Where the walk stopped early, `at` may be newer than `used`: o takes its stamp, so that the
+  // order holds.
+  if (at != nullptr && at->links_[T(t)].stamp > used) used = at->links_[T(t)].stamp;
   if (at == nullptr) {  // older than everything: the tail
     l.prev = list.tail;
     l.next = nullptr;
@@ -299,7 +306,9 @@ std::vector<Engine::Victim> Engine::PickVictims(Tier tier, std::optional<Family>
   {
     std::lock_guard dir(dir_mu_);
     List& list = lists_[T(tier)];
-    uint64_t steps = list.count;
+    // Each object is looked at once, or twice when its last use moves it up the list first (a
+    // bound, not a count: readers may use objects meanwhile).
+    uint64_t steps = 2 * list.count + 1;
     Object* o = list.tail;
     while (o != nullptr && steps-- > 0 && *freed + dirty < need) {
       Object* prev = o->links_[T(tier)].prev;
@@ -318,8 +327,9 @@ std::vector<Engine::Victim> Engine::PickVictims(Tier tier, std::optional<Family>
       const int64_t used = o->last_use_.load(std::memory_order_relaxed);
       if (used > o->links_[T(tier)].stamp) {
         ReorderLocked(o, tier, used);
-        // Still older than the next one up: it is the candidate here, look at it again.
-        if (prev == nullptr || prev->links_[T(tier)].stamp <= used) o = prev;
+        // Still in the same place (older than the next one up): look at it again. Otherwise it
+        // moved up and the walk meets it there in its turn.
+        if (o->links_[T(tier)].prev != prev) o = prev;
         continue;
       }
       const bool busy = o->pins_[T(tier)] > 0 || o->writing_ || o->moving_ ||
@@ -581,11 +591,14 @@ void Engine::SpillSegment(std::shared_ptr<std::vector<Victim>> seg, std::shared_
       }
     }
     meters_[kDiskWritePath].Unqueue(seg_bytes);
+    // No room on the disk (the quota, or a full file system) is no room for the demotion:
+    // -OOM, as when everything is pinned. A failing device stays -IOERR.
+    const bool no_room = s.kind() == ErrorKind::kOom || store::disk::IsNoSpace(s);
     if (s.ok()) {
       meters_[kDiskWritePath].Record(seg_bytes, Seconds(t0, Clock::now()));
       spill_files_.fetch_add(1, std::memory_order_relaxed);
     } else {
-      Refuse(Stage::kDiskWrite, s.kind() == ErrorKind::kOom ? Refusal::kOom : Refusal::kIo);
+      Refuse(Stage::kDiskWrite, no_room ? Refusal::kOom : Refusal::kIo);
     }
     std::vector<std::shared_ptr<HostReplica>> dead;
     {
@@ -617,7 +630,7 @@ void Engine::SpillSegment(std::shared_ptr<std::vector<Victim>> seg, std::shared_
     dead.clear();  // the host bytes go back to the budget here
     file.reset();
     if (!s.ok()) {
-      FinishRoom(r, Status(s.kind() == ErrorKind::kOom ? ErrorKind::kOom : ErrorKind::kIo,
+      FinishRoom(r, Status(no_room ? ErrorKind::kOom : ErrorKind::kIo,
                            "tier=host: demotion to disk failed, nothing was lost: " + s.message()));
     }
     if (left->fetch_sub(1) == 1) RoomStep(r);

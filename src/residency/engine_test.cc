@@ -330,10 +330,19 @@ TEST_F(EngineTest, InPlaceWritesOnlyWhenExclusiveAndTheyDropStaleCopies) {
     BufferRef held = a->HostBlock(0);  // a reply in flight
     EXPECT_EQ(a->BeginWrite(0), nullptr);
   }
-  uint8_t* p = a->BeginWrite(0);
+  {
+    PinSet reader;  // a request reading it (perhaps on another thread)
+    ASSERT_TRUE(reader.TryPin(a, Tier::kHost));
+    EXPECT_EQ(a->BeginWrite(0), nullptr);
+  }
+  PinSet writer;  // the writer's own pin keeps it in memory and does not stop the write
+  ASSERT_TRUE(writer.TryPin(a, Tier::kHost));
+  EXPECT_EQ(writer.Counts(Tier::kHost).at(a.get()), 1u);
+  uint8_t* p = a->BeginWrite(0, /*own_host_pins=*/1);
   ASSERT_NE(p, nullptr);
   p[0] ^= 1;
   a->EndWrite();
+  writer.Reset();
   EXPECT_EQ(a->generation(), 2u);
   // Demote it by pressure, promote it back, then a write drops the now stale disk copy.
   std::vector<ObjectRef> others;
@@ -385,6 +394,9 @@ TEST_F(EngineTest, FailedOrShortSpillWritesLoseNothing) {
     Status s = p.get_future().get();
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message().find("nothing was lost"), std::string::npos) << s.message();
+    // A full disk is no room (-OOM tier=host, as PROTOCOL.md says); a failing one is -IOERR.
+    EXPECT_EQ(s.kind(), action == faults::Action::kNoSpace ? ErrorKind::kOom : ErrorKind::kIo)
+        << s.message();
     for (uint32_t i = 0; i < objs.size(); ++i) EXPECT_TRUE(Same(objs[i], i)) << i;
   }
   injector_.Clear();
@@ -480,6 +492,43 @@ TEST_F(EngineTest, PinnedObjectsAreNotDemotedAndHostRoomIsTypedWhenAllArePinned)
   pins.Reset();
   EXPECT_TRUE(Same(Put(kObj, 3), 3));
   EXPECT_TRUE(a->Resident(Tier::kDisk));
+}
+
+// Issue 51: after a restart every object is known by its saved file and its last use is when it
+// was found. Read in the order clients happen to use them — many small chunks opened and read
+// one after another, then larger objects found long before them — every host copy is clean,
+// so each promotion makes its room by dropping others, however their last uses and their
+// places in the tier list differ: never -OOM, never a spill write.
+TEST_F(EngineTest, CleanCopiesPromotedFromSavedFilesAlwaysMakeRoom) {
+  constexpr size_t kChunk = 8 << 10, kLarge = 128 << 10;
+  Make(/*host_limit=*/256 * kChunk);
+  auto saved = [&](size_t n, uint32_t seed, Family f) {
+    auto data = Bytes(n, seed);
+    std::vector<std::span<const uint8_t>> spans{{data.data(), data.size()}};
+    auto file =
+        engine_->WriteSaved((dir_ / "saved").string(), "o" + std::to_string(seed), 1, "", spans);
+    EXPECT_TRUE(file.ok()) << file.status().message();
+    return engine_->CreateOnDisk(f, {n}, file.value(), {0});
+  };
+  auto read = [&](const ObjectRef& o, uint32_t seed) {
+    PinSet pins;
+    Status s = RequireSync({o}, Tier::kHost, kNoDeadline, &pins);
+    pins.Reset();
+    EXPECT_TRUE(s.ok()) << "object " << seed << ": " << s.message();
+    EXPECT_TRUE(s.ok() && Same(o, seed)) << seed;
+  };
+  std::vector<ObjectRef> large;
+  for (uint32_t i = 0; i < 12; ++i) large.push_back(saved(kLarge, 1000 + i, Family::kAttention));
+  std::vector<ObjectRef> chunks;
+  for (uint32_t ns = 0; ns < 32; ++ns) {  // each namespace found when first read: 16 chunks
+    for (uint32_t c = 0; c < 16; ++c) chunks.push_back(saved(kChunk, ns * 16 + c, Family::kVStore));
+    for (uint32_t c = 0; c < 16; ++c) read(chunks[ns * 16 + c], ns * 16 + c);
+  }
+  for (uint32_t i = 0; i < large.size(); ++i) read(large[i], 1000 + i);
+  EXPECT_LE(mem_.used.load(), 256 * kChunk);
+  const auto st = engine_->stats();
+  EXPECT_EQ(st.spill_files, 0u);  // dropped, nothing written
+  EXPECT_EQ(st.refusals[static_cast<int>(Stage::kHostRoom)][static_cast<int>(Refusal::kOom)], 0u);
 }
 
 }  // namespace

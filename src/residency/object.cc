@@ -96,7 +96,7 @@ std::string Object::lost() const {
   return lost_;
 }
 
-uint8_t* Object::BeginWrite(size_t block) {
+uint8_t* Object::BeginWrite(size_t block, uint32_t own_host_pins) {
   // Stale lower copies leave the tier lists, so the directory lock comes first.
   std::shared_ptr<GpuReplica> old_gpu;
   std::shared_ptr<DiskCopy> old_disk;
@@ -106,8 +106,10 @@ uint8_t* Object::BeginWrite(size_t block) {
     std::unique_lock lock(mu_);
     auto eligible = [&] {
       return host_ && host_.use_count() == 1 && host_->blocks[block].use_count() == 1 &&
-             !writing_ && !moving_ && pins_[0] == 0 && pins_[1] == 0 && pins_[2] == 0 &&
-             (!gpu_ || gpu_->readers() == 0) && !promoting_[0] && !promoting_[1] && !promoting_[2];
+             !writing_ && !moving_ && pins_[static_cast<int>(Tier::kGpu)] == 0 &&
+             pins_[static_cast<int>(Tier::kHost)] == own_host_pins &&
+             pins_[static_cast<int>(Tier::kDisk)] == 0 && (!gpu_ || gpu_->readers() == 0) &&
+             !promoting_[0] && !promoting_[1] && !promoting_[2];
     };
     if (!eligible()) return nullptr;
     if (gpu_ || disk_) {
@@ -149,6 +151,14 @@ bool PinSet::TryPin(const ObjectRef& obj, Tier tier) {
   obj->Touch();
   pins_.emplace_back(obj, tier);
   return true;
+}
+
+std::unordered_map<const Object*, uint32_t> PinSet::Counts(Tier tier) const {
+  std::unordered_map<const Object*, uint32_t> out;
+  for (const auto& [o, t] : pins_) {
+    if (t == tier) ++out[o.get()];
+  }
+  return out;
 }
 
 void PinSet::Merge(PinSet&& other) {

@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "common/buffer.h"
@@ -75,10 +76,12 @@ class Object : public std::enable_shared_from_this<Object> {
 
   // ---- Writing in place (the owning shard) --------------------------------------------------
   // Block i's host bytes to change in place, or null when the bytes are shared (a reply, a
-  // save, a transfer) or not host-resident: the caller copies on write instead. Pins do not
-  // forbid it (they keep residency; a pinned reader reads what is there when it runs). Drops
-  // the now-stale GPU and disk replicas. EndWrite() must follow.
-  uint8_t* BeginWrite(size_t block);
+  // save, a transfer), pinned by another request (a reader on another thread), or not
+  // host-resident: the caller copies on write instead. `own_host_pins`: the host pins the
+  // caller itself holds on this object (a writer keeps what it writes in memory by pinning it,
+  // as a reader does); only pins beyond those forbid it. Drops the now-stale GPU and disk
+  // replicas. EndWrite() must follow.
+  uint8_t* BeginWrite(size_t block, uint32_t own_host_pins = 0);
   void EndWrite();
 
  private:
@@ -137,6 +140,8 @@ class PinSet {
 
   // Pins obj in tier if it is resident there; false (nothing pinned) otherwise.
   bool TryPin(const ObjectRef& obj, Tier tier);
+  // Each object this set pins in `tier`, with how many pins it holds on it.
+  std::unordered_map<const Object*, uint32_t> Counts(Tier tier) const;
   void Merge(PinSet&& other);
   void Reset();
   size_t size() const { return pins_.size(); }

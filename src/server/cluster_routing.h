@@ -23,6 +23,7 @@ struct SlotRoute {
   Kind kind = Kind::kServe;
   std::string addr;        // kMoved: the owner; kCheckKey: where a key that is not here is asked
   bool importing = false;  // kCheckKey: this node owns the slot and its keys come from addr
+  std::string from_id;     // importing: the id of the node at addr
 };
 
 class ClusterRouting {
@@ -32,8 +33,9 @@ class ClusterRouting {
   // thread; cheap (no lock on the common path).
   virtual SlotRoute Route(int slot, bool asking) = 0;
   // For kCheckKey: empty when the command runs here, else the error line to answer instead
-  // (-ASK <slot> <addr> for a key that is not here, -TRYAGAIN for one being sent). `key` is
-  // the argument `spec` routes by. Runs on the shard that owns the key.
+  // (-ASK <slot> <addr> for a key that is not here — or, importing, whose current bytes have
+  // not arrived from addr yet —, -TRYAGAIN for one being sent). `key` is the argument `spec`
+  // routes by. Runs on the shard that owns the key.
   virtual std::string CheckKey(Shard& shard, uint32_t tenant, const CommandSpec& spec,
                                std::string_view key, int slot, const SlotRoute& route) = 0;
 };

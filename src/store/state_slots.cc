@@ -44,8 +44,9 @@ Status StateSlots::CheckRange(const TenantKey& key, const Slot& slot, uint64_t o
   return Status::Ok();
 }
 
-bool StateSlots::WriteInPlace(Slot& slot, uint64_t offset, std::string_view data) {
-  uint8_t* p = slot.obj->BeginWrite(0);
+bool StateSlots::WriteInPlace(Slot& slot, uint64_t offset, std::string_view data,
+                              uint32_t own_host_pins) {
+  uint8_t* p = slot.obj->BeginWrite(0, own_host_pins);
   if (p == nullptr) return false;
   std::memcpy(p + offset, data.data(), data.size());
   slot.obj->EndWrite();

@@ -42,8 +42,10 @@ class StateSlots {
   static Status CheckRange(const TenantKey& key, const Slot& slot, uint64_t offset, uint64_t len,
                            std::string_view what);
   // Writes in place when the object allows it (see class comment); false when it must be
-  // copied first (the caller makes the copy and Replace()s).
-  static bool WriteInPlace(Slot& slot, uint64_t offset, std::string_view data);
+  // copied first (the caller makes the copy and Replace()s). `own_host_pins`: the pins the
+  // writer holds on the slot's object (it keeps it in memory through the write).
+  static bool WriteInPlace(Slot& slot, uint64_t offset, std::string_view data,
+                           uint32_t own_host_pins);
   void Replace(Slot& slot, residency::ObjectRef obj);
   // Returns true if the slot existed.
   bool Free(const TenantKey& key);

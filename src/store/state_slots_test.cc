@@ -43,8 +43,8 @@ TEST_F(StateSlotsTest, AllocIsIdempotentForTheSameSizeOnly) {
 TEST_F(StateSlotsTest, WritesInPlaceAndChecksBounds) {
   StateSlots s;
   StateSlots::Slot& sl = s.Insert(K("a"), Zeros(8));
-  ASSERT_TRUE(StateSlots::WriteInPlace(sl, 2, "xyz"));
-  ASSERT_TRUE(StateSlots::WriteInPlace(sl, 5, "123"));  // exactly to the end
+  ASSERT_TRUE(StateSlots::WriteInPlace(sl, 2, "xyz", 0));
+  ASSERT_TRUE(StateSlots::WriteInPlace(sl, 5, "123", 0));  // exactly to the end
   EXPECT_EQ(Bytes(s, K("a")), std::string("\0\0xyz123", 8));
   EXPECT_EQ(sl.obj->generation(), 3u);
   Status over = StateSlots::CheckRange(K("a"), sl, 6, 3, "write");
@@ -59,12 +59,12 @@ TEST_F(StateSlotsTest, WritesInPlaceAndChecksBounds) {
 TEST_F(StateSlotsTest, BytesAReplyStillHoldsAreNeverWrittenInPlace) {
   StateSlots s;
   StateSlots::Slot& sl = s.Insert(K("a"), Zeros(4));
-  ASSERT_TRUE(StateSlots::WriteInPlace(sl, 0, "old!"));
-  BufferRef held = sl.obj->HostBlock(0);                  // like a reply in flight
-  EXPECT_FALSE(StateSlots::WriteInPlace(sl, 0, "new!"));  // the caller copies instead
+  ASSERT_TRUE(StateSlots::WriteInPlace(sl, 0, "old!", 0));
+  BufferRef held = sl.obj->HostBlock(0);                     // like a reply in flight
+  EXPECT_FALSE(StateSlots::WriteInPlace(sl, 0, "new!", 0));  // the caller copies instead
   EXPECT_EQ(held->view(), "old!");
   held.reset();
-  EXPECT_TRUE(StateSlots::WriteInPlace(sl, 0, "new!"));
+  EXPECT_TRUE(StateSlots::WriteInPlace(sl, 0, "new!", 0));
   EXPECT_EQ(Bytes(s, K("a")), "new!");
 }
 

@@ -62,21 +62,26 @@ std::vector<int64_t> VSession::ChunksOfIds(const int64_t* ids, size_t n) {
   return out;
 }
 
-void VSession::Missing(const std::vector<int64_t>& indexes, std::vector<ObjectRef>* out) const {
+void VSession::Existing(const std::vector<int64_t>& indexes, bool missing_only,
+                        std::vector<ObjectRef>* out) const {
   for (int64_t c : indexes) {
     const Chunk* chunk = FindChunk(c);
-    if (chunk != nullptr && !chunk->obj->Resident(residency::Tier::kHost)) {
+    if (chunk != nullptr && (!missing_only || !chunk->obj->Resident(residency::Tier::kHost))) {
       out->push_back(chunk->obj);
     }
   }
 }
 
-void VSession::MissingForRange(int64_t start, size_t n, std::vector<ObjectRef>* out) const {
-  Missing(ChunksOfRange(start, n), out);
+void VSession::ChunksForRange(int64_t start, size_t n, std::vector<ObjectRef>* out) const {
+  Existing(ChunksOfRange(start, n), /*missing_only=*/false, out);
 }
 
-void VSession::MissingForIds(const int64_t* ids, size_t n, std::vector<ObjectRef>* out) const {
-  Missing(ChunksOfIds(ids, n), out);
+void VSession::ChunksForIds(const int64_t* ids, size_t n, std::vector<ObjectRef>* out) const {
+  Existing(ChunksOfIds(ids, n), /*missing_only=*/false, out);
+}
+
+void VSession::MissingForRange(int64_t start, size_t n, std::vector<ObjectRef>* out) const {
+  Existing(ChunksOfRange(start, n), /*missing_only=*/true, out);
 }
 
 uint64_t VSession::BytesToStore(const std::vector<int64_t>& indexes) const {
@@ -91,22 +96,26 @@ uint64_t VSession::BytesToStoreIds(const int64_t* ids, size_t n) const {
   return BytesToStore(ChunksOfIds(ids, n));
 }
 
-StatusOr<VSession::Writable> VSession::WritableChunk(int64_t index) {
+StatusOr<VSession::Writable> VSession::WritableChunk(int64_t index, const HeldPins& held) {
   const size_t size = chunk_size();
   auto it = chunks_.find(index);
+  uint32_t own_pins = 0;
+  if (it != chunks_.end()) {
+    auto pinned = held.find(it->second->obj.get());
+    own_pins = pinned == held.end() ? 0 : pinned->second;
+    if (own_pins == 0) {  // the caller's bug: nothing keeps it in memory until it is written
+      return Error("chunk " + std::to_string(index) +
+                   " of the session is written without being pinned in host memory");
+    }
+  }
   if (it != chunks_.end() && it->second.use_count() == 1) {
-    // Ours alone (no snapshot shares the chunk): write in place if nobody holds its bytes.
-    if (uint8_t* p = it->second->obj->BeginWrite(0)) {
+    // Ours alone (no snapshot shares the chunk): write in place if nobody else holds its bytes.
+    if (uint8_t* p = it->second->obj->BeginWrite(0, own_pins)) {
       return Writable{it->second.get(), p, it->second->obj.get()};
     }
   }
   BufferRef old;
-  if (it != chunks_.end()) {
-    old = it->second->obj->HostBlock(0);
-    if (!old) {
-      return Status(ErrorKind::kMiss, "chunk " + std::to_string(index) + " is not in memory");
-    }
-  }
+  if (it != chunks_.end()) old = it->second->obj->HostBlock(0);  // pinned: resident
   auto charge = engine_->ReserveHost(Family::kVStore, size);
   if (!charge.ok()) return charge.status();
   auto buf = alloc_->Allocate(size);
@@ -128,12 +137,14 @@ StatusOr<VSession::Writable> VSession::WritableChunk(int64_t index) {
   return Writable{chunk.get(), bytes, nullptr};
 }
 
-Status VSession::PrepareChunks(const std::vector<int64_t>& indexes, std::vector<Writable>* out) {
+Status VSession::PrepareChunks(const std::vector<int64_t>& indexes, const residency::PinSet& held,
+                               std::vector<Writable>* out) {
   std::vector<int64_t> created;
   out->clear();
+  const HeldPins pins = held.Counts(residency::Tier::kHost);
   for (int64_t c : indexes) {
     const bool existed = chunks_.count(c) != 0;
-    auto w = WritableChunk(c);
+    auto w = WritableChunk(c, pins);
     if (!w.ok()) {
       for (int64_t e : created) chunks_.erase(e);
       for (const Writable& x : *out) {
@@ -148,7 +159,8 @@ Status VSession::PrepareChunks(const std::vector<int64_t>& indexes, std::vector<
   return Status::Ok();
 }
 
-Status VSession::StoreRange(int64_t start, const float* rows, size_t n) {
+Status VSession::StoreRange(int64_t start, const float* rows, size_t n,
+                            const residency::PinSet& held) {
   if (start < 0) return Error("start id must be >= 0, got " + std::to_string(start));
   if (n == 0) return Status::Ok();
   if (static_cast<uint64_t>(start) + n > static_cast<uint64_t>(INT64_MAX)) {
@@ -159,7 +171,7 @@ Status VSession::StoreRange(int64_t start, const float* rows, size_t n) {
   // contents).
   std::vector<int64_t> need = ChunksOfRange(start, n);
   std::vector<Writable> w;
-  Status prepared = PrepareChunks(need, &w);
+  Status prepared = PrepareChunks(need, held, &w);
   if (!prepared.ok()) return prepared;
   const size_t rb = codec_.row_bytes();
   int64_t id = start;
@@ -180,7 +192,8 @@ Status VSession::StoreRange(int64_t start, const float* rows, size_t n) {
   return Status::Ok();
 }
 
-Status VSession::StoreIds(const int64_t* ids, const float* rows, size_t n) {
+Status VSession::StoreIds(const int64_t* ids, const float* rows, size_t n,
+                          const residency::PinSet& held) {
   for (size_t i = 0; i < n; ++i) {
     if (ids[i] < 0) {
       return Error("id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
@@ -189,7 +202,7 @@ Status VSession::StoreIds(const int64_t* ids, const float* rows, size_t n) {
   }
   std::vector<int64_t> need = ChunksOfIds(ids, n);
   std::vector<Writable> w;
-  Status prepared = PrepareChunks(need, &w);
+  Status prepared = PrepareChunks(need, held, &w);
   if (!prepared.ok()) return prepared;
   const size_t rb = codec_.row_bytes();
   for (size_t i = 0; i < n; ++i) {

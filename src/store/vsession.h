@@ -20,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -80,17 +81,23 @@ class VSession {
   uint64_t lost_chunks() const { return loss_->load(std::memory_order_relaxed); }
 
   // ---- Writes (all or nothing: on error nothing was changed) ----------------------------
-  // The written chunks a store into these ids needs that are not in host memory.
+  // The existing chunks a store into these ids writes, in host memory or not: the caller pins
+  // every one in host memory (Engine::Require / TryPinAll) and holds the pins through the store,
+  // so that nothing — making room for the store's own new bytes included — drops one meanwhile.
+  void ChunksForRange(int64_t start, size_t n, std::vector<residency::ObjectRef>* out) const;
+  void ChunksForIds(const int64_t* ids, size_t n, std::vector<residency::ObjectRef>* out) const;
+  // Those of them that are not in host memory (a read-only check).
   void MissingForRange(int64_t start, size_t n, std::vector<residency::ObjectRef>* out) const;
-  void MissingForIds(const int64_t* ids, size_t n, std::vector<residency::ObjectRef>* out) const;
   // At most the new host bytes such a store allocates (new chunks, copies of shared ones).
   uint64_t BytesToStoreRange(int64_t start, size_t n) const;
   uint64_t BytesToStoreIds(const int64_t* ids, size_t n) const;
-  // Quantizes and stores n rows (n*dim floats) at ids start..start+n-1. kMiss when a chunk it
-  // needs is not host-resident, kOom when its new bytes do not fit.
-  Status StoreRange(int64_t start, const float* rows, size_t n);
-  // Stores rows at scattered ids (ids may repeat: the last row wins).
-  Status StoreIds(const int64_t* ids, const float* rows, size_t n);
+  // Quantizes and stores n rows (n*dim floats) at ids start..start+n-1. `held` pins the chunks
+  // ChunksForRange names (a chunk is written in place when no one else holds or pins it, else
+  // copied). kOom when its new bytes do not fit; kErr naming the chunk when one it writes is not
+  // pinned in host memory (a caller that did not pin it).
+  Status StoreRange(int64_t start, const float* rows, size_t n, const residency::PinSet& held);
+  // Stores rows at scattered ids (ids may repeat: the last row wins), likewise.
+  Status StoreIds(const int64_t* ids, const float* rows, size_t n, const residency::PinSet& held);
 
   // ---- Completeness (memory only) -------------------------------------------------------------
   // kErr naming the first id in [start, end) that was never written.
@@ -141,12 +148,16 @@ class VSession {
   // Makes every listed chunk writable (in place when nobody else holds it, else a copy), or
   // on failure removes the chunks it had to create (they hold no rows yet) and ends the
   // in-place writes it began, so a refused store leaves the session as it was.
-  Status PrepareChunks(const std::vector<int64_t>& indexes, std::vector<Writable>* out);
-  StatusOr<Writable> WritableChunk(int64_t index);
+  // `held`: the caller's host pins by object (PinSet::Counts).
+  using HeldPins = std::unordered_map<const residency::Object*, uint32_t>;
+  Status PrepareChunks(const std::vector<int64_t>& indexes, const residency::PinSet& held,
+                       std::vector<Writable>* out);
+  StatusOr<Writable> WritableChunk(int64_t index, const HeldPins& held);
   const Chunk* FindChunk(int64_t index) const;
   static std::vector<int64_t> ChunksOfRange(int64_t start, size_t n);
   static std::vector<int64_t> ChunksOfIds(const int64_t* ids, size_t n);
-  void Missing(const std::vector<int64_t>& indexes, std::vector<residency::ObjectRef>* out) const;
+  void Existing(const std::vector<int64_t>& indexes, bool missing_only,
+                std::vector<residency::ObjectRef>* out) const;
   uint64_t BytesToStore(const std::vector<int64_t>& indexes) const;
 
   codec::RowCodec codec_;

@@ -41,10 +41,27 @@ void DecodeIds(const VSession& s, const int64_t* ids, size_t n, float* out) {
   s.DecodeIds(view, ids, n, out);
 }
 
+// Stores as V.STOREBATCH does: every chunk the store writes pinned in host memory first (all
+// are resident in these tests).
+Status StoreRange(VSession& s, int64_t start, const float* rows, size_t n) {
+  std::vector<residency::ObjectRef> touched;
+  if (start >= 0) s.ChunksForRange(start, n, &touched);
+  residency::PinSet pins;
+  for (const auto& o : touched) EXPECT_TRUE(pins.TryPin(o, residency::Tier::kHost));
+  return s.StoreRange(start, rows, n, pins);
+}
+Status StoreIds(VSession& s, const int64_t* ids, const float* rows, size_t n) {
+  std::vector<residency::ObjectRef> touched;
+  s.ChunksForIds(ids, n, &touched);
+  residency::PinSet pins;
+  for (const auto& o : touched) EXPECT_TRUE(pins.TryPin(o, residency::Tier::kHost));
+  return s.StoreIds(ids, rows, n, pins);
+}
+
 TEST(VSession, Fp32RangeRoundTripIsExact) {
   auto s = Make(codec::Format::kFp32, 96);
   auto rows = RandomRows(200, 96, 1);
-  ASSERT_TRUE(s.StoreRange(10, rows.data(), 200).ok());
+  ASSERT_TRUE(StoreRange(s, 10, rows.data(), 200).ok());
   EXPECT_EQ(s.rows(), 200u);
   ASSERT_TRUE(s.CheckRange(10, 210).ok());
   std::vector<float> out(200 * 96);
@@ -59,13 +76,13 @@ TEST(VSession, Fp32RangeRoundTripIsExact) {
 TEST(VSession, MissingIdsAreNamed) {
   auto s = Make(codec::Format::kFp16, 32);
   auto rows = RandomRows(5, 32, 2);
-  ASSERT_TRUE(s.StoreRange(0, rows.data(), 5).ok());
+  ASSERT_TRUE(StoreRange(s, 0, rows.data(), 5).ok());
   EXPECT_EQ(s.CheckRange(0, 6).message(), "id 5 was never stored");
   EXPECT_EQ(s.CheckRange(100, 101).message(), "id 100 was never stored");
   int64_t ids[] = {1, 3, 9};
   EXPECT_EQ(s.CheckIds(ids, 3).message(), "id 9 was never stored");
   EXPECT_EQ(s.CountWritten(0, 64), 5u);
-  EXPECT_FALSE(s.StoreRange(-1, rows.data(), 1).ok());
+  EXPECT_FALSE(StoreRange(s, -1, rows.data(), 1).ok());
 }
 
 // CheckRange answers a range holding exactly the written ids without visiting its chunks; ranges
@@ -73,11 +90,11 @@ TEST(VSession, MissingIdsAreNamed) {
 TEST(VSession, CompleteRangeCheckMatchesTheScan) {
   auto s = Make(codec::Format::kBf16, 16);
   auto rows = RandomRows(300, 16, 3);
-  ASSERT_TRUE(s.StoreRange(0, rows.data(), 100).ok());
-  ASSERT_TRUE(s.StoreRange(101, rows.data(), 100).ok());  // ids 0..99, 101..200: 200 rows
+  ASSERT_TRUE(StoreRange(s, 0, rows.data(), 100).ok());
+  ASSERT_TRUE(StoreRange(s, 101, rows.data(), 100).ok());  // ids 0..99, 101..200: 200 rows
   EXPECT_EQ(s.CheckRange(0, 200).message(), "id 100 was never stored");
   EXPECT_EQ(s.CheckRange(1, 201).message(), "id 100 was never stored");
-  ASSERT_TRUE(s.StoreRange(100, rows.data(), 1).ok());
+  ASSERT_TRUE(StoreRange(s, 100, rows.data(), 1).ok());
   EXPECT_TRUE(s.CheckRange(0, 201).ok());
   EXPECT_TRUE(s.CheckRange(64, 130).ok());
   EXPECT_EQ(s.CheckRange(0, 202).message(), "id 201 was never stored");
@@ -88,7 +105,7 @@ TEST(VSession, ScatteredIdsLastWriteWins) {
   auto s = Make(codec::Format::kFp32, 32);
   auto rows = RandomRows(3, 32, 3);
   int64_t ids[] = {1000, 7, 1000};
-  ASSERT_TRUE(s.StoreIds(ids, rows.data(), 3).ok());
+  ASSERT_TRUE(StoreIds(s, ids, rows.data(), 3).ok());
   EXPECT_EQ(s.rows(), 2u);
   std::vector<float> out(2 * 32);
   int64_t want[] = {7, 1000};
@@ -101,10 +118,10 @@ TEST(VSession, ScatteredIdsLastWriteWins) {
 TEST(VSession, SnapshotIsPointInTime) {
   auto s = Make(codec::Format::kFp32, 32);
   auto a = RandomRows(100, 32, 4), b = RandomRows(100, 32, 5);
-  ASSERT_TRUE(s.StoreRange(0, a.data(), 100).ok());
+  ASSERT_TRUE(StoreRange(s, 0, a.data(), 100).ok());
   auto snap = s.TakeSnapshot();
-  ASSERT_TRUE(s.StoreRange(0, b.data(), 100).ok());
-  ASSERT_TRUE(s.StoreRange(100, b.data(), 10).ok());
+  ASSERT_TRUE(StoreRange(s, 0, b.data(), 100).ok());
+  ASSERT_TRUE(StoreRange(s, 100, b.data(), 10).ok());
   std::vector<float> out(100 * 32);
   DecodeRange(s, 0, 100, out.data());
   EXPECT_EQ(out, b);
@@ -118,7 +135,7 @@ TEST(VSession, SnapshotIsPointInTime) {
 TEST(VSession, RawPiecesReferenceChunkBytesAndSurviveLaterWrites) {
   auto s = Make(codec::Format::kFp16, 64);
   auto rows = RandomRows(130, 64, 6);
-  ASSERT_TRUE(s.StoreRange(0, rows.data(), 130).ok());
+  ASSERT_TRUE(StoreRange(s, 0, rows.data(), 130).ok());
   std::vector<std::pair<BufferRef, std::string>> pieces;
   VSession::HostView view;
   std::vector<residency::ObjectRef> missing;
@@ -127,7 +144,7 @@ TEST(VSession, RawPiecesReferenceChunkBytesAndSurviveLaterWrites) {
     pieces.emplace_back(b, std::string(reinterpret_cast<const char*>(p), n));
   });
   ASSERT_EQ(pieces.size(), 3u);  // ids 10..63, 64..127, 128..129: chunks 0, 1, 2
-  ASSERT_TRUE(s.StoreRange(0, RandomRows(130, 64, 7).data(), 130).ok());
+  ASSERT_TRUE(StoreRange(s, 0, RandomRows(130, 64, 7).data(), 130).ok());
   // The referenced bytes did not change under the holder: the write copied the chunk.
   std::string first(reinterpret_cast<const char*>(pieces[0].first->data()) + 10 * 128,
                     pieces[0].second.size());
@@ -152,28 +169,56 @@ TEST(VSession, HostBudgetChargesEveryLiveChunkAndRefusesAtomically) {
     auto s = Make(codec::Format::kFp32, 32, &engine);
     auto rows = RandomRows(200, 32, 8);
     EXPECT_EQ(s.BytesToStoreRange(0, 200), 4 * chunk);
-    EXPECT_EQ(s.StoreRange(0, rows.data(), 200).kind(), ErrorKind::kOom);  // needs 4 chunks
+    EXPECT_EQ(StoreRange(s, 0, rows.data(), 200).kind(), ErrorKind::kOom);  // needs 4 chunks
     EXPECT_EQ(s.rows(), 0u);
     EXPECT_EQ(used, 0u);  // the chunks it could reserve were given back
     EXPECT_EQ(s.chunk_count(), 0u);
-    ASSERT_TRUE(s.StoreRange(0, rows.data(), 128).ok());
+    ASSERT_TRUE(StoreRange(s, 0, rows.data(), 128).ok());
     EXPECT_EQ(used, 2 * chunk);
-    ASSERT_TRUE(s.StoreRange(0, rows.data(), 1).ok());  // in place: no new bytes
+    ASSERT_TRUE(StoreRange(s, 0, rows.data(), 1).ok());  // in place: no new bytes
     EXPECT_EQ(used, 2 * chunk);
     auto snap = s.TakeSnapshot();
-    EXPECT_EQ(s.StoreRange(0, rows.data(), 1).kind(), ErrorKind::kOom);  // COW needs a chunk
+    EXPECT_EQ(StoreRange(s, 0, rows.data(), 1).kind(), ErrorKind::kOom);  // COW needs a chunk
     limit = 3 * chunk;
-    ASSERT_TRUE(s.StoreRange(0, rows.data(), 1).ok());
+    ASSERT_TRUE(StoreRange(s, 0, rows.data(), 1).ok());
     EXPECT_EQ(used, 3 * chunk);  // the snapshot's chunk and the session's copy
   }
   EXPECT_EQ(used, 0u);
+}
+
+// Issue 51: a write holds the chunks it writes pinned (so that making room for its new bytes
+// cannot drop them); its own pins do not stop it writing in place, another request's do (that
+// reader may be reading the bytes on another thread), and a chunk it did not pin is refused,
+// not written blind.
+TEST(VSession, WritesInPlaceUnderTheirOwnPinsAndCopyUnderAnothers) {
+  auto s = Make(codec::Format::kFp32, 32);
+  auto a = RandomRows(64, 32, 10), b = RandomRows(64, 32, 11), c = RandomRows(64, 32, 12);
+  ASSERT_TRUE(StoreRange(s, 0, a.data(), 64).ok());
+  const residency::Object* first = s.chunks().at(0)->obj.get();
+  ASSERT_TRUE(StoreRange(s, 0, b.data(), 64).ok());
+  EXPECT_EQ(s.chunks().at(0)->obj.get(), first);  // in place, under the write's own pin
+  residency::PinSet reader;
+  ASSERT_TRUE(reader.TryPin(s.chunks().at(0)->obj, residency::Tier::kHost));
+  ASSERT_TRUE(StoreRange(s, 0, c.data(), 64).ok());
+  EXPECT_NE(s.chunks().at(0)->obj.get(), first);  // copied: another request pins the old one
+  std::vector<float> out(64 * 32);
+  DecodeRange(s, 0, 64, out.data());
+  EXPECT_EQ(out, c);
+  residency::PinSet none;
+  Status unpinned = s.StoreRange(0, a.data(), 1, none);
+  EXPECT_EQ(unpinned.kind(), ErrorKind::kErr);
+  EXPECT_NE(unpinned.message().find("chunk 0 of the session is written without being pinned"),
+            std::string::npos)
+      << unpinned.message();
+  DecodeRange(s, 0, 64, out.data());
+  EXPECT_EQ(out, c);  // unchanged
 }
 
 TEST(VSession, LossyCodecsStoreEncodedBytes) {
   for (auto f : {codec::Format::kInt8, codec::Format::kTurbo4, codec::Format::kTurbo2}) {
     auto s = Make(f, 128);
     auto rows = RandomRows(64, 128, 9);
-    ASSERT_TRUE(s.StoreRange(0, rows.data(), 64).ok());
+    ASSERT_TRUE(StoreRange(s, 0, rows.data(), 64).ok());
     std::vector<float> out(64 * 128), ref(64 * 128);
     DecodeRange(s, 0, 64, out.data());
     std::vector<uint8_t> enc(64 * s.codec().row_bytes());

@@ -164,6 +164,15 @@ bool ParseFileName(const std::string& file, std::string* name, uint64_t* version
 
 }  // namespace
 
+bool IsNoSpace(const Status& s) {
+  // IoError ends every message with strerror(errno).
+  if (s.kind() != ErrorKind::kIo) return false;
+  for (int e : {ENOSPC, EDQUOT}) {
+    if (s.message().ends_with(std::strerror(e))) return true;
+  }
+  return false;
+}
+
 std::string ObjectPath(const std::string& dir, std::string_view name, uint64_t version) {
   return dir + "/" + HexName(name) + "." + std::to_string(version) + kSuffix;
 }

@@ -70,6 +70,10 @@ Status WriteObjectFrom(const std::string& dir, std::string_view name, uint64_t v
                        std::string_view meta, const std::vector<BlockSource>& blocks,
                        WriteOptions options = {});
 
+// Whether a write failed because the file system is full (ENOSPC, EDQUOT): the kIo error
+// WriteObject returns then, as opposed to a failing device.
+bool IsNoSpace(const Status& s);
+
 // The bytes WriteObject writes for these blocks and meta (disk quota accounting).
 uint64_t ObjectFileBytes(std::string_view meta,
                          const std::vector<std::span<const uint8_t>>& blocks);
