@@ -69,7 +69,8 @@ def scores_ref(q, keys, metric):
 
 def finalize(r, sid) -> dict:
     m = qmap(r.execute_command("ATTEND.FINALIZE", sid))
-    return {k: (float(v) if k in ("recall_estimate", "build_ms") else int(v)) for k, v in m.items()}
+    floats = ("recall_estimate", "build_ms", "calibrate_ms")
+    return {k: (float(v) if k in floats else int(v)) for k, v in m.items()}
 
 
 def make_keys(rng, n, d, clustered):
@@ -95,6 +96,7 @@ def test_recall_at_32_against_brute_force(shared_pion, metric, clustered):
         assert r.execute_command("ATTEND.STORE", sid, f32(keys[a:b]), f32(values[a:b])) == b
     fin = finalize(r, sid)
     assert fin["generation"] == 1 and fin["rows"] == n and 0 < fin["recall_estimate"] <= 1
+    assert fin["build_ms"] > 0 and fin["calibrate_ms"] > 0  # the graph, then the calibration
     near = keys[rng.integers(0, n, 40)] + 0.3 * rng.standard_normal((40, d)).astype(np.float32)
     shifted = 1.5 * keys[rng.integers(0, n, 40)] + 0.5 * rng.standard_normal((40, d)) + 0.3
     recalls = []
@@ -142,6 +144,8 @@ def test_recall_on_hard_keys_with_receipts(shared_pion, keys_kind):
     assert recall >= 0.95, recall
     assert got["recall_estimate"] == pytest.approx(fin["recall_estimate"])
     assert int(info["default_exact"]) == got["exact"] and int(info["default_ef"]) == got["ef"]
+    assert float(info["build_ms"]) == pytest.approx(fin["build_ms"])
+    assert float(info["calibrate_ms"]) == pytest.approx(fin["calibrate_ms"])
     if got["exact"]:
         assert got["ef"] == 0 and got["recall_estimate"] == 1.0
     else:

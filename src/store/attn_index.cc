@@ -164,9 +164,11 @@ StatusOr<std::shared_ptr<const BuiltIndex>> BuiltIndex::Build(const IndexParams&
   idx->graph_ = std::move(g);
   idx->bytes_ = n * (h->size_data_per_element_ + h->size_links_per_element_ / 2) +
                 n * sizeof(void*) + h->max_elements_ * sizeof(hnswlib::labeltype);
+  const auto t1 = std::chrono::steady_clock::now();
+  idx->build_ms_ = std::chrono::duration<double, std::milli>(t1 - t0).count();
   idx->Calibrate();
-  idx->build_ms_ =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  idx->calibrate_ms_ =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
   return std::shared_ptr<const BuiltIndex>(std::move(idx));
 }
 

@@ -132,7 +132,10 @@ class BuiltIndex {
   uint64_t bytes() const { return bytes_; }
   // The estimate for a query without EF (plan().recall).
   double recall_estimate() const { return plan_.recall; }
+  // Wall time of the graph's build (key preparation and inserts) and of the calibration that
+  // follows it, in milliseconds.
   double build_ms() const { return build_ms_; }
+  double calibrate_ms() const { return calibrate_ms_; }
 
  private:
   BuiltIndex() = default;
@@ -143,7 +146,7 @@ class BuiltIndex {
   uint64_t generation_ = 0;
   uint64_t bytes_ = 0;
   void Calibrate();
-  double build_ms_ = 0;
+  double build_ms_ = 0, calibrate_ms_ = 0;
   Plan plan_;
   std::vector<std::pair<uint32_t, double>> recall_by_ef_;  // ascending beams
   std::unique_ptr<Graph> graph_;
