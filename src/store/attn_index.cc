@@ -9,6 +9,8 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/vector_distance.h"
+
 namespace pion::store {
 
 std::string_view IndexMetricName(IndexMetric m) {
@@ -90,6 +92,20 @@ BuiltIndex::~BuiltIndex() = default;
 
 namespace {
 
+// hnswlib's space interface over the distance kernels (kernels/vector_distance.h), which keep
+// several sums in the CPU's widest vectors where hnswlib's own spaces keep one SSE sum.
+class VectorSpace final : public hnswlib::SpaceInterface<float> {
+ public:
+  VectorSpace(size_t dim, hnswlib::DISTFUNC<float> distance) : dim_(dim), distance_(distance) {}
+  size_t get_data_size() override { return dim_ * sizeof(float); }
+  hnswlib::DISTFUNC<float> get_dist_func() override { return distance_; }
+  void* get_dist_func_param() override { return &dim_; }
+
+ private:
+  size_t dim_;
+  hnswlib::DISTFUNC<float> distance_;
+};
+
 void Normalize(const float* in, uint32_t d, float* out) {
   double s = 0;
   for (uint32_t j = 0; j < d; ++j) s += double{in[j]} * in[j];
@@ -111,11 +127,9 @@ StatusOr<std::shared_ptr<const BuiltIndex>> BuiltIndex::Build(const IndexParams&
   auto g = std::make_unique<Graph>();
   const bool ip = p.metric == IndexMetric::kIp;
   g->dim = p.key_dim + (ip ? 1 : 0);
-  if (p.metric == IndexMetric::kCos) {
-    g->space = std::make_unique<hnswlib::InnerProductSpace>(g->dim);
-  } else {
-    g->space = std::make_unique<hnswlib::L2Space>(g->dim);
-  }
+  g->space = std::make_unique<VectorSpace>(g->dim, p.metric == IndexMetric::kCos
+                                                       ? kernels::InnerProductDistance()
+                                                       : kernels::L2SquaredDistance());
   if (ip) {
     for (uint64_t i = 0; i < n; ++i) {
       double s = 0;
