@@ -780,7 +780,7 @@ TEST(VectorDistance, MatchesDoubleReferenceOnEveryTarget) {
   for (auto& x : b) x = 3 * g(rng);
   int cases = 0;
   ForEachTarget([&](const std::string& target) {
-    const VectorDistanceFn l2 = L2SquaredDistance(), ip = InnerProductDistance();
+    const VectorDistanceFn l2 = L2SquaredDistance(), ip = InnerProductDistance(), dp = DotProduct();
     for (size_t n = 1; n <= 1100; n += n < 140 ? 1 : 97) {
       const float* x = a.data() + 1;  // 4-byte aligned only, as rows in a graph are
       const float* y = b.data() + 3;
@@ -793,6 +793,7 @@ TEST(VectorDistance, MatchesDoubleReferenceOnEveryTarget) {
       const std::string what = "n=" + std::to_string(n) + " target=" + target;
       EXPECT_NEAR(l2(x, y, &n), l2_ref, 1e-5 * l2_ref) << what;
       EXPECT_NEAR(ip(x, y, &n), 1.0 - dot, 1e-5 * (1 + dot_abs)) << what;
+      EXPECT_NEAR(dp(x, y, &n), dot, 1e-5 * dot_abs) << what;
       ++cases;
     }
   });

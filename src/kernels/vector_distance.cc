@@ -42,9 +42,13 @@ float L2Squared(const void* av, const void* bv, const void* dim) {
   return hn::GetLane(hn::SumOfLanes(df, hn::Add(hn::Add(s0, s1), hn::Add(s2, s3)))) + tail;
 }
 
+float DotProduct(const void* av, const void* bv, const void* dim) {
+  return Dot(static_cast<const float*>(av), static_cast<const float*>(bv),
+             *static_cast<const size_t*>(dim));
+}
+
 float InnerProduct(const void* av, const void* bv, const void* dim) {
-  return 1.0f - Dot(static_cast<const float*>(av), static_cast<const float*>(bv),
-                    *static_cast<const size_t*>(dim));
+  return 1.0f - DotProduct(av, bv, dim);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -57,6 +61,7 @@ namespace cpu {
 
 HWY_EXPORT(L2Squared);
 HWY_EXPORT(InnerProduct);
+HWY_EXPORT(DotProduct);
 
 // The entry of the target chosen for this CPU (the table's first entry chooses on each call).
 VectorDistanceFn ChosenL2Squared() {
@@ -69,10 +74,16 @@ VectorDistanceFn ChosenInnerProduct() {
   return &HWY_DYNAMIC_DISPATCH(InnerProduct);
 }
 
+VectorDistanceFn ChosenDotProduct() {
+  hwy::GetChosenTarget().Update(hwy::SupportedTargets());
+  return &HWY_DYNAMIC_DISPATCH(DotProduct);
+}
+
 }  // namespace cpu
 
 VectorDistanceFn L2SquaredDistance() { return cpu::ChosenL2Squared(); }
 VectorDistanceFn InnerProductDistance() { return cpu::ChosenInnerProduct(); }
+VectorDistanceFn DotProduct() { return cpu::ChosenDotProduct(); }
 
 }  // namespace pion::kernels
 #endif  // HWY_ONCE

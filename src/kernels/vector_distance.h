@@ -19,5 +19,7 @@ using VectorDistanceFn = float (*)(const void* a, const void* b, const void* dim
 VectorDistanceFn L2SquaredDistance();
 // 1 − Σ a_j · b_j (hnswlib's InnerProductSpace).
 VectorDistanceFn InnerProductDistance();
+// Σ a_j · b_j — not a distance (larger is nearer): the exact scans' float scores.
+VectorDistanceFn DotProduct();
 
 }  // namespace pion::kernels

@@ -115,9 +115,46 @@ TEST(BuiltIndex, SearchIsBestFirstWithTrueScores) {
     double dot = 0;
     for (int j = 0; j < 32; ++j) dot += double{q[j]} * k[j];
     EXPECT_NEAR(hits[i].score, dot, 1e-4 * (1 + std::fabs(dot)));
-    if (i > 0) EXPECT_GE(hits[i - 1].score, hits[i].score);
+    if (i > 0) {
+      EXPECT_GE(hits[i - 1].score, hits[i].score);
+    }
   }
   EXPECT_EQ(idx.value()->Search(q.data(), 1000, 10).size(), 500u);  // k beyond n: every row
+}
+
+// The calibration's batched scan is the same exact top-k as one scan per query: same ids, same
+// scores, same order (k beyond the rows too).
+TEST(BuiltIndex, BruteForceBatchEqualsSingleScans) {
+  std::mt19937 rng(6);
+  std::normal_distribution<float> g;
+  for (IndexMetric metric : {IndexMetric::kIp, IndexMetric::kL2, IndexMetric::kCos}) {
+    SCOPED_TRACE(std::string(IndexMetricName(metric)));
+    IndexParams p;
+    p.key_dim = 24;
+    p.value_dim = 2;
+    p.metric = metric;
+    auto idx = BuiltIndex::Build(p, RandomRows(700, 24, 2, true, rng), 1, kSerial);
+    ASSERT_TRUE(idx.ok());
+    std::vector<std::vector<float>> qs(5, std::vector<float>(24));
+    for (auto& q : qs) {
+      for (float& x : q) x = 2 * g(rng);
+    }
+    std::vector<const float*> ptrs;
+    for (const auto& q : qs) ptrs.push_back(q.data());
+    for (uint32_t k : {1u, 32u, 1000u}) {
+      const auto batch = idx.value()->BruteForceBatch(ptrs.data(), ptrs.size(), k);
+      ASSERT_EQ(batch.size(), qs.size());
+      for (size_t i = 0; i < qs.size(); ++i) {
+        const auto one = idx.value()->BruteForce(qs[i].data(), k);
+        ASSERT_EQ(batch[i].size(), std::min<size_t>(k, 700));
+        ASSERT_EQ(batch[i].size(), one.size());
+        for (size_t j = 0; j < one.size(); ++j) {
+          EXPECT_EQ(batch[i][j].id, one[j].id);
+          EXPECT_EQ(batch[i][j].score, one[j].score);
+        }
+      }
+    }
+  }
 }
 
 TEST(AttendRows, EqualsDirectSoftmax) {
