@@ -3,6 +3,7 @@
 #include <hnswlib/hnswlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <chrono>
 #include <cmath>
@@ -148,30 +149,36 @@ StatusOr<std::shared_ptr<const BuiltIndex>> BuiltIndex::Build(const IndexParams&
   const IndexRows& r = idx->rows_;
   const bool cos = p.metric == IndexMetric::kCos;
   const double max_norm2 = g->max_norm2;
-  auto insert = [&](uint64_t i) {
+  // Row i as the graph's vector (normalised for cos, augmented for ip; buf: g->dim floats).
+  auto insert = [&](uint64_t i, float* buf) {
     if (cos) {
-      std::vector<float> v(p.key_dim);
-      Normalize(r.Key(i), p.key_dim, v.data());
-      h->addPoint(v.data(), i);
+      Normalize(r.Key(i), p.key_dim, buf);
+      h->addPoint(buf, i);
     } else if (ip) {
-      std::vector<float> v(r.Key(i), r.Key(i) + p.key_dim);
+      const float* key = r.Key(i);
       double s = 0;
-      for (float x : v) s += double{x} * x;
-      v.push_back(static_cast<float>(std::sqrt(std::max(0.0, max_norm2 - s))));
-      h->addPoint(v.data(), i);
+      for (uint32_t j = 0; j < p.key_dim; ++j) s += double{key[j]} * key[j];
+      std::memcpy(buf, key, p.key_dim * sizeof(float));
+      buf[p.key_dim] = static_cast<float>(std::sqrt(std::max(0.0, max_norm2 - s)));
+      h->addPoint(buf, i);
     } else {
       h->addPoint(r.Key(i), i);
     }
   };
-  // The first row alone (it becomes the entry point), then the rest in parallel pieces.
-  if (n > 0) insert(0);
-  const size_t pieces = n > 1 ? std::min<uint64_t>(64, (n - 1 + 1023) / 1024) : 0;
-  if (pieces > 0) {
-    parallel(pieces, [&](size_t piece) {
-      const uint64_t a = 1 + (n - 1) * piece / pieces, b = 1 + (n - 1) * (piece + 1) / pieces;
-      for (uint64_t i = a; i < b; ++i) insert(i);
-    });
-  }
+  // The first row alone (it becomes the entry point), then the rest claimed in small batches
+  // by every thread the pool gives (as hnswlib's own parallel add_items claims rows), so no
+  // thread idles while another finishes a large piece.
+  std::vector<float> first(g->dim);
+  if (n > 0) insert(0, first.data());
+  constexpr uint64_t kBatch = 16;
+  const uint64_t batches = n > 1 ? (n - 1 + kBatch - 1) / kBatch : 0;
+  std::atomic<uint64_t> next{1};
+  parallel(std::min<uint64_t>(batches, 256), [&](size_t) {
+    std::vector<float> buf(g->dim);
+    for (uint64_t a; (a = next.fetch_add(kBatch, std::memory_order_relaxed)) < n;) {
+      for (uint64_t i = a, b = std::min(n, a + kBatch); i < b; ++i) insert(i, buf.data());
+    }
+  });
   for (uint64_t i = 0, count = std::min<uint64_t>(256, n); i < count; ++i) {
     g->seeds.push_back(static_cast<hnswlib::tableint>(h->label_lookup_.at(n * i / count)));
   }
