@@ -8,15 +8,22 @@ numpy brute-force reference.
 - ATTEND: output and LSE equal numpy's softmax((q·k)/√key_dim)·V over exactly the returned rows
   (rel err <= 1e-5).
 - Rows staged after a FINALIZE are invisible until the next one; positions are kept per row.
+- ATTEND.INFO's metric is text on every protocol (a simple string; str over frames).
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import numpy as np
 import pytest
 
-from pionlib import RespError
+from pionlib import HOST, RespError
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients",
+                                "python"))
+import pion  # noqa: E402
 
 
 def f32(a) -> bytes:
@@ -266,6 +273,27 @@ def test_info_drop_and_errors(shared_pion):
     assert r.execute_command("ATTEND.DROP", "e") == 1
     assert r.execute_command("ATTEND.DROP", "e") == 0
     assert r.ping()
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2", "cos"])
+def test_info_metric_is_text_on_every_protocol(shared_pion, metric):
+    """ATTEND.INFO's metric is a string like the map's other text: a simple string on RESP2 and
+    RESP3 (a raw reader gets str, where a bulk would be bytes) and in the binary protocol's typed
+    reply ('+': str, like the keys beside it), not bytes."""
+    sid = "metric-" + metric
+    assert shared_pion.client().execute_command("ATTEND.CREATE", sid, 4, 2, "METRIC",
+                                                metric) == b"OK"
+    with shared_pion.raw() as c:
+        flat = c.call("ATTEND.INFO", sid)
+        assert dict(zip(flat[::2], flat[1::2]))[b"metric"] == metric, flat
+        c.call("HELLO", "3")
+        assert c.call("ATTEND.INFO", sid)[b"metric"] == metric
+    with pion.BinaryClient(HOST, shared_pion.binary_port, timeout=10) as b:
+        info = b.attend_info(sid)
+        assert info["metric"] == metric and isinstance(info["metric"], str), info
+    assert qmap(shared_pion.client().execute_command("ATTEND.INFO", sid))["metric"] == \
+        metric.encode()  # redis-py: simple strings as bytes, as before
+    shared_pion.client().execute_command("ATTEND.DROP", sid)
 
 
 def test_index_memory_is_charged_and_bounded(pion_factory):

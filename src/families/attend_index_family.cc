@@ -308,8 +308,8 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   rb.Integer(s->params.key_dim);
   rb.Bulk("value_dim");
   rb.Integer(s->params.value_dim);
-  rb.Bulk("metric");
-  rb.Bulk(store::IndexMetricName(s->params.metric));
+  rb.Bulk("metric");  // text, not bytes: typed replies (binary frames) decode it as a string
+  rb.SimpleString(store::IndexMetricName(s->params.metric));
   rb.Bulk("m");
   rb.Integer(s->params.m);
   rb.Bulk("ef_construction");
