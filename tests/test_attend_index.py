@@ -8,15 +8,22 @@ numpy brute-force reference.
 - ATTEND: output and LSE equal numpy's softmax((q·k)/√key_dim)·V over exactly the returned rows
   (rel err <= 1e-5).
 - Rows staged after a FINALIZE are invisible until the next one; positions are kept per row.
+- ATTEND.INFO's metric is text on every protocol (a simple string; str over frames).
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import numpy as np
 import pytest
 
-from pionlib import RespError
+from pionlib import HOST, RespError
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients",
+                                "python"))
+import pion  # noqa: E402
 
 
 def f32(a) -> bytes:
@@ -69,7 +76,8 @@ def scores_ref(q, keys, metric):
 
 def finalize(r, sid) -> dict:
     m = qmap(r.execute_command("ATTEND.FINALIZE", sid))
-    return {k: (float(v) if k in ("recall_estimate", "build_ms") else int(v)) for k, v in m.items()}
+    floats = ("recall_estimate", "build_ms", "calibrate_ms")
+    return {k: (float(v) if k in floats else int(v)) for k, v in m.items()}
 
 
 def make_keys(rng, n, d, clustered):
@@ -95,6 +103,7 @@ def test_recall_at_32_against_brute_force(shared_pion, metric, clustered):
         assert r.execute_command("ATTEND.STORE", sid, f32(keys[a:b]), f32(values[a:b])) == b
     fin = finalize(r, sid)
     assert fin["generation"] == 1 and fin["rows"] == n and 0 < fin["recall_estimate"] <= 1
+    assert fin["build_ms"] > 0 and fin["calibrate_ms"] > 0  # the graph, then the calibration
     near = keys[rng.integers(0, n, 40)] + 0.3 * rng.standard_normal((40, d)).astype(np.float32)
     shifted = 1.5 * keys[rng.integers(0, n, 40)] + 0.5 * rng.standard_normal((40, d)) + 0.3
     recalls = []
@@ -142,6 +151,8 @@ def test_recall_on_hard_keys_with_receipts(shared_pion, keys_kind):
     assert recall >= 0.95, recall
     assert got["recall_estimate"] == pytest.approx(fin["recall_estimate"])
     assert int(info["default_exact"]) == got["exact"] and int(info["default_ef"]) == got["ef"]
+    assert float(info["build_ms"]) == pytest.approx(fin["build_ms"])
+    assert float(info["calibrate_ms"]) == pytest.approx(fin["calibrate_ms"])
     if got["exact"]:
         assert got["ef"] == 0 and got["recall_estimate"] == 1.0
     else:
@@ -262,6 +273,27 @@ def test_info_drop_and_errors(shared_pion):
     assert r.execute_command("ATTEND.DROP", "e") == 1
     assert r.execute_command("ATTEND.DROP", "e") == 0
     assert r.ping()
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2", "cos"])
+def test_info_metric_is_text_on_every_protocol(shared_pion, metric):
+    """ATTEND.INFO's metric is a string like the map's other text: a simple string on RESP2 and
+    RESP3 (a raw reader gets str, where a bulk would be bytes) and in the binary protocol's typed
+    reply ('+': str, like the keys beside it), not bytes."""
+    sid = "metric-" + metric
+    assert shared_pion.client().execute_command("ATTEND.CREATE", sid, 4, 2, "METRIC",
+                                                metric) == b"OK"
+    with shared_pion.raw() as c:
+        flat = c.call("ATTEND.INFO", sid)
+        assert dict(zip(flat[::2], flat[1::2]))[b"metric"] == metric, flat
+        c.call("HELLO", "3")
+        assert c.call("ATTEND.INFO", sid)[b"metric"] == metric
+    with pion.BinaryClient(HOST, shared_pion.binary_port, timeout=10) as b:
+        info = b.attend_info(sid)
+        assert info["metric"] == metric and isinstance(info["metric"], str), info
+    assert qmap(shared_pion.client().execute_command("ATTEND.INFO", sid))["metric"] == \
+        metric.encode()  # redis-py: simple strings as bytes, as before
+    shared_pion.client().execute_command("ATTEND.DROP", sid)
 
 
 def test_index_memory_is_charged_and_bounded(pion_factory):

@@ -127,7 +127,7 @@ def test_attend_index_over_frames_equals_resp(shared_pion):
         assert np.frombuffer(m["ids"], np.uint32).reshape(4, 16).tolist() == hit["ids"].tolist()
         assert np.frombuffer(m["scores"], np.float32).tobytes() == hit["scores"].tobytes()
         info = b.attend_info("bin:a")
-        assert info["rows"] == n and info["metric"] == b"ip" and info["generation"] == 1
+        assert info["rows"] == n and info["metric"] == "ip" and info["generation"] == 1
         assert b.attend_info()["sessions"] >= 1
         # start_pos, EF and the other metrics travel as fields.
         b.attend_create("bin:c", 4, 2, m=8, ef_construction=50, metric="cos")

@@ -142,8 +142,8 @@ void Finalize(CommandContext& ctx, CmdArgs& args) {
       if (!st.ok()) return reply([st](proto::ReplyBuilder& rb) { rb.Error(st); });
       const auto& idx = *built.value();
       reply([gen = idx.generation(), rows = idx.rows().size(), recall = idx.recall_estimate(),
-             ms = idx.build_ms()](proto::ReplyBuilder& rb) {
-        rb.Map(4);
+             ms = idx.build_ms(), cal_ms = idx.calibrate_ms()](proto::ReplyBuilder& rb) {
+        rb.Map(5);
         rb.Bulk("generation");
         rb.Integer(static_cast<int64_t>(gen));
         rb.Bulk("rows");
@@ -152,6 +152,8 @@ void Finalize(CommandContext& ctx, CmdArgs& args) {
         rb.Double(recall);
         rb.Bulk("build_ms");
         rb.Double(ms);
+        rb.Bulk("calibrate_ms");
+        rb.Double(cal_ms);
       });
     });
   });
@@ -301,13 +303,13 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   }
   store::IndexSession* s = ctx.shard->store().index.Find(ctx.Key(args[1]));
   if (s == nullptr) return ctx.Error(NoSession(args[1]));
-  rb.Map(16);
+  rb.Map(17);
   rb.Bulk("key_dim");
   rb.Integer(s->params.key_dim);
   rb.Bulk("value_dim");
   rb.Integer(s->params.value_dim);
-  rb.Bulk("metric");
-  rb.Bulk(store::IndexMetricName(s->params.metric));
+  rb.Bulk("metric");  // text, not bytes: typed replies (binary frames) decode it as a string
+  rb.SimpleString(store::IndexMetricName(s->params.metric));
   rb.Bulk("m");
   rb.Integer(s->params.m);
   rb.Bulk("ef_construction");
@@ -332,6 +334,8 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   rb.Double(s->index ? s->index->recall_estimate() : 0.0);
   rb.Bulk("build_ms");
   rb.Double(s->index ? s->index->build_ms() : 0.0);
+  rb.Bulk("calibrate_ms");
+  rb.Double(s->index ? s->index->calibrate_ms() : 0.0);
   rb.Bulk("default_exact");  // a query without EF scans (the calibration found it cheaper)
   rb.Integer(s->index && s->index->plan().scan ? 1 : 0);
   rb.Bulk("default_ef");  // else its beam

@@ -7,6 +7,9 @@
 // Highway's Exp (~1 ulp) against double. Per element of the finalized output
 // |out - ref| <= 2e-5 · (1 + |ref|), and |lse - ref| <= 1e-5 · (1 + |ref|). Empty rows must
 // match exactly (output 0, lse -inf).
+//
+// The graph distances (vector_distance.h) sum in float: |got - ref| <= 1e-5 · Σ|term| of the
+// double reference.
 #include <hwy/targets.h>
 
 #include <algorithm>
@@ -23,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "kernels/attention.h"
 #include "kernels/fp16.h"
+#include "kernels/vector_distance.h"
 
 namespace pion::kernels {
 namespace {
@@ -764,6 +768,36 @@ TEST(Attend, ConcurrentCallsAgree) {
   tb.join();
   EXPECT_TRUE(ok_a);
   EXPECT_TRUE(ok_b);
+}
+
+// Every length around the vector widths (the tails), unaligned vectors, on every target: the
+// distances equal the double-precision sums within float rounding.
+TEST(VectorDistance, MatchesDoubleReferenceOnEveryTarget) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> g;
+  std::vector<float> a(1 + 1100), b(3 + 1100);
+  for (auto& x : a) x = g(rng);
+  for (auto& x : b) x = 3 * g(rng);
+  int cases = 0;
+  ForEachTarget([&](const std::string& target) {
+    const VectorDistanceFn l2 = L2SquaredDistance(), ip = InnerProductDistance(), dp = DotProduct();
+    for (size_t n = 1; n <= 1100; n += n < 140 ? 1 : 97) {
+      const float* x = a.data() + 1;  // 4-byte aligned only, as rows in a graph are
+      const float* y = b.data() + 3;
+      double l2_ref = 0, dot = 0, dot_abs = 0;
+      for (size_t j = 0; j < n; ++j) {
+        l2_ref += (double{x[j]} - y[j]) * (double{x[j]} - y[j]);
+        dot += double{x[j]} * y[j];
+        dot_abs += std::fabs(double{x[j]} * y[j]);
+      }
+      const std::string what = "n=" + std::to_string(n) + " target=" + target;
+      EXPECT_NEAR(l2(x, y, &n), l2_ref, 1e-5 * l2_ref) << what;
+      EXPECT_NEAR(ip(x, y, &n), 1.0 - dot, 1e-5 * (1 + dot_abs)) << what;
+      EXPECT_NEAR(dp(x, y, &n), dot, 1e-5 * dot_abs) << what;
+      ++cases;
+    }
+  });
+  EXPECT_GT(cases, 140);
 }
 
 }  // namespace

@@ -3,11 +3,14 @@
 #include <hnswlib/hnswlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
+
+#include "kernels/vector_distance.h"
 
 namespace pion::store {
 
@@ -90,6 +93,20 @@ BuiltIndex::~BuiltIndex() = default;
 
 namespace {
 
+// hnswlib's space interface over the distance kernels (kernels/vector_distance.h), which keep
+// several sums in the CPU's widest vectors where hnswlib's own spaces keep one SSE sum.
+class VectorSpace final : public hnswlib::SpaceInterface<float> {
+ public:
+  VectorSpace(size_t dim, hnswlib::DISTFUNC<float> distance) : dim_(dim), distance_(distance) {}
+  size_t get_data_size() override { return dim_ * sizeof(float); }
+  hnswlib::DISTFUNC<float> get_dist_func() override { return distance_; }
+  void* get_dist_func_param() override { return &dim_; }
+
+ private:
+  size_t dim_;
+  hnswlib::DISTFUNC<float> distance_;
+};
+
 void Normalize(const float* in, uint32_t d, float* out) {
   double s = 0;
   for (uint32_t j = 0; j < d; ++j) s += double{in[j]} * in[j];
@@ -111,11 +128,9 @@ StatusOr<std::shared_ptr<const BuiltIndex>> BuiltIndex::Build(const IndexParams&
   auto g = std::make_unique<Graph>();
   const bool ip = p.metric == IndexMetric::kIp;
   g->dim = p.key_dim + (ip ? 1 : 0);
-  if (p.metric == IndexMetric::kCos) {
-    g->space = std::make_unique<hnswlib::InnerProductSpace>(g->dim);
-  } else {
-    g->space = std::make_unique<hnswlib::L2Space>(g->dim);
-  }
+  g->space = std::make_unique<VectorSpace>(g->dim, p.metric == IndexMetric::kCos
+                                                       ? kernels::InnerProductDistance()
+                                                       : kernels::L2SquaredDistance());
   if (ip) {
     for (uint64_t i = 0; i < n; ++i) {
       double s = 0;
@@ -134,39 +149,47 @@ StatusOr<std::shared_ptr<const BuiltIndex>> BuiltIndex::Build(const IndexParams&
   const IndexRows& r = idx->rows_;
   const bool cos = p.metric == IndexMetric::kCos;
   const double max_norm2 = g->max_norm2;
-  auto insert = [&](uint64_t i) {
+  // Row i as the graph's vector (normalised for cos, augmented for ip; buf: g->dim floats).
+  auto insert = [&](uint64_t i, float* buf) {
     if (cos) {
-      std::vector<float> v(p.key_dim);
-      Normalize(r.Key(i), p.key_dim, v.data());
-      h->addPoint(v.data(), i);
+      Normalize(r.Key(i), p.key_dim, buf);
+      h->addPoint(buf, i);
     } else if (ip) {
-      std::vector<float> v(r.Key(i), r.Key(i) + p.key_dim);
+      const float* key = r.Key(i);
       double s = 0;
-      for (float x : v) s += double{x} * x;
-      v.push_back(static_cast<float>(std::sqrt(std::max(0.0, max_norm2 - s))));
-      h->addPoint(v.data(), i);
+      for (uint32_t j = 0; j < p.key_dim; ++j) s += double{key[j]} * key[j];
+      std::memcpy(buf, key, p.key_dim * sizeof(float));
+      buf[p.key_dim] = static_cast<float>(std::sqrt(std::max(0.0, max_norm2 - s)));
+      h->addPoint(buf, i);
     } else {
       h->addPoint(r.Key(i), i);
     }
   };
-  // The first row alone (it becomes the entry point), then the rest in parallel pieces.
-  if (n > 0) insert(0);
-  const size_t pieces = n > 1 ? std::min<uint64_t>(64, (n - 1 + 1023) / 1024) : 0;
-  if (pieces > 0) {
-    parallel(pieces, [&](size_t piece) {
-      const uint64_t a = 1 + (n - 1) * piece / pieces, b = 1 + (n - 1) * (piece + 1) / pieces;
-      for (uint64_t i = a; i < b; ++i) insert(i);
-    });
-  }
+  // The first row alone (it becomes the entry point), then the rest claimed in small batches
+  // by every thread the pool gives (as hnswlib's own parallel add_items claims rows), so no
+  // thread idles while another finishes a large piece.
+  std::vector<float> first(g->dim);
+  if (n > 0) insert(0, first.data());
+  constexpr uint64_t kBatch = 16;
+  const uint64_t batches = n > 1 ? (n - 1 + kBatch - 1) / kBatch : 0;
+  std::atomic<uint64_t> next{1};
+  parallel(std::min<uint64_t>(batches, 256), [&](size_t) {
+    std::vector<float> buf(g->dim);
+    for (uint64_t a; (a = next.fetch_add(kBatch, std::memory_order_relaxed)) < n;) {
+      for (uint64_t i = a, b = std::min(n, a + kBatch); i < b; ++i) insert(i, buf.data());
+    }
+  });
   for (uint64_t i = 0, count = std::min<uint64_t>(256, n); i < count; ++i) {
     g->seeds.push_back(static_cast<hnswlib::tableint>(h->label_lookup_.at(n * i / count)));
   }
   idx->graph_ = std::move(g);
   idx->bytes_ = n * (h->size_data_per_element_ + h->size_links_per_element_ / 2) +
                 n * sizeof(void*) + h->max_elements_ * sizeof(hnswlib::labeltype);
-  idx->Calibrate();
-  idx->build_ms_ =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const auto t1 = std::chrono::steady_clock::now();
+  idx->build_ms_ = std::chrono::duration<double, std::milli>(t1 - t0).count();
+  idx->Calibrate(parallel);
+  idx->calibrate_ms_ =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
   return std::shared_ptr<const BuiltIndex>(std::move(idx));
 }
 
@@ -240,54 +263,62 @@ std::vector<BuiltIndex::Hit> BuiltIndex::Search(const float* q, uint32_t k, uint
   return out;
 }
 
-namespace {
-
-// q·k in float with 8 independent partial sums (the compiler vectorises it).
-float DotF(const float* q, const float* k, uint32_t d) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  uint32_t j = 0;
-  for (; j + 8 <= d; j += 8) {
-    for (int l = 0; l < 8; ++l) acc[l] += q[j + l] * k[j + l];
-  }
-  float s = 0;
-  for (; j < d; ++j) s += q[j] * k[j];
-  for (float x : acc) s += x;
-  return s;
+std::vector<BuiltIndex::Hit> BuiltIndex::BruteForce(const float* q, uint32_t k) const {
+  return std::move(BruteForceBatch(&q, 1, k).front());
 }
 
-}  // namespace
-
-std::vector<BuiltIndex::Hit> BuiltIndex::BruteForce(const float* q, uint32_t k) const {
+std::vector<std::vector<BuiltIndex::Hit>> BuiltIndex::BruteForceBatch(const float* const* qs,
+                                                                      size_t m, uint32_t k) const {
   const uint64_t n = rows_.size();
   const uint32_t d = params_.key_dim;
-  if (n == 0 || k == 0) return {};
+  std::vector<std::vector<Hit>> out(m);
+  if (n == 0 || k == 0) return out;
   // A float score that orders like Score: ip q·k; cos q·k/‖k‖ (‖q‖ is common); l2 2q·k − ‖k‖².
-  std::vector<float> qn(q, q + d);
-  std::vector<std::pair<float, uint32_t>> cand(n);
-  for (uint64_t i = 0; i < n; ++i) {
-    const float* key = rows_.Key(i);
-    float s = DotF(qn.data(), key, d);
+  // Keys a block at a time (it stays in cache while every query reads it); q·k in float by the
+  // SIMD kernel.
+  const kernels::VectorDistanceFn dot = kernels::DotProduct();
+  const size_t dim = d;
+  constexpr uint64_t kBlock = 64;
+  std::vector<std::vector<std::pair<float, uint32_t>>> cand(m);
+  for (auto& c : cand) c.resize(n);
+  float kk[kBlock];
+  for (uint64_t b = 0; b < n; b += kBlock) {
+    const uint64_t e = std::min(n, b + kBlock);
     if (params_.metric != IndexMetric::kIp) {
-      const float kk = DotF(key, key, d);
-      s = params_.metric == IndexMetric::kCos ? (kk > 0 ? s / std::sqrt(kk) : 0.f) : 2 * s - kk;
+      for (uint64_t i = b; i < e; ++i) kk[i - b] = dot(rows_.Key(i), rows_.Key(i), &dim);
     }
-    cand[i] = {s, static_cast<uint32_t>(i)};
+    for (size_t j = 0; j < m; ++j) {
+      for (uint64_t i = b; i < e; ++i) {
+        float s = dot(qs[j], rows_.Key(i), &dim);
+        if (params_.metric == IndexMetric::kCos) {
+          s = kk[i - b] > 0 ? s / std::sqrt(kk[i - b]) : 0.f;
+        } else if (params_.metric == IndexMetric::kL2) {
+          s = 2 * s - kk[i - b];
+        }
+        cand[j][i] = {s, static_cast<uint32_t>(i)};
+      }
+    }
   }
   // The float scores can differ from the double ones in their last bits: keep a margin of
   // candidates, then order those exactly.
   const size_t keep = std::min<size_t>(n, size_t{k} * 2 + 16);
-  std::nth_element(cand.begin(), cand.begin() + (keep - 1), cand.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
-  std::vector<Hit> all(keep);
-  for (size_t i = 0; i < keep; ++i) all[i] = {cand[i].second, Score(q, rows_.Key(cand[i].second))};
-  std::sort(all.begin(), all.end(), [](const Hit& a, const Hit& b) {
-    return a.score > b.score || (a.score == b.score && a.id < b.id);
-  });
-  all.resize(std::min<size_t>(k, all.size()));
-  return all;
+  for (size_t j = 0; j < m; ++j) {
+    std::nth_element(cand[j].begin(), cand[j].begin() + (keep - 1), cand[j].end(),
+                     [](const auto& x, const auto& y) { return x.first > y.first; });
+    std::vector<Hit>& all = out[j];
+    all.resize(keep);
+    for (size_t i = 0; i < keep; ++i) {
+      all[i] = {cand[j][i].second, Score(qs[j], rows_.Key(cand[j][i].second))};
+    }
+    std::sort(all.begin(), all.end(), [](const Hit& x, const Hit& y) {
+      return x.score > y.score || (x.score == y.score && x.id < y.id);
+    });
+    all.resize(std::min<size_t>(k, all.size()));
+  }
+  return out;
 }
 
-void BuiltIndex::Calibrate() {
+void BuiltIndex::Calibrate(const ParallelRun& parallel) {
   const uint64_t n = rows_.size();
   const uint32_t d = params_.key_dim;
   const uint32_t k = static_cast<uint32_t>(std::min<uint64_t>(32, n));
@@ -302,7 +333,6 @@ void BuiltIndex::Calibrate() {
     for (uint32_t j = 0; j < d; ++j) kk += double{key[j]} * key[j];
     norm += std::sqrt(kk) / per_kind;
   }
-  std::vector<std::vector<float>> probes[2];
   uint64_t x = 0x9E3779B97F4A7C15ull ^ n;
   auto uniform = [&x] {  // SplitMix64 -> (0, 1)
     x += 0x9E3779B97F4A7C15ull;
@@ -311,10 +341,13 @@ void BuiltIndex::Calibrate() {
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return (static_cast<double>((z ^ (z >> 31)) >> 11) + 0.5) / 9007199254740992.0;
   };
+  // probes[0, per_kind): the stored keys; the rest: the random directions.
+  std::vector<std::vector<float>> probes;
+  std::vector<std::vector<float>> directions;
   for (uint32_t s = 0; s < 2 * per_kind; ++s) {
     if (s < per_kind) {
       const float* key = rows_.Key(n * s / per_kind);
-      probes[0].emplace_back(key, key + d);
+      probes.emplace_back(key, key + d);
     }
     std::vector<float> g(d);
     double gg = 0;
@@ -325,49 +358,70 @@ void BuiltIndex::Calibrate() {
     }
     const float scale = gg > 0 ? static_cast<float>(norm / std::sqrt(gg)) : 0.f;
     for (float& v : g) v *= scale;
-    probes[1].push_back(std::move(g));
+    directions.push_back(std::move(g));
   }
-  std::vector<std::vector<Hit>> truth[2];
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int kind = 0; kind < 2; ++kind) {
-    for (const auto& q : probes[kind]) truth[kind].push_back(BruteForce(q.data(), k));
+  for (auto& g : directions) probes.push_back(std::move(g));
+  const size_t count = probes.size();
+  std::vector<const float*> qs(count);
+  for (size_t i = 0; i < count; ++i) qs[i] = probes[i].data();
+  // The exact answers: groups of probes, each group in one pass over the keys, in parallel.
+  std::vector<std::vector<Hit>> truth(count);
+  constexpr size_t kGroup = 16;
+  parallel((count + kGroup - 1) / kGroup, [&](size_t group) {
+    const size_t a = group * kGroup, b = std::min(count, a + kGroup);
+    auto got = BruteForceBatch(qs.data() + a, b - a, k);
+    for (size_t i = a; i < b; ++i) truth[i] = std::move(got[i - a]);
+  });
+  // What a query's exact scan costs alone (what a query without EF would otherwise pay): the
+  // median of a few scans, one at a time.
+  constexpr size_t kScanSamples = 7;
+  std::vector<double> scans;
+  for (size_t i = 0; i < std::min(kScanSamples, count); ++i) {
+    const auto s0 = std::chrono::steady_clock::now();
+    (void)BruteForce(qs[i * count / std::min(kScanSamples, count)], k);
+    scans.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count());
   }
-  const double scan_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
-      (3.0 * per_kind);
+  std::nth_element(scans.begin(), scans.begin() + scans.size() / 2, scans.end());
+  const double scan_s = scans[scans.size() / 2];
   plan_ = Plan{true, 0, 1.0};
+  std::vector<double> recall(count), seconds(count);
+  constexpr size_t kPiece = 8;  // probes a parallel piece searches
   for (uint64_t ef = std::max<uint32_t>(k, 80);; ef *= 2) {
     const uint32_t beam = static_cast<uint32_t>(std::min<uint64_t>(ef, n));
-    // Per kind: the mean recall of its probes and a lower bound (mean − 2 standard errors);
-    // the kind with the lower bound counts.
-    double worst = 1.0, worst_bound = 1.0;
-    const auto s0 = std::chrono::steady_clock::now();
-    for (int kind = 0; kind < 2; ++kind) {
-      double sum = 0, sum2 = 0;
-      const size_t count = probes[kind].size();
-      for (size_t p = 0; p < count; ++p) {
-        auto got = Search(probes[kind][p].data(), k, beam);
+    parallel((count + kPiece - 1) / kPiece, [&](size_t piece) {
+      for (size_t p = piece * kPiece; p < std::min(count, (piece + 1) * kPiece); ++p) {
+        const auto s0 = std::chrono::steady_clock::now();
+        auto got = Search(qs[p], k, beam);
+        seconds[p] = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
         uint32_t found = 0;
-        for (const Hit& e : truth[kind][p]) {
-          for (const Hit& a : got) {
-            if (a.id == e.id) {
+        for (const Hit& e : truth[p]) {
+          for (const Hit& h : got) {
+            if (h.id == e.id) {
               ++found;
               break;
             }
           }
         }
-        const double r = truth[kind][p].empty() ? 1.0 : double(found) / truth[kind][p].size();
-        sum += r;
-        sum2 += r * r;
+        recall[p] = truth[p].empty() ? 1.0 : double(found) / truth[p].size();
       }
-      const double mean = sum / count;
-      const double var = count > 1 ? std::max(0.0, (sum2 - sum * mean) / (count - 1)) : 0.0;
-      const double bound = mean - 2 * std::sqrt(var / count);
+    });
+    // Per kind: the mean recall of its probes and a lower bound (mean − 2 standard errors);
+    // the kind with the lower bound counts.
+    double worst = 1.0, worst_bound = 1.0, search_s = 0;
+    for (int kind = 0; kind < 2; ++kind) {
+      const size_t a = kind == 0 ? 0 : per_kind, b = kind == 0 ? per_kind : count;
+      double sum = 0, sum2 = 0;
+      for (size_t p = a; p < b; ++p) {
+        sum += recall[p];
+        sum2 += recall[p] * recall[p];
+        search_s += seconds[p] / count;
+      }
+      const size_t c = b - a;
+      const double mean = sum / c;
+      const double var = c > 1 ? std::max(0.0, (sum2 - sum * mean) / (c - 1)) : 0.0;
+      const double bound = mean - 2 * std::sqrt(var / c);
       if (bound < worst_bound) worst_bound = bound, worst = mean;
     }
-    const double search_s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count() /
-        (3.0 * per_kind);
     recall_by_ef_.push_back({beam, worst});
     if (search_s >= scan_s) break;  // wider beams only cost more than the exact scan
     if (worst_bound >= kTargetRecall) {

@@ -92,8 +92,8 @@ using ParallelRun = std::function<void(size_t n, const std::function<void(size_t
 class BuiltIndex {
  public:
   ~BuiltIndex();
-  // Builds over every row of `rows` (parallel inserts). Also estimates recall@10 against brute
-  // force on up to 64 of the stored keys (the key distribution).
+  // Builds over every row of `rows` (inserts split over `parallel`), then calibrates the plan
+  // below (the probes' exact scans and searches split over `parallel` too).
   static StatusOr<std::shared_ptr<const BuiltIndex>> Build(const IndexParams& p, IndexRows rows,
                                                            uint64_t generation,
                                                            const ParallelRun& parallel);
@@ -107,14 +107,17 @@ class BuiltIndex {
   // Exact top-k by the same score: a float scan of every key (vectorised) for the best
   // candidates, re-scored in double; best first, ties by id.
   std::vector<Hit> BruteForce(const float* q, uint32_t k) const;
+  // BruteForce of each of m queries qs[0, m) (each key_dim floats), the keys read once a block
+  // at a time for all of them: the same hits as m BruteForce calls.
+  std::vector<std::vector<Hit>> BruteForceBatch(const float* const* qs, size_t m, uint32_t k) const;
 
   // How a query without EF runs, chosen at build time from a calibration: recall@32 against
   // BruteForce measured at doubling beams over probe queries of two kinds — stored keys (the
   // key distribution) and random directions of the keys' typical norm (queries are out of
   // distribution for their keys) — the worse kind counting. The default beam is the smallest
   // whose recall, less two standard errors over the probes, is at least kTargetRecall; when
-  // none is, or when a search at that beam costs more than the scan (measured), queries scan
-  // (exact).
+  // none is, or when a search at that beam costs more than the scan (measured: the probes' mean
+  // search against the median of a few lone scans), queries scan (exact).
   static constexpr double kTargetRecall = 0.98;
   struct Plan {
     bool scan = false;    // no EF given: exact scan
@@ -132,7 +135,10 @@ class BuiltIndex {
   uint64_t bytes() const { return bytes_; }
   // The estimate for a query without EF (plan().recall).
   double recall_estimate() const { return plan_.recall; }
+  // Wall time of the graph's build (key preparation and inserts) and of the calibration that
+  // follows it, in milliseconds.
   double build_ms() const { return build_ms_; }
+  double calibrate_ms() const { return calibrate_ms_; }
 
  private:
   BuiltIndex() = default;
@@ -142,8 +148,8 @@ class BuiltIndex {
   IndexRows rows_;
   uint64_t generation_ = 0;
   uint64_t bytes_ = 0;
-  void Calibrate();
-  double build_ms_ = 0;
+  void Calibrate(const ParallelRun& parallel);
+  double build_ms_ = 0, calibrate_ms_ = 0;
   Plan plan_;
   std::vector<std::pair<uint32_t, double>> recall_by_ef_;  // ascending beams
   std::unique_ptr<Graph> graph_;
