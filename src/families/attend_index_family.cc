@@ -149,11 +149,11 @@ void Finalize(CommandContext& ctx, CmdArgs& args) {
         rb.Bulk("rows");
         rb.Integer(static_cast<int64_t>(rows));
         rb.Bulk("recall_estimate");
-        rb.Double(recall);
+        rb.Double(recall, 6);
         rb.Bulk("build_ms");
-        rb.Double(ms);
+        rb.Double(ms, 3);
         rb.Bulk("calibrate_ms");
-        rb.Double(cal_ms);
+        rb.Double(cal_ms, 3);
       });
     });
   });
@@ -255,7 +255,7 @@ void Query(CommandContext& ctx, CmdArgs& args) {
       rb.Bulk("ef");
       rb.Integer(beam);
       rb.Bulk("recall_estimate");
-      rb.Double(recall);
+      rb.Double(recall, 6);
       rb.Bulk("ids");
       rb.Bulk(*ids);
       rb.Bulk("positions");
@@ -326,16 +326,16 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   const uint64_t nq = s->queries->load(std::memory_order_relaxed);
   rb.Integer(static_cast<int64_t>(nq));
   rb.Bulk("query_us");  // mean worker time per query
-  rb.Double(nq ? s->query_ns->load(std::memory_order_relaxed) / 1e3 / static_cast<double>(nq)
-               : 0.0);
+  rb.Double(nq ? s->query_ns->load(std::memory_order_relaxed) / 1e3 / static_cast<double>(nq) : 0.0,
+            3);
   rb.Bulk("bytes");
   rb.Integer(static_cast<int64_t>(s->charged_rows + s->charged_index));
   rb.Bulk("recall_estimate");
-  rb.Double(s->index ? s->index->recall_estimate() : 0.0);
+  rb.Double(s->index ? s->index->recall_estimate() : 0.0, 6);
   rb.Bulk("build_ms");
-  rb.Double(s->index ? s->index->build_ms() : 0.0);
+  rb.Double(s->index ? s->index->build_ms() : 0.0, 3);
   rb.Bulk("calibrate_ms");
-  rb.Double(s->index ? s->index->calibrate_ms() : 0.0);
+  rb.Double(s->index ? s->index->calibrate_ms() : 0.0, 3);
   rb.Bulk("default_exact");  // a query without EF scans (the calibration found it cheaper)
   rb.Integer(s->index && s->index->plan().scan ? 1 : 0);
   rb.Bulk("default_ef");  // else its beam
