@@ -815,6 +815,8 @@ def test_fp8_exact_query_refused_and_allow_approx_answers_sparse(pion_factory):
     for _ in range(3):  # the measured rate the admission uses
         exact, rc = split_reply(r.execute_command("ATTEND.PREFIX.QUERY", "big8", 0, h, d, 0,
                                                   f32(q), "RECEIPT"))
+    if rc["micros"] < 6000:  # deadlines are whole milliseconds: none below this step and above 2
+        pytest.skip("a dense step of %.0f us here leaves no deadline below it" % rc["micros"])
     # A third of the dense step's time (2 ms at least): never enough for it, room for sparse.
     deadline = max(2, int(rc["micros"] / 3000))
     # The slot's block summaries (B = 64) made once beforehand: the fallback's first use would

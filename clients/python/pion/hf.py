@@ -699,7 +699,18 @@ class PionPromptCache:
 
         def run():
             try:
-                for i, g, j in order[1:]:
+                rest = order[1:]
+                if side is not None and self.client._shm_channel() is not None and \
+                        self.codec in LOSSLESS and self.tp[1] == 1:
+                    # Shared memory to the GPU: each namespace's remaining layers in one
+                    # pipelined fetch, every layer handed over as its copies are issued.
+                    with torch.cuda.stream(side):
+                        for g in self.plan.groups:
+                            mine = [(i, j) for i, gg, j in rest if gg == g]
+                            if mine:
+                                self._stream_group_shm(base, g, mine, arrivals)
+                    return
+                for i, g, j in rest:
                     arrivals.put(i, *fetch(i, g, j))
             except BaseException as e:  # noqa: BLE001 - raised by the update that waits for it
                 arrivals.fail(e)
@@ -710,6 +721,30 @@ class PionPromptCache:
             nbytes += 2 * len(idxs) * tt * self._tp_share(h)[1] * d * (
                 torch.tensor([], dtype=self.dtype).element_size())
         return cache, nbytes
+
+    def _stream_group_shm(self, base: str, group: str, layers, arrivals) -> None:
+        """Layers [(model layer i, namespace layer j)] of one group over shared memory, each put
+        to `arrivals` ([1, H, T, D] in the model's dtype, with its copy's event)."""
+        torch = _torch()
+        ns = self._ns(base, group)
+        t, h, d = self._layer_shape(ns)
+        vi = _wire.parse_map(self.client.execute("V.INFO", ns + "_pk"))
+        src = torch_dtype(torch, vi["format"])
+        idx = [i for i, _ in layers]
+
+        def hand_over(n, k, v, done):
+            arrivals.put(idx[n], k[None], v[None], done)
+        got = self.client.kv._fetch_layers_shm(
+            torch, self.client._shm_channel(), ns, [j for _, j in layers], t, h, d, src,
+            self.dtype, "hnd", self.device, self.model_id, None, on_layer=hand_over)
+        if got is None:  # CUDA would not register the mapping: layer by layer
+            for i, j in layers:
+                if not arrivals.pending(i):
+                    continue
+                k, v = self._fetch_layer(ns, j)
+                done = torch.cuda.Event()
+                done.record()
+                arrivals.put(i, k, v, done)
 
     def _tp_share(self, heads: int) -> tuple[int, int]:
         """(first, count) of this rank's K/V heads."""

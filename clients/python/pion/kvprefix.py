@@ -344,8 +344,11 @@ class KVPrefix:
         return out
 
     def _fetch_layers_shm(self, torch, ch, ns, layers, t, h, d, src, dtype, layout, device,
-                          model, generation):
-        """fetch_layers over shared memory; None when CUDA will not register a mapping."""
+                          model, generation, on_layer=None):
+        """fetch_layers over shared memory; None when CUDA will not register a mapping.
+        on_layer(i, k, v, event): called as each layer's copies are issued (event recorded
+        after them on the current stream), for a reader that starts on a layer before the
+        others landed."""
         import warnings
         nbytes = t * h * d * torch.empty(0, dtype=src).element_size()
         fetched = ch.fetch_ranges([(ns + sfx, j * t, (j + 1) * t) for j in layers
@@ -375,6 +378,10 @@ class KVPrefix:
                     dst.copy_(rows.transpose(0, 1) if layout == "hnd" else rows)
                     pair.append(dst)
                 out.append(tuple(pair))
+                if on_layer is not None:
+                    done = torch.cuda.Event()
+                    done.record(torch.cuda.current_stream(staging.device))
+                    on_layer(i, pair[0], pair[1], done)
         finally:
             # The copies are done with the leased bytes before the leases go.
             torch.cuda.current_stream(staging.device).synchronize()
