@@ -815,10 +815,10 @@ def test_fp8_exact_query_refused_and_allow_approx_answers_sparse(pion_factory):
     for _ in range(3):  # the measured rate the admission uses
         exact, rc = split_reply(r.execute_command("ATTEND.PREFIX.QUERY", "big8", 0, h, d, 0,
                                                   f32(q), "RECEIPT"))
-    if rc["micros"] < 6000:  # deadlines are whole milliseconds: none below this step and above 2
+    if rc["micros"] < 2000:  # deadlines are whole milliseconds: none is below this step
         pytest.skip("a dense step of %.0f us here leaves no deadline below it" % rc["micros"])
-    # A third of the dense step's time (2 ms at least): never enough for it, room for sparse.
-    deadline = max(2, int(rc["micros"] / 3000))
+    # Half the dense step's time: never enough for it, room for sparse.
+    deadline = max(1, int(rc["micros"] / 2000))
     # The slot's block summaries (B = 64) made once beforehand: the fallback's first use would
     # build them inside its budget (what this test checks is the fp8 answer, not that cost).
     r.execute_command("ATTEND.PREFIX.QUERY_SPARSE_AUTO", "big8", 0, h, d, 64, 1, h, f32(q),
