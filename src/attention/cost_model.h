@@ -105,8 +105,10 @@ void CalibrateCpu(CostModel& model, const kernels::AttentionKernels& kern, const
 // The approximate fallback of a dense decode step that would miss its deadline (ALLOW APPROX):
 // the K_top of a sparse-auto pass (blocks of `block` rows, plus the first and the last, SHARED
 // per K/V head group) that is estimated to finish within `seconds_left` and sooner than
-// `dense_seconds`; nullopt when none does (fewer than one block, or sparse would not be
-// faster). `sparse` is the plan as it would run (form, block, shared set; k_top is chosen).
+// `dense_seconds`, both with a margin (the estimate must fit in 3/4 of the smaller: a large
+// K_top extrapolates from what was measured); nullopt when none does (fewer than one block, or
+// sparse would not be faster). `sparse` is the plan as it would run (form, block, shared set;
+// k_top is chosen).
 std::optional<uint32_t> AffordableTopK(const CostModel& model, const CostKey& key, Plan sparse,
                                        uint32_t rows, uint32_t heads, kernels::DType dtype,
                                        bool summarized, double seconds_left, double dense_seconds);
