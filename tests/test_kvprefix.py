@@ -571,3 +571,31 @@ def test_python_fetch_layer_heads_and_as_codec(pion_factory, tmp_path):
     assert pion.tp_heads(8, 3, 4) == (6, 2) and pion.tp_heads(2, 5, 8) == (1, 1)
     with pytest.raises(ValueError):
         pion.tp_heads(6, 0, 4)
+
+
+def test_fetch_as_is_transcoded_once_and_follows_writes(shared_pion):
+    """AS keeps a transcoded copy of the rows it served (a prefix read many times in the
+    reader's codec is transcoded once): the next read of them is the same bytes, served from
+    it; a write to the session makes the copy go, and AS follows the new rows."""
+    r = shared_pion.client()
+    rng = np.random.default_rng(56)
+    r.execute_command("V.CREATE", "asc", 256, "bf16")
+    x = rng.standard_normal((4096, 256)).astype(np.float32)
+    r.execute_command("V.STOREBATCH", "asc", 0, x.tobytes())
+    mem = lambda: int(shared_pion.info("memory")["used_memory_vstore"])  # noqa: E731
+    before = mem()
+    first = r.execute_command("V.FETCH", "asc", "RANGE", 0, 4096, "AS", "fp8")
+    assert mem() - before >= 4096 * (4 + 256)  # the copy: 4096 fp8 rows
+    assert r.execute_command("V.FETCH", "asc", "RANGE", 0, 4096, "AS", "fp8") == first
+    assert r.execute_command("V.FETCH", "asc", "RANGE", 64, 128, "AS", "fp8") == \
+        first[64 * 260:128 * 260]
+    y = rng.standard_normal((1, 256)).astype(np.float32)
+    r.execute_command("V.STOREBATCH", "asc", 70, y.tobytes())
+    after = r.execute_command("V.FETCH", "asc", "RANGE", 0, 4096, "AS", "fp8")
+    assert after[:70 * 260] == first[:70 * 260] and after[70 * 260:71 * 260] != first[70 * 260:
+                                                                                      71 * 260]
+    ref = "asc-ref"
+    r.execute_command("V.CREATE", ref, 256, "fp8")
+    r.execute_command("V.STOREBATCH", ref, 0, r.execute_command("V.FETCH", "asc", "RANGE", 0,
+                                                                  4096))
+    assert after == r.execute_command("V.FETCH", ref, "RANGE", 0, 4096, "RAW")

@@ -74,6 +74,22 @@ struct ShapeJob {
   std::vector<Run> runs;
   BufferRef out;
   bool shm = false;
+  // Whole rows AS another codec: the output is what the session's transcoded copy holds for
+  // them, adopted into it afterwards on the owning shard (when the session did not change).
+  bool fill = false;
+  server::Shard* owner = nullptr;
+  store::TenantKey key;
+  uint64_t writes = 0;
+  int64_t start = 0;
+
+  void Fill(server::Shard& shard) const {
+    auto& vs = shard.store().vstore;
+    const store::VStore::Entry* e = vs.Find(key);
+    if (!fill || e == nullptr || e->writes != writes) return;
+    if (store::VSession* copy = vs.TranscodedOf(key, shape.out_codec())) {
+      (void)copy->AdoptEncoded(start, out->data(), out->size() / shape.out_row_bytes());
+    }
+  }
 
   void Apply(size_t i) const {
     std::vector<float> scratch;
@@ -304,6 +320,25 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
                                                     "' left memory while being read; retry"));
     }
   }
+  // AS of whole rows: from the session's transcoded copy when it holds them in memory (a
+  // prefix read many times in the reader's codec is transcoded once).
+  const bool cacheable = shape && as && !heads && range;
+  if (cacheable) {
+    store::VSession* copy =
+        ctx.shard->store().vstore.TranscodedOf(ctx.Key(args[1]), shape->out_codec());
+    store::VSession::HostView cview;
+    std::vector<residency::ObjectRef> cmissing;
+    if (copy != nullptr && copy->RangeWritten(start, end) &&
+        copy->ViewRange(start, end, &cview, &cmissing)) {
+      if (shm) return ReplyShm(ctx, *copy, cview, start, end);
+      ctx.rb->BulkStart(bytes);
+      copy->RawRange(cview, start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
+        ctx.rb->BulkPiece(b, p, len);
+      });
+      ctx.rb->BulkEnd();
+      return;
+    }
+  }
   if (shape) {
     // Shaped rows into one buffer (the tenant's arena for SHM: leased as one piece).
     auto out = (shm ? ctx.server->shm().AllocatorFor(ctx.tenant) : BufferAllocator::Default())
@@ -312,6 +347,11 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
     auto job = std::make_shared<ShapeJob>(ShapeJob{std::move(shape).value(), std::move(view)});
     job->out = std::move(out).value();
     job->shm = shm;
+    job->fill = cacheable;
+    job->owner = ctx.shard;
+    job->key = ctx.Key(args[1]);
+    job->writes = entry.value()->writes;
+    job->start = start;
     const size_t in_row = session.codec().row_bytes();
     constexpr size_t kRunRows = 256;  // a piece of work for one thread
     auto add_runs = [&](const uint8_t* p, size_t rows, size_t out_row) {
@@ -333,6 +373,7 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
     server::Server* srv = ctx.server;
     if (bytes < kShapeOnPoolBytes) {
       for (size_t i = 0; i < job->runs.size(); ++i) job->Apply(i);
+      job->Fill(*ctx.shard);
       return job->Reply(*srv, ctx.client_id, ctx.tenant, *ctx.rb);
     }
     auto reply = ctx.Defer();
@@ -343,6 +384,7 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
       reply([srv, job, client_id, tenant](proto::ReplyBuilder& rb) {
         job->Reply(*srv, client_id, tenant, rb);
       });
+      if (job->fill) job->owner->PostControl([job](server::Shard& sh) { job->Fill(sh); });
     });
     if (!queued) {
       reply([](proto::ReplyBuilder& rb) {

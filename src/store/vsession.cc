@@ -192,6 +192,34 @@ Status VSession::StoreRange(int64_t start, const float* rows, size_t n,
   return Status::Ok();
 }
 
+Status VSession::AdoptEncoded(int64_t start, const uint8_t* rows, size_t n) {
+  if (start < 0 || n == 0) return Status::Ok();
+  const int64_t end = start + static_cast<int64_t>(n);
+  std::vector<int64_t> fresh;
+  for (int64_t c : ChunksOfRange(start, n)) {
+    if (chunks_.count(c) == 0) fresh.push_back(c);
+  }
+  if (fresh.empty()) return Status::Ok();
+  std::vector<Writable> w;
+  Status prepared = PrepareChunks(fresh, residency::PinSet(), &w);
+  if (!prepared.ok()) return prepared;
+  const size_t rb = codec_.row_bytes();
+  for (size_t k = 0; k < fresh.size(); ++k) {
+    const int64_t first = std::max<int64_t>(start, fresh[k] * kRowsPerChunk);
+    const int64_t last = std::min<int64_t>(end, (fresh[k] + 1) * kRowsPerChunk);
+    const uint32_t slot = SlotOf(first);
+    const size_t take = static_cast<size_t>(last - first);
+    std::memcpy(w[k].bytes + slot * rb, rows + static_cast<size_t>(first - start) * rb, take * rb);
+    const uint64_t mask = take == 64 ? ~uint64_t{0} : ((uint64_t{1} << take) - 1) << slot;
+    rows_ += static_cast<uint64_t>(std::popcount(mask & ~w[k].chunk->written));
+    w[k].chunk->written |= mask;
+  }
+  for (const Writable& x : w) {
+    if (x.began != nullptr) x.began->EndWrite();
+  }
+  return Status::Ok();
+}
+
 Status VSession::StoreIds(const int64_t* ids, const float* rows, size_t n,
                           const residency::PinSet& held) {
   for (size_t i = 0; i < n; ++i) {

@@ -99,6 +99,12 @@ class VSession {
   // Stores rows at scattered ids (ids may repeat: the last row wins), likewise.
   Status StoreIds(const int64_t* ids, const float* rows, size_t n, const residency::PinSet& held);
 
+  // Already-encoded rows (this codec's row_bytes each) at ids start.. into the chunks this
+  // session does not hold yet; rows falling in chunks it holds are left as they are (a
+  // transcoded copy, filled by the reads that make it). Nothing stored when a new chunk cannot
+  // be made (kOom).
+  Status AdoptEncoded(int64_t start, const uint8_t* rows, size_t n);
+
   // ---- Completeness (memory only) -------------------------------------------------------------
   // kErr naming the first id in [start, end) that was never written.
   Status CheckRange(int64_t start, int64_t end) const;

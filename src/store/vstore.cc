@@ -36,6 +36,18 @@ Status VStore::Create(const TenantKey& key, const codec::RowCodec& codec) {
   return Status::Ok();
 }
 
+VSession* VStore::TranscodedOf(const TenantKey& key, const codec::RowCodec& codec) {
+  Entry* e = Find(key);
+  if (e == nullptr) return nullptr;
+  Entry::Transcoded& t = e->transcoded[codec.format()];
+  if (t.session == nullptr || t.writes != e->writes || t.session->dim() != codec.dim()) {
+    t.session = std::make_unique<VSession>(
+        codec, engine_, allocator_for_ ? allocator_for_(key.tenant) : BufferAllocator::Default());
+    t.writes = e->writes;
+  }
+  return t.session.get();
+}
+
 VStore::Entry* VStore::Find(const TenantKey& key) {
   auto it = sessions_.find(key);
   return it == sessions_.end() ? nullptr : &it->second;

@@ -29,6 +29,14 @@ class VStore {
     uint64_t writes = 0;
     std::optional<uint64_t> imaged_writes;
     bool unsaved() const { return !imaged_writes || *imaged_writes != writes; }
+    // Copies of the rows in other codecs, filled by V.FETCH ... AS as it transcodes and served
+    // by it afterwards (a prefix read many times in the reader's codec is transcoded once).
+    // Valid while `writes` is what it was when they were made; derived data, never saved.
+    struct Transcoded {
+      std::unique_ptr<VSession> session;
+      uint64_t writes = 0;
+    };
+    std::map<codec::Format, Transcoded> transcoded;
   };
 
   // The residency engine the sessions' chunks live in (set before any Create).
@@ -41,6 +49,9 @@ class VStore {
   // one with different parameters is an error naming both.
   Status Create(const TenantKey& key, const codec::RowCodec& codec);
   Entry* Find(const TenantKey& key);
+  // The transcoded copy of session `key` in `codec` (created empty, or emptied when the
+  // session changed since it was made); null when the session is absent.
+  VSession* TranscodedOf(const TenantKey& key, const codec::RowCodec& codec);
   // Returns kErr "no such session" when absent.
   StatusOr<Entry*> Get(const TenantKey& key);
   bool Drop(const TenantKey& key);
