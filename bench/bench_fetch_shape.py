@@ -86,8 +86,8 @@ def main() -> int:
                 return c.fetch_many([("V.FETCH", "shape" + sfx, "RANGE", lo, hi, "RAW",
                                       *extra_of(kw)) for sfx in ("_pk", "_pv")])
             ch = c._shm_channel()
-            return [c._shm_copy(ch, "shape" + sfx, lo, hi, extra=extra_of(kw))
-                    for sfx in ("_pk", "_pv")]
+            return c._shm_copy_many(ch, [("shape" + sfx, lo, hi) for sfx in ("_pk", "_pv")],
+                                    extra=extra_of(kw))
 
         for transport, c in clients.items():
             for name, kw in cases.items():  # warm: the first call maps segments, etc.

@@ -573,6 +573,53 @@ def test_python_fetch_layer_heads_and_as_codec(pion_factory, tmp_path):
         pion.tp_heads(6, 0, 4)
 
 
+def test_shm_heads_reply_names_the_rows_parts(pion_factory, tmp_path):
+    """V.FETCH ... HEADS ... SHM in the stored encoding leases the stored rows themselves and
+    names the byte ranges of each row the reader copies (row_stride, row_parts: fp8 has two,
+    its row scale and its columns): nothing gathered on the server, and what the reader
+    copies is byte for byte the RAW HEADS reply over TCP, in fp16, fp8 and int8 (whole blocks),
+    across chunk boundaries. AS still answers one gathered piece."""
+    pion = _pion()
+    path = str(tmp_path / "h.sock")
+    if len(path) > 100:
+        pytest.skip("tmp path too long for a Unix socket")
+    srv = pion_factory("--unixsocket", path)
+    T_, H_, D_ = 1500, 8, 64  # > one chunk of rows
+    rng = np.random.default_rng(57)
+    with pion.Client(port=srv.port) as tcp, pion.Client(unix_socket_path=path) as local:
+        ch = local._shm_channel()
+        for fmt, parts in (("fp16", 1), ("fp8", 2), ("int8", 1)):
+            ns = "sh" + fmt
+            tcp.kv.register(ns, 2, T_, H_, D_, fmt)
+            for layer in range(2):
+                x = rng.standard_normal((T_, H_, D_)).astype(np.float32)
+                tcp.kv.store_layer(ns, layer, x, -x)
+            vi = tcp.execute("V.INFO", ns + "_pk")
+            vi = dict(zip(vi[::2], vi[1::2])) if isinstance(vi, list) else vi
+            stride = int(vi.get(b"row_bytes", vi.get("row_bytes")))
+            for first, count in ((0, 2), (2, 2), (6, 2), (3, 1)):
+                want = tcp.execute("V.FETCH", ns + "_pk", "RANGE", T_, 2 * T_, "RAW", "HEADS",
+                                   first, count)
+                lease, pieces, row_bytes, nbytes = ch.fetch_range(
+                    ns + "_pk", T_, 2 * T_, extra=["HEADS", first, count])
+                try:
+                    assert pieces.row_parts is not None and len(pieces.row_parts) == parts
+                    assert nbytes == len(want) == T_ * row_bytes
+                    assert sum(n for _, _, n in pieces) == T_ * pieces.row_stride
+                    assert pieces.row_stride == stride
+                    out = np.empty(nbytes, np.uint8)
+                    assert ch.read_into(pieces, out) == nbytes
+                    assert out.tobytes() == want, (fmt, first, count)
+                    with pytest.raises(ValueError):
+                        ch.views(pieces)
+                finally:
+                    ch.release(lease)
+            lease, pieces, _, nbytes = ch.fetch_range(ns + "_pk", 0, T_,
+                                                      extra=["HEADS", 2, 2, "AS", "fp16"])
+            ch.release(lease)
+            assert pieces.row_parts is None and len(pieces) == 1 and nbytes == T_ * 2 * D_ * 2
+
+
 def test_fetch_as_is_transcoded_once_and_follows_writes(shared_pion):
     """AS keeps a transcoded copy of the rows it served (a prefix read many times in the
     reader's codec is transcoded once): the next read of them is the same bytes, served from

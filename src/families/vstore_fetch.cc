@@ -32,15 +32,24 @@ struct Piece {
   uint64_t offset, length;
 };
 
-// Leases `held` (the buffers the pieces are in: unchanged until released) to the client and
-// replies the SHM map: lease, bytes, row_bytes, pieces, epoch. Any thread.
+// How the pieces' bytes make the reply: whole (their concatenation), or strided — the pieces
+// hold whole stored rows of `row_stride` bytes, and each output row is the `parts` byte ranges
+// of one of them (HEADS in the stored encoding, copied out of the mapping by the reader).
+struct Strided {
+  size_t row_stride = 0;
+  std::vector<codec::RowView::Part> parts;
+};
+
+// Leases `held` (the buffers the pieces are in: unchanged until released; `held_bytes` of them)
+// to the client and replies the SHM map: lease, bytes (of the reply: `total`), row_bytes,
+// pieces, epoch, and with `strided` row_stride and row_parts. Any thread.
 void ReplyLease(server::Server& srv, uint64_t client_id, uint32_t tenant, proto::ReplyBuilder& rb,
-                std::vector<Piece> pieces, std::vector<BufferRef> held, uint64_t total,
-                size_t row_bytes) {
+                std::vector<Piece> pieces, std::vector<BufferRef> held, uint64_t held_bytes,
+                uint64_t total, size_t row_bytes, const Strided* strided = nullptr) {
   server::ShmPlane& plane = srv.shm();
-  auto lease = plane.Grant(client_id, std::move(held), total);
+  auto lease = plane.Grant(client_id, std::move(held), held_bytes);
   if (!lease.ok()) return rb.Error(lease.status());
-  rb.Map(5);
+  rb.Map(strided != nullptr ? 7 : 5);
   rb.Bulk("lease");
   rb.Integer(static_cast<int64_t>(lease.value()));
   rb.Bulk("bytes");
@@ -54,6 +63,17 @@ void ReplyLease(server::Server& srv, uint64_t client_id, uint32_t tenant, proto:
     rb.Integer(p.segment);
     rb.Integer(static_cast<int64_t>(p.offset));
     rb.Integer(static_cast<int64_t>(p.length));
+  }
+  if (strided != nullptr) {
+    rb.Bulk("row_stride");
+    rb.Integer(static_cast<int64_t>(strided->row_stride));
+    rb.Bulk("row_parts");
+    rb.Array(strided->parts.size());
+    for (const auto& part : strided->parts) {
+      rb.Array(2);
+      rb.Integer(static_cast<int64_t>(part.offset));
+      rb.Integer(static_cast<int64_t>(part.length));
+    }
   }
   rb.Bulk("epoch");  // the arena's punch epoch: pinned (CUDA-registered) pages older than it
   rb.Integer(static_cast<int64_t>(plane.ArenaFor(tenant)->punch_epoch()));  // are stale
@@ -101,7 +121,7 @@ struct ShapeJob {
     if (!shm) return rb.BulkRef(out);
     ReplyLease(srv, client_id, tenant, rb,
                {{out->segment_fd(), out->segment_offset(), out->size()}}, {out}, out->size(),
-               shape.out_row_bytes());
+               out->size(), shape.out_row_bytes());
   }
 };
 
@@ -110,13 +130,16 @@ constexpr uint64_t kShapeOnPoolBytes = uint64_t{1} << 20;
 
 // V.FETCH … RANGE … SHM: the stored bytes as (segment, offset, length) pieces in the tenant's
 // shared-memory arena, under a lease that keeps them unchanged until released. Pieces held
-// outside an arena (a prefix warmed from disk) are copied into one first.
+// outside an arena (a prefix warmed from disk) are copied into one first. With `shape` (HEADS
+// in the stored encoding) the pieces are the whole stored rows and the reply names the byte
+// ranges of each that the reader copies: nothing is gathered here.
 void ReplyShm(CommandContext& ctx, const store::VSession& session,
-              const store::VSession::HostView& view, int64_t start, int64_t end) {
+              const store::VSession::HostView& view, int64_t start, int64_t end,
+              const codec::RowView* shape = nullptr) {
   server::ShmPlane& plane = ctx.server->shm();
   std::vector<Piece> pieces;
   std::vector<BufferRef> held;
-  uint64_t total = 0;
+  uint64_t held_bytes = 0;
   Status failed;
   session.RawRange(view, start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
     if (!failed.ok()) return;
@@ -132,7 +155,7 @@ void ReplyShm(CommandContext& ctx, const store::VSession& session,
       src = std::move(copy).value();
       off = 0;
     }
-    total += len;
+    held_bytes += len;
     const int segment = src->segment_fd();
     const uint64_t at = src->segment_offset() + off;
     if (held.empty() || held.back() != src) held.push_back(src);  // the lease keeps it unchanged
@@ -146,8 +169,14 @@ void ReplyShm(CommandContext& ctx, const store::VSession& session,
     pieces.push_back({segment, at, len});
   });
   if (!failed.ok()) return ctx.Error(failed);
+  if (shape == nullptr) {
+    return ReplyLease(*ctx.server, ctx.client_id, ctx.tenant, *ctx.rb, std::move(pieces),
+                      std::move(held), held_bytes, held_bytes, session.codec().row_bytes());
+  }
+  const Strided strided{session.codec().row_bytes(), shape->StoredParts()};
+  const uint64_t rows = held_bytes / strided.row_stride;
   ReplyLease(*ctx.server, ctx.client_id, ctx.tenant, *ctx.rb, std::move(pieces), std::move(held),
-             total, session.codec().row_bytes());
+             held_bytes, rows * shape->out_row_bytes(), shape->out_row_bytes(), &strided);
 }
 
 // The reader's identity options on a KV.PREFIX session: kMismatch when they are not the
@@ -338,6 +367,11 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
       ctx.rb->BulkEnd();
       return;
     }
+  }
+  if (shape && shm && range && !shape->StoredParts().empty()) {
+    // Columns of the stored rows: the reader copies them out of the mapping itself (one pass
+    // over the bytes it needs instead of a gather here and a copy there).
+    return ReplyShm(ctx, session, view, start, end, &*shape);
   }
   if (shape) {
     // Shaped rows into one buffer (the tenant's arena for SHM: leased as one piece).

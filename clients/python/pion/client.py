@@ -209,18 +209,27 @@ class Client:
     def _shm_copy(self, ch, sid, start, end, model=None, generation=None, into=None, extra=()):
         """Fetches rows start..end over SHM, copies them into `into` (or a fresh uint8 array)
         and releases the lease; returns the uint8 array holding exactly the bytes. `extra`:
-        HEADS / AS options (the server gathers those rows into one leased piece)."""
-        lease, pieces, _row_bytes, nbytes = ch.fetch_range(sid, start, end, model, generation,
-                                                           extra)
+        HEADS / AS options (HEADS: copied out of the stored rows here; AS: the server's
+        transcoded rows, one leased piece)."""
+        return self._shm_copy_many(ch, [(sid, start, end)], model, generation,
+                                   None if into is None else [into], extra)[0]
+
+    def _shm_copy_many(self, ch, ranges, model=None, generation=None, intos=None, extra=()):
+        """_shm_copy of several (sid, start, end), their leases taken in one round trip (and
+        released with the channel's next command)."""
+        got = ch.fetch_ranges(ranges, model, generation, extra)
+        outs = []
         try:
-            if into is None:
-                out = _pool.empty(nbytes, np.uint8)
-            else:
-                out = _byte_view(into)[:nbytes]
-            ch.read_into(pieces, out)
+            for i, (_lease, pieces, _row_bytes, nbytes) in enumerate(got):
+                if intos is None or intos[i] is None:
+                    out = _pool.empty(nbytes, np.uint8)
+                else:
+                    out = _byte_view(intos[i])[:nbytes]
+                ch.read_into(pieces, out)
+                outs.append(out)
         finally:
-            ch.release_later(lease)  # its reply is read with the channel's next command
-        return out
+            ch.release_later(*[x[0] for x in got])
+        return outs
 
 
     def _shm_decode(self, ch, ranges, fmt, dim, model=None, generation=None, copies=None):

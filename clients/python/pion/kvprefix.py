@@ -243,8 +243,8 @@ class KVPrefix:
         out = []
         if ch is not None:
             self._c.last_fetch_path = "shm"
-            for sfx in ("_pk", "_pv"):
-                data = self._c._shm_copy(ch, ns + sfx, lo, hi, model, generation, extra=extra)
+            for data in self._c._shm_copy_many(ch, [(ns + sfx, lo, hi) for sfx in ("_pk", "_pv")],
+                                               model, generation, extra=extra):
                 out.append(codecs.decode(fmt, count * d, block, data, t))
         else:
             self._c.last_fetch_path = "tcp"

@@ -49,6 +49,18 @@ def _copy_pool():
     return _pool
 
 
+class Pieces(list):
+    """A fetch's (segment, offset, length) pieces. Strided (a HEADS fetch in the stored
+    encoding): the pieces hold whole stored rows of `row_stride` bytes and each row of the
+    reply is the `row_parts` byte ranges [(offset, length), ...] of one of them; otherwise
+    (row_parts None) the reply is the pieces' concatenation."""
+
+    def __init__(self, items=(), row_stride: int = 0, row_parts=None):
+        super().__init__(items)
+        self.row_stride = row_stride
+        self.row_parts = row_parts
+
+
 class ShmChannel:
     """A raw RESP2 connection on the Unix socket that maps the tenant's SHM segments."""
 
@@ -196,9 +208,10 @@ class ShmChannel:
     def fetch_range(self, sid: str, start: int, end: int, model: str | None = None,
                     generation: int | None = None, extra=()):
         """V.FETCH <sid> RANGE <start> <end> SHM → (lease, pieces, row_bytes, nbytes), pieces a
-        list of (segment, offset, length) whose concatenation is the RAW reply. The lease must
-        be released (`release`) once the bytes have been read. `extra`: more options (HEADS
-        <first> <count>, AS <codec>: the shaped rows, gathered into one leased piece)."""
+        Pieces of (segment, offset, length) whose concatenation is the RAW reply. The lease
+        must be released (`release`) once the bytes have been read. `extra`: more options
+        (HEADS <first> <count>: strided pieces, the stored rows with the byte ranges of each
+        to copy — read them with read_into; AS <codec>: the transcoded rows, one piece)."""
         return self.fetch_ranges([(sid, start, end)], model, generation, extra)[0]
 
     def fetch_ranges(self, ranges, model: str | None = None, generation: int | None = None,
@@ -219,7 +232,10 @@ class ShmChannel:
                      for k, v in zip(reply[::2], reply[1::2])}
                 lease = int(r["lease"])
                 self.leases.add(lease)
-                pieces = [(int(s), int(o), int(n)) for s, o, n in r["pieces"]]
+                pieces = Pieces((int(s), int(o), int(n)) for s, o, n in r["pieces"])
+                if "row_parts" in r:
+                    pieces.row_stride = int(r["row_stride"])
+                    pieces.row_parts = [(int(o), int(n)) for o, n in r["row_parts"]]
                 self.epoch = int(r.get("epoch", 0))
                 out.append((lease, pieces, int(r["row_bytes"]), int(r["bytes"])))
             if failed is not None:
@@ -231,7 +247,9 @@ class ShmChannel:
 
     def views(self, pieces) -> list[np.ndarray]:
         """Read-only numpy uint8 views of the pieces, straight into the mappings (valid only
-        while the lease that named them is held)."""
+        while the lease that named them is held). Not for strided pieces (read_into)."""
+        if getattr(pieces, "row_parts", None) is not None:
+            raise ValueError("strided pieces (HEADS) are not the reply's bytes: use read_into")
         return [np.frombuffer(self.maps[s], dtype=np.uint8, count=n, offset=o)
                 for s, o, n in pieces]
 
@@ -243,6 +261,8 @@ class ShmChannel:
         glibc keeps for larger sizes, and two cores reach the machine's memcpy rate
         (bench/results/shm-2026-12-01.md)."""
         dst = out.reshape(-1).view(np.uint8) if out.dtype != np.uint8 or out.ndim != 1 else out
+        if getattr(pieces, "row_parts", None) is not None:
+            return self._read_strided(pieces, dst)
         total = sum(n for _, _, n in pieces)
         if total > dst.size:
             raise ValueError("into= holds %d bytes, the fetch needs %d" % (dst.size, total))
@@ -276,6 +296,58 @@ class ShmChannel:
         for f in futures:
             f.result()
         return pos
+
+    def _read_strided(self, pieces: Pieces, dst: np.ndarray) -> int:
+        """read_into of strided pieces: each stored row's parts, in order, into the next row of
+        `dst` — one pass over the bytes the reply needs, shared with the copy pool by rows
+        when large."""
+        stride, parts = pieces.row_stride, pieces.row_parts
+        row = sum(n for _, n in parts)
+        rows = sum(n for _, _, n in pieces) // stride
+        if rows * row > dst.size:
+            raise ValueError("into= holds %d bytes, the fetch needs %d" % (dst.size, rows * row))
+        # Copied in the widest words every offset and length allows (numpy's strided copy
+        # moves a word per step: 8-byte words take about 0.7x the time of bytes).
+        word = 8
+        while word > 1 and any(x % word for x in (stride, row, dst.ctypes.data,
+                                                  *(v for p in parts for v in p),
+                                                  *(o for _, o, _ in pieces))):
+            word //= 2
+        wt = np.dtype("u%d" % word)
+        out = dst[:rows * row].view(wt).reshape(rows, row // word)
+        parts = [(o // word, n // word) for o, n in parts]
+        # (source rows [r, stride], destination row offset) per piece
+        srcs, at = [], 0
+        for s, o, n in pieces:
+            srcs.append((np.frombuffer(self.maps[s], dtype=wt, count=n // word,
+                                       offset=o).reshape(-1, stride // word), at))
+            at += n // stride
+
+        def copy(jobs):
+            for src, r0 in jobs:
+                pos = 0
+                for off, n in parts:
+                    out[r0:r0 + src.shape[0], pos:pos + n] = src[:, off:off + n]
+                    pos += n
+        pool = _copy_pool() if rows * row >= PARALLEL_BYTES else None
+        if pool is None:
+            copy(srcs)
+            return rows * row
+        workers = _helpers + 1
+        share = -(-rows // workers)
+        shares: list[list] = [[] for _ in range(workers)]
+        for src, r0 in srcs:
+            i = 0
+            while i < src.shape[0]:
+                w = (r0 + i) // share
+                n = min(src.shape[0] - i, (w + 1) * share - (r0 + i))
+                shares[w].append((src[i:i + n], r0 + i))
+                i += n
+        futures = [pool.submit(copy, p) for p in shares[:-1] if p]
+        copy(shares[-1])
+        for f in futures:
+            f.result()
+        return rows * row
 
     def store_rows(self, sid: str, start: int, rows, checksum: bool = False) -> int:
         """Stores float32 rows [n, dim] at ids start.. through shared memory: SHM.RESERVE a

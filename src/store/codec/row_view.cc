@@ -15,7 +15,12 @@ bool Turbo(Format f) {
 }
 
 std::string Cols(uint32_t first, uint32_t count) {
-  return "[" + std::to_string(first) + ", " + std::to_string(uint64_t{first} + count) + ")";
+  std::string s = "[";  // appended, not "[" + ...: GCC 12 warns falsely on that (-Wrestrict)
+  s += std::to_string(first);
+  s += ", ";
+  s += std::to_string(uint64_t{first} + count);
+  s += ")";
+  return s;
 }
 
 }  // namespace
@@ -87,6 +92,12 @@ StatusOr<RowView> RowView::Create(const RowCodec& stored, uint32_t first, uint32
     }
   }
   return v;
+}
+
+std::vector<RowView::Part> RowView::StoredParts() const {
+  if (output_ != Output::kStored || identity_) return {};
+  if (RowScaled(stored_.format())) return {{0, 4}, {byte_first_, byte_count_}};
+  return {{byte_first_, byte_count_}};
 }
 
 void RowView::Apply(const uint8_t* in, size_t n, uint8_t* out, std::vector<float>* scratch) const {

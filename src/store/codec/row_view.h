@@ -38,6 +38,14 @@ class RowView {
   bool identity() const { return identity_; }
   // The codec of the output rows (fp32 for kFp32).
   const RowCodec& out_codec() const { return out_; }
+  // A byte range of a stored row: {offset, length}.
+  struct Part {
+    size_t offset, length;
+  };
+  // Some columns in the stored encoding (RAW, HEADS): each output row is these byte ranges of
+  // its stored row, concatenated (the columns' bytes; for fp8 the row's scale, then them), so a
+  // reader can copy them out of the stored rows itself. Empty for any other output.
+  std::vector<Part> StoredParts() const;
 
   // n stored rows (n * stored.row_bytes()) -> n output rows (n * out_row_bytes()). `scratch`
   // holds decoded floats between calls (grown as needed).

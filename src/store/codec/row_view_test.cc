@@ -39,6 +39,19 @@ TEST(RowView, RawHeadsDecodeToTheFullRowsValues) {
       std::vector<uint8_t> out(n * v->out_row_bytes());
       std::vector<float> scratch;
       v->Apply(stored.data(), n, out.data(), &scratch);
+      // A reader copying StoredParts out of the stored rows gets exactly these rows (the SHM
+      // reply's row_parts).
+      const auto parts = v->StoredParts();
+      ASSERT_FALSE(parts.empty()) << FormatName(f);
+      std::vector<uint8_t> copied;
+      for (size_t r = 0; r < n; ++r) {
+        for (const auto& p : parts) {
+          ASSERT_LE(p.offset + p.length, c.row_bytes()) << FormatName(f);
+          const uint8_t* src = stored.data() + r * c.row_bytes() + p.offset;
+          copied.insert(copied.end(), src, src + p.length);
+        }
+      }
+      EXPECT_EQ(copied, out) << FormatName(f) << " heads " << first << "+" << count;
       // Only the heads' share of the bytes moves (fp8: plus the row's scale).
       EXPECT_LE(v->out_row_bytes(), c.row_bytes() * count / 8 + 4) << FormatName(f);
       std::vector<float> got(n * count * 128);
@@ -53,6 +66,7 @@ TEST(RowView, RawHeadsDecodeToTheFullRowsValues) {
       std::vector<uint8_t> fl(n * d->out_row_bytes());
       d->Apply(stored.data(), n, fl.data(), &scratch);
       EXPECT_EQ(0, std::memcmp(fl.data(), got.data(), fl.size()));
+      EXPECT_TRUE(d->StoredParts().empty());  // decoded values are no stored bytes
     }
   }
 }
