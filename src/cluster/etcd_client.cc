@@ -20,11 +20,16 @@ Status Down(const EtcdEndpoint& ep, const std::string& what) {
                 "etcd at " + ep.host + ":" + std::to_string(ep.port) + " " + what);
 }
 
+// libcurl's own words for a failed transfer.
+std::string Detail(CURLcode rc, const char* errbuf) {
+  return errbuf[0] != '\0' ? errbuf : curl_easy_strerror(rc);
+}
+
 // What went wrong with a transfer, in the words the rest of the cluster code (and CLUSTER INFO's
 // cluster_etcd_last_error) uses: "is unreachable: Connection refused", "did not answer ...".
 std::string Describe(CURL* h, CURLcode rc, const char* errbuf, std::string_view path,
                      int timeout_ms) {
-  const std::string detail = errbuf[0] != '\0' ? errbuf : curl_easy_strerror(rc);
+  const std::string detail = Detail(rc, errbuf);
   switch (rc) {
     case CURLE_COULDNT_RESOLVE_HOST:
       return "cannot be resolved: " + detail;
@@ -390,15 +395,15 @@ Status EtcdClient::Watch(std::string_view prefix, const std::function<bool()>& k
       while (CURLMsg* msg = curl_multi_info_read(m.get(), &left)) {
         if (msg->msg == CURLMSG_DONE) rc = msg->data.result;
       }
-      if (ws.http_code != 0 && ws.http_code != 200) {
-        result = Down(endpoint_, "refused the watch (HTTP " + std::to_string(ws.http_code) +
+      long code = 0;
+      curl_easy_getinfo(h.get(), CURLINFO_RESPONSE_CODE, &code);
+      if (code != 0 && code != 200) {
+        result = Down(endpoint_, "refused the watch (HTTP " + std::to_string(code) +
                                      "): " + RefusalText(ws.refusal));
-      } else if (rc == CURLE_OK || ws.open) {
-        result = Down(endpoint_,
-                      rc == CURLE_OK
-                          ? "ended the watch stream"
-                          : "ended the watch stream: " +
-                                std::string(errbuf[0] != '\0' ? errbuf : curl_easy_strerror(rc)));
+      } else if (rc == CURLE_OK) {
+        result = Down(endpoint_, "ended the watch stream");
+      } else if (ws.open) {
+        result = Down(endpoint_, "ended the watch stream: " + Detail(rc, errbuf));
       } else {
         result = Down(endpoint_, Describe(h.get(), rc, errbuf, "/v3/watch", timeout_ms_));
       }
