@@ -6,6 +6,7 @@ set -euo pipefail
 PKGS=(
   build-essential cmake ninja-build pkg-config clang clang-format
   libspdlog-dev libfmt-dev libcli11-dev libtomlplusplus-dev libxxhash-dev zlib1g-dev libhnswlib-dev
+  libcurl4-openssl-dev nlohmann-json3-dev libssl-dev
   libgtest-dev libgmock-dev
   redis-server redis-tools
   python3 python3-pytest python3-redis python3-numpy python3-psutil

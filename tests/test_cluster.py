@@ -13,7 +13,9 @@ installed (scripts/install-deps.sh installs etcd-server).
 - a node joining under load: no request fails (redis-py follows -ASK and -MOVED), every
   namespace is where the counts say;
 - etcd down: nodes keep serving their slots; map changes are refused with -CLUSTERDOWN; etcd
-  back: they are accepted again.
+  back: they are accepted again;
+- etcd restarted (kill -9) under open watches: every node opens its watch again, and a slot-map
+  change made after the restart reaches a node that nobody tells, through that watch.
 """
 from __future__ import annotations
 
@@ -421,6 +423,58 @@ def test_etcd_down_keeps_serving_and_refuses_map_changes(cluster, etcd):
     check_prefix(rc, "{late}", 77)
     for i in range(60):
         check_prefix(rc, "{e%d}" % i, i)
+    rc.close()
+
+
+@pytest.mark.time_limit(120)
+def test_watch_reopens_after_an_etcd_restart(cluster, etcd):
+    """kill -9 of etcd and a restart while every node watches /pion/pion/: each node's watch
+    breaks and opens again once etcd is back (its log says so, with etcd's revision), and a
+    slot-map change made after the restart reaches n3 — which no node tells: the change is
+    n1's, the slot goes to n2 — through the reopened watch: n3's log names the map's PUT that
+    its watch delivered (the keeper's 500 ms re-read would update the map without it)."""
+    for nid in ("n1", "n2"):
+        cluster.add(nid)
+    n3 = cluster.add("n3", "--loglevel", "debug")
+    cluster.wait_settled()
+    n1 = cluster.nodes["n1"]
+    opened = "cluster: watch on /pion/pion/ open at etcd %s:%d" % (HOST, etcd.port)
+    wait_for(lambda: all(s.log_text().count(opened) == 1 for s in cluster.live()), timeout=10,
+             what="every node's watch to open")
+    rc = cluster.client()
+    for i in range(30):
+        store_prefix(rc, "{w%d}" % i, i)
+        assert rc.execute_command("KV.PREFIX.SAVE", "{w%d}" % i) == b"OK"
+
+    etcd.stop(signal.SIGKILL)
+    wait_for(lambda: all(cluster.info(s)["cluster_etcd"] == "down" for s in cluster.live()),
+             timeout=10, what="etcd noticed down")
+    etcd.start()
+    wait_for(lambda: all(s.log_text().count(opened) == 2 for s in cluster.live()), timeout=15,
+             what="every node's watch to open again")
+    wait_for(lambda: all(cluster.info(s)["cluster_etcd"] == "up" for s in cluster.live()),
+             timeout=15, what="etcd up again")
+    assert "cluster: watch on /pion/pion/ ended: etcd at" in n3.log_text()
+
+    slot = next(key_slot(("{w%d}" % i).encode()) for i in range(30)
+                if cluster.owner_of("{w%d}" % i) is n1)
+    mark = len(n3.log_text())
+    assert n1.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", "n2") == b"OK"
+    wait_for(lambda: "PUT /pion/pion/slots" in n3.log_text()[mark:], timeout=10,
+             what="n3's watch to deliver the new map")
+
+    def n3_routes_to_n2() -> bool:
+        for r in n3.client().execute_command("CLUSTER", "SLOTS"):
+            if r[0] <= slot <= r[1]:
+                return r[2][2] == b"n2"
+        return False
+
+    wait_for(n3_routes_to_n2, timeout=10, what="n3 to route the slot to n2")
+    cluster.wait_settled()
+    rc.close()
+    rc = cluster.client()
+    for i in range(30):
+        check_prefix(rc, "{w%d}" % i, i)
     rc.close()
 
 

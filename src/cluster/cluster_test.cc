@@ -1,8 +1,8 @@
-// Key slots against Redis' own vectors, the etcd gateway's JSON and base64, and the leader's
-// slot-map rules (fail-over, replica placement, rebalancing) without etcd.
+// Key slots against Redis' own vectors, the etcd gateway's JSON, base64 and message stream, and
+// the leader's slot-map rules (fail-over, replica placement, rebalancing) without etcd.
 #include <gtest/gtest.h>
 
-#include "cluster/json.h"
+#include "cluster/etcd_json.h"
 #include "cluster/key_slot.h"
 #include "cluster/slot_map.h"
 
@@ -26,32 +26,77 @@ TEST(KeySlot, HashTags) {
   EXPECT_EQ(HashTagOf("no}tag{"), "no}tag{");
 }
 
-TEST(Json, ParsesEtcdReplies) {
-  auto j = ParseJson(R"({"header":{"revision":"12"},"kvs":[{"key":"YQ==","value":"Yg==",
-    "mod_revision":"7","lease":"694d7e"}],"count":"1","more":false, "s":"a\"\\\u0041"})");
+TEST(EtcdJson, ReadsGatewayReplies) {
+  // etcd writes int64 as strings and omits zero values (here "lease" and "value"), and a
+  // "lease" that is no decimal number reads as the fallback.
+  auto j = etcd_json::Parse(R"({"header":{"revision":"12"},"kvs":[{"key":"YQ==",
+    "mod_revision":"7","lease":"694d7e","version":3}],"count":"1","more":false,"s":"a\"\\\u0041"})");
   ASSERT_TRUE(j.ok()) << j.status().message();
-  EXPECT_EQ(j.value()["header"]["revision"].Int(), 12);
-  EXPECT_EQ(j.value()["kvs"].items.size(), 1u);
-  EXPECT_EQ(j.value()["kvs"].items[0]["mod_revision"].Int(), 7);
-  EXPECT_EQ(j.value()["kvs"].items[0]["lease"].Int(-1), -1);  // not a decimal number
-  EXPECT_EQ(j.value()["s"].text, "a\"\\A");
-  EXPECT_TRUE(j.value()["absent"].is_null());
-  EXPECT_FALSE(ParseJson("{\"a\":}").ok());
-  EXPECT_FALSE(ParseJson("[1,2").ok());
-  EXPECT_FALSE(ParseJson("{} x").ok());
+  EXPECT_EQ(etcd_json::Int(etcd_json::Member(j.value(), "header"), "revision"), 12);
+  const etcd_json::Json& kv = etcd_json::Member(j.value(), "kvs")[0];
+  EXPECT_EQ(etcd_json::Int(kv, "mod_revision"), 7);
+  EXPECT_EQ(etcd_json::Int(kv, "version"), 3);
+  EXPECT_EQ(etcd_json::Int(kv, "lease", -1), -1);
+  EXPECT_EQ(etcd_json::Int(kv, "create_revision"), 0);
+  EXPECT_EQ(etcd_json::Text(kv, "value"), "");
+  EXPECT_EQ(etcd_json::Text(j.value(), "s"), "a\"\\A");
+  EXPECT_FALSE(etcd_json::Bool(j.value(), "more"));
+  EXPECT_FALSE(etcd_json::Bool(j.value(), "absent"));
+  EXPECT_TRUE(etcd_json::Member(j.value(), "absent").is_null());
+  EXPECT_TRUE(etcd_json::Member(kv["key"], "x").is_null());  // not an object
+  EXPECT_FALSE(etcd_json::Parse("{\"a\":}").ok());
+  EXPECT_FALSE(etcd_json::Parse("[1,2").ok());
+  EXPECT_FALSE(etcd_json::Parse("{} x").ok());
+  EXPECT_EQ(etcd_json::Dump({{"key", "L3Bpb24veA=="}, {"lease", "7"}}),
+            R"({"key":"L3Bpb24veA==","lease":"7"})");
 }
 
-TEST(Json, Base64RoundTrips) {
+TEST(EtcdJson, Base64RoundTripsAndRefusesMalformedText) {
+  std::string all;
+  for (int c = 0; c < 256; ++c) all.push_back(static_cast<char>(c));
   for (const std::string& s :
-       std::vector<std::string>{"", "a", "ab", "abc", "abcd", std::string("\0\xff\x10", 3)}) {
-    auto d = Base64Decode(Base64Encode(s));
-    ASSERT_TRUE(d.ok());
+       std::vector<std::string>{"", "a", "ab", "abc", "abcd", std::string("\0\xff\x10", 3), all}) {
+    auto d = etcd_json::Base64Decode(etcd_json::Base64Encode(s));
+    ASSERT_TRUE(d.ok()) << d.status().message();
     EXPECT_EQ(d.value(), s);
   }
-  EXPECT_EQ(Base64Encode("/pion/x"), "L3Bpb24veA==");
-  EXPECT_FALSE(Base64Decode("abc").ok());
-  EXPECT_FALSE(Base64Decode("ab!=").ok());
-  EXPECT_EQ(JsonQuote("a\"\n"), "\"a\\\"\\u000a\"");
+  EXPECT_EQ(etcd_json::Base64Encode("/pion/x"), "L3Bpb24veA==");  // RFC 4648's alphabet
+  EXPECT_EQ(etcd_json::Base64Encode(std::string("\xfb\xff", 2)), "+/8=");
+  EXPECT_EQ(etcd_json::Base64Decode("L3Bpb24veA==").value(), "/pion/x");
+  EXPECT_EQ(etcd_json::Base64Decode("YWI=").value(), "ab");
+  EXPECT_FALSE(etcd_json::Base64Decode("abc").ok());   // length
+  EXPECT_FALSE(etcd_json::Base64Decode("ab!=").ok());  // alphabet
+  EXPECT_FALSE(etcd_json::Base64Decode("a=bc").ok());  // padding inside
+  EXPECT_FALSE(etcd_json::Base64Decode("a===").ok());  // three of padding
+  EXPECT_FALSE(etcd_json::Base64Decode(" YWI").ok());  // whitespace OpenSSL would skip
+  EXPECT_FALSE(etcd_json::Base64Decode("YW-_").ok());  // the URL-safe alphabet
+}
+
+TEST(EtcdJson, MessageStreamSplitsMessagesCutAnywhere) {
+  const std::string stream =
+      "{\"result\":{\"created\":true}}\n{\"result\":{\"events\":[{\"kv\":{}}]}}\r\n\n"
+      "{\"result\":{\"events\":[]}}\n";
+  const std::vector<std::string> want = {R"({"result":{"created":true}})",
+                                         R"({"result":{"events":[{"kv":{}}]}})",
+                                         R"({"result":{"events":[]}})"};
+  for (size_t piece = 1; piece <= stream.size(); ++piece) {
+    etcd_json::MessageStream s;
+    std::vector<std::string> got;
+    for (size_t at = 0; at < stream.size(); at += piece) {
+      ASSERT_TRUE(s.Feed(std::string_view(stream).substr(at, piece), [&](std::string_view m) {
+        got.emplace_back(m);
+        return true;
+      }));
+    }
+    EXPECT_EQ(got, want) << "pieces of " << piece;
+    EXPECT_EQ(s.pending(), 0u);
+  }
+  // A callback that stops the stream: the rest stays unread.
+  etcd_json::MessageStream s;
+  int seen = 0;
+  EXPECT_FALSE(s.Feed("a\nb\nc", [&](std::string_view) { return ++seen < 1; }));
+  EXPECT_EQ(seen, 1);
+  EXPECT_EQ(s.pending(), 3u);  // "b\nc"
 }
 
 std::vector<NodeInfo> Nodes(std::initializer_list<const char*> ids) {
