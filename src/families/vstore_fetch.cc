@@ -94,8 +94,8 @@ struct ShapeJob {
   std::vector<Run> runs;
   BufferRef out;
   bool shm = false;
-  // Whole rows AS another codec: the output is what the session's transcoded copy holds for
-  // them, adopted into it afterwards on the owning shard (when the session did not change).
+  // A range: the output is what the session's shaped copy holds for those rows, adopted into
+  // it afterwards on the owning shard (when the session did not change).
   bool fill = false;
   server::Shard* owner = nullptr;
   store::TenantKey key;
@@ -106,7 +106,7 @@ struct ShapeJob {
     auto& vs = shard.store().vstore;
     const store::VStore::Entry* e = vs.Find(key);
     if (!fill || e == nullptr || e->writes != writes) return;
-    if (store::VSession* copy = vs.TranscodedOf(key, shape.out_codec())) {
+    if (store::VSession* copy = vs.ShapedOf(key, shape)) {
       (void)copy->AdoptEncoded(start, out->data(), out->size() / shape.out_row_bytes());
     }
   }
@@ -349,12 +349,13 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
                                                     "' left memory while being read; retry"));
     }
   }
-  // AS of whole rows: from the session's transcoded copy when it holds them in memory (a
-  // prefix read many times in the reader's codec is transcoded once).
-  const bool cacheable = shape && as && !heads && range;
-  if (cacheable) {
-    store::VSession* copy =
-        ctx.shard->store().vstore.TranscodedOf(ctx.Key(args[1]), shape->out_codec());
+  // HEADS and AS of a range: from the session's shaped copy when it holds those rows in
+  // memory (a prefix read many times by a tensor-parallel rank, or in the reader's codec, is
+  // shaped once). This read makes the copy when it has to shape the rows and their bytes fit in
+  // memory now (nothing is demoted for a copy); --fetch-copies off never keeps one.
+  bool fill = false;
+  if (shape && range && ctx.server->settings().fetch_copies.load(std::memory_order_relaxed)) {
+    store::VSession* copy = ctx.shard->store().vstore.ShapedOf(ctx.Key(args[1]), *shape);
     store::VSession::HostView cview;
     std::vector<residency::ObjectRef> cmissing;
     if (copy != nullptr && copy->RangeWritten(start, end) &&
@@ -367,8 +368,10 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
       ctx.rb->BulkEnd();
       return;
     }
+    fill = copy != nullptr && ctx.server->residency()->RoomNow(residency::Tier::kHost,
+                                                               residency::Family::kVStore, bytes);
   }
-  if (shape && shm && range && !shape->StoredParts().empty()) {
+  if (shape && shm && range && !fill && !shape->StoredParts().empty()) {
     // Columns of the stored rows: the reader copies them out of the mapping itself (one pass
     // over the bytes it needs instead of a gather here and a copy there).
     return ReplyShm(ctx, session, view, start, end, &*shape);
@@ -381,7 +384,7 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
     auto job = std::make_shared<ShapeJob>(ShapeJob{std::move(shape).value(), std::move(view)});
     job->out = std::move(out).value();
     job->shm = shm;
-    job->fill = cacheable;
+    job->fill = fill;
     job->owner = ctx.shard;
     job->key = ctx.Key(args[1]);
     job->writes = entry.value()->writes;

@@ -36,10 +36,11 @@ Status VStore::Create(const TenantKey& key, const codec::RowCodec& codec) {
   return Status::Ok();
 }
 
-VSession* VStore::TranscodedOf(const TenantKey& key, const codec::RowCodec& codec) {
+VSession* VStore::ShapedOf(const TenantKey& key, const codec::RowView& shape) {
   Entry* e = Find(key);
-  if (e == nullptr) return nullptr;
-  Entry::Transcoded& t = e->transcoded[codec.format()];
+  if (e == nullptr || shape.output() == codec::RowView::Output::kFp32) return nullptr;
+  const codec::RowCodec& codec = shape.out_codec();
+  Entry::Shaped& t = e->shaped[{codec.format(), shape.first(), shape.count()}];
   if (t.session == nullptr || t.writes != e->writes || t.session->dim() != codec.dim()) {
     t.session = std::make_unique<VSession>(
         codec, engine_, allocator_for_ ? allocator_for_(key.tenant) : BufferAllocator::Default());
