@@ -281,9 +281,12 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--mlp", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=1400)
-    ap.add_argument("--max-minutes", type=float, default=8.0,
-                    help="stop early (and say so) when training passes this")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="optimizer steps; 0: as many as fit in --minutes, measured over the "
+                         "first 30 (the count is recorded in config.json)")
+    ap.add_argument("--minutes", type=float, default=7.0,
+                    help="the training time for --steps 0; with --steps N, a cap past which "
+                         "training stops early (and says so)")
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--retrieval", type=float, default=0.3)
     ap.add_argument("--answer-weight", type=float, default=4.0)
@@ -314,12 +317,13 @@ def main() -> int:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), fused=True)
-    warmup = max(1, args.steps // 20)
+    total = [args.steps or 1000]  # set from the measured step time when --steps is 0
+    warmup = 50
 
     def lr_at(step):
         if step < warmup:
             return args.lr * (step + 1) / warmup
-        f = (step - warmup) / max(1, args.steps - warmup)
+        f = (step - warmup) / max(1, total[0] - warmup)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, f))))
 
     fwd = torch.compile(model) if args.compile else model
@@ -330,10 +334,16 @@ def main() -> int:
     step = 0
     stopped_early = False
     tokens = 0
-    for step in range(args.steps):
-        if (time.time() - t_train) / 60 > args.max_minutes:
+    step = 0
+    while step < total[0]:
+        if args.steps and (time.time() - t_train) / 60 > args.minutes:
             stopped_early = True
             break
+        if not args.steps and step == 30:
+            per_step = (time.time() - t_train) / 30
+            total[0] = max(60, int(args.minutes * 60 / per_step))
+            print("%.3f s a step: %d steps in %.1f minutes" % (per_step, total[0], args.minutes),
+                  flush=True)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         xb, wb = batch(train, args.batch, args.context, args.retrieval, rnd)
@@ -369,6 +379,7 @@ def main() -> int:
             evals.append(e)
             print("eval:", json.dumps(e), flush=True)
             model.train()
+        step += 1
     train_s = time.time() - t_train
     model.eval()
     final = {"step": step, "heldout_loss": heldout_loss(model, held, args.context, 16,
