@@ -825,13 +825,17 @@ class SparseAuto:
     `budget` is the share of the prefix's blocks of `block_size` rows attended, the first and
     last included (k_top = ceil(budget · blocks) − 2, at least 0). `dense_layers`: model layer
     indexes kept exact (Quest keeps its first two). `receipts`: a list to which every sparse
-    call appends (model layer index, receipt) — the blocks chosen and the omitted-mass estimate."""
+    call appends (model layer index, receipt) — the blocks chosen and the omitted-mass estimate.
+    `observe(layer_idx, q, k_suf, v_suf, result)`, when given, sees every sparse call (q [H_q, D],
+    k_suf/v_suf [H_kv, S, D] fp32 tensors; result an AttendResult, with its receipt when
+    `receipts` is a list) — e.g. to compute the true omitted mass densely."""
     block_size: int = 64
     budget: float = 1 / 8
     select: str = "mean"
     shared: bool = False
     dense_layers: tuple = ()
     receipts: list | None = None
+    observe: Any = None
 
     def k_top(self, prefix_rows: int) -> int:
         blocks = -(-prefix_rows // self.block_size)
@@ -869,12 +873,15 @@ def _pion_attention(module, query, key, value, attention_mask, scaling=None, dro
     sp = s.sparse
     layer_idx = getattr(module, "layer_idx", -1)
     if sp is not None and q.shape[1] == 1 and layer_idx not in sp.dense_layers:
+        k_suf, v_suf = key[0].float(), value[0].float()
         res = client.attend.query_sparse_auto_fused(
-            s.sid, slot, q[:, 0], key[0].float(), value[0].float(), sp.block_size,
-            sp.k_top(s.prefix_rows), window=s.window, select=sp.select, shared=sp.shared,
+            s.sid, slot, q[:, 0], k_suf, v_suf, sp.block_size, sp.k_top(s.prefix_rows),
+            window=s.window, select=sp.select, shared=sp.shared,
             receipt=sp.receipts is not None)
         if sp.receipts is not None:
             sp.receipts.append((layer_idx, res.receipt))
+        if sp.observe is not None:
+            sp.observe(layer_idx, q[:, 0], k_suf, v_suf, res)
     else:
         res = client.attend.query_fused(s.sid, slot, q, key[0].float(), value[0].float(),
                                         window=s.window)
