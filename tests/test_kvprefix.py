@@ -630,8 +630,9 @@ def _wait_for(pred, what, timeout=5.0):
 
 
 def test_shm_heads_is_shaped_once_then_leased_whole(pion_factory, tmp_path):
-    """With --fetch-copies on (the default) the first HEADS read of a range shapes the rank's
-    columns and keeps them as a copy of the session; later reads of that range — SHM and TCP —
+    """With --fetch-copies on (the default) a HEADS read of rows read once before shapes the
+    rank's columns and keeps them as a copy of the session (the first read of a range keeps
+    nothing: a slice read once is not worth a copy); later reads of that range — SHM and TCP —
     are served from it: one contiguous row per output row (no row_parts), the bytes of the RAW
     HEADS reply, and no new memory. CONFIG SET fetch-copies off: a new shape keeps nothing and
     answers the strided form."""
@@ -657,17 +658,22 @@ def test_shm_heads_is_shaped_once_then_leased_whole(pion_factory, tmp_path):
             want = tcp.execute("V.FETCH", ns + "_pk", "RANGE", 0, T_, "RAW", "HEADS", 2, 2)
             assert mem() == before
             tcp.execute("CONFIG", "SET", "fetch-copies", "on")
-            for i in range(3):
+            for i in range(4):
                 lease, pieces, row_bytes, nbytes = ch.fetch_range(ns + "_pk", 0, T_,
                                                                   extra=["HEADS", 2, 2])
                 try:
-                    assert pieces.row_parts is None and nbytes == len(want) == T_ * row_bytes
+                    # The first read: the stored rows, strided; then whole rows.
+                    assert (pieces.row_parts is not None) == (i == 0), (fmt, i)
+                    assert nbytes == len(want) == T_ * row_bytes
                     out = np.empty(nbytes, np.uint8)
                     assert ch.read_into(pieces, out) == nbytes
                     assert out.tobytes() == want, (fmt, i)
                 finally:
                     ch.release(lease)
-                if i == 0:  # the copy: the rank's rows, kept once the first read shaped them
+                if i == 0:
+                    time.sleep(0.2)
+                    assert mem() == before  # read once: nothing kept
+                if i == 1:  # asked again: the rank's rows, kept once this read shaped them
                     _wait_for(lambda: mem() - before >= len(want), "the copy was not kept")
                     grown = mem()
             assert mem() == grown  # the later reads came from the copy

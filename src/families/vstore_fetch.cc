@@ -106,8 +106,8 @@ struct ShapeJob {
     auto& vs = shard.store().vstore;
     const store::VStore::Entry* e = vs.Find(key);
     if (!fill || e == nullptr || e->writes != writes) return;
-    if (store::VSession* copy = vs.ShapedOf(key, shape)) {
-      (void)copy->AdoptEncoded(start, out->data(), out->size() / shape.out_row_bytes());
+    if (store::VStore::Entry::Shaped* copy = vs.ShapedOf(key, shape)) {
+      (void)copy->session->AdoptEncoded(start, out->data(), out->size() / shape.out_row_bytes());
     }
   }
 
@@ -351,25 +351,30 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
   }
   // HEADS and AS of a range: from the session's shaped copy when it holds those rows in
   // memory (a prefix read many times by a tensor-parallel rank, or in the reader's codec, is
-  // shaped once). This read makes the copy when it has to shape the rows and their bytes fit in
-  // memory now (nothing is demoted for a copy); --fetch-copies off never keeps one.
+  // shaped once). A read that has to shape the rows makes the copy when their bytes fit in
+  // memory now (nothing is demoted for a copy) — a transcode (AS) at once, a slice of stored
+  // columns (HEADS alone) once a second read asks for the same rows; --fetch-copies off never
+  // keeps one.
   bool fill = false;
   if (shape && range && ctx.server->settings().fetch_copies.load(std::memory_order_relaxed)) {
-    store::VSession* copy = ctx.shard->store().vstore.ShapedOf(ctx.Key(args[1]), *shape);
+    store::VStore::Entry::Shaped* copy =
+        ctx.shard->store().vstore.ShapedOf(ctx.Key(args[1]), *shape);
     store::VSession::HostView cview;
     std::vector<residency::ObjectRef> cmissing;
-    if (copy != nullptr && copy->RangeWritten(start, end) &&
-        copy->ViewRange(start, end, &cview, &cmissing)) {
-      if (shm) return ReplyShm(ctx, *copy, cview, start, end);
+    if (copy != nullptr && copy->session->RangeWritten(start, end) &&
+        copy->session->ViewRange(start, end, &cview, &cmissing)) {
+      if (shm) return ReplyShm(ctx, *copy->session, cview, start, end);
       ctx.rb->BulkStart(bytes);
-      copy->RawRange(cview, start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
-        ctx.rb->BulkPiece(b, p, len);
-      });
+      copy->session->RawRange(
+          cview, start, end,
+          [&](const BufferRef& b, const uint8_t* p, size_t len) { ctx.rb->BulkPiece(b, p, len); });
       ctx.rb->BulkEnd();
       return;
     }
-    fill = copy != nullptr && ctx.server->residency()->RoomNow(residency::Tier::kHost,
-                                                               residency::Family::kVStore, bytes);
+    const bool keep = copy != nullptr && (shape->output() != codec::RowView::Output::kStored ||
+                                          copy->AskAgain(start, end));
+    fill = keep && ctx.server->residency()->RoomNow(residency::Tier::kHost,
+                                                    residency::Family::kVStore, bytes);
   }
   if (shape && shm && range && !fill && !shape->StoredParts().empty()) {
     // Columns of the stored rows: the reader copies them out of the mapping itself (one pass

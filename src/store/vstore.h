@@ -39,6 +39,12 @@ class VStore {
     struct Shaped {
       std::unique_ptr<VSession> session;
       uint64_t writes = 0;
+      // The chunks of rows a read asked for before. Columns in the stored encoding (HEADS
+      // without AS) are a slice, cheap to take again: they are kept only once a second read
+      // asks for them (a range read once is not worth the copy's memory and time).
+      std::vector<bool> asked;
+      // Marks [start, end)'s chunks asked; true when every one of them was asked before.
+      bool AskAgain(int64_t start, int64_t end);
     };
     // {output codec, first column, columns}.
     using ShapeKey = std::tuple<codec::Format, uint32_t, uint32_t>;
@@ -58,7 +64,7 @@ class VStore {
   // The shaped copy of session `key`'s rows as `shape` gives them (created empty, or emptied
   // when the session changed since it was made); null when the session is absent or the
   // shape's output is fp32 (decoded rows are not kept: larger than the stored ones).
-  VSession* ShapedOf(const TenantKey& key, const codec::RowView& shape);
+  Entry::Shaped* ShapedOf(const TenantKey& key, const codec::RowView& shape);
   // Returns kErr "no such session" when absent.
   StatusOr<Entry*> Get(const TenantKey& key);
   bool Drop(const TenantKey& key);
