@@ -481,12 +481,20 @@ def main() -> int:
             secs = args.sections.split(",")
             budgets = [int(x) for x in args.budgets.split(",")]
             selects = [(s.split("+")[0], s.endswith("+shared")) for s in args.selects.split(",")]
+            def keep():  # after each section: a run cut short still leaves what it measured
+                res["seconds"] = round(time.time() - t0, 1)
+                (out / "quality.json").write_text(json.dumps(res, indent=1))
+                (out / "quality.md").write_text("\n".join(markdown(res)) + "\n")
+
             if "exact" in secs:
                 res["exact"] = section_exact(lab, hf)
+                keep()
             if "sparse" in secs:
                 res["sparse"] = section_sparse(lab, hf, budgets, selects)
+                keep()
             if "codecs" in secs:
                 res["codecs"] = section_codecs(lab, hf, args.codecs.split(","))
+                keep()
         finally:
             proc.terminate()
             proc.wait(timeout=30)
