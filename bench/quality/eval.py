@@ -287,22 +287,24 @@ def section_codecs(lab: Lab, hf, codecs) -> dict:
     needles = [lab.needle_case(i, d) for d in DEPTHS for i in range(max(1, lab.args.needles // 2))]
     for codec in codecs:
         pc = hf.PionPromptCache(lab.model, lab.client, codec=codec)
+        # A namespace per codec: the prompt cache names a prefix by model and tokens, and a hit
+        # serves whatever codec stored it first.
+        ns_of = lambda p: pc.namespace_for(p) + "@" + codec  # noqa: E731
         nlls = []
         for prefix, cont in texts:
-            pc.get_or_prefill(prefix)
-            cache = pc.get_or_prefill(prefix)
+            pc.get_or_prefill(prefix, ns_of(prefix))
+            cache = pc.get_or_prefill(prefix, ns_of(prefix))
             assert pc.last["hit"], pc.last
             with torch.no_grad():
                 lg = lab.model(input_ids=cont[None].to(lab.dev), past_key_values=cache).logits[0]
             nlls.append(lab.nll(lg[:-1].float(), cont[1:]))
         right = 0
         for prefix, question, digits in needles:
-            pc.get_or_prefill(prefix)
-            cache = pc.get_or_prefill(prefix)
+            pc.get_or_prefill(prefix, ns_of(prefix))
+            cache = pc.get_or_prefill(prefix, ns_of(prefix))
             lg = lab.step_logits(question, cache)
             right += lab.greedy(cache, lg[-1]) == digits
-        ns = pc.namespace_for(texts[0][0])
-        info = lab.client.execute("V.INFO", ns + "_pk")
+        info = lab.client.execute("V.INFO", pc._ns(ns_of(texts[0][0]), "full") + "_pk")
         info = dict(zip(info[::2], info[1::2])) if isinstance(info, list) else info
         row_bytes = int(info.get(b"row_bytes", info.get("row_bytes")))
         layers = lab.model.config.num_hidden_layers
