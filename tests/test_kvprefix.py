@@ -163,7 +163,7 @@ def test_existing_session_of_another_shape_refuses_register(shared_pion):
 BAD = [
     (("KV.PREFIX.REGISTER", "x", 0, T, H, D, "fp16"), "ERR n_layers must be in [1, 4096], got 0"),
     (("KV.PREFIX.REGISTER", "x", L, "t", H, D, "fp16"), "ERR n_tokens must be a non-negative integer, got 't'"),
-    (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp9"), "ERR format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2, got 'fp9'"),
+    (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp9"), "ERR format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2|fp8_ds_mla, got 'fp9'"),
     (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp16", "MODEL"), "ERR option 'MODEL' needs a value"),
     (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp16", "COLOR", "red"), "ERR unknown option 'COLOR'; expected MODEL, POSITION or PREFILL_MS"),
     (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp16", "PREFILL_MS", "-1"), "ERR PREFILL_MS must be a non-negative number, got '-1'"),
