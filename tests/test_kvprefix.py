@@ -168,7 +168,7 @@ BAD = [
     (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp16", "COLOR", "red"), "ERR unknown option 'COLOR'; expected MODEL, POSITION or PREFILL_MS"),
     (("KV.PREFIX.REGISTER", "x", L, T, H, D, "fp16", "PREFILL_MS", "-1"), "ERR PREFILL_MS must be a non-negative number, got '-1'"),
     (("KV.PREFIX.LOOKUP", "x", "GENERATION", "g"), "ERR GENERATION must be a non-negative integer, got 'g'"),
-    (("KV.PREFIX.LOOKUP", "x", "SIZE", "1"), "ERR unknown option 'SIZE'; expected MODEL, POSITION, GENERATION or EXPLAIN"),
+    (("KV.PREFIX.LOOKUP", "x", "SIZE", "1"), "ERR unknown option 'SIZE'; expected MODEL, POSITION, LAYOUT, GENERATION or EXPLAIN"),
     (("KV.PREFIX.INFO", "nosuch"), "ERR no such prefix namespace 'nosuch'"),
     (("KV.PREFIX.BLOCKS", "nosuch"), "ERR no such prefix namespace 'nosuch'"),
     (("KV.PREFIX.REGISTER", "x", L, T, H, D), "ERR wrong number of arguments for 'kv.prefix.register' command"),

@@ -350,6 +350,10 @@ void PrepareSource(server::Server& srv, server::Shard& shard, const store::Tenan
                                                        model.value_or(m.model) + "' position '" +
                                                        position.value_or(m.position) + "'"));
         }
+        if (m.mla()) {
+          return done(Error("namespace '" + ns.name +
+                            "' holds MLA latents, which per-head slots cannot hold"));
+        }
         if (layer >= m.n_layers) {
           return done(Error("layer " + std::to_string(layer) + " is out of range: namespace '" +
                             ns.name + "' has " + std::to_string(m.n_layers) + " layers"));
@@ -369,9 +373,9 @@ void PrepareSource(server::Server& srv, server::Shard& shard, const store::Tenan
         auto src = std::make_shared<Source>();
         src->manifest = m;
         src->publication = shard.store().prefixes.Publish(e);
-        src->k = sessions.k->TakeSnapshot();
-        src->v = sessions.v->TakeSnapshot();
-        src->codec = sessions.k->codec();
+        src->k = sessions.parts[0]->TakeSnapshot();
+        src->v = sessions.parts[1]->TakeSnapshot();
+        src->codec = sessions.parts[0]->codec();
         // The layer's chunks (ids [layer*T, (layer+1)*T) of each session), in memory.
         std::vector<residency::ObjectRef> objs;
         const int64_t first = int64_t{layer} * m.n_tokens, last = first + m.n_tokens - 1;
