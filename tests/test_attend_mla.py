@@ -110,6 +110,7 @@ def test_decode_from_an_mla_namespace(shared_pion, fmt):
     q = queries(2, 128, 1)
     reply, receipt = q_mla(r, "s_" + fmt, q, "RECEIPT")
     assert_close(split(reply, 128, 1), reference(q, stored, SCALE, n))
+    assert q_mla(r, "s_" + fmt, q, "DEADLINE", 60000) == reply  # admitted, the same answer
     rc = {receipt[i].decode(): receipt[i + 1] for i in range(0, len(receipt), 2)}
     assert rc["form"] == b"mla" and rc["exact"] == 1 and rc["backend"] == b"cpu"
     assert rc["tier"] == b"host"
