@@ -850,7 +850,8 @@ def test_mla_namespaces_and_slots_fail_over_and_keep_their_layout(cluster):
     """Issue 52: an MLA namespace ({ns}_pl, one latent row per token) and an MLA attention slot
     bound from it are saved objects like any: after kill -9 of their owner the replica serves
     them byte-exact, still an MLA layout (a per-head LOOKUP misses, its `_pk` is refused), and
-    the slot answers QUERY_MLA as before."""
+    the slot answers QUERY_MLA as before; when the node rejoins, the slots that move to it
+    bring them along the same."""
     for nid in ("n1", "n2", "n3"):
         cluster.add(nid)
     cluster.wait_settled()
@@ -888,4 +889,13 @@ def test_mla_namespaces_and_slots_fail_over_and_keep_their_layout(cluster):
     check(rc, names)
     with pytest.raises(redis.ResponseError, match="a per-head reader cannot read an MLA"):
         rc.execute_command("V.FETCH", held[0] + "_pk", "RANGE", 0, 1)
+    rc.close()
+    # The victim rejoins and takes a share again: slots move to it, their MLA objects with them.
+    victim.start()
+    cluster.wait_settled()
+    assert int(cluster.info(victim)["cluster_my_slots"]) > 0
+    moved = [ns for ns in names if cluster.owner_of(ns) is victim]
+    assert moved, "no name moved back"
+    rc = cluster.client()
+    check(rc, names)
     rc.close()
