@@ -12,9 +12,11 @@ per second of each node and of the clients. Fail-over: three nodes, --cluster-le
 --ttl; each round kills one node (in turn), times until every saved namespace it owned is a HIT
 with the right bytes through a fresh RedisCluster, then restarts it and waits for the map to
 settle. Kill -9 loop (--loop-rounds): the same kills, restarts and rebalances while a writer
-rewrites and saves namespaces and readers check every read against the writer's ledger: never
-older than the last acknowledged save, never K and V of different versions (the rebalance
-after each restart moves slots to nodes that hold replica copies of them — issue 51).
+publishes new versions of namespaces (KV.PREFIX.DROP, REGISTER, K, V: a published namespace
+never changes) and saves some, and readers (INFO's generation, then K and V at it) check every
+read against the writer's ledger: never older than the last acknowledged publication (its save
+after a kill), never K and V of different versions (the rebalance after each restart moves
+slots to nodes that hold replica copies of them — issue 51).
 
 Run:  /usr/bin/python3 bench/bench_cluster.py      writes bench/results/cluster-<date>.md
 """
@@ -275,21 +277,24 @@ def kill_loop(binary, work, args) -> dict:
     nodes = []
     n_ns, tokens, dim = LOOP_NS, LOOP_TOKENS, LOOP_DIM
     names = ["{k%d}" % i for i in range(n_ns)]
-    # The ledger, per namespace (its lock: a read never overlaps its writes):
-    #  - cur: the versions a read may return, K and V of one version: the last acknowledged
-    #    write; after its owner was killed, its last acknowledged save or a later one that was
-    #    sent but not answered (it may have reached the replica);
-    #  - floor: the last acknowledged save (never lost);
-    #  - unsure: a write was cut off between K and V (they may differ until the next write);
+    # A published namespace never changes (issue 54 §1): the writer publishes each new version
+    # as a prefix does, by KV.PREFIX.DROP, REGISTER (a higher cache generation) and the K and V
+    # writes that complete it. ABSENT stands for "no complete namespace" (dropped, or registered
+    # and not yet complete: a LOOKUP MISS). The ledger, per namespace (its lock: a read never
+    # overlaps its writes):
+    #  - cur: the versions a read may return: the last acknowledged publication; after its owner
+    #    was killed, what may have survived there (durable);
+    #  - durable: what a fail-over may leave: the last acknowledged save, ABSENT once a DROP was
+    #    acknowledged (the drop reaches the replicas before it is answered), and whatever a
+    #    request cut off may have done (a save or drop sent but not answered);
     #  - hist: every version written (to name an older one that comes back).
+    ABSENT = -1
     cur = {ns: {0} for ns in names}
-    floor = {ns: 0 for ns in names}
-    unsure = {ns: False for ns in names}
-    pending = {ns: [] for ns in names}  # saves sent, not acknowledged, since the floor
+    durable = {ns: {0} for ns in names}
     hist = {ns: [0] for ns in names}
     locks = {ns: threading.Lock() for ns in names}
     counts = {"writes": 0, "saves": 0, "refused": 0, "reads": 0, "failed_reads": 0,
-              "older": 0, "mixed": 0, "unknown": 0, "rounds": 0, "lost": 0}
+              "misses": 0, "older": 0, "mixed": 0, "unknown": 0, "rounds": 0, "lost": 0}
     counts_mu = threading.Lock()
     done = threading.Event()
 
@@ -307,7 +312,7 @@ def kill_loop(binary, work, args) -> dict:
 
     def version_of(ns: str, got: bytes, part: int, among) -> int | None:
         for x in among:
-            if raw(blobs(ns, x)[part]) == got:
+            if x != ABSENT and raw(blobs(ns, x)[part]) == got:
                 return x
         return None
 
@@ -325,6 +330,12 @@ def kill_loop(binary, work, args) -> dict:
             except Exception:  # noqa: BLE001 - the map is changing
                 time.sleep(0.1)
 
+    def publish(rc, ns: str, version: int) -> None:
+        k, v = blobs(ns, version)
+        rc.execute_command("KV.PREFIX.REGISTER", ns, 1, tokens, 1, dim, "fp16")
+        rc.execute_command("V.STOREBATCH", ns + "_pk", 0, k)
+        rc.execute_command("V.STOREBATCH", ns + "_pv", 0, v)
+
     def writer():
         rc = fresh(None)
         rnd = random.Random(1)
@@ -336,27 +347,48 @@ def kill_loop(binary, work, args) -> dict:
             failed = False
             with locks[ns]:
                 hist[ns].append(v_)
-                k, v = blobs(ns, v_)
+                stage = "drop"
                 try:
-                    rc.execute_command("V.STOREBATCH", ns + "_pk", 0, k)
-                    rc.execute_command("V.STOREBATCH", ns + "_pv", 0, v)
-                    cur[ns], unsure[ns] = {v_}, False
+                    rc.execute_command("KV.PREFIX.DROP", ns)
+                    durable[ns] = {ABSENT}
+                    stage = "publish"
+                    publish(rc, ns, v_)
+                    cur[ns] = {v_}
                     bump("writes")
                 except Exception:  # noqa: BLE001 - a fail-over in progress: cut off
-                    cur[ns].add(v_)
-                    unsure[ns] = True
+                    if stage == "drop":  # the drop may or may not have happened
+                        durable[ns].add(ABSENT)
+                    cur[ns] |= {v_, ABSENT}
                     failed = True
                 if not failed and rnd.random() < 1 / LOOP_SAVE_EVERY:
-                    pending[ns].append(v_)
                     try:
                         if rc.execute_command("KV.PREFIX.SAVE", ns) == b"OK":
-                            floor[ns], pending[ns] = v_, []
+                            durable[ns] = {v_}
                             bump("saves")
-                    except Exception:  # noqa: BLE001 - not acknowledged
+                    except Exception:  # noqa: BLE001 - not acknowledged: it may be durable
+                        durable[ns].add(v_)
                         bump("refused")
                         failed = True
             if failed:
                 rc = fresh(rc)
+
+    def read(rc, ns: str):
+        """The namespace's complete publication as (version-bytes K, V), or None when there is
+        none (a MISS). K and V are read at the generation INFO named: never two publications."""
+        try:
+            info = rc.execute_command("KV.PREFIX.INFO", ns)
+        except Exception as e:  # noqa: BLE001
+            if "no such prefix namespace" in str(e):
+                return None
+            raise
+        if isinstance(info, list):
+            info = dict(zip(info[::2], info[1::2]))
+        if int(info[b"complete"]) == 0:
+            return None
+        g = int(info[b"cache_generation"])
+        k = rc.execute_command("V.FETCH", ns + "_pk", "RANGE", 0, tokens, "RAW", "GENERATION", g)
+        v = rc.execute_command("V.FETCH", ns + "_pv", "RANGE", 0, tokens, "RAW", "GENERATION", g)
+        return k, v
 
     def reader(seed):
         rc = fresh(None)
@@ -364,20 +396,26 @@ def kill_loop(binary, work, args) -> dict:
         while not done.is_set():
             ns = rnd.choice(names)
             with locks[ns]:  # what the ledger allows, as of the read
-                allowed, mixed_ok = set(cur[ns]), unsure[ns]
+                allowed = set(cur[ns])
                 older = [x for x in hist[ns] if x not in allowed]
                 try:
-                    k = rc.execute_command("V.FETCH", ns + "_pk", "RANGE", 0, tokens, "RAW")
-                    v = rc.execute_command("V.FETCH", ns + "_pv", "RANGE", 0, tokens, "RAW")
-                except Exception:  # noqa: BLE001 - a fail-over in progress
-                    k = v = None
-            if k is None:
+                    got = read(rc, ns)
+                    ok = True
+                except Exception:  # noqa: BLE001 - a fail-over in progress (or a generation
+                    ok = False     # that moved between INFO and FETCH: never, under the lock)
+            if not ok:
                 bump("failed_reads")
                 rc = fresh(rc)
                 continue
             bump("reads")
+            if got is None:
+                bump("misses")
+                if ABSENT not in allowed:
+                    bump("older")  # a published version that vanished: an older state
+                continue
+            k, v = got
             vk, vv = version_of(ns, k, 0, allowed), version_of(ns, v, 1, allowed)
-            if vk is not None and vv is not None and (vk == vv or mixed_ok):
+            if vk is not None and vk == vv:
                 continue
             if vk is not None and vv is not None:
                 bump("mixed")
@@ -402,10 +440,7 @@ def kill_loop(binary, work, args) -> dict:
         wait(lambda: settled(nodes), 60, "the map to settle")
         rc = client(nodes)
         for ns in names:
-            rc.execute_command("KV.PREFIX.REGISTER", ns, 1, tokens, 1, dim, "fp16")
-            k, v = blobs(ns, 0)
-            rc.execute_command("V.STOREBATCH", ns + "_pk", 0, k)
-            rc.execute_command("V.STOREBATCH", ns + "_pv", 0, v)
+            publish(rc, ns, 0)
             rc.execute_command("KV.PREFIX.SAVE", ns)
         rc.close()
         threads = [threading.Thread(target=writer, daemon=True)] + [
@@ -420,7 +455,7 @@ def kill_loop(binary, work, args) -> dict:
                 victim.kill()
                 for ns in held:  # unsaved writes die with their owner: its saves remain
                     with locks[ns]:
-                        cur[ns], unsure[ns] = {floor[ns], *pending[ns]}, False
+                        cur[ns] = set(durable[ns])
                 others = [n for n in nodes if n is not victim]
                 wait(lambda: settled(others), args.ttl + 30, "fail-over")
                 victim.start()  # then the rebalance moves slots back to it
@@ -433,8 +468,11 @@ def kill_loop(binary, work, args) -> dict:
         # Last: every namespace reads back as the ledger allows — nothing acknowledged lost.
         rc = client(nodes)
         for ns in names:
-            k = rc.execute_command("V.FETCH", ns + "_pk", "RANGE", 0, tokens, "RAW")
-            if version_of(ns, k, 0, cur[ns]) is None:
+            got = read(rc, ns)
+            if got is None:
+                if ABSENT not in cur[ns]:
+                    counts["lost"] += 1
+            elif version_of(ns, got[0], 0, cur[ns]) is None:
                 counts["lost"] += 1
         rc.close()
         return counts
@@ -526,20 +564,22 @@ def main() -> int:
         "",
         "Three nodes, %d namespaces (%d x 1 x %d fp16); %d rounds: %.0f s of load, kill -9 of "
         "a node (in turn), fail-over, restart, rebalance (slots move back to the restarted node, "
-        "which holds replica copies of them); one writer rewrites namespaces (K, then V) and "
-        "saves one write in %d, two readers check every K and V read against its ledger (a "
-        "read may return the last acknowledged write — after its owner was killed, its last "
-        "acknowledged save — never an older version, never K and V of two):" % (
+        "which holds replica copies of them); one writer publishes new versions of namespaces "
+        "(KV.PREFIX.DROP, REGISTER, K, V) and saves one in %d, two readers (KV.PREFIX.INFO's "
+        "cache_generation, then K and V fetched at it) check every read against its ledger (a "
+        "read may return the last acknowledged publication — after its owner was killed, its "
+        "last acknowledged save, or nothing if it was dropped since — never an older version, "
+        "never K and V of two):" % (
             LOOP_NS, LOOP_TOKENS, LOOP_DIM, loop["rounds"], args.loop_dwell, LOOP_SAVE_EVERY),
         "",
-        "| rounds | acknowledged writes | acknowledged saves | saves or writes refused or cut "
-        "off | reads | failed reads (during fail-over) | reads older than the last acknowledged "
+        "| rounds | acknowledged publications | acknowledged saves | saves or writes refused or cut "
+        "off | reads | of them misses (no complete namespace) | failed reads (during fail-over) | reads older than the last acknowledged "
         "write (its save after a kill) | K and V of different versions | bytes of no version | "
         "acknowledged saves lost |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        "| %d | %d | %d | %d | %d | %d | %d | %d | %d | %d |" % (
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| %d | %d | %d | %d | %d | %d | %d | %d | %d | %d | %d |" % (
             loop["rounds"], loop["writes"], loop["saves"], loop["refused"], loop["reads"],
-            loop["failed_reads"], loop["older"], loop["mixed"], loop["unknown"], loop["lost"]),
+            loop["misses"], loop["failed_reads"], loop["older"], loop["mixed"], loop["unknown"], loop["lost"]),
     ]
     report(lines, out)
     return 0

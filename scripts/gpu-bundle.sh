@@ -6,13 +6,16 @@
 #   scripts/gpu-bundle.sh [build-dir [binary ...]]      (default: build → build/devcarry)
 # Further binaries (e.g. a pion-gpu-attn-bench of the build before a kernel change, copied to
 # another name, for `scripts/gpu-ab.sh BIN`) travel in bin/ under their file names.
+# PION_BUNDLE_BINS (default: all five below) names the build's binaries to pack, e.g.
+# PION_BUNDLE_BINS=pion-server for a run that needs only the server (a smaller bundle leaves
+# room in the 64 MiB that travels for a model checkpoint).
 set -euo pipefail
 BUILD=${1:-build}
 shift $(($# > 0 ? 1 : 0))
 OUT=$BUILD/devcarry
 rm -rf "$OUT"
 mkdir -p "$OUT/bin" "$OUT/lib" "$OUT/py" "$OUT/pytest"
-for b in pion-server pion-server-faults gpu_attention_test pion-gpu-attn-bench pion-fetch-bench; do
+for b in ${PION_BUNDLE_BINS:-pion-server pion-server-faults gpu_attention_test pion-gpu-attn-bench pion-fetch-bench}; do
   [ -x "$BUILD/$b" ] && cp "$BUILD/$b" "$OUT/bin/"
 done
 for extra in "$@"; do
@@ -35,20 +38,23 @@ for pkg in pytest _pytest pluggy iniconfig packaging py.py; do
   [ -e "$src" ] && cp -r "$src" "$OUT/pytest/"
 done
 cp -r clients/python/pion "$OUT/py/" 2>/dev/null || true
-# The binaries' GPU code makes them large; a transfer to the GPU machine may be capped (64 MiB
-# there), so they travel xz-compressed and unpack.py restores them on the GPU machine.
+# The binaries' GPU code makes them large, and the libraries they link (libcurl's among them)
+# add up; a transfer to the GPU machine is capped (64 MiB there), so both travel
+# xz-compressed and unpack.py restores them on the GPU machine.
 cat > "$OUT/unpack.py" <<'PY'
-"""Restores the bundle's compressed binaries (bin/*.xz) in place: python3 build/devcarry/unpack.py"""
+"""Restores the bundle's compressed binaries and libraries (bin/*.xz, lib/*.xz) in place:
+python3 build/devcarry/unpack.py"""
 import lzma
 import pathlib
 
-for packed in sorted((pathlib.Path(__file__).resolve().parent / "bin").glob("*.xz")):
+here = pathlib.Path(__file__).resolve().parent
+for packed in sorted([*(here / "bin").glob("*.xz"), *(here / "lib").glob("*.xz")]):
     binary = packed.with_suffix("")
     binary.write_bytes(lzma.decompress(packed.read_bytes()))
     binary.chmod(0o755)
     packed.unlink()
 PY
-for b in "$OUT"/bin/*; do
+for b in "$OUT"/bin/* "$OUT"/lib/*; do
   python3 -c 'import lzma, pathlib, sys
 p = pathlib.Path(sys.argv[1])
 pathlib.Path(sys.argv[1] + ".xz").write_bytes(lzma.compress(p.read_bytes(), preset=3))

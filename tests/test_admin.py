@@ -39,7 +39,7 @@ ALL_COMMANDS = {"ping", "echo", "hello", "auth", "quit", "shutdown", "command", 
                 "cluster", "asking", "readonly", "readwrite", "cluster.put", "cluster.del",
                 "cluster.refresh"}
 
-CONFIG_PARAMS = ["bind", "port", "binary-port", "unixsocket", "unixsocketperm", "workers", "dir", "metrics-port", "kvcache", "users",
+CONFIG_PARAMS = ["bind", "port", "binary-port", "unixsocket", "unixsocketperm", "workers", "dir", "metrics-port", "kvcache", "fetch-copies", "users",
                  "attention-backend", "gpu-memory", "attention-fp16", "attention-memory",
                  "kv-cache-capacity", "compute-threads",
                  "compute-queue-depth",

@@ -401,6 +401,44 @@ def test_stage2_attention_offload_exact(server):
         model.set_attn_implementation("sdpa")
 
 
+def test_stage2_sparse_auto_decode(server):
+    """SparseAuto: decode steps of the offloaded layers go to QUERY_SPARSE_AUTO_FUSED. A budget
+    that covers every block is exact (the generation equals vanilla's, receipts say exact);
+    1/4 of the blocks attends a subset (receipts not exact, blocks named, the estimate in
+    [0, 1]) and every call is observed; the prompt's several positions stay exact."""
+    model = llama(0)
+    prefix, suffix = prompt(1, 512), prompt(2, 8)
+    full = torch.cat([prefix, suffix])
+    want = generate(model, full)
+    pc = pion.hf.PionPromptCache(model, client_for(server))
+    try:
+        for budget, exact in ((1.0, True), (0.25, False)):
+            seen = []
+            sp = pion.hf.SparseAuto(block_size=64, budget=budget, select="quest", receipts=[],
+                                    observe=lambda li, q, k, v, r: seen.append((li, q.shape)))
+            off = pion.hf.PionAttentionOffload(pc, sparse=sp)
+            cache = off.prepare(prefix)
+            with off.session(cache):
+                got = generate(model, full, cache)
+            off.release(cache)
+            # NEW tokens: the first comes from the prompt's pass (exact), the others from
+            # NEW - 1 decode steps of each of the model's 4 layers.
+            assert len(sp.receipts) == len(seen) == 4 * (NEW - 1)
+            assert {li for li, _ in seen} == {0, 1, 2, 3}
+            assert all(shape == (8, 64) for _, shape in seen)
+            for _, rc in sp.receipts:
+                assert rc["form"] == "sparse_auto_fused" and rc["exact"] is exact
+                assert 0.0 <= rc["omitted_mass_estimate"] <= 1.0
+                assert len(rc["blocks"]) == 8
+                assert all(len(b) == (8 if exact else 2 + sp.k_top(512)) for b in rc["blocks"])
+            if exact:
+                assert got == want
+            else:
+                assert got[0] == want[0]
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
 @pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
 def test_layerwise_warm_start_exact(server, shm):
     """layerwise=True: the hit's layers arrive while the forward runs; the generation and the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -578,12 +579,13 @@ def test_shm_heads_reply_names_the_rows_parts(pion_factory, tmp_path):
     names the byte ranges of each row the reader copies (row_stride, row_parts: fp8 has two,
     its row scale and its columns): nothing gathered on the server, and what the reader
     copies is byte for byte the RAW HEADS reply over TCP, in fp16, fp8 and int8 (whole blocks),
-    across chunk boundaries. AS still answers one gathered piece."""
+    across chunk boundaries. AS still answers one gathered piece. (With --fetch-copies off:
+    with copies on, a read that can keep its shaped rows does, below.)"""
     pion = _pion()
     path = str(tmp_path / "h.sock")
     if len(path) > 100:
         pytest.skip("tmp path too long for a Unix socket")
-    srv = pion_factory("--unixsocket", path)
+    srv = pion_factory("--unixsocket", path, "--fetch-copies", "off")
     T_, H_, D_ = 1500, 8, 64  # > one chunk of rows
     rng = np.random.default_rng(57)
     with pion.Client(port=srv.port) as tcp, pion.Client(unix_socket_path=path) as local:
@@ -620,6 +622,81 @@ def test_shm_heads_reply_names_the_rows_parts(pion_factory, tmp_path):
             assert pieces.row_parts is None and len(pieces) == 1 and nbytes == T_ * 2 * D_ * 2
 
 
+def _wait_for(pred, what, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_shm_heads_is_shaped_once_then_leased_whole(pion_factory, tmp_path):
+    """With --fetch-copies on (the default) a HEADS read of rows read once before shapes the
+    rank's columns and keeps them as a copy of the session (the first read of a range keeps
+    nothing: a slice read once is not worth a copy); later reads of that range — SHM and TCP —
+    are served from it: one contiguous row per output row (no row_parts), the bytes of the RAW
+    HEADS reply, and no new memory. CONFIG SET fetch-copies off: a new shape keeps nothing and
+    answers the strided form."""
+    pion = _pion()
+    path = str(tmp_path / "c.sock")
+    if len(path) > 100:
+        pytest.skip("tmp path too long for a Unix socket")
+    srv = pion_factory("--unixsocket", path)
+    T_, H_, D_ = 1500, 8, 64
+    rng = np.random.default_rng(58)
+    mem = lambda: int(srv.info("memory")["used_memory_vstore"])  # noqa: E731
+    with pion.Client(port=srv.port) as tcp, pion.Client(unix_socket_path=path) as local:
+        assert tcp.execute("CONFIG", "GET", "fetch-copies")[1] in (b"on", "on")
+        ch = local._shm_channel()
+        for fmt in ("fp16", "fp8"):
+            ns = "cp" + fmt
+            tcp.kv.register(ns, 1, T_, H_, D_, fmt)
+            x = rng.standard_normal((T_, H_, D_)).astype(np.float32)
+            tcp.kv.store_layer(ns, 0, x, -x)
+            # The reference, read while copies are off (it keeps nothing).
+            tcp.execute("CONFIG", "SET", "fetch-copies", "off")
+            before = mem()
+            want = tcp.execute("V.FETCH", ns + "_pk", "RANGE", 0, T_, "RAW", "HEADS", 2, 2)
+            assert mem() == before
+            tcp.execute("CONFIG", "SET", "fetch-copies", "on")
+            for i in range(4):
+                lease, pieces, row_bytes, nbytes = ch.fetch_range(ns + "_pk", 0, T_,
+                                                                  extra=["HEADS", 2, 2])
+                try:
+                    # The first read: the stored rows, strided; then whole rows.
+                    assert (pieces.row_parts is not None) == (i == 0), (fmt, i)
+                    assert nbytes == len(want) == T_ * row_bytes
+                    out = np.empty(nbytes, np.uint8)
+                    assert ch.read_into(pieces, out) == nbytes
+                    assert out.tobytes() == want, (fmt, i)
+                finally:
+                    ch.release(lease)
+                if i == 0:
+                    time.sleep(0.2)
+                    assert mem() == before  # read once: nothing kept
+                if i == 1:  # asked again: the rank's rows, kept once this read shaped them
+                    _wait_for(lambda: mem() - before >= len(want), "the copy was not kept")
+                    grown = mem()
+            assert mem() == grown  # the later reads came from the copy
+            assert tcp.execute("V.FETCH", ns + "_pk", "RANGE", 0, T_, "RAW", "HEADS", 2,
+                               2) == want
+            assert mem() == grown
+        assert tcp.execute("CONFIG", "SET", "fetch-copies", "off") in (b"OK", "OK", True)
+        want = tcp.execute("V.FETCH", "cpfp16_pk", "RANGE", 0, T_, "RAW", "HEADS", 4, 2)
+        before = mem()
+        lease, pieces, _, nbytes = ch.fetch_range("cpfp16_pk", 0, T_, extra=["HEADS", 4, 2])
+        try:
+            assert pieces.row_parts is not None
+            out = np.empty(nbytes, np.uint8)
+            ch.read_into(pieces, out)
+            assert out.tobytes() == want
+        finally:
+            ch.release(lease)
+        time.sleep(0.2)
+        assert mem() == before
+        with pytest.raises(Exception, match="on or off"):
+            tcp.execute("CONFIG", "SET", "fetch-copies", "maybe")
+
+
 def test_fetch_as_is_transcoded_once_and_follows_writes(shared_pion):
     """AS keeps a transcoded copy of the rows it served (a prefix read many times in the
     reader's codec is transcoded once): the next read of them is the same bytes, served from
@@ -632,7 +709,8 @@ def test_fetch_as_is_transcoded_once_and_follows_writes(shared_pion):
     mem = lambda: int(shared_pion.info("memory")["used_memory_vstore"])  # noqa: E731
     before = mem()
     first = r.execute_command("V.FETCH", "asc", "RANGE", 0, 4096, "AS", "fp8")
-    assert mem() - before >= 4096 * (4 + 256)  # the copy: 4096 fp8 rows
+    # The copy: 4096 fp8 rows, adopted on the session's shard after the reply went out.
+    _wait_for(lambda: mem() - before >= 4096 * (4 + 256), "the transcoded copy was not kept")
     assert r.execute_command("V.FETCH", "asc", "RANGE", 0, 4096, "AS", "fp8") == first
     assert r.execute_command("V.FETCH", "asc", "RANGE", 64, 128, "AS", "fp8") == \
         first[64 * 260:128 * 260]

@@ -128,6 +128,18 @@ const std::vector<Param>& Params() {
       {"metrics-port", [](Server& s) { return std::to_string(s.config().metrics_port); }, nullptr},
       {"kvcache", [](Server& s) { return std::string(s.config().kvcache ? "on" : "off"); },
        nullptr},
+      {"fetch-copies",
+       [](Server& s) { return std::string(s.settings().fetch_copies.load() ? "on" : "off"); },
+       [](Server& s, std::string_view v, bool apply) {
+         bool on = false;
+         if (EqualsIgnoreCase(v, "on") || EqualsIgnoreCase(v, "yes")) {
+           on = true;
+         } else if (!EqualsIgnoreCase(v, "off") && !EqualsIgnoreCase(v, "no")) {
+           return std::string("argument must be on or off");
+         }
+         if (apply) s.settings().fetch_copies.store(on);
+         return std::string();
+       }},
       {"users", [](Server& s) { return s.config().users_file; }, nullptr},
       {"attention-backend", [](Server& s) { return std::string(s.attention_backend()); }, nullptr},
       {"gpu-memory",

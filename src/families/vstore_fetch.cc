@@ -94,8 +94,8 @@ struct ShapeJob {
   std::vector<Run> runs;
   BufferRef out;
   bool shm = false;
-  // Whole rows AS another codec: the output is what the session's transcoded copy holds for
-  // them, adopted into it afterwards on the owning shard (when the session did not change).
+  // A range: the output is what the session's shaped copy holds for those rows, adopted into
+  // it afterwards on the owning shard (when the session did not change).
   bool fill = false;
   server::Shard* owner = nullptr;
   store::TenantKey key;
@@ -106,8 +106,8 @@ struct ShapeJob {
     auto& vs = shard.store().vstore;
     const store::VStore::Entry* e = vs.Find(key);
     if (!fill || e == nullptr || e->writes != writes) return;
-    if (store::VSession* copy = vs.TranscodedOf(key, shape.out_codec())) {
-      (void)copy->AdoptEncoded(start, out->data(), out->size() / shape.out_row_bytes());
+    if (store::VStore::Entry::Shaped* copy = vs.ShapedOf(key, shape)) {
+      (void)copy->session->AdoptEncoded(start, out->data(), out->size() / shape.out_row_bytes());
     }
   }
 
@@ -359,26 +359,34 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
                                                     "' left memory while being read; retry"));
     }
   }
-  // AS of whole rows: from the session's transcoded copy when it holds them in memory (a
-  // prefix read many times in the reader's codec is transcoded once).
-  const bool cacheable = shape && as && !heads && range;
-  if (cacheable) {
-    store::VSession* copy =
-        ctx.shard->store().vstore.TranscodedOf(ctx.Key(args[1]), shape->out_codec());
+  // HEADS and AS of a range: from the session's shaped copy when it holds those rows in
+  // memory (a prefix read many times by a tensor-parallel rank, or in the reader's codec, is
+  // shaped once). A read that has to shape the rows makes the copy when their bytes fit in
+  // memory now (nothing is demoted for a copy) — a transcode (AS) at once, a slice of stored
+  // columns (HEADS alone) once a second read asks for the same rows; --fetch-copies off never
+  // keeps one.
+  bool fill = false;
+  if (shape && range && ctx.server->settings().fetch_copies.load(std::memory_order_relaxed)) {
+    store::VStore::Entry::Shaped* copy =
+        ctx.shard->store().vstore.ShapedOf(ctx.Key(args[1]), *shape);
     store::VSession::HostView cview;
     std::vector<residency::ObjectRef> cmissing;
-    if (copy != nullptr && copy->RangeWritten(start, end) &&
-        copy->ViewRange(start, end, &cview, &cmissing)) {
-      if (shm) return ReplyShm(ctx, *copy, cview, start, end);
+    if (copy != nullptr && copy->session->RangeWritten(start, end) &&
+        copy->session->ViewRange(start, end, &cview, &cmissing)) {
+      if (shm) return ReplyShm(ctx, *copy->session, cview, start, end);
       ctx.rb->BulkStart(bytes);
-      copy->RawRange(cview, start, end, [&](const BufferRef& b, const uint8_t* p, size_t len) {
-        ctx.rb->BulkPiece(b, p, len);
-      });
+      copy->session->RawRange(
+          cview, start, end,
+          [&](const BufferRef& b, const uint8_t* p, size_t len) { ctx.rb->BulkPiece(b, p, len); });
       ctx.rb->BulkEnd();
       return;
     }
+    const bool keep = copy != nullptr && (shape->output() != codec::RowView::Output::kStored ||
+                                          copy->AskAgain(start, end));
+    fill = keep && ctx.server->residency()->RoomNow(residency::Tier::kHost,
+                                                    residency::Family::kVStore, bytes);
   }
-  if (shape && shm && range && !shape->StoredParts().empty()) {
+  if (shape && shm && range && !fill && !shape->StoredParts().empty()) {
     // Columns of the stored rows: the reader copies them out of the mapping itself (one pass
     // over the bytes it needs instead of a gather here and a copy there).
     return ReplyShm(ctx, session, view, start, end, &*shape);
@@ -391,7 +399,7 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
     auto job = std::make_shared<ShapeJob>(ShapeJob{std::move(shape).value(), std::move(view)});
     job->out = std::move(out).value();
     job->shm = shm;
-    job->fill = cacheable;
+    job->fill = fill;
     job->owner = ctx.shard;
     job->key = ctx.Key(args[1]);
     job->writes = entry.value()->writes;

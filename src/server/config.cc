@@ -234,21 +234,28 @@ StatusOr<Config> ParseConfig(int argc, char** argv, int* exit_code, bool* should
                  "Queries that may wait for a compute thread; beyond it -BUSY")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option_function<std::string>(
-         "--kvcache",
-         [&c](const std::string& v) {
-           if (v.empty() || v == "on" || v == "yes" || v == "true" || v == "1") {
-             c.kvcache = true;
-           } else if (v == "off" || v == "no" || v == "false" || v == "0") {
-             c.kvcache = false;
-           } else {
-             throw CLI::ValidationError("--kvcache", "expected on|off, got " + v);
-           }
-         },
-         "K/V cache families (KV.*, V.*, ATTEND.*, STATE.*, SSM.*): on|off")
-      ->default_str("on")
-      ->expected(0, 1)
-      ->default_val("on");
+  // An on|off flag (a bare flag is on).
+  auto on_off = [&app](const char* name, bool* out, const char* help) {
+    app.add_option_function<std::string>(
+           name,
+           [name, out](const std::string& v) {
+             if (v.empty() || v == "on" || v == "yes" || v == "true" || v == "1") {
+               *out = true;
+             } else if (v == "off" || v == "no" || v == "false" || v == "0") {
+               *out = false;
+             } else {
+               throw CLI::ValidationError(name, "expected on|off, got " + v);
+             }
+           },
+           help)
+        ->default_str(*out ? "on" : "off")
+        ->expected(0, 1)
+        ->default_val(*out ? "on" : "off");
+  };
+  on_off("--kvcache", &c.kvcache,
+         "K/V cache families (KV.*, V.*, ATTEND.*, STATE.*, SSM.*): on|off");
+  on_off("--fetch-copies", &c.fetch_copies,
+         "V.FETCH ... HEADS / AS keeps the rows it shapes for later reads of them: on|off");
   app.add_option("--loglevel", c.loglevel, "trace|debug|info|warn|error")
       ->capture_default_str()
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
@@ -334,6 +341,7 @@ RuntimeSettings::RuntimeSettings(const Config& c)
       slowlog_log_slower_than_us(c.slowlog_log_slower_than_us),
       slowlog_max_len(c.slowlog_max_len),
       auth_required(!c.requirepass.empty() || !c.users_file.empty()),
+      fetch_copies(c.fetch_copies),
       requirepass_(c.requirepass) {}
 
 std::string RuntimeSettings::requirepass() const {

@@ -64,6 +64,9 @@ struct Config {
   int compute_queue_depth = 256;       // queries waiting for a compute thread; then -BUSY
   uint64_t kv_cache_capacity = 10000;  // KV.STORE entries per tenant (LRU beyond)
   bool kvcache = true;
+  // V.FETCH ... HEADS / AS keeps the rows it shapes as a copy of the session that later reads
+  // of those rows are served from (memory for speed; CONFIG SET fetch-copies).
+  bool fetch_copies = true;
   std::string loglevel = "info";
   std::string logfile;  // empty: stderr
   int64_t slowlog_log_slower_than_us = 10000;
@@ -97,6 +100,7 @@ class RuntimeSettings {
   std::atomic<int64_t> slowlog_log_slower_than_us;
   std::atomic<int64_t> slowlog_max_len;
   std::atomic<bool> auth_required;
+  std::atomic<bool> fetch_copies;
 
   std::string requirepass() const;
   void set_requirepass(std::string p);

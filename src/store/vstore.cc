@@ -36,16 +36,30 @@ Status VStore::Create(const TenantKey& key, const codec::RowCodec& codec) {
   return Status::Ok();
 }
 
-VSession* VStore::TranscodedOf(const TenantKey& key, const codec::RowCodec& codec) {
+bool VStore::Entry::Shaped::AskAgain(int64_t start, int64_t end) {
+  const auto first = static_cast<size_t>(start / kRowsPerChunk);
+  const auto last = static_cast<size_t>((end - 1) / kRowsPerChunk);
+  if (asked.size() <= last) asked.resize(last + 1, false);
+  bool again = true;
+  for (size_t c = first; c <= last; ++c) {
+    again = again && asked[c];
+    asked[c] = true;
+  }
+  return again;
+}
+
+VStore::Entry::Shaped* VStore::ShapedOf(const TenantKey& key, const codec::RowView& shape) {
   Entry* e = Find(key);
-  if (e == nullptr) return nullptr;
-  Entry::Transcoded& t = e->transcoded[codec.format()];
+  if (e == nullptr || shape.output() == codec::RowView::Output::kFp32) return nullptr;
+  const codec::RowCodec& codec = shape.out_codec();
+  Entry::Shaped& t = e->shaped[{codec.format(), shape.first(), shape.count()}];
   if (t.session == nullptr || t.writes != e->writes || t.session->dim() != codec.dim()) {
     t.session = std::make_unique<VSession>(
         codec, engine_, allocator_for_ ? allocator_for_(key.tenant) : BufferAllocator::Default());
     t.writes = e->writes;
+    t.asked.clear();
   }
-  return t.session.get();
+  return &t;
 }
 
 VStore::Entry* VStore::Find(const TenantKey& key) {

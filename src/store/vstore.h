@@ -9,10 +9,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
 #include "residency/disk_file.h"
+#include "store/codec/row_view.h"
 #include "store/tenant_key.h"
 #include "store/vsession.h"
 
@@ -29,14 +31,24 @@ class VStore {
     uint64_t writes = 0;
     std::optional<uint64_t> imaged_writes;
     bool unsaved() const { return !imaged_writes || *imaged_writes != writes; }
-    // Copies of the rows in other codecs, filled by V.FETCH ... AS as it transcodes and served
-    // by it afterwards (a prefix read many times in the reader's codec is transcoded once).
-    // Valid while `writes` is what it was when they were made; derived data, never saved.
-    struct Transcoded {
+    // Copies of the rows as readers shaped them (V.FETCH ... HEADS and AS: some columns, in
+    // the stored encoding or another codec), filled by the reads that shape them and served
+    // to the reads after (a prefix read many times by a tensor-parallel rank, or in the
+    // reader's codec, is shaped once). Valid while `writes` is what it was when they were
+    // made; derived data, never saved.
+    struct Shaped {
       std::unique_ptr<VSession> session;
       uint64_t writes = 0;
+      // The chunks of rows a read asked for before. Columns in the stored encoding (HEADS
+      // without AS) are a slice, cheap to take again: they are kept only once a second read
+      // asks for them (a range read once is not worth the copy's memory and time).
+      std::vector<bool> asked;
+      // Marks [start, end)'s chunks asked; true when every one of them was asked before.
+      bool AskAgain(int64_t start, int64_t end);
     };
-    std::map<codec::Format, Transcoded> transcoded;
+    // {output codec, first column, columns}.
+    using ShapeKey = std::tuple<codec::Format, uint32_t, uint32_t>;
+    std::map<ShapeKey, Shaped> shaped;
   };
 
   // The residency engine the sessions' chunks live in (set before any Create).
@@ -49,9 +61,10 @@ class VStore {
   // one with different parameters is an error naming both.
   Status Create(const TenantKey& key, const codec::RowCodec& codec);
   Entry* Find(const TenantKey& key);
-  // The transcoded copy of session `key` in `codec` (created empty, or emptied when the
-  // session changed since it was made); null when the session is absent.
-  VSession* TranscodedOf(const TenantKey& key, const codec::RowCodec& codec);
+  // The shaped copy of session `key`'s rows as `shape` gives them (created empty, or emptied
+  // when the session changed since it was made); null when the session is absent or the
+  // shape's output is fp32 (decoded rows are not kept: larger than the stored ones).
+  Entry::Shaped* ShapedOf(const TenantKey& key, const codec::RowView& shape);
   // Returns kErr "no such session" when absent.
   StatusOr<Entry*> Get(const TenantKey& key);
   bool Drop(const TenantKey& key);

@@ -816,10 +816,39 @@ def _offset_layer_class():
 
 
 @dataclass
+class SparseAuto:
+    """Sparse Stage 2 for decode steps: each offloaded layer's query at one new position attends
+    the prefix blocks ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED picks (`select` "mean" or "quest";
+    `shared`: the query heads of one K/V head choose together) plus the local suffix, densely;
+    steps with several query positions (a prompt's suffix) stay exact (QUERY_FUSED).
+
+    `budget` is the share of the prefix's blocks of `block_size` rows attended, the first and
+    last included (k_top = ceil(budget · blocks) − 2, at least 0). `dense_layers`: model layer
+    indexes kept exact (Quest keeps its first two). `receipts`: a list to which every sparse
+    call appends (model layer index, receipt) — the blocks chosen and the omitted-mass estimate.
+    `observe(layer_idx, q, k_suf, v_suf, result)`, when given, sees every sparse call (q [H_q, D],
+    k_suf/v_suf [H_kv, S, D] fp32 tensors; result an AttendResult, with its receipt when
+    `receipts` is a list) — e.g. to compute the true omitted mass densely."""
+    block_size: int = 64
+    budget: float = 1 / 8
+    select: str = "mean"
+    shared: bool = False
+    dense_layers: tuple = ()
+    receipts: list | None = None
+    observe: Any = None
+
+    def k_top(self, prefix_rows: int) -> int:
+        blocks = -(-prefix_rows // self.block_size)
+        return max(0, int(np.ceil(self.budget * blocks)) - 2)
+
+
+@dataclass
 class _Session:
     sid: str
     layers: dict[int, int]  # model layer index -> slot layer
     window: int = 0
+    sparse: SparseAuto | None = None
+    prefix_rows: int = 0
 
 
 def _pion_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -841,8 +870,21 @@ def _pion_attention(module, query, key, value, attention_mask, scaling=None, dro
         raise NotImplementedError("Pion attention uses the 1/sqrt(head_dim) scale; this layer "
                                   "scales by %r" % scaling)
     q = query[0].float()  # [Hq, M, D]: the last M of the local (post-prefix) positions
-    res = client.attend.query_fused(s.sid, slot, q, key[0].float(), value[0].float(),
-                                    window=s.window)
+    sp = s.sparse
+    layer_idx = getattr(module, "layer_idx", -1)
+    if sp is not None and q.shape[1] == 1 and layer_idx not in sp.dense_layers:
+        k_suf, v_suf = key[0].float(), value[0].float()
+        res = client.attend.query_sparse_auto_fused(
+            s.sid, slot, q[:, 0], k_suf, v_suf, sp.block_size, sp.k_top(s.prefix_rows),
+            window=s.window, select=sp.select, shared=sp.shared,
+            receipt=sp.receipts is not None)
+        if sp.receipts is not None:
+            sp.receipts.append((layer_idx, res.receipt))
+        if sp.observe is not None:
+            sp.observe(layer_idx, q[:, 0], k_suf, v_suf, res)
+    else:
+        res = client.attend.query_fused(s.sid, slot, q, key[0].float(), value[0].float(),
+                                        window=s.window)
     out = np.ascontiguousarray(_wire.to_numpy(res.out).reshape(q.shape))
     out = torch.from_numpy(out).to(query.device, query.dtype)
     return out.transpose(0, 1)[None].contiguous(), None  # [1, M, Hq, D]
@@ -851,10 +893,11 @@ def _pion_attention(module, query, key, value, attention_mask, scaling=None, dro
 class PionAttentionOffload:
     """Stage 2 on top of a PionPromptCache: the prefix K/V of the full-attention layers stay
     in Pion (ATTEND.PREFIX slots bound FROM the prefix's namespace: no bytes move) and those
-    layers' attention runs there, exact, through QUERY_FUSED. Registers the "pion" attention
+    layers' attention runs there, exact, through QUERY_FUSED — or, with `sparse` (SparseAuto),
+    decode steps over a block selection of the prefix. Registers the "pion" attention
     implementation and sets it on the model."""
 
-    def __init__(self, prompt_cache: PionPromptCache):
+    def __init__(self, prompt_cache: PionPromptCache, sparse: SparseAuto | None = None):
         from transformers import AttentionInterface
         self.pc = prompt_cache
         AttentionInterface.register("pion", _pion_attention)
@@ -869,6 +912,7 @@ class PionAttentionOffload:
         else:
             model.config._attn_implementation = "pion"
         self.sessions: dict[int, _Session] = {}
+        self.sparse = sparse  # read by prepare: a cache keeps the mode it was prepared with
 
     def prepare(self, prefix_ids, namespace: str | None = None):
         """Makes sure the prefix is stored (prefilling on a miss), binds its full-attention
@@ -897,7 +941,8 @@ class PionAttentionOffload:
         offset_cls = _offset_layer_class()
         for i in full:
             cache.layers[i] = offset_cls(int(ids.numel()))
-        self.sessions[id(cache)] = _Session(sid, {i: j for j, i in enumerate(full)})
+        self.sessions[id(cache)] = _Session(sid, {i: j for j, i in enumerate(full)},
+                                            sparse=self.sparse, prefix_rows=int(ids.numel()))
         pc.last = dict(pc.last, bind_ms=bind_ms, stage=2)
         return cache
 
@@ -917,5 +962,5 @@ class PionAttentionOffload:
             self.pc.client.attend.drop(s.sid)
 
 
-__all__ = ["PionPromptCache", "PionAttentionOffload", "model_identity", "position_digest",
-           "prefix_digest"]
+__all__ = ["PionPromptCache", "PionAttentionOffload", "SparseAuto", "model_identity",
+           "position_digest", "prefix_digest"]

@@ -38,6 +38,10 @@ class RowView {
   bool identity() const { return identity_; }
   // The codec of the output rows (fp32 for kFp32).
   const RowCodec& out_codec() const { return out_; }
+  Output output() const { return output_; }
+  // The stored columns it reads: [first, first + count).
+  uint32_t first() const { return first_; }
+  uint32_t count() const { return count_; }
   // A byte range of a stored row: {offset, length}.
   struct Part {
     size_t offset, length;
