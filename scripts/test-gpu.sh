@@ -77,7 +77,8 @@ wants sanitizers && sanitizers
 wants suites && PION_SERVER="$BIN/pion-server" PION_TEST_SERVER_ARGS="--attention-backend cuda" \
   PION_FAULT_SERVER="$BIN/pion-server-faults" \
   step "Stage 2 and residency suites (cuda)" "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_attend_prefix.py tests/test_attend_gpu.py tests/test_residency.py
+  tests/test_attend_prefix.py tests/test_attend_gpu.py tests/test_residency.py \
+  tests/test_attend_mla.py
 # The transformers integration (skipped with the reason where PyTorch or transformers is not
 # installed: the module skips itself, and pytest's exit 5, "no tests collected", is no failure).
 hf_suite() {

@@ -839,3 +839,63 @@ def test_reads_during_a_move_to_a_replica_holder_never_go_back_in_time(cluster):
     for key in names + sessions:  # all of it arrived, and the target serves it
         assert read(rc, key) == v2[key], key
     rc.close()
+
+
+def mla_rows(seed: int) -> bytes:
+    return np.random.default_rng(seed).standard_normal((2 * 64, 192)).astype(np.float32).tobytes()
+
+
+@pytest.mark.time_limit(150)
+def test_mla_namespaces_and_slots_fail_over_and_keep_their_layout(cluster):
+    """Issue 52: an MLA namespace ({ns}_pl, one latent row per token) and an MLA attention slot
+    bound from it are saved objects like any: after kill -9 of their owner the replica serves
+    them byte-exact, still an MLA layout (a per-head LOOKUP misses, its `_pk` is refused), and
+    the slot answers QUERY_MLA as before; when the node rejoins, the slots that move to it
+    bring them along the same."""
+    for nid in ("n1", "n2", "n3"):
+        cluster.add(nid)
+    cluster.wait_settled()
+    rc = cluster.client()
+    names = ["{m%d}" % i for i in range(24)]
+    q = np.random.default_rng(7).standard_normal((4, 192)).astype(np.float32).tobytes()
+    before = {}
+    for i, ns in enumerate(names):
+        assert rc.execute_command("KV.PREFIX.REGISTER", ns, 2, 64, "MLA", 128, 64,
+                                  "fp8_ds_mla") == b"OK"
+        assert rc.execute_command("V.STOREBATCH", ns + "_pl", 0, mla_rows(i)) == 128
+        assert rc.execute_command("KV.PREFIX.SAVE", ns) == b"OK"
+        slot = ns + ":attn"
+        assert rc.execute_command("ATTEND.PREFIX.STORE", slot, 1, "FROM", ns) == b"OK"
+        assert rc.execute_command("ATTEND.PREFIX.SAVE", slot) == b"OK"
+        before[ns] = (rc.execute_command("V.FETCH", ns + "_pl", "RANGE", 0, 128, "RAW"),
+                      rc.execute_command("ATTEND.PREFIX.QUERY_MLA", slot, 1, 4, 128, 64, "0.125",
+                                         q))
+    victim = cluster.nodes["n3"]
+    held = [ns for ns in names if cluster.owner_of(ns) is victim]
+    assert held, "n3 owns none of the names"
+    rc.close()
+
+    def check(c, names=held):
+        for ns in names:
+            raw, out = before[ns]
+            assert c.execute_command("KV.PREFIX.LOOKUP", ns, "LAYOUT", "mla") == b"HIT", ns
+            assert c.execute_command("KV.PREFIX.LOOKUP", ns) == b"MISS", ns
+            assert c.execute_command("V.FETCH", ns + "_pl", "RANGE", 0, 128, "RAW") == raw, ns
+            assert c.execute_command("ATTEND.PREFIX.QUERY_MLA", ns + ":attn", 1, 4, 128, 64,
+                                     "0.125", q) == out, ns
+
+    kill_and_wait_served(cluster, victim, check, "the victim's MLA objects on its replica")
+    rc = cluster.client()
+    check(rc, names)
+    with pytest.raises(redis.ResponseError, match="a per-head reader cannot read an MLA"):
+        rc.execute_command("V.FETCH", held[0] + "_pk", "RANGE", 0, 1)
+    rc.close()
+    # The victim rejoins and takes a share again: slots move to it, their MLA objects with them.
+    victim.start()
+    cluster.wait_settled()
+    assert int(cluster.info(victim)["cluster_my_slots"]) > 0
+    moved = [ns for ns in names if cluster.owner_of(ns) is victim]
+    assert moved, "no name moved back"
+    rc = cluster.client()
+    check(rc, names)
+    rc.close()

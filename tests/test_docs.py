@@ -9,7 +9,7 @@ README.md's five-minute tour: the console block's commands run in a shell as wri
 (redis-cli prints as it would in a terminal unless its output goes into a pipe, as there) and
 their output must be what the README shows; then its Python blocks run in order in one
 namespace, as one session pasted into one interpreter. clients/python/README.md: the Python
-blocks of "Five minutes", "Same-host shared memory" and "Binary protocol" likewise (the
+blocks of "Five minutes", "Same-host shared memory", "MLA" and "Binary protocol" likewise (the
 transformers section needs torch and a model: tests/test_hf.py covers it on the GPU machine).
 Only the addresses change: this server's ports and socket instead of 1974, 1975, 9174 and
 /tmp/pion.sock. A README that no longer works from the first try fails here.
@@ -118,9 +118,10 @@ def test_readme_tour_runs_as_written(pion_factory, tmp_path):
 def test_client_readme_runs_as_written(pion_factory, tmp_path):
     sock = str(tmp_path / "pion.sock")
     srv = pion_factory("--workers", "2", "--unixsocket", sock)
-    sections = ("Five minutes", "Same-host shared memory", "Binary protocol (port 1975)")
+    sections = ("Five minutes", "Same-host shared memory", "MLA (DeepSeek V2/V3 latent caches)",
+                "Binary protocol (port 1975)")
     blocks = [b for h in sections for b in section_blocks(CLIENT_README, h, "python")]
-    assert len(blocks) == 3, "a section's Python block was not found"
+    assert len(blocks) == 4, "a section's Python block was not found"
     namespace = run_python("import sys\nsys.path.insert(0, %r)\n" % str(CLIENT_DIR)
                            + "\n".join(blocks), CLIENT_README, srv, sock)
     assert namespace["c"].last_fetch_path == "shm"

@@ -184,7 +184,7 @@ def test_snapshot_is_point_in_time_and_restores(shared_pion):
 BAD = [
     (("V.CREATE", "x", 0, "fp16"), "ERR dim must be in [1, 1048576], got 0"),
     (("V.CREATE", "x", -3, "fp16"), "ERR dim must be a non-negative integer, got '-3'"),
-    (("V.CREATE", "x", 128, "fp4"), "ERR format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2, got 'fp4'"),
+    (("V.CREATE", "x", 128, "fp4"), "ERR format must be one of fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2|fp8_ds_mla, got 'fp4'"),
     (("V.CREATE", "x", 128, "turbo4", "BLOCK", 48), None),
     (("V.CREATE", "x", 128, "fp16", "BLOCKS", 4), "ERR syntax: V.CREATE <sid> <dim> <format> [BLOCK <n>]"),
     (("V.STOREBATCH", "bad", 0, b"\x00" * 12), "ERR fp32_blob has 12 bytes, expected a non-zero multiple of 4*dim = 32"),

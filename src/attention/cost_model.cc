@@ -72,6 +72,25 @@ Work WorkOf(const Plan& plan, uint32_t rows, uint32_t heads, DType dtype, bool s
       if (plan.form == Form::kSparseAutoFused) suffix();
       break;
     }
+    case Form::kMla:
+    case Form::kMlaFused:
+    case Form::kMlaSparse: {  // every head over one latent row set: d = dk, values dv
+      const double dv = plan.dv;
+      double keys = n;
+      if (plan.form == Form::kMlaSparse) {
+        keys = 0;
+        for (uint32_t i = 0; i < plan.q.m && plan.counts != nullptr; ++i) keys += plan.counts[i];
+        keys /= std::max(m, 1.0);
+      }
+      w.bytes += TensorRowsBytes(dtype, 1, keys * (plan.form == Form::kMlaSparse ? m : 1), d);
+      w.macs += hq * m * keys * (d + dv);
+      if (plan.form == Form::kMlaFused) {
+        const double s_mla = plan.latent_suffix.rows;
+        w.bytes += s_mla * d * 4;
+        w.macs += hq * m * s_mla * (d + dv);
+      }
+      break;
+    }
   }
   return w;
 }

@@ -29,6 +29,12 @@ std::string_view FormName(Form f) {
       return "sparse_auto";
     case Form::kSparseAutoFused:
       return "sparse_auto_fused";
+    case Form::kMla:
+      return "mla";
+    case Form::kMlaSparse:
+      return "mla_sparse";
+    case Form::kMlaFused:
+      return "mla_fused";
   }
   return "unknown";
 }
@@ -362,6 +368,10 @@ Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan
     case Form::kSparseAutoFused:
       SparseAuto(kern, par, plan, k, v, scale, out_p, r);
       break;
+    case Form::kMla:
+    case Form::kMlaSparse:
+    case Form::kMlaFused:
+      return Error("an MLA plan runs over latent rows (RunMla), not per-head K/V");
   }
 
   if (fused) {

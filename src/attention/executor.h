@@ -21,9 +21,22 @@
 
 namespace pion::attention {
 
-enum class Form : uint8_t { kDense, kTopK, kFused, kSparse, kSparseAuto, kSparseAutoFused };
+enum class Form : uint8_t {
+  kDense,
+  kTopK,
+  kFused,
+  kSparse,
+  kSparseAuto,
+  kSparseAutoFused,
+  kMla,        // MLA (latent rows shared by every head): dense, MTP rows causal among themselves
+  kMlaSparse,  // MLA over caller-chosen rows per query token (DeepSeek-V3.2's indexer)
+  kMlaFused,   // MLA over the prefix and the client's suffix latents, merged
+};
 std::string_view FormName(Form f);
-inline constexpr int kFormCount = 6;
+inline constexpr int kFormCount = 9;
+inline bool IsMla(Form f) {
+  return f == Form::kMla || f == Form::kMlaSparse || f == Form::kMlaFused;
+}
 
 struct Plan {
   Form form = Form::kDense;
@@ -45,6 +58,13 @@ struct Plan {
   // ranked by the highest of their scores (so the group reads each chosen K/V row once).
   bool shared_blocks = false;
   kernels::BlockSummaries summaries;  // filled for the slot's K, block size `block`
+  // MLA forms (RunMla, over latent rows): q is [hq][m][dk] with q.d = dk (kv_lora_rank +
+  // rope_dim; q.head_map unused: every head reads the one latent), outputs have dv =
+  // kv_lora_rank values, `scale` is the caller's. kMlaSparse: rows/counts/stride are per query
+  // token ([m][stride], [m]) and shared by its heads. kMlaFused: the client's suffix latents,
+  // fp32 [S][dk], at positions N..N+S−1, the m queries at the last m of them.
+  uint32_t dv = 0;
+  kernels::Latent latent_suffix;
 };
 
 struct Receipt {
@@ -83,6 +103,13 @@ struct Parallel {
 Status Run(const kernels::AttentionKernels& kernels, const Parallel& parallel, Plan plan,
            const kernels::Tensor3& k, const kernels::Tensor3& v, float* out, float* lse,
            Receipt* receipt);
+
+// MLA forms over the latent rows `c` (c.dk = plan.q.d, c.dv = plan.dv): out receives hq·m·dv
+// floats, lse hq·m (may be null) — every form returns both, mergeable with the client's own
+// partials. Dense passes are split by row range across `parallel` and merged exactly; sparse
+// lists by their positions. The caller has validated shapes and lists.
+Status RunMla(const kernels::AttentionKernels& kernels, const Parallel& parallel, Plan plan,
+              const kernels::Latent& c, float* out, float* lse, Receipt* receipt);
 
 // Fills block summaries of k (heads, nblocks, block, d set; arrays allocated), the K/V heads
 // split across `parallel`.

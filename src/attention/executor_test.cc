@@ -301,5 +301,110 @@ TEST(Executor, SummariesSplitAcrossHeadsEqualOnePass) {
   }
 }
 
+// ---- MLA (RunMla) ------------------------------------------------------------------------------
+
+struct LatentData {
+  uint32_t rows, dk, dv;
+  std::vector<float> c;
+  LatentData(uint32_t n, uint32_t dk_, uint32_t dv_, std::mt19937& rng)
+      : rows(n), dk(dk_), dv(dv_), c(Randn(size_t{n} * dk_, rng)) {}
+  kernels::Latent View() const {
+    return {reinterpret_cast<const uint8_t*>(c.data()), kernels::LatentType::kF32, rows, dk, dv};
+  }
+};
+
+std::vector<float> RunMlaPlan(const kernels::AttentionKernels& kern, const Plan& plan,
+                              const kernels::Latent& c, int threads, Receipt* r) {
+  const size_t n = size_t{plan.q.hq} * plan.q.m;
+  std::vector<float> out(n * plan.dv + n);
+  Receipt local;
+  EXPECT_TRUE(RunMla(kern, Parallel{threads, nullptr}, plan, c, out.data(),
+                     out.data() + n * plan.dv, r ? r : &local)
+                  .ok());
+  return out;
+}
+
+Plan MlaPlan(Form form, const std::vector<float>& q, uint32_t hq, uint32_t m, const LatentData& c,
+             int64_t pos0) {
+  Plan p;
+  p.form = form;
+  p.q = {q.data(), hq, m, c.dk, nullptr, pos0};
+  p.dv = c.dv;
+  p.scale = 0.06f;
+  return p;
+}
+
+TEST(ExecutorMla, SplitEqualsOnePassAndReference) {
+  std::mt19937 rng(52);
+  LatentData c(3000, 192, 128, rng);
+  auto q = Randn(size_t{16} * 2 * 192, rng);
+  Plan p = MlaPlan(Form::kMla, q, 16, 2, c, 2998);  // MTP: the last two rows causal
+  Receipt r1, r4;
+  auto one = RunMlaPlan(kernels::CpuKernels(), p, c.View(), 1, &r1);
+  auto four = RunMlaPlan(kernels::CpuKernels(), p, c.View(), 4, &r4);
+  auto ref = RunMlaPlan(kernels::ReferenceKernels(), p, c.View(), 1, nullptr);
+  EXPECT_EQ(r1.splits, 1u);
+  EXPECT_GT(r4.splits, 1u);
+  ExpectNear(four, one, 2e-5f);
+  ExpectNear(one, ref, 2e-5f);
+  EXPECT_TRUE(r4.exact);
+  EXPECT_EQ(r4.visible_rows, uint64_t{16} * (2999 + 3000));
+  EXPECT_EQ(r4.rows_attended, r4.visible_rows);
+  EXPECT_EQ(r4.support[5], 2999u + 3000u);
+}
+
+TEST(ExecutorMla, FusedEqualsPrefixAndSuffixMerged) {
+  std::mt19937 rng(53);
+  LatentData prefix(900, 80, 64, rng), suffix(5, 80, 64, rng);
+  auto q = Randn(size_t{8} * 3 * 80, rng);
+  Plan fused = MlaPlan(Form::kMlaFused, q, 8, 3, prefix, 0);
+  fused.latent_suffix = suffix.View();
+  Receipt r;
+  auto got = RunMlaPlan(kernels::CpuKernels(), fused, prefix.View(), 2, &r);
+  // The same thing as one latent set: the prefix rows then the suffix rows, queries at the last 3.
+  LatentData all(905, 80, 64, rng);
+  std::copy(prefix.c.begin(), prefix.c.end(), all.c.begin());
+  std::copy(suffix.c.begin(), suffix.c.end(), all.c.begin() + prefix.c.size());
+  auto want = RunMlaPlan(kernels::ReferenceKernels(), MlaPlan(Form::kMla, q, 8, 3, all, 902),
+                         all.View(), 1, nullptr);
+  ExpectNear(got, want, 2e-5f);
+  EXPECT_EQ(r.rows_attended, uint64_t{8} * (903 + 904 + 905));
+}
+
+TEST(ExecutorMla, SparseListsPerTokenAndTheirReceipt) {
+  std::mt19937 rng(54);
+  LatentData c(400, 80, 64, rng);
+  auto q = Randn(size_t{4} * 2 * 80, rng);
+  // Token 0 (position 398) lists rows 0..199 and 399 (not visible to it); token 1 lists all 400.
+  std::vector<int32_t> rows(2 * 400), counts = {201, 400};
+  for (int i = 0; i < 200; ++i) rows[i] = i;
+  rows[200] = 399;
+  for (int i = 0; i < 400; ++i) rows[400 + i] = 399 - i;
+  Plan p = MlaPlan(Form::kMlaSparse, q, 4, 2, c, 398);
+  p.rows = rows.data();
+  p.counts = counts.data();
+  p.stride = 400;
+  Receipt r;
+  auto got = RunMlaPlan(kernels::CpuKernels(), p, c.View(), 3, &r);
+  kernels::LatentKeys keys;  // the reference's own reading of the lists
+  keys.c = c.View();
+  keys.rows = rows.data();
+  keys.counts = counts.data();
+  keys.stride = 400;
+  std::vector<float> m(8), l(8), o(8 * 64), want(8 * 64 + 8);
+  kernels::ReferenceKernels().AttendLatent({q.data(), 4, 2, 398}, keys, 0.06f, 0,
+                                           {m.data(), l.data(), o.data(), 8, 64});
+  kernels::FinalizePartial({m.data(), l.data(), o.data(), 8, 64}, want.data(), want.data() + 512);
+  ExpectNear(got, want, 2e-5f);
+  EXPECT_FALSE(r.exact);  // token 0 sees 399 rows and listed 200 of them
+  EXPECT_EQ(r.rows_attended, uint64_t{4} * (200 + 400));
+  EXPECT_EQ(r.support[0], 600u);
+  // Full lists are exact.
+  counts[0] = 0;
+  for (int i = 0; i < 399; ++i) rows[i] = i;
+  counts[0] = 399;
+  EXPECT_TRUE((RunMlaPlan(kernels::CpuKernels(), p, c.View(), 2, &r), r.exact));
+}
+
 }  // namespace
 }  // namespace pion::attention

@@ -213,6 +213,11 @@ uint32_t SparseSplitsFor(AttendArgs a, const int32_t* head_map, uint32_t stride)
 
 Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Summaries* summaries,
               float* out, float* lse, Receipt* r) {
+  if (IsMla(plan.form) || slot.mla) {
+    // MLA slots stay in host memory (the family never gives them a GPU copy) and are computed
+    // by the CPU kernel; a CUDA MLA kernel is issue 52's next step. Never a per-head kernel.
+    return Error("MLA attention has no CUDA kernel yet: MLA slots are computed on the CPU");
+  }
   const auto t0 = std::chrono::steady_clock::now();
   auto ctx = gpu::Context::ForThisThread();
   if (!ctx.ok()) return ctx.status();

@@ -17,7 +17,8 @@ namespace pion::attention {
 // `copy` is the slot's GPU replica (K is block 0, V block 1), pinned by the caller for the
 // duration. `summaries` (the
 // sparse-auto forms) are the slot's summaries for plan.block, filled on the GPU by the first
-// query that needs them. out/lse are host memory as in Run().
+// query that needs them. out/lse are host memory as in Run(). MLA plans and slots are refused
+// (kErr): they are computed on the CPU (RunMla) until a CUDA MLA kernel exists.
 Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Summaries* summaries,
               float* out, float* lse, Receipt* receipt);
 

@@ -60,21 +60,39 @@ struct Summaries {
 struct Slot {
   uint32_t heads = 0;
   uint32_t rows = 0;  // N, prefix tokens
-  uint32_t d = 0;
+  uint32_t d = 0;     // an MLA slot: dk = kv_lora_rank + rope_dim
   kernels::DType dtype = kernels::DType::kF32;
   // K then V, [heads][rows][d] of dtype each (fp8: the e4m3 bytes, then the f32 row scales
-  // [heads][rows]; kernels::MakeTensor): two blocks of one residency object.
+  // [heads][rows]; kernels::MakeTensor): two blocks of one residency object. An MLA slot: one
+  // block, the latent rows [rows] in `latent`'s layout (kernels::Latent; heads is 1).
   residency::ObjectRef obj;
+  // MLA (DeepSeek's latent rows, shared by every query head): kept in host memory and computed
+  // by the CPU kernel under every backend (no CUDA MLA kernel yet).
+  bool mla = false;
+  uint32_t dv = 0;  // kv_lora_rank: the values of a latent row (d − dv: its RoPE part)
+  kernels::LatentType latent = kernels::LatentType::kF32;
   bool gpu = false;         // the cuda backend computes over it (its summaries live there too)
   uint64_t generation = 0;  // unique per published slot, store-wide
   std::string source;       // "" for STORE with blobs; "<ns>@<publication>" for STORE FROM
 
-  // fp8: heads · rows · (d + 4) — the bytes and the scales.
-  uint64_t bytes_each() const { return kernels::TensorBytes(dtype, heads, rows, d); }
-  uint64_t bytes() const { return 2 * bytes_each(); }
+  // fp8: heads · rows · (d + 4) — the bytes and the scales. MLA: the one latent block.
+  uint64_t bytes_each() const {
+    return mla ? uint64_t{rows} * kernels::LatentRowBytes(latent, d, dv)
+               : kernels::TensorBytes(dtype, heads, rows, d);
+  }
+  uint64_t bytes() const { return (mla ? 1 : 2) * bytes_each(); }
+  size_t blocks() const { return mla ? 1 : 2; }
+  // "fp32", "fp16", "bf16", "fp8" (per-head K/V) or the latent type's name (MLA).
+  std::string_view dtype_name() const {
+    return mla ? kernels::LatentTypeName(latent) : kernels::DTypeName(dtype);
+  }
   // A tensor over host bytes of this slot's shape (a block the caller holds).
   kernels::Tensor3 Tensor(const BufferRef& block) const {
     return kernels::MakeTensor(block->data(), dtype, heads, rows, d);
+  }
+  // An MLA slot's latent rows over its host block.
+  kernels::Latent LatentView(const BufferRef& block) const {
+    return {block->data(), latent, rows, d, dv};
   }
 
   // Shard thread only: the summaries for block size b, creating (and charging) them if needed.

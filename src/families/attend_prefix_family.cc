@@ -113,6 +113,52 @@ kernels::DType StorageType(server::Server& srv, codec::Format source) {
   return StorageType(srv);
 }
 
+// The storage of an MLA slot's latent rows from a namespace (or blob) codec: kept as stored —
+// fp16, bf16, Pion's fp8 and DeepSeek-V3.2's fp8_ds_mla rows are what the MLA kernel reads —
+// except fp32, which --attention-fp16 stores as fp16 like every other fp32 slot.
+kernels::LatentType LatentStorage(server::Server& srv, codec::Format source) {
+  switch (source) {
+    case codec::Format::kFp16:
+      return kernels::LatentType::kF16;
+    case codec::Format::kBf16:
+      return kernels::LatentType::kBF16;
+    case codec::Format::kFp8:
+      return kernels::LatentType::kFP8;
+    case codec::Format::kFp8DsMla:
+      return kernels::LatentType::kFP8DsMla;
+    default:
+      return srv.config().attention_fp16 ? kernels::LatentType::kF16 : kernels::LatentType::kF32;
+  }
+}
+
+// The codec whose RAW rows are a latent type's rows (attention.h: LatentType).
+codec::Format LatentCodec(kernels::LatentType t) {
+  switch (t) {
+    case kernels::LatentType::kF16:
+      return codec::Format::kFp16;
+    case kernels::LatentType::kBF16:
+      return codec::Format::kBf16;
+    case kernels::LatentType::kFP8:
+      return codec::Format::kFp8;
+    case kernels::LatentType::kFP8DsMla:
+      return codec::Format::kFp8DsMla;
+    default:
+      return codec::Format::kFp32;
+  }
+}
+
+// The shapes the MLA kernels take: kv_lora_rank and rope_dim multiples of 16, kv_lora_rank at
+// most 2048 and their sum at most 4096 (DeepSeek V2/V3: 512 + 64).
+Status CheckMlaShape(uint32_t rank, uint32_t rope, std::string_view whose) {
+  if (rank == 0 || rank % 16 != 0 || rope % 16 != 0 || rank > 2048 || rank + rope > 4096) {
+    return Error(std::string(whose) + " has kv_lora_rank " + std::to_string(rank) +
+                 " and rope_dim " + std::to_string(rope) +
+                 "; MLA attention needs multiples of 16 (kv_lora_rank in [16, 2048], the sum at "
+                 "most 4096)");
+  }
+  return Status::Ok();
+}
+
 // Where a slot's host copy lives: under the cuda backend in page-locked memory, so that a
 // promotion to the GPU is one DMA from it (and a demotion lands in it) at link speed.
 BufferAllocator* HostAllocator(const attention::Slot& slot) {
@@ -197,6 +243,118 @@ void Finish(server::Server* srv, int shard_id, std::shared_ptr<attention::Slot> 
   if (!slot->gpu) return publish(Status::Ok());
   srv->residency()->Require({slot->obj}, residency::Tier::kGpu, deadline,
                             [publish](const Status& s, residency::PinSet) { publish(s); });
+}
+
+// Publishes an MLA slot built from `block` (its latent rows) on the calling shard.
+void PublishLatent(CommandContext& ctx, std::shared_ptr<attention::Slot> slot,
+                   const store::TenantKey& sid, uint32_t layer, BufferRef block,
+                   std::unique_ptr<Charge> charge) {
+  slot->obj = ctx.server->residency()->CreateInHost(residency::Family::kAttention, {block},
+                                                    std::move(charge));
+  slot->generation = attention::NextSlotGeneration();
+  ctx.shard->store().attention.Publish(sid, layer, std::move(slot));
+  ctx.server->attention_counters().stores.fetch_add(1, std::memory_order_relaxed);
+  ctx.rb->Ok();
+}
+
+// ATTEND.PREFIX.STORE <sid> <layer> MLA <N> <kv_lora_rank> <rope_dim> <latent_blob>
+//   [DTYPE fp32|fp16|bf16|fp8|fp8_ds_mla]
+// An MLA slot from the client's latent rows: N rows of kv_lora_rank + rope_dim values in the
+// RAW layout of DTYPE (default fp32), kept as sent (fp32: fp16 under --attention-fp16).
+void StoreMlaBlobs(CommandContext& ctx, CmdArgs& args) {
+  uint32_t layer, rows, rank;
+  uint64_t rope = 0;
+  Status s = ParseLayer(args[2], &layer);
+  if (s.ok()) s = ParseCount(args[4], "N", kMaxRows, &rows);
+  if (s.ok()) s = ParseCount(args[5], "kv_lora_rank", 4096, &rank);
+  if (s.ok()) s = ParseUint(args[6], "rope_dim", &rope);
+  if (s.ok() && rope > 4096)
+    s = Error("rope_dim must be at most 4096, got " + std::to_string(rope));
+  if (s.ok()) s = CheckMlaShape(rank, static_cast<uint32_t>(rope), "the latent_blob");
+  if (!s.ok()) return ctx.Error(s);
+  codec::Format format = codec::Format::kFp32;
+  if (args.size() == 10) {
+    if (!EqualsIgnoreCase(args[8], "DTYPE")) {
+      return ctx.Error(
+          Error("unknown option '" + std::string(args[8].substr(0, 32)) + "'; expected DTYPE"));
+    }
+    const auto f = codec::ParseFormat(args[9]);
+    if (!f ||
+        (*f != codec::Format::kFp32 && *f != codec::Format::kFp16 && *f != codec::Format::kBf16 &&
+         *f != codec::Format::kFp8 && *f != codec::Format::kFp8DsMla)) {
+      return ctx.Error(
+          Error("DTYPE of MLA latents must be one of fp32, fp16, bf16, fp8, "
+                "fp8_ds_mla, got '" +
+                std::string(args[9].substr(0, 32)) + "'"));
+    }
+    format = *f;
+  }
+  const uint32_t dk = rank + static_cast<uint32_t>(rope);
+  if (format == codec::Format::kFp8DsMla && (rope != codec::kDsMlaRope || rank % 128 != 0)) {
+    return ctx.Error(
+        Error("fp8_ds_mla holds kv_lora_rank (a multiple of 128) + 64 RoPE values, "
+              "got kv_lora_rank " +
+              std::to_string(rank) + " rope_dim " + std::to_string(rope)));
+  }
+  const codec::RowCodec codec = codec::RowCodec::Create(format, dk).value();
+  const std::string shape = " (N=" + std::to_string(rows) +
+                            " kv_lora_rank=" + std::to_string(rank) +
+                            " rope_dim=" + std::to_string(rope) + ")";
+  std::string formula;
+  switch (format) {
+    case codec::Format::kFp32:
+      formula = "N*(kv_lora_rank+rope_dim)*4" + shape;
+      break;
+    case codec::Format::kFp8:
+      formula = "N*(4+kv_lora_rank+rope_dim)" + shape + ", rows of [f32 scale][e4m3 values]";
+      break;
+    case codec::Format::kFp8DsMla:
+      formula = "N*(kv_lora_rank+kv_lora_rank/32+2*rope_dim)" + shape +
+                ", rows of [kv_lora_rank e4m3][f32 scale per 128][rope_dim bf16]";
+      break;
+    default:
+      formula = "N*(kv_lora_rank+rope_dim)*2" + shape;
+  }
+  s = CheckBlobSize("latent_blob", formula, uint64_t{rows} * codec.row_bytes(), args[7].size());
+  if (!s.ok()) return ctx.Error(s);
+  if (format == codec::Format::kFp8 || format == codec::Format::kFp8DsMla) {
+    // Scales as the codec writes them: finite and not negative.
+    const auto* blob = reinterpret_cast<const uint8_t*>(args[7].data());
+    const bool ds = format == codec::Format::kFp8DsMla;
+    const uint32_t groups = ds ? rank / codec::kDsMlaGroup : 1;
+    for (uint64_t r = 0; r < rows; ++r) {
+      for (uint32_t g = 0; g < groups; ++g) {
+        float scale;
+        std::memcpy(&scale, blob + r * codec.row_bytes() + (ds ? rank + 4 * g : 0), 4);
+        if (!(scale >= 0.0f) || !std::isfinite(scale)) {
+          return ctx.Error(Error("latent_blob row " + std::to_string(r) + " has scale " +
+                                 std::to_string(scale) + "; fp8 scales must be finite and >= 0"));
+        }
+      }
+    }
+  }
+  server::Server& srv = *ctx.server;
+  auto slot = std::make_shared<attention::Slot>();
+  slot->mla = true;
+  slot->heads = 1;
+  slot->rows = rows;
+  slot->d = dk;
+  slot->dv = rank;
+  slot->latent = LatentStorage(srv, format);
+  std::unique_ptr<Charge> charge;
+  if (!ChargeHost(ctx, residency::Family::kAttention, slot->bytes(), &charge)) return;
+  auto b = args.TakeBuffer(7);
+  if (!b.ok()) return ctx.Error(b.status());
+  BufferRef src = std::move(b).value();
+  const store::TenantKey sid = ctx.Key(args[1]);
+  if (LatentCodec(slot->latent) == format) {  // the received rows are the slot's: adopted
+    return PublishLatent(ctx, std::move(slot), sid, layer, std::move(src), std::move(charge));
+  }
+  auto dst = BufferAllocator::Default()->Allocate(slot->bytes());
+  if (!dst.ok()) return ctx.Error(dst.status());
+  ConvertRows(reinterpret_cast<const float*>(src->data()), rows, dk, kernels::DType::kF16,
+              dst.value()->data());  // fp32 → fp16 (--attention-fp16)
+  PublishLatent(ctx, std::move(slot), sid, layer, std::move(dst).value(), std::move(charge));
 }
 
 // ATTEND.PREFIX.STORE <sid> <layer> <H> <N> <D> <K_blob> <V_blob> [DTYPE fp32|fp16|bf16|fp8]
@@ -354,24 +512,27 @@ void PrepareSource(server::Server& srv, server::Shard& shard, const store::Tenan
           return done(Error("layer " + std::to_string(layer) + " is out of range: namespace '" +
                             ns.name + "' has " + std::to_string(m.n_layers) + " layers"));
         }
-        if (std::find(std::begin(kHeadDims), std::end(kHeadDims), m.head_dim) ==
-            std::end(kHeadDims)) {
+        if (m.mla()) {
+          Status shape = CheckMlaShape(m.kv_lora_rank, m.rope_dim, "namespace '" + ns.name + "'");
+          if (!shape.ok()) return done(shape);
+        } else if (std::find(std::begin(kHeadDims), std::end(kHeadDims), m.head_dim) ==
+                   std::end(kHeadDims)) {
           return done(Error("namespace '" + ns.name + "' has head_dim " +
                             std::to_string(m.head_dim) +
                             "; attention needs one of 32, 64, 96, 128, 160, 192, 256, 512"));
         }
         auto sessions = kvprefix::SessionsOf(shard, ns.tenant, ns.name, m);
         if (!kvprefix::Complete(sessions, m)) {
-          return done(Error("namespace '" + ns.name +
-                            "' is not complete (rows missing in its K or V sessions); a "
-                            "half-written prefix is never bound"));
+          return done(Error("namespace '" + ns.name + "' is not complete (rows missing in its " +
+                            (m.mla() ? "latent session" : "K or V sessions") +
+                            "); a half-written prefix is never bound"));
         }
         auto src = std::make_shared<Source>();
         src->manifest = m;
         src->publication = shard.store().prefixes.Publish(e);
-        src->k = sessions.k->TakeSnapshot();
-        src->v = sessions.v->TakeSnapshot();
-        src->codec = sessions.k->codec();
+        src->k = sessions.parts[0]->TakeSnapshot();  // an MLA namespace: its latent rows
+        if (!m.mla()) src->v = sessions.parts[1]->TakeSnapshot();
+        src->codec = sessions.parts[0]->codec();
         // The layer's chunks (ids [layer*T, (layer+1)*T) of each session), in memory.
         std::vector<residency::ObjectRef> objs;
         const int64_t first = int64_t{layer} * m.n_tokens, last = first + m.n_tokens - 1;
@@ -389,6 +550,41 @@ void PrepareSource(server::Server& srv, server::Shard& shard, const store::Tenan
                                      done(src);
                                    });
       });
+}
+
+// Runs on a compute thread: an MLA namespace's layer `layer` into the slot's latent block: its
+// stored rows copied as they are (the slot keeps the namespace's codec), or, for fp32 under
+// --attention-fp16, decoded and stored as fp16.
+void CopyLatentLayer(server::WorkerPool& pool, const Source& src, uint32_t layer,
+                     const attention::Slot& slot, const BufferRef& dst) {
+  const uint32_t T = src.manifest.n_tokens, dk = slot.d;
+  store::VSession ls(src.codec, nullptr);
+  ls.Restore(src.k);
+  const int64_t base = int64_t{layer} * T;
+  store::VSession::HostView view;  // pinned in memory by PrepareSource
+  std::vector<residency::ObjectRef> missing;
+  ls.ViewRange(base, base + T, &view, &missing);
+  const bool same = LatentCodec(slot.latent) == src.codec.format();
+  const size_t rb = slot.bytes_each() / T;
+  const uint32_t pieces = std::max<uint32_t>(1, std::min<uint32_t>(pool.threads(), T / 256));
+  pool.ParallelFor(pieces, [&](size_t p) {
+    const uint32_t t_begin = static_cast<uint32_t>(uint64_t{T} * p / pieces);
+    const uint32_t t_end = static_cast<uint32_t>(uint64_t{T} * (p + 1) / pieces);
+    constexpr uint32_t kStep = store::kRowsPerChunk;
+    std::vector<int64_t> ids(kStep);
+    std::vector<float> rows(size_t{kStep} * dk);
+    for (uint32_t t0 = t_begin; t0 < t_end; t0 += kStep) {
+      const uint32_t n = std::min(kStep, t_end - t0);
+      uint8_t* out = dst->data() + size_t{t0} * rb;
+      if (same) {
+        for (uint32_t t = 0; t < n; ++t) ids[t] = base + t0 + t;
+        ls.RawIds(view, ids.data(), n, out);
+      } else {
+        ls.DecodeRange(view, base + t0, base + t0 + n, rows.data());
+        ConvertRows(rows.data(), n, dk, kernels::DType::kF16, out);
+      }
+    }
+  });
 }
 
 // Runs on a compute thread: decodes layer `layer` of the source (token-major rows of
@@ -498,30 +694,45 @@ void StoreFrom(CommandContext& ctx, CmdArgs& args) {
     slot->d = m.head_dim;
     slot->dtype = StorageType(*srv, src->codec.format());
     slot->gpu = srv->gpu_attention();
+    if (m.mla()) {  // one latent block; computed on the CPU under every backend
+      slot->mla = true;
+      slot->dv = m.kv_lora_rank;
+      slot->latent = LatentStorage(*srv, src->codec.format());
+      slot->dtype = kernels::DType::kF32;
+      slot->gpu = false;
+    }
     slot->source = ns.name + "@" + std::to_string(src->publication);
-    ChargeHostLater(
-        *srv, residency::Family::kAttention, slot->bytes(), deadline,
-        [srv, src, slot, sid, layer, sid_shard, reply, fail,
-         deadline](StatusOr<std::unique_ptr<Charge>> charge) {
-          if (!charge.ok()) return fail(charge.status());
-          auto kb = HostAllocator(*slot)->Allocate(slot->bytes_each());
-          auto vb = HostAllocator(*slot)->Allocate(slot->bytes_each());
-          if (!kb.ok() || !vb.ok()) return fail(kb.ok() ? vb.status() : kb.status());
-          auto held = std::make_shared<std::unique_ptr<Charge>>(std::move(charge).value());
-          BufferRef k = std::move(kb).value(), v = std::move(vb).value();
-          bool queued = srv->compute()->Submit(
-              [srv, src, slot, sid, layer, sid_shard, reply, deadline, held, k, v]() {
-                DecodeLayer(*srv->compute(), *src, layer, *slot, k, v);
-                src->pins.reset();  // the namespace's chunks may leave memory again
-                slot->obj = srv->residency()->CreateInHost(residency::Family::kAttention, {k, v},
-                                                           std::move(*held), HostAllocator(*slot));
-                Finish(srv, sid_shard, slot, sid, layer, true, deadline, reply);
-              });
-          if (!queued) {
-            srv->shard(sid_shard).stats().Reject(server::RejectReason::kBusy);
-            fail(Status(ErrorKind::kBusy, "the compute queue is full; retry later"));
-          }
-        });
+    ChargeHostLater(*srv, residency::Family::kAttention, slot->bytes(), deadline,
+                    [srv, src, slot, sid, layer, sid_shard, reply, fail,
+                     deadline](StatusOr<std::unique_ptr<Charge>> charge) {
+                      if (!charge.ok()) return fail(charge.status());
+                      auto kb = HostAllocator(*slot)->Allocate(slot->bytes_each());
+                      auto vb = slot->mla ? StatusOr<BufferRef>(BufferRef())
+                                          : HostAllocator(*slot)->Allocate(slot->bytes_each());
+                      if (!kb.ok() || !vb.ok()) return fail(kb.ok() ? vb.status() : kb.status());
+                      auto held =
+                          std::make_shared<std::unique_ptr<Charge>>(std::move(charge).value());
+                      BufferRef k = std::move(kb).value(), v = std::move(vb).value();
+                      bool queued = srv->compute()->Submit(
+                          [srv, src, slot, sid, layer, sid_shard, reply, deadline, held, k, v]() {
+                            std::vector<BufferRef> blocks = {k};
+                            if (slot->mla) {
+                              CopyLatentLayer(*srv->compute(), *src, layer, *slot, k);
+                            } else {
+                              DecodeLayer(*srv->compute(), *src, layer, *slot, k, v);
+                              blocks.push_back(v);
+                            }
+                            src->pins.reset();  // the namespace's chunks may leave memory again
+                            slot->obj = srv->residency()->CreateInHost(
+                                residency::Family::kAttention, std::move(blocks), std::move(*held),
+                                HostAllocator(*slot));
+                            Finish(srv, sid_shard, slot, sid, layer, true, deadline, reply);
+                          });
+                      if (!queued) {
+                        srv->shard(sid_shard).stats().Reject(server::RejectReason::kBusy);
+                        fail(Status(ErrorKind::kBusy, "the compute queue is full; retry later"));
+                      }
+                    });
   };
 
   // Step 1, on the namespace's shard.
@@ -546,12 +757,15 @@ void StoreFrom(CommandContext& ctx, CmdArgs& args) {
 
 void Store(CommandContext& ctx, CmdArgs& args) {
   if (args.size() >= 5 && EqualsIgnoreCase(args[3], "FROM")) return StoreFrom(ctx, args);
+  const bool mla = args.size() >= 4 && EqualsIgnoreCase(args[3], "MLA");
   if (args.size() != 8 && args.size() != 10) {
     return ctx.Error(Error(
         "wrong number of arguments for 'attend.prefix.store': expected <sid> <layer> <H> <N> <D> "
-        "<K_blob> <V_blob> [DTYPE fp32|fp16|bf16|fp8] or <sid> <layer> FROM <ns> [MODEL <id>] "
-        "[POSITION <digest>]"));
+        "<K_blob> <V_blob> [DTYPE fp32|fp16|bf16|fp8] or <sid> <layer> MLA <N> <kv_lora_rank> "
+        "<rope_dim> <latent_blob> [DTYPE fp32|fp16|bf16|fp8|fp8_ds_mla] or <sid> <layer> FROM "
+        "<ns> [MODEL <id>] [POSITION <digest>]"));
   }
+  if (mla) return StoreMlaBlobs(ctx, args);
   StoreBlobs(ctx, args);
 }
 
@@ -623,7 +837,11 @@ void SaveLayer(server::Server& srv, server::Shard& shard, const store::TenantKey
   rec.SetUint("heads", slot->heads);
   rec.SetUint("rows", slot->rows);
   rec.SetUint("head_dim", slot->d);
-  rec.Set("dtype", std::string(kernels::DTypeName(slot->dtype)));
+  rec.Set("dtype", std::string(slot->dtype_name()));
+  if (slot->mla) {  // absent: a per-head slot (every file written before MLA slots)
+    rec.Set("layout", "mla");
+    rec.SetUint("kv_lora_rank", slot->dv);
+  }
   rec.SetUint("generation", slot->generation);
   rec.Set("source", slot->source);
   const uint64_t version = slots.NextVersion(sid, layer);
@@ -734,11 +952,26 @@ Status Adopt(server::Server& srv, uint64_t version,
   slot->heads = static_cast<uint32_t>(heads.value());
   slot->rows = static_cast<uint32_t>(rows.value());
   slot->d = static_cast<uint32_t>(d.value());
-  if (!kernels::ParseDType(dtype.value(), &slot->dtype) || file->file().block_count() != 2 ||
-      file->file().block_length(0) != slot->bytes_each() ||
-      file->file().block_length(1) != slot->bytes_each()) {
-    return Status(ErrorKind::kCorrupt, "its blocks do not match its shape");
+  bool typed = false;
+  if (rec->Get("layout").ok() && rec->Get("layout").value() == "mla") {
+    auto rank = rec->GetUint("kv_lora_rank");
+    if (!rank.ok()) return rank.status();
+    slot->mla = true;
+    slot->dv = static_cast<uint32_t>(rank.value());
+    for (auto t : {kernels::LatentType::kF32, kernels::LatentType::kF16, kernels::LatentType::kBF16,
+                   kernels::LatentType::kFP8, kernels::LatentType::kFP8DsMla}) {
+      if (dtype.value() == kernels::LatentTypeName(t)) slot->latent = t, typed = true;
+    }
+    typed = typed && slot->heads == 1 && slot->dv > 0 && slot->dv <= slot->d &&
+            CheckMlaShape(slot->dv, slot->d - slot->dv, "it").ok();
+  } else {
+    typed = kernels::ParseDType(dtype.value(), &slot->dtype);
   }
+  bool fits = typed && file->file().block_count() == slot->blocks();
+  for (size_t b = 0; fits && b < slot->blocks(); ++b) {
+    fits = file->file().block_length(b) == slot->bytes_each();
+  }
+  if (!fits) return Status(ErrorKind::kCorrupt, "its blocks do not match its shape");
   const uint32_t tid = srv.users().TenantId(tenant.value());
   const store::TenantKey key{tid, sid.value()};
   const uint32_t l = static_cast<uint32_t>(layer.value());
@@ -746,12 +979,15 @@ Status Adopt(server::Server& srv, uint64_t version,
     return Status(ErrorKind::kCorrupt,
                   "it holds session '" + key.name.substr(0, 64) + "' layer " + std::to_string(l));
   }
-  slot->gpu = srv.gpu_attention();
+  slot->gpu = srv.gpu_attention() && !slot->mla;
   slot->generation = gen.value();
   slot->source = rec->Get("source").ok() ? rec->Get("source").value() : std::string();
-  slot->obj = srv.residency()->CreateOnDisk(residency::Family::kAttention,
-                                            {slot->bytes_each(), slot->bytes_each()}, file, {0, 1},
-                                            HostAllocator(*slot));
+  slot->obj =
+      slot->mla ? srv.residency()->CreateOnDisk(residency::Family::kAttention, {slot->bytes_each()},
+                                                file, {0}, HostAllocator(*slot))
+                : srv.residency()->CreateOnDisk(residency::Family::kAttention,
+                                                {slot->bytes_each(), slot->bytes_each()}, file,
+                                                {0, 1}, HostAllocator(*slot));
   attention::NoteSlotGeneration(slot->generation);
   auto& slots = srv.shard(srv.OwnerOf(tid, key.name)).store().attention;
   std::string old_path;
@@ -895,7 +1131,7 @@ void WriteShape(proto::ReplyBuilder& rb, const attention::Slot& slot) {
   rb.Bulk("head_dim");
   rb.Integer(slot.d);
   rb.Bulk("dtype");
-  rb.Bulk(kernels::DTypeName(slot.dtype));
+  rb.Bulk(slot.dtype_name());
 }
 
 // One exported layer, pinned and leased (see Export), with what both reply forms tell of it.
@@ -964,6 +1200,12 @@ void Export(CommandContext& ctx, CmdArgs& args) {
   for (uint32_t layer : layers) {
     auto found = FindSlot(ctx, args[1], layer);
     if (!found.ok()) return ctx.Error(found.status());
+    if (found.value()->mla) {
+      return ctx.Error(Error("the slot of session '" + std::string(args[1].substr(0, 128)) +
+                             "' layer " + std::to_string(layer) +
+                             " holds MLA latents, which stay in host memory and are computed on "
+                             "the CPU (no CUDA MLA kernel yet): it has no GPU copy to export"));
+    }
     objs.push_back(found.value()->obj);
     slots.push_back(std::move(found).value());
   }
@@ -1027,10 +1269,16 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   auto& rb = *ctx.rb;
   rb.Array(layers.size());
   for (const auto& [layer, slot] : layers) {
-    rb.Map(10);
+    rb.Map(13);
     rb.Bulk("layer");
     rb.Integer(layer);
     WriteShape(rb, *slot);
+    rb.Bulk("layout");  // "heads" (K and V per head) or "mla" (latent rows for every head)
+    rb.Bulk(slot->mla ? "mla" : "heads");
+    rb.Bulk("kv_lora_rank");
+    rb.Integer(slot->mla ? slot->dv : 0);
+    rb.Bulk("rope_dim");
+    rb.Integer(slot->mla ? slot->d - slot->dv : 0);
     // The fastest tier holding its K and V now (a query brings it to its backend's tier).
     const unsigned tiers = slot->obj->Tiers();
     rb.Bulk("tier");
@@ -1041,8 +1289,8 @@ void Info(CommandContext& ctx, CmdArgs& args) {
     rb.Integer(static_cast<int64_t>(slot->generation));
     rb.Bulk("source");
     rb.Bulk(slot->source);
-    rb.Bulk("backend");
-    rb.Bulk(BackendName(*ctx.server));
+    rb.Bulk("backend");  // MLA slots: the CPU under every backend (no CUDA MLA kernel yet)
+    rb.Bulk(slot->mla ? std::string_view("cpu") : BackendName(*ctx.server));
   }
 }
 
@@ -1055,10 +1303,11 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
   r.Register(WithOptions(
       {"ATTEND.PREFIX.STORE", -5, kKv | kCmdWrite | kCmdDenyOom | kCmdDeadline, 1, 1, 1, Store,
        "attend_prefix",
-       "Makes one layer's K/V resident for server-side attention (blobs, or bound from a "
-       "KV.PREFIX namespace).",
+       "Makes one layer's K/V (or MLA latent rows) resident for server-side attention (blobs, "
+       "or bound from a KV.PREFIX namespace).",
        "<sid> <layer> <H> <N> <D> <K_blob> <V_blob> [DTYPE fp32|fp16|bf16|fp8] | <sid> <layer> "
-       "FROM <ns> [MODEL <id>] [POSITION <digest>]"},
+       "MLA <N> <kv_lora_rank> <rope_dim> <latent_blob> [DTYPE fp32|fp16|bf16|fp8|fp8_ds_mla] | "
+       "<sid> <layer> FROM <ns> [MODEL <id>] [POSITION <digest>]"},
       {{"DTYPE", 1}, {"MODEL", 1}, {"POSITION", 1}}));
   r.Register({"ATTEND.PREFIX.LOOKUP", 3, kKv | kCmdReadOnly | kCmdFast, 1, 1, 1, Lookup,
               "attend_prefix", "+HIT when the slot is resident, +MISS otherwise.",
@@ -1080,7 +1329,8 @@ void RegisterAttendPrefixFamily(server::Server& srv) {
        "<sid> <layer> [<layer> ...] [PACKED]"},
       {{"PACKED", 0}}));
   r.Register({"ATTEND.PREFIX.INFO", 2, kKv | kCmdReadOnly, 1, 1, 1, Info, "attend_prefix",
-              "The session's resident layers: shape, storage type, bytes, generation, source.",
+              "The session's resident layers: shape, layout, storage type, bytes, generation, "
+              "source.",
               "<sid>"});
   RegisterQueryCommands(srv);
   srv.memory().set_family_limit(MemFamily::kAttention, srv.config().attention_memory);

@@ -22,43 +22,7 @@ using attention::Form;
 using proto::CmdArgs;
 using server::CommandContext;
 
-struct QueryJob {
-  attention::SlotRef slot;
-  // The bytes it computes over, held for the job's life: host blocks (K, V) for the CPU
-  // kernels, or a pin on the GPU replica.
-  BufferRef k, v;
-  std::shared_ptr<residency::GpuPin> gpu;
-  const char* tier = "host";
-  std::string fallback;  // why it computed elsewhere than asked ("" when it did not)
-  residency::Deadline deadline = residency::kNoDeadline;
-  attention::Plan plan;
-  std::vector<BufferRef> hold;  // argument buffers the plan points into
-  std::vector<int32_t> head_map;
-  std::shared_ptr<attention::Summaries> summaries;
-  // What the cost model expects of it (Admit): its key, work and seconds once started (0:
-  // nothing comparable measured yet), and whether it runs on the shard thread.
-  attention::CostKey key;
-  attention::Work work;
-  double estimate = 0;
-  bool inline_run = false;
-  size_t out_rows = 0;
-  bool with_lse = false;
-  bool receipt = false;
-  // When it was handed to the compute pool (queue_us in the receipt); unset when it ran inline.
-  std::optional<std::chrono::steady_clock::time_point> submitted;
-};
-
-// Positions stay far from int64 overflow: QPOS + M, and position − window, are always exact.
-constexpr int64_t kMaxPosition = int64_t{1} << 62;
-
-// The optional tail: [<fa_window>] [QPOS <p>] [SELECT mean|quest] [SHARED] [RECEIPT].
-struct Tail {
-  int64_t window = 0;
-  std::optional<int64_t> qpos;
-  kernels::BlockSelector selector = kernels::BlockSelector::kMean;
-  bool shared = false;
-  bool receipt = false;
-};
+}  // namespace
 
 // `admission`: the DEADLINE / ALLOW APPROX options the command also takes, for the error.
 Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_select,
@@ -116,11 +80,6 @@ StatusOr<BufferRef> Take(CmdArgs& args, size_t i, QueryJob* job) {
   return b;
 }
 
-template <typename T>
-const T* As(const BufferRef& b) {
-  return reinterpret_cast<const T*>(b->data());
-}
-
 std::string Shape(std::initializer_list<std::pair<const char*, uint64_t>> dims) {
   std::string s = "(";
   for (const auto& [name, v] : dims) {
@@ -129,6 +88,8 @@ std::string Shape(std::initializer_list<std::pair<const char*, uint64_t>> dims) 
   }
   return s + ")";
 }
+
+namespace {
 
 // Checks the slot against the command's D and K/V heads.
 Status CheckSlot(const attention::Slot& slot, uint32_t d, std::optional<uint32_t> h_kv) {
@@ -217,13 +178,14 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
   rb.Bulk("fallback");  // "" or why the answer came from elsewhere than asked
   rb.Bulk(job.fallback);
   rb.Bulk("dtype");
-  rb.Bulk(kernels::DTypeName(job.slot->dtype));
+  rb.Bulk(job.slot->dtype_name());
   rb.Bulk("generation");
   rb.Integer(static_cast<int64_t>(job.slot->generation));
   rb.Bulk("prefix_rows");
   rb.Integer(job.slot->rows);
   rb.Bulk("suffix_rows");
-  rb.Integer(job.plan.k_suffix.rows);
+  rb.Integer(attention::IsMla(job.plan.form) ? job.plan.latent_suffix.rows
+                                             : job.plan.k_suffix.rows);
   rb.Bulk("query_rows");
   rb.Integer(static_cast<int64_t>(uint64_t{job.plan.q.hq} * job.plan.q.m));
   rb.Bulk("rows_attended");
@@ -296,7 +258,7 @@ QueryResult Execute(server::Server* srv, const QueryJob& job, const attention::P
     });
   }
   QueryResult res;
-  const size_t d = job.plan.q.d;
+  const size_t d = slot.mla ? slot.dv : job.plan.q.d;  // an output row's width
   const size_t bytes = (job.out_rows * d + (job.with_lse ? job.out_rows : 0)) * sizeof(float);
   auto out = BufferAllocator::Default()->Allocate(bytes);
   if (!out.ok()) {
@@ -309,7 +271,9 @@ QueryResult Execute(server::Server* srv, const QueryJob& job, const attention::P
   res.receipt = std::make_shared<attention::Receipt>();
   attention::Receipt* r = res.receipt.get();
 
-  if (job.gpu) {
+  if (slot.mla) {  // latent rows: the CPU kernel under every backend
+    res.status = attention::RunMla(kern, par, job.plan, slot.LatentView(job.k), o, lse, r);
+  } else if (job.gpu) {
     // The replica is pinned by the job: it stays on the GPU until the job is done.
     res.status = attention::RunGpu(job.plan, slot, **job.gpu, job.summaries.get(), o, lse, r);
   } else {
@@ -369,7 +333,8 @@ attention::Parallel ParallelOf(server::Server& srv, bool inline_run) {
 // synthetic K/V of the job's shape), so a deadline is judged by this machine's rate.
 void MeasureIfNew(server::Server& srv, const QueryJob& job) {
   attention::CostModel& model = srv.attention_counters().cost;
-  if (job.key.gpu || model.Measured(job.key)) return;
+  // MLA forms are estimated from their own runs only (CalibrateCpu knows per-head forms).
+  if (job.key.gpu || attention::IsMla(job.plan.form) || model.Measured(job.key)) return;
   attention::CalibrateCpu(model, Kernels(srv), ParallelOf(srv, job.inline_run), job.key,
                           job.plan.q.hq, job.slot->heads, job.plan.q.d, job.plan.q.m);
 }
@@ -382,6 +347,19 @@ void MeasureIfNew(server::Server& srv, const QueryJob& job) {
 bool HoldBytes(CommandContext& ctx, QueryJob* job) {
   const attention::Slot& slot = *job->slot;
   residency::Engine* engine = ctx.server->residency();
+  if (slot.mla) {  // one latent block, in host memory under every backend
+    if (!ctx.Resident({slot.obj}, residency::Tier::kHost)) {
+      ctx.server->attention_counters().promotions.fetch_add(1, std::memory_order_relaxed);
+      return false;  // parked: the slot comes back from disk, then the query runs again
+    }
+    if (ctx.server->gpu_attention()) {
+      job->fallback =
+          "cpu: no CUDA MLA kernel yet; MLA slots stay in host memory and are "
+          "computed on the CPU";
+    }
+    job->k = slot.obj->HostBlock(0);
+    return static_cast<bool>(job->k);
+  }
   if (slot.gpu) {
     bool on_gpu = slot.obj->Resident(residency::Tier::kGpu);
     if (!on_gpu && ctx.deadline != residency::kNoDeadline &&
@@ -535,8 +513,8 @@ bool Admit(CommandContext& ctx, QueryJob* job) {
   return false;
 }
 
-// Runs the job: small ones right here, the rest on the compute pool (the reply is written when
-// it finishes).
+}  // namespace
+
 void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
   server::Server* srv = ctx.server;
   server::Shard* shard = ctx.shard;
@@ -554,6 +532,12 @@ void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
   bool queued = srv->compute()->Submit([srv, job, reply]() {
     auto res = std::make_shared<QueryResult>(Execute(srv, *job, ParallelOf(*srv, false)));
     srv->attention_counters().cost.SubQueued(job->estimate);
+    // The slot's bytes and the arguments are let go before the reply goes out (the reply needs
+    // neither): a client's next command never finds them still held by this one.
+    job->k.reset();
+    job->v.reset();
+    job->gpu.reset();
+    job->hold.clear();
     const std::string_view backend = BackendName(*srv);
     reply([res, job, backend](proto::ReplyBuilder& rb) { WriteResult(rb, *job, *res, backend); });
   });
@@ -568,6 +552,8 @@ void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
   }
 }
 
+namespace {
+
 // Common head of every form: <sid> <layer> <H> <D>.
 struct Head {
   attention::SlotRef slot;
@@ -575,7 +561,17 @@ struct Head {
 };
 Status ParseHead(CommandContext& ctx, const CmdArgs& args, Head* h) {
   Status s = ParseLayer(args[2], &h->layer);
-  if (s.ok()) s = ParseCount(args[3], "H", kMaxHeads, &h->hq);
+  if (!s.ok()) return s;
+  // A per-head form on an MLA slot: said first, whatever its H and D.
+  if (attention::SlotRef slot = ctx.shard->store().attention.Find(ctx.Key(args[1]), h->layer);
+      slot != nullptr && slot->mla) {
+    return Error("the slot of session '" + std::string(args[1].substr(0, 128)) + "' layer " +
+                 std::to_string(h->layer) + " holds MLA latents (kv_lora_rank " +
+                 std::to_string(slot->dv) + " + rope_dim " + std::to_string(slot->d - slot->dv) +
+                 ", one row per token for every head), not per-head K/V: query it with "
+                 "ATTEND.PREFIX.QUERY_MLA, QUERY_MLA_SPARSE or QUERY_MLA_FUSED");
+  }
+  s = ParseCount(args[3], "H", kMaxHeads, &h->hq);
   if (s.ok()) s = ParseHeadDim(args[4], &h->d);
   if (!s.ok()) return s;
   auto slot = FindSlot(ctx, args[1], h->layer);
@@ -781,6 +777,7 @@ void QuerySparseAutoFused(CommandContext& ctx, CmdArgs& args) {
 }  // namespace
 
 void RegisterQueryCommands(server::Server& srv) {
+  RegisterMlaQueryCommands(srv);
   using namespace server;
   auto& r = srv.registry();
   constexpr uint32_t kRead = kCmdKvCache | kCmdReadOnly | kCmdDeadline | kCmdApprox;

@@ -1,5 +1,6 @@
 // KV.PREFIX.* — shared prefix K/V namespaces. REGISTER creates the namespace's identity
-// manifest and its V-store sessions "<ns>_pk"/"<ns>_pv"; clients write layers with
+// manifest and its V-store sessions "<ns>_pk"/"<ns>_pv" (an MLA namespace: its latent session
+// "<ns>_pl"); clients write layers with
 // V.STOREBATCH and read them with V.FETCH RANGE. LOOKUP answers HIT only for a complete prefix
 // whose identity matches (a half-written prefix is never a hit); INFO/BLOCKS/MEMBERSHIP/OWNER
 // describe it; DROP deletes it and fences its generation.
@@ -27,21 +28,25 @@ PrefixSessions SessionsOf(server::Shard& shard, uint32_t tenant, std::string_vie
                           const store::PrefixManifest& m) {
   auto& vs = shard.store().vstore;
   PrefixSessions out;
-  auto* k = vs.Find(store::TenantKey{tenant, std::string(ns) + "_pk"});
-  auto* v = vs.Find(store::TenantKey{tenant, std::string(ns) + "_pv"});
-  auto matches = [&](store::VStore::Entry* e) {
-    return e != nullptr && e->session->dim() == m.dim() && e->session->codec().format() == m.format;
-  };
-  if (matches(k) && matches(v)) {
-    out.k = k->session.get();
-    out.v = v->session.get();
+  size_t n = 0;
+  for (std::string_view suffix : m.SessionSuffixes()) {
+    auto* e = vs.Find(store::TenantKey{tenant, std::string(ns) + std::string(suffix)});
+    if (e == nullptr || e->session->dim() != m.dim() || e->session->codec().format() != m.format) {
+      return PrefixSessions{};
+    }
+    out.parts[n++] = e->session.get();
   }
+  out.count = n;
   return out;
 }
 
 bool Complete(const PrefixSessions& s, const store::PrefixManifest& m) {
   int64_t n = static_cast<int64_t>(m.rows());
-  return s.ok() && s.k->RangeWritten(0, n) && s.v->RangeWritten(0, n);
+  if (!s.ok()) return false;
+  for (const store::VSession* sess : s.all()) {
+    if (!sess->RangeWritten(0, n)) return false;
+  }
+  return true;
 }
 
 bool Published(server::Shard& shard, uint32_t tenant, std::string_view ns, store::PrefixEntry* e) {
@@ -49,8 +54,12 @@ bool Published(server::Shard& shard, uint32_t tenant, std::string_view ns, store
   if (!e->resident) return e->saved_complete;  // complete on disk; published when opened
   const PrefixSessions s = SessionsOf(shard, tenant, ns, e->manifest);
   const uint64_t n = e->manifest.rows();
-  // rows() counts distinct ids written: fewer than n in either session cannot be complete.
-  if (!s.ok() || s.k->rows() < n || s.v->rows() < n || !Complete(s, e->manifest)) return false;
+  // rows() counts distinct ids written: fewer than n in any session cannot be complete.
+  if (!s.ok()) return false;
+  for (const store::VSession* sess : s.all()) {
+    if (sess->rows() < n) return false;
+  }
+  if (!Complete(s, e->manifest)) return false;
   shard.store().prefixes.Publish(e);
   return true;
 }
@@ -68,6 +77,21 @@ Status PublishedRefusal(std::string_view ns, const store::PrefixEntry& e, std::s
                     "namespace");
 }
 
+Status CheckLayoutSession(std::string_view sid, const store::PrefixManifest& m) {
+  const std::string_view ns = sid.substr(0, sid.size() - 3), suffix = sid.substr(ns.size());
+  for (std::string_view s : m.SessionSuffixes()) {
+    if (s == suffix) return Status::Ok();
+  }
+  const std::string name(sid.substr(0, 128));
+  return Status(ErrorKind::kMismatch,
+                "namespace '" + std::string(ns.substr(0, 128)) + "' holds " + m.DescribeLayout(ns) +
+                    ", so '" + name + "' is not one of its sessions: " +
+                    (m.mla() ? "a per-head reader cannot read an MLA namespace (read its latent "
+                               "rows from '" +
+                                   std::string(ns.substr(0, 128)) + "_pl')"
+                             : "an MLA reader cannot read a per-head namespace"));
+}
+
 Status CheckRows(std::string_view ns, const store::PrefixManifest& m, int64_t lo, int64_t hi) {
   const int64_t n = static_cast<int64_t>(m.rows());
   if (lo >= 0 && hi <= n) return Status::Ok();
@@ -80,9 +104,11 @@ Status CheckRows(std::string_view ns, const store::PrefixManifest& m, int64_t lo
 
 Status Intact(server::Server& srv, const store::TenantKey& ns, store::PrefixEntry* e,
               const PrefixSessions& s) {
-  if (e->corrupt.empty() && s.ok() && (s.k->lost_chunks() > 0 || s.v->lost_chunks() > 0)) {
+  bool lost = false;
+  for (const store::VSession* sess : s.all()) lost = lost || sess->lost_chunks() > 0;
+  if (e->corrupt.empty() && lost) {
     std::string why;  // the first lost chunk's own words (once per namespace)
-    for (const store::VSession* sess : {s.k, s.v}) {
+    for (const store::VSession* sess : s.all()) {
       for (const auto& [i, c] : sess->chunks()) {
         if (why.empty()) why = c->obj->lost();
       }
@@ -124,7 +150,7 @@ uint64_t CommittedFrontier(const PrefixSessions& s, const PrefixManifest& m) {
     const uint64_t block = std::min<uint64_t>(kBlockTokens, T - t0);
     uint64_t head = block;  // the shortest written run from t0, over layers and K/V
     for (uint64_t l = 0; l < m.n_layers && head > 0; ++l) {
-      for (const store::VSession* sess : {s.k, s.v}) {
+      for (const store::VSession* sess : s.all()) {
         const int64_t a = static_cast<int64_t>(l * T + t0);
         if (sess->CountWritten(a, a + static_cast<int64_t>(head)) == head) continue;
         uint64_t h = 0;
@@ -149,32 +175,101 @@ Status ParseDim(std::string_view text, const char* what, uint32_t max, uint32_t*
   return Status::Ok();
 }
 
+// The layout arguments: <kv_heads> <head_dim>, or MLA <kv_lora_rank> <rope_dim>; `next` is
+// the index of the format argument after them.
+Status ParseLayout(const CmdArgs& args, PrefixManifest* m, size_t* next) {
+  if (!EqualsIgnoreCase(args[4], "MLA")) {
+    Status s = ParseDim(args[4], "kv_heads", 1024, &m->kv_heads);
+    if (s.ok()) s = ParseDim(args[5], "head_dim", 4096, &m->head_dim);
+    *next = 6;
+    return s;
+  }
+  if (args.size() < 8) {
+    return Error(
+        "syntax: KV.PREFIX.REGISTER <ns> <n_layers> <n_tokens> MLA <kv_lora_rank> "
+        "<rope_dim> <format> [MODEL <id>] [POSITION <digest>] [PREFILL_MS <ms>]");
+  }
+  m->layout = store::PrefixLayout::kMla;
+  Status s = ParseDim(args[5], "kv_lora_rank", 4096, &m->kv_lora_rank);
+  uint64_t rope = 0;
+  if (s.ok()) s = ParseUint(args[6], "rope_dim", &rope);
+  if (s.ok() && rope > 1024)
+    s = Error("rope_dim must be in [0, 1024], got " + std::to_string(rope));
+  if (!s.ok()) return s;
+  m->rope_dim = static_cast<uint32_t>(rope);
+  m->kv_heads = 1;  // one latent row per token, shared by every head
+  m->head_dim = m->kv_lora_rank + m->rope_dim;
+  *next = 7;
+  return Status::Ok();
+}
+
+// The codecs of each layout: fp8_ds_mla is DeepSeek-V3.2's latent row (kv_lora_rank a multiple
+// of 128, then 64 RoPE values), so only MLA namespaces of that shape take it; MLA latents are
+// stored in the float and fp8 formats the MLA kernels read.
+Status CheckLayoutFormat(const PrefixManifest& m) {
+  using codec::Format;
+  if (!m.mla()) {
+    if (m.format == Format::kFp8DsMla) {
+      return Error(
+          "fp8_ds_mla is the MLA latent layout: register the namespace with MLA <kv_lora_rank> "
+          "<rope_dim> (kv_heads/head_dim namespaces hold per-head K/V)");
+    }
+    return Status::Ok();
+  }
+  const Format f = m.format;
+  if (f != Format::kFp32 && f != Format::kFp16 && f != Format::kBf16 && f != Format::kFp8 &&
+      f != Format::kFp8DsMla) {
+    return Error(
+        "an MLA namespace stores its latents as fp32, fp16, bf16, fp8 or fp8_ds_mla, got '" +
+        std::string(codec::FormatName(f)) + "'");
+  }
+  if (f == Format::kFp8DsMla &&
+      (m.rope_dim != codec::kDsMlaRope || m.kv_lora_rank % codec::kDsMlaGroup != 0)) {
+    return Error(
+        "fp8_ds_mla holds kv_lora_rank (a multiple of 128) + 64 RoPE values, got "
+        "kv_lora_rank " +
+        std::to_string(m.kv_lora_rank) + " rope_dim " + std::to_string(m.rope_dim));
+  }
+  return Status::Ok();
+}
+
+// KV.PREFIX.REGISTER <ns> <n_layers> <n_tokens> (<kv_heads> <head_dim> | MLA <kv_lora_rank>
+//   <rope_dim>) <format> [MODEL <id>] [POSITION <digest>] [PREFILL_MS <ms>]
 void Register(CommandContext& ctx, CmdArgs& args) {
+  PrefixManifest m;
+  size_t fi = 6;
+  Status s = ParseDim(args[2], "n_layers", 4096, &m.n_layers);
+  if (s.ok()) s = ParseDim(args[3], "n_tokens", 1u << 28, &m.n_tokens);
+  if (s.ok()) s = ParseLayout(args, &m, &fi);
+  if (!s.ok()) return ctx.Error(s);
+  const std::span<const std::string_view> suffixes = m.SessionSuffixes();
   if (ctx.server->cluster() != nullptr) {
-    // Clients route <ns>_pk and <ns>_pv by their own slots: they must be the namespace's.
+    // Clients route the sessions by their own slots: they must be the namespace's.
     const std::string ns(args[1]);
     const int slot = cluster::KeySlot(ns);
-    if (cluster::KeySlot(ns + "_pk") != slot || cluster::KeySlot(ns + "_pv") != slot) {
-      return ctx.Error(Error("in cluster mode a namespace and its sessions '" + ns.substr(0, 64) +
-                             "_pk', '" + ns.substr(0, 64) +
-                             "_pv' must hash to one slot: give it a hash tag, e.g. '{" +
+    std::string names;
+    bool split = false;
+    for (std::string_view suffix : suffixes) {
+      split = split || cluster::KeySlot(ns + std::string(suffix)) != slot;
+      names +=
+          std::string(names.empty() ? "'" : ", '") + ns.substr(0, 64) + std::string(suffix) + "'";
+    }
+    if (split) {
+      return ctx.Error(Error("in cluster mode a namespace and its sessions " + names +
+                             " must hash to one slot: give it a hash tag, e.g. '{" +
                              ns.substr(0, 64) + "}' (see PROTOCOL.md § Cluster)"));
     }
   }
-  PrefixManifest m;
-  Status s = ParseDim(args[2], "n_layers", 4096, &m.n_layers);
-  if (s.ok()) s = ParseDim(args[3], "n_tokens", 1u << 28, &m.n_tokens);
-  if (s.ok()) s = ParseDim(args[4], "kv_heads", 1024, &m.kv_heads);
-  if (s.ok()) s = ParseDim(args[5], "head_dim", 4096, &m.head_dim);
-  if (!s.ok()) return ctx.Error(s);
-  auto format = codec::ParseFormat(args[6]);
+  auto format = codec::ParseFormat(args[fi]);
   if (!format) {
     return ctx.Error(Error("format must be one of " + std::string(codec::FormatChoices()) +
-                           ", got '" + std::string(args[6].substr(0, 32)) + "'"));
+                           ", got '" + std::string(args[fi].substr(0, 32)) + "'"));
   }
   m.format = *format;
+  s = CheckLayoutFormat(m);
+  if (!s.ok()) return ctx.Error(s);
   double prefill_ms = 0;
-  for (size_t i = 7; i < args.size(); i += 2) {
+  for (size_t i = fi + 1; i < args.size(); i += 2) {
     if (i + 1 >= args.size())
       return ctx.Error(Error("option '" + std::string(args[i]) + "' needs a value"));
     std::string_view opt = args[i], val = args[i + 1];
@@ -201,8 +296,8 @@ void Register(CommandContext& ctx, CmdArgs& args) {
   std::string ns(args[1]);
   auto* registry = &ctx.shard->store().prefixes;
   if (registry->Find(ctx.Key(ns)) == nullptr) {
-    for (const char* suffix : {"_pk", "_pv"}) {
-      s = vs.Create(ctx.Key(ns + suffix), codec.value());
+    for (std::string_view suffix : suffixes) {
+      s = vs.Create(ctx.Key(ns + std::string(suffix)), codec.value());
       if (!s.ok()) return ctx.Error(Status(ErrorKind::kMismatch, s.message()));
     }
   }
@@ -210,8 +305,8 @@ void Register(CommandContext& ctx, CmdArgs& args) {
   if (!entry.ok()) return ctx.Error(entry.status());
   if (!entry.value()->resident) return ctx.rb->Ok();  // saved on disk; promoted on demand
   // A re-registration may follow a V.DROP of a session: recreate what is missing.
-  for (const char* suffix : {"_pk", "_pv"}) {
-    s = vs.Create(ctx.Key(ns + suffix), codec.value());
+  for (std::string_view suffix : suffixes) {
+    s = vs.Create(ctx.Key(ns + std::string(suffix)), codec.value());
     if (!s.ok()) return ctx.Error(Status(ErrorKind::kMismatch, s.message()));
   }
   ctx.rb->Ok();
@@ -229,6 +324,9 @@ struct Verdict {
 struct LookupArgs {
   std::optional<std::string> model, position;
   std::optional<uint64_t> generation;
+  // The reader's layout: per-head unless it says LAYOUT mla (every reader before MLA namespaces
+  // existed reads per-head K/V, and must never be handed latents).
+  store::PrefixLayout layout = store::PrefixLayout::kHeads;
   bool explain = false;
 };
 
@@ -254,6 +352,15 @@ std::optional<Verdict> CheckIdentity(std::string_view ns, const PrefixEntry* e,
     v.held = std::to_string(m.cache_generation);
     v.detail = "namespace '" + std::string(ns) + "' is at generation " + v.held + ", not " +
                v.expected + " (it was dropped and registered again)";
+    return v;
+  }
+  if (a.layout != m.layout) {
+    v.reason = "layout_differs";
+    v.expected = std::string(store::LayoutName(a.layout));
+    v.held = std::string(store::LayoutName(m.layout));
+    v.detail = "namespace '" + std::string(ns) + "' holds " + m.DescribeLayout(ns) + ", not " +
+               (a.layout == store::PrefixLayout::kMla ? "MLA latents" : "per-head K/V") +
+               (m.mla() ? " (an MLA reader looks it up with LAYOUT mla)" : "");
     return v;
   }
   if (a.model && *a.model != m.model) {
@@ -285,8 +392,8 @@ Verdict Judge(server::Server& srv, server::Shard& shard, const store::TenantKey&
   const PrefixSessions ps = kvprefix::SessionsOf(shard, key.tenant, key.name, m);
   if (!ps.ok()) {
     v.reason = "sessions_lost";
-    v.detail = "namespace '" + key.name + "' has lost its sessions '" + key.name + "_pk' / '" +
-               key.name + "_pv' (V.DROP, or another shape): KV.PREFIX.REGISTER it again";
+    v.detail = "namespace '" + key.name + "' has lost its sessions (V.DROP, or another shape; " +
+               m.DescribeLayout(key.name) + "): KV.PREFIX.REGISTER it again";
     return v;
   }
   Status intact = kvprefix::Intact(srv, key, e, ps);
@@ -349,6 +456,15 @@ void Lookup(CommandContext& ctx, CmdArgs& args) {
       a.model = std::string(args[i + 1]);
     } else if (EqualsIgnoreCase(args[i], "POSITION")) {
       a.position = std::string(args[i + 1]);
+    } else if (EqualsIgnoreCase(args[i], "LAYOUT")) {
+      if (EqualsIgnoreCase(args[i + 1], "MLA")) {
+        a.layout = store::PrefixLayout::kMla;
+      } else if (EqualsIgnoreCase(args[i + 1], "HEADS")) {
+        a.layout = store::PrefixLayout::kHeads;
+      } else {
+        return ctx.Error(Error("LAYOUT must be heads or mla, got '" +
+                               std::string(args[i + 1].substr(0, 32)) + "'"));
+      }
     } else if (EqualsIgnoreCase(args[i], "GENERATION")) {
       uint64_t g;
       Status s = ParseUint(args[i + 1], "GENERATION", &g);
@@ -356,7 +472,7 @@ void Lookup(CommandContext& ctx, CmdArgs& args) {
       a.generation = g;
     } else {
       return ctx.Error(Error("unknown option '" + std::string(args[i].substr(0, 32)) +
-                             "'; expected MODEL, POSITION, GENERATION or EXPLAIN"));
+                             "'; expected MODEL, POSITION, LAYOUT, GENERATION or EXPLAIN"));
     }
     ++i;
   }
@@ -428,9 +544,10 @@ void InfoOne(CommandContext& ctx, std::string_view ns) {
   PrefixSessions s = SessionsOf(ctx, ns, m);
   uint64_t frontier =
       e->resident ? (s.ok() ? CommittedFrontier(s, m) : 0) : (e->saved_complete ? m.n_tokens : 0);
-  uint64_t bytes = s.ok() ? s.k->host_bytes() + s.v->host_bytes() : 0;
+  uint64_t bytes = 0;
+  for (const store::VSession* sess : s.all()) bytes += sess->host_bytes();
   auto& rb = *ctx.rb;
-  rb.Map(21);
+  rb.Map(24);
   rb.Bulk("model");
   rb.Bulk(m.model);
   rb.Bulk("position");
@@ -445,6 +562,12 @@ void InfoOne(CommandContext& ctx, std::string_view ns) {
   rb.Integer(m.head_dim);
   rb.Bulk("format");
   rb.Bulk(codec::FormatName(m.format));
+  rb.Bulk("layout");
+  rb.Bulk(store::LayoutName(m.layout));
+  rb.Bulk("kv_lora_rank");
+  rb.Integer(m.kv_lora_rank);
+  rb.Bulk("rope_dim");
+  rb.Integer(m.rope_dim);
   rb.Bulk("cache_generation");
   rb.Integer(static_cast<int64_t>(m.cache_generation));
   rb.Bulk("publication_generation");
@@ -479,31 +602,32 @@ void Info(CommandContext& ctx, CmdArgs& args) {
   if (args.size() == 2) return InfoOne(ctx, args[1]);  // routed to the namespace's shard
   if (args.size() > 2) return ctx.Error(Error("syntax: KV.PREFIX.INFO [<ns>]"));
   const uint32_t tenant = ctx.tenant;
-  ReplySumOverShards(ctx,
-                     {{"prefixes"},
-                      {"tokens"},
-                      {"fetches"},
-                      {"saved_prefill_ms", true},
-                      {"bytes_ram"},
-                      {"bytes_disk"}},
-                     [tenant](server::Shard& shard) {
-                       std::vector<double> t(6, 0.0);
-                       auto& vs = shard.store().vstore;
-                       shard.store().prefixes.ForEach(
-                           tenant, [&](const store::TenantKey& k, const PrefixEntry& e) {
-                             t[0] += 1;
-                             t[1] += e.manifest.n_tokens;
-                             t[2] += static_cast<double>(e.hits);
-                             t[3] += e.prefill_ms * static_cast<double>(e.hits);
-                             for (const char* suffix : {"_pk", "_pv"}) {
-                               if (auto* s = vs.Find(store::TenantKey{tenant, k.name + suffix})) {
-                                 t[4] += static_cast<double>(s->session->host_bytes());
-                               }
-                             }
-                             t[5] += static_cast<double>(e.disk_bytes);
-                           });
-                       return t;
-                     });
+  ReplySumOverShards(
+      ctx,
+      {{"prefixes"},
+       {"tokens"},
+       {"fetches"},
+       {"saved_prefill_ms", true},
+       {"bytes_ram"},
+       {"bytes_disk"}},
+      [tenant](server::Shard& shard) {
+        std::vector<double> t(6, 0.0);
+        auto& vs = shard.store().vstore;
+        shard.store().prefixes.ForEach(
+            tenant, [&](const store::TenantKey& k, const PrefixEntry& e) {
+              t[0] += 1;
+              t[1] += e.manifest.n_tokens;
+              t[2] += static_cast<double>(e.hits);
+              t[3] += e.prefill_ms * static_cast<double>(e.hits);
+              for (std::string_view suffix : e.manifest.SessionSuffixes()) {
+                if (auto* s = vs.Find(store::TenantKey{tenant, k.name + std::string(suffix)})) {
+                  t[4] += static_cast<double>(s->session->host_bytes());
+                }
+              }
+              t[5] += static_cast<double>(e.disk_bytes);
+            });
+        return t;
+      });
 }
 
 // Per 64-token block: rows written (K and V, all layers) and where the block is resident.
@@ -518,14 +642,14 @@ void Blocks(CommandContext& ctx, CmdArgs& args, bool membership_only) {
   std::vector<bool> in_memory(n_blocks, true);
   for (uint64_t b = 0; b < n_blocks; ++b) {
     uint64_t t0 = b * kBlockTokens, t1 = std::min<uint64_t>(t0 + kBlockTokens, m.n_tokens);
-    want[b] = 2 * m.n_layers * (t1 - t0);
+    want[b] = m.SessionSuffixes().size() * m.n_layers * (t1 - t0);
     if (!s.ok()) continue;
     for (uint64_t l = 0; l < m.n_layers; ++l) {
       int64_t a = static_cast<int64_t>(l * m.n_tokens + t0),
               z = static_cast<int64_t>(l * m.n_tokens + t1);
-      rows[b] += s.k->CountWritten(a, z) + s.v->CountWritten(a, z);
+      for (const store::VSession* sess : s.all()) rows[b] += sess->CountWritten(a, z);
       if (!membership_only && in_memory[b]) {
-        for (const store::VSession* sess : {s.k, s.v}) {
+        for (const store::VSession* sess : s.all()) {
           std::vector<residency::ObjectRef> missing;
           sess->MissingForRange(a, static_cast<size_t>(z - a), &missing);
           if (!missing.empty()) in_memory[b] = false;
@@ -573,8 +697,10 @@ void Owner(CommandContext& ctx, CmdArgs& args) { ctx.rb->Integer(ctx.shard->id()
 void Drop(CommandContext& ctx, CmdArgs& args) {
   std::string ns(args[1]);
   uint64_t saved_version = 0;
+  std::span<const std::string_view> suffixes;
   if (PrefixEntry* e = ctx.shard->store().prefixes.Find(ctx.Key(ns))) {
     saved_version = e->saved_version;
+    suffixes = e->manifest.SessionSuffixes();
     if (e->opening) kvprefix::CancelOpen(e, Error("namespace '" + ns + "' was dropped"));
     if (e->saved_version > 0 || !e->corrupt.empty()) {
       // Delete everywhere, disk included (a few file unlinks and one directory fsync).
@@ -587,8 +713,7 @@ void Drop(CommandContext& ctx, CmdArgs& args) {
   bool existed = ctx.shard->store().prefixes.Drop(ctx.Key(ns));
   if (existed) {
     auto& vs = ctx.shard->store().vstore;
-    vs.Drop(ctx.Key(ns + "_pk"));
-    vs.Drop(ctx.Key(ns + "_pv"));
+    for (std::string_view suffix : suffixes) vs.Drop(ctx.Key(ns + std::string(suffix)));
     if (saved_version > 0 && cluster_sync::Enabled(*ctx.server)) {
       // Cluster mode: acknowledged once the replicas dropped their copies too.
       auto reply = ctx.Defer();
@@ -610,13 +735,15 @@ void RegisterKvPrefixFamily(server::Server& srv) {
   auto& r = srv.registry();
   constexpr uint32_t kKv = kCmdKvCache;
   r.Register({"KV.PREFIX.REGISTER", -7, kKv | kCmdWrite, 1, 1, 1, Register, "kvprefix",
-              "Registers a shared prefix namespace and its <ns>_pk/<ns>_pv V-store sessions.",
-              "<ns> <n_layers> <n_tokens> <kv_heads> <head_dim> <format> [MODEL <id>] "
-              "[POSITION <digest>] [PREFILL_MS <ms>]"});
+              "Registers a shared prefix namespace and its V-store sessions: <ns>_pk/<ns>_pv "
+              "(per-head K/V), or <ns>_pl (MLA latents).",
+              "<ns> <n_layers> <n_tokens> <kv_heads> <head_dim> | MLA <kv_lora_rank> <rope_dim>, "
+              "then <format> [MODEL <id>] [POSITION <digest>] [PREFILL_MS <ms>]"});
   r.Register({"KV.PREFIX.LOOKUP", -2, kKv | kCmdReadOnly, 1, 1, 1, Lookup, "kvprefix",
               "HIT when the prefix is complete and its identity matches; MISS otherwise; "
               "EXPLAIN: why, as a map.",
-              "<ns> [MODEL <id>] [POSITION <digest>] [GENERATION <g>] [EXPLAIN]"});
+              "<ns> [MODEL <id>] [POSITION <digest>] [LAYOUT heads|mla] [GENERATION <g>] "
+              "[EXPLAIN]"});
   r.Register({"KV.PREFIX.INFO", -1, kKv | kCmdReadOnly | kCmdConnection, 1, 1, 1, Info, "kvprefix",
               "A namespace's manifest and state, or the caller's totals without a namespace.",
               "[<ns>]"});

@@ -2,7 +2,9 @@
 // kvprefix_tier.cc: the disk tier). Not a public interface.
 #pragma once
 
+#include <array>
 #include <functional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -15,11 +17,13 @@
 
 namespace pion::families::kvprefix {
 
-// The namespace's two sessions, when both exist with the manifest's shape.
+// The namespace's sessions, when all exist with the manifest's shape: K then V, or an MLA
+// namespace's one latent session (PrefixManifest::SessionSuffixes, in that order).
 struct PrefixSessions {
-  const store::VSession* k = nullptr;
-  const store::VSession* v = nullptr;
-  bool ok() const { return k != nullptr && v != nullptr; }
+  std::array<const store::VSession*, 2> parts{};
+  size_t count = 0;  // 0: some session is missing or of another shape
+  bool ok() const { return count > 0; }
+  std::span<const store::VSession* const> all() const { return {parts.data(), count}; }
 };
 PrefixSessions SessionsOf(server::Shard& shard, uint32_t tenant, std::string_view ns,
                           const store::PrefixManifest& m);
@@ -33,6 +37,9 @@ bool Complete(const PrefixSessions& s, const store::PrefixManifest& m);
 bool Published(server::Shard& shard, uint32_t tenant, std::string_view ns, store::PrefixEntry* e);
 // kReadOnly: `what` (e.g. "V.STOREBATCH into 'ns_pk'") would change published namespace ns.
 Status PublishedRefusal(std::string_view ns, const store::PrefixEntry& e, std::string_view what);
+// kMismatch when `sid` ("<ns>_pk", "<ns>_pv", "<ns>_pl") is not a session of the namespace's
+// layout: a per-head reader of an MLA namespace, or an MLA reader of a per-head one.
+Status CheckLayoutSession(std::string_view sid, const store::PrefixManifest& m);
 // kErr when session rows [lo, hi) fall outside the manifest's n_layers*n_tokens rows.
 Status CheckRows(std::string_view ns, const store::PrefixManifest& m, int64_t lo, int64_t hi);
 // kCorrupt when the namespace's disk copy failed validation, or a chunk of its sessions did

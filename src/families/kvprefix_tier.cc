@@ -34,6 +34,14 @@ using store::PrefixEntry;
 
 using ChunkIndex = std::vector<std::vector<store::VSession::DiskChunk>>;
 
+// Drops the namespace's V-store sessions (those of its layout).
+void DropSessions(server::Shard& shard, const store::TenantKey& key,
+                  const store::PrefixManifest& m) {
+  for (std::string_view suffix : m.SessionSuffixes()) {
+    shard.store().vstore.Drop({key.tenant, key.name + std::string(suffix)});
+  }
+}
+
 // Runs on the owning shard when the chunk index was read.
 void FinishOpen(server::Server& srv, server::Shard& shard, const store::TenantKey& key,
                 uint64_t generation, const StatusOr<ChunkIndex>& index) {
@@ -45,9 +53,9 @@ void FinishOpen(server::Server& srv, server::Shard& shard, const store::TenantKe
     const auto& m = e->manifest;
     auto codec = codec::RowCodec::Create(m.format, m.dim()).value();
     auto& vs = shard.store().vstore;
-    const char* suffix[2] = {"_pk", "_pv"};
-    for (int p = 0; p < 2 && s.ok(); ++p) {
-      store::TenantKey sk{key.tenant, key.name + suffix[p]};
+    const auto suffix = m.SessionSuffixes();
+    for (size_t p = 0; p < suffix.size() && s.ok(); ++p) {
+      store::TenantKey sk{key.tenant, key.name + std::string(suffix[p])};
       vs.Drop(sk);
       s = vs.Create(sk, codec);
       if (s.ok()) {
@@ -61,8 +69,7 @@ void FinishOpen(server::Server& srv, server::Shard& shard, const store::TenantKe
       e->dirty = false;
       srv.disk_stats().warms.fetch_add(1);
     } else {
-      vs.Drop({key.tenant, key.name + "_pk"});
-      vs.Drop({key.tenant, key.name + "_pv"});
+      DropSessions(shard, key, m);
     }
   }
   if (s.kind() == ErrorKind::kCorrupt) {
@@ -103,11 +110,14 @@ StatusOr<SaveJob> PrepareSave(server::Server& srv, server::Shard& shard,
   rec.manifest = e->manifest;
   rec.prefill_ms = e->prefill_ms;
   rec.complete = Complete(s, e->manifest);
-  const store::VSession::Snapshot snap_k = s.k->TakeSnapshot(), snap_v = s.v->TakeSnapshot();
+  std::vector<store::VSession::Snapshot> snaps;
+  for (const store::VSession* sess : s.all()) snaps.push_back(sess->TakeSnapshot());
+  std::vector<const store::VSession::Snapshot*> parts;
+  for (const auto& snap : snaps) parts.push_back(&snap);
   std::vector<residency::ObjectRef> chunks;
   SaveJob job;
   job.items.resize(1);
-  job.items[0].bytes = store::ChunkIndex({&snap_k, &snap_v}, &chunks);
+  job.items[0].bytes = store::ChunkIndex(parts, &chunks);
   for (auto& c : chunks) job.items.push_back({"", std::move(c)});
   job.version = shard.store().prefixes.NextVersion(key);
   job.generation = e->manifest.cache_generation;
@@ -241,7 +251,7 @@ std::string PrefixDir(server::Server& srv) { return srv.config().dir + "/prefixe
 
 std::vector<residency::ObjectRef> ChunkObjects(const PrefixSessions& s) {
   std::vector<residency::ObjectRef> out;
-  for (const store::VSession* sess : {s.k, s.v}) {
+  for (const store::VSession* sess : s.all()) {
     for (const auto& [i, c] : sess->chunks()) out.push_back(c->obj);
   }
   return out;
@@ -262,13 +272,14 @@ void Open(server::Server& srv, server::Shard& shard, const store::TenantKey& ns,
   const std::shared_ptr<residency::DiskFile> file = e->saved_file;
   const store::PrefixManifest& m = e->manifest;
   const uint64_t generation = m.cache_generation;
+  const int parts = static_cast<int>(m.SessionSuffixes().size());
   const uint64_t chunk_bytes = uint64_t{store::kRowsPerChunk} *
                                codec::RowCodec::Create(m.format, m.dim()).value().row_bytes();
   server::Shard* owner = &shard;
   server::Server* server = &srv;
   bool queued = srv.io()->Submit([=]() {
-    auto index = std::make_shared<StatusOr<ChunkIndex>>(
-        store::ReadChunkIndex(*file, chunk_bytes, /*parts=*/2));
+    auto index =
+        std::make_shared<StatusOr<ChunkIndex>>(store::ReadChunkIndex(*file, chunk_bytes, parts));
     owner->PostControl([=](server::Shard& sh) { FinishOpen(*server, sh, ns, generation, *index); });
   });
   if (!queued) CancelOpen(e, Status(ErrorKind::kBusy, "the disk I/O queue is full; retry later"));
@@ -296,9 +307,10 @@ std::vector<HeldPrefix> HeldPrefixes(server::Server& srv, server::Shard& shard) 
   std::vector<HeldPrefix> out;
   shard.store().prefixes.ForEachEntry([&](const store::TenantKey& k, PrefixEntry& e) {
     const PrefixSessions s = SessionsOf(shard, k.tenant, k.name, e.manifest);
+    uint64_t bytes = 0;
+    for (const store::VSession* sess : s.all()) bytes += sess->chunk_bytes();
     out.push_back({k, srv.users().TenantName(k.tenant), e.saved_version, e.disk_path, e.resident,
-                   e.dirty, !e.corrupt.empty(),
-                   s.ok() ? s.k->chunk_bytes() + s.v->chunk_bytes() : e.disk_bytes});
+                   e.dirty, !e.corrupt.empty(), s.ok() ? bytes : e.disk_bytes});
   });
   return out;
 }
@@ -338,9 +350,8 @@ Status InstallPushed(server::Server& srv, server::Shard& shard, const store::Ten
   if (PrefixEntry* e = reg.Find(key)) {
     if (e->opening) CancelOpen(e, Error("namespace '" + key.name + "' was replaced by its owner"));
     old_path = e->disk_path;
+    DropSessions(shard, key, e->manifest);
     reg.Drop(key);
-    shard.store().vstore.Drop({key.tenant, key.name + "_pk"});
-    shard.store().vstore.Drop({key.tenant, key.name + "_pv"});
   }
   reg.NoteVersion(key, version);
   PrefixEntry* e = reg.AddFromDisk(key, rec->manifest, rec->prefill_ms);
@@ -366,9 +377,8 @@ Status DiscardHere(server::Server& srv, server::Shard& shard, const store::Tenan
         PrefixDir(srv), store::PrefixObjectName(srv.users().TenantName(key.tenant), key.name));
     if (!s.ok()) return s;
   }
+  DropSessions(shard, key, e->manifest);
   reg.Drop(key);
-  shard.store().vstore.Drop({key.tenant, key.name + "_pk"});
-  shard.store().vstore.Drop({key.tenant, key.name + "_pv"});
   return Status::Ok();
 }
 
@@ -380,8 +390,7 @@ Status KeepDiskCopyOnly(server::Server& srv, server::Shard& shard, const store::
     return DiscardHere(srv, shard, key, 0);
   }
   if (e->opening) CancelOpen(e, Error("namespace '" + key.name + "' left this node"));
-  shard.store().vstore.Drop({key.tenant, key.name + "_pk"});
-  shard.store().vstore.Drop({key.tenant, key.name + "_pv"});
+  DropSessions(shard, key, e->manifest);
   e->resident = false;
   e->dirty = false;
   return Status::Ok();

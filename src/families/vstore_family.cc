@@ -3,8 +3,8 @@
 // session's codec on store; V.FETCH decodes to fp32, or with RAW sends the stored encoding
 // (layout: src/store/codec/README.md) straight from the stored chunks.
 //
-// A session id "<ns>_pk" / "<ns>_pv" is routed like "<ns>", so a KV.PREFIX namespace and its
-// two sessions live on one shard.
+// A session id "<ns>_pk" / "<ns>_pv" / "<ns>_pl" is routed like "<ns>", so a KV.PREFIX
+// namespace and its sessions live on one shard.
 #include <zlib.h>
 
 #include <algorithm>
@@ -31,7 +31,7 @@ store::PrefixEntry* PrefixOf(server::CommandContext& ctx, std::string_view sid) 
 }
 
 std::string_view SessionRouteKey(std::string_view sid) {
-  if (sid.size() > 3 && (sid.ends_with("_pk") || sid.ends_with("_pv"))) {
+  if (sid.size() > 3 && (sid.ends_with("_pk") || sid.ends_with("_pv") || sid.ends_with("_pl"))) {
     return sid.substr(0, sid.size() - 3);
   }
   return sid;
@@ -109,6 +109,10 @@ void StoreBatch(CommandContext& ctx, CmdArgs& args) {
   auto& vs = ctx.shard->store().vstore;
   const store::TenantKey key = ctx.Key(args[1]);
   store::PrefixEntry* prefix = PrefixOf(ctx, args[1]);
+  if (prefix != nullptr) {
+    Status layout = kvprefix::CheckLayoutSession(args[1], prefix->manifest);
+    if (!layout.ok()) return ctx.Error(layout);
+  }
   if (prefix != nullptr &&
       kvprefix::ParkUntilOpen(ctx, {ctx.tenant, std::string(SessionRouteKey(args[1]))})) {
     return;  // a namespace found on disk: its sessions first
@@ -318,7 +322,15 @@ void Restore(CommandContext& ctx, CmdArgs& args) {
 
 void InfoOne(CommandContext& ctx, std::string_view sid) {
   auto entry = ctx.shard->store().vstore.Get(ctx.Key(sid));
-  if (!entry.ok()) return ctx.Error(entry.status());
+  if (!entry.ok()) {
+    // A session the namespace's layout lacks (a per-head reader asking an MLA namespace for
+    // "<ns>_pk"): say so rather than "no such session".
+    if (const store::PrefixEntry* prefix = PrefixOf(ctx, sid)) {
+      Status layout = kvprefix::CheckLayoutSession(sid, prefix->manifest);
+      if (!layout.ok()) return ctx.Error(layout);
+    }
+    return ctx.Error(entry.status());
+  }
   const auto& e = *entry.value();
   const auto& c = e.session->codec();
   auto& rb = *ctx.rb;

@@ -184,7 +184,8 @@ void ReplyShm(CommandContext& ctx, const store::VSession& session,
 Status CheckIdentity(std::string_view sid, const store::PrefixEntry* prefix, std::string_view opt,
                      std::string_view val) {
   if (prefix == nullptr) {
-    return Error(std::string(opt) + " applies to KV.PREFIX sessions (<ns>_pk, <ns>_pv); '" +
+    return Error(std::string(opt) +
+                 " applies to KV.PREFIX sessions (<ns>_pk, <ns>_pv, <ns>_pl); '" +
                  std::string(sid.substr(0, 128)) + "' is not one");
   }
   const auto& m = prefix->manifest;
@@ -210,6 +211,10 @@ Status CheckIdentity(std::string_view sid, const store::PrefixEntry* prefix, std
 
 void Fetch(CommandContext& ctx, CmdArgs& args) {
   store::PrefixEntry* prefix = PrefixOf(ctx, args[1]);
+  if (prefix != nullptr) {  // a per-head reader of an MLA namespace, or the other way round
+    Status layout = kvprefix::CheckLayoutSession(args[1], prefix->manifest);
+    if (!layout.ok()) return ctx.Error(layout);
+  }
   if (prefix != nullptr &&
       kvprefix::ParkUntilOpen(ctx, {ctx.tenant, std::string(SessionRouteKey(args[1]))})) {
     return;  // a namespace found on disk: its sessions first
@@ -280,6 +285,11 @@ void Fetch(CommandContext& ctx, CmdArgs& args) {
                   std::string(args[1].substr(0, 128)) + "' is not one"));
       }
       const auto& m = prefix->manifest;
+      if (m.mla()) {
+        return ctx.Error(Error(
+            "HEADS applies to per-head namespaces; '" + std::string(args[1].substr(0, 128)) +
+            "' holds MLA latents, one row per token shared by every head (fetch whole rows)"));
+      }
       if (heads->second == 0 || heads->first >= m.kv_heads ||
           heads->second > m.kv_heads - heads->first) {
         return ctx.Error(

@@ -14,11 +14,12 @@
 
 namespace pion::families::vstore {
 
-// "<ns>_pk" / "<ns>_pv" route like "<ns>" (a KV.PREFIX namespace and its sessions share a
-// shard); other session ids route as themselves.
+// "<ns>_pk" / "<ns>_pv" / "<ns>_pl" (an MLA namespace's latents) route like "<ns>" (a
+// KV.PREFIX namespace and its sessions share a shard); other session ids route as themselves.
 std::string_view SessionRouteKey(std::string_view sid);
 
-// The KV.PREFIX namespace whose session `sid` is ("<ns>_pk" / "<ns>_pv"), or null.
+// The KV.PREFIX namespace whose session `sid` is ("<ns>_pk" / "<ns>_pv" / "<ns>_pl"), or null
+// (the namespace's layout may not have that session: kvprefix::CheckLayoutSession).
 store::PrefixEntry* PrefixOf(server::CommandContext& ctx, std::string_view sid);
 
 // V.FETCH (vstore_fetch.cc).

@@ -1,5 +1,6 @@
 // The attention kernel interface: what every backend (scalar reference, CPU SIMD, later CUDA)
-// computes, in the terms of seed 004 §0x07A — a mergeable online-softmax state per query row.
+// computes, in the terms of seed 004 §0x07A — a mergeable online-softmax state per query row —
+// over per-head K/V (Attend) or over MLA latent rows shared by every head (AttendLatent).
 //
 // A backend attends query rows over a set of key rows and returns, for every query row, the
 // partial state (m, l, o): m the largest scaled score seen, l = Σ exp(s − m), o = Σ exp(s − m)·v
@@ -134,6 +135,70 @@ struct BlockSummaries {
   uint32_t d = 0;
 };
 
+// ---- MLA: attention over shared latent rows ----------------------------------------------------
+// DeepSeek V2/V3's Multi-head Latent Attention in the absorbed formulation. A token's cache row
+// (a "latent") holds dv compressed values c (kv_lora_rank) then dk − dv decoupled-RoPE key values
+// (rope_dim), and every query head attends the same rows: a head's query arrives already
+// multiplied by W_UK (dv values) followed by its RoPE part (dk − dv values), its score against
+// row t is s = scale · (q · row_t) over all dk values, and its output is Σ softmax(s)_t · c_t — the
+// rows' first dv values (the caller applies W_UV). Partials are the usual (m, l, o), o of dv
+// values, and merge like every other.
+
+// Storage of latent rows. Every type is a codec's RAW row (src/store/codec/README.md), kept as
+// stored: kF32/kF16/kBF16 dk elements; kFP8 [f32 scale][dk e4m3fn] (Pion's fp8: one scale per
+// row); kFP8DsMla DeepSeek-V3.2's [dv e4m3fn][dv/128 f32 scales, one per 128 values][dk − dv
+// bf16] (dv a multiple of 128, dk − dv = 64: 656 bytes for 512 + 64).
+enum class LatentType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kFP8 = 3, kFP8DsMla = 4 };
+std::string_view LatentTypeName(LatentType t);  // "fp32", "fp16", "bf16", "fp8", "fp8_ds_mla"
+// Bytes of one stored latent row.
+inline size_t LatentRowBytes(LatentType t, uint32_t dk, uint32_t dv) {
+  switch (t) {
+    case LatentType::kF32:
+      return size_t{4} * dk;
+    case LatentType::kFP8:
+      return size_t{4} + dk;
+    case LatentType::kFP8DsMla:
+      return size_t{dv} + 4 * (dv / 128) + 2 * size_t{dk - dv};
+    default:
+      return size_t{2} * dk;
+  }
+}
+
+// `rows` stored latent rows back to back (LatentRowBytes each; no alignment needed).
+struct Latent {
+  const uint8_t* data = nullptr;
+  LatentType type = LatentType::kF32;
+  uint32_t rows = 0;
+  uint32_t dk = 0;  // kv_lora_rank + rope_dim: a query head's width
+  uint32_t dv = 0;  // kv_lora_rank: an output row's width
+
+  size_t row_bytes() const { return LatentRowBytes(type, dk, dv); }
+  const uint8_t* Row(uint32_t t) const { return data + static_cast<size_t>(t) * row_bytes(); }
+};
+
+// Query rows of one MLA call: q [hq][m][dk] fp32 (each head's absorbed query, then its RoPE
+// part); query row r = h*m + i is at absolute position pos0 + i.
+struct LatentQueries {
+  const float* q = nullptr;
+  uint32_t hq = 0;
+  uint32_t m = 0;
+  int64_t pos0 = 0;
+};
+
+// The latent rows attended. Dense: rows [begin, end). Sparse (rows != nullptr): query token i —
+// every head's row h*m + i — attends rows[i*stride .. i*stride + counts[i]) instead (distinct
+// indices in [0, c.rows), any order): DeepSeek-V3.2's indexer picks them per token, for all
+// heads. Key row t sits at position pos0 + t; masking by position applies in both cases.
+struct LatentKeys {
+  Latent c;
+  int64_t pos0 = 0;
+  uint32_t begin = 0;
+  uint32_t end = 0;
+  const int32_t* rows = nullptr;    // [m][stride]
+  const int32_t* counts = nullptr;  // [m]
+  uint32_t stride = 0;
+};
+
 class AttentionKernels {
  public:
   virtual ~AttentionKernels() = default;
@@ -157,6 +222,13 @@ class AttentionKernels {
   // summaries of K/V head head_map[h]. Unscaled (ranking only).
   virtual void ScoreBlocks(const Queries& q, const BlockSummaries& s, BlockSelector selector,
                            float* out) const = 0;
+
+  // MLA: overwrites out (n = q.hq * q.m rows of d = keys.c.dv) with the partial state of every
+  // query row over the latent rows of `keys` under the causal/window mask. Preconditions
+  // (checked by the caller): dk and dv multiples of 16, dv < dk (or equal, no RoPE part),
+  // kFP8DsMla's shape, sparse indices in range.
+  virtual void AttendLatent(const LatentQueries& q, const LatentKeys& keys, float scale,
+                            int64_t window, const Partial& out) const = 0;
 };
 
 // The scalar reference: plain loops, double accumulation, no SIMD. The oracle for the tests.

@@ -417,6 +417,10 @@ class CpuBackend final : public AttentionKernels {
                    float* out) const override {
     HWY_DYNAMIC_DISPATCH(ScoreBlocks)(q, s, selector, out);
   }
+  void AttendLatent(const LatentQueries& q, const LatentKeys& keys, float scale, int64_t window,
+                    const Partial& out) const override {
+    AttendLatentDispatch(q, keys, scale, window, out);
+  }
 };
 
 }  // namespace

@@ -8,7 +8,13 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/attention.h"
+
 namespace pion::kernels::cpu {
+
+// The MLA kernel (cpu_mla.cc), dispatched to the best target the CPU runs.
+void AttendLatentDispatch(const LatentQueries& q, const LatentKeys& keys, float scale,
+                          int64_t window, const Partial& out);
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 

@@ -21,6 +21,21 @@ std::string_view DTypeName(DType t) {
   }
 }
 
+std::string_view LatentTypeName(LatentType t) {
+  switch (t) {
+    case LatentType::kF16:
+      return "fp16";
+    case LatentType::kBF16:
+      return "bf16";
+    case LatentType::kFP8:
+      return "fp8";
+    case LatentType::kFP8DsMla:
+      return "fp8_ds_mla";
+    default:
+      return "fp32";
+  }
+}
+
 bool ParseDType(std::string_view name, DType* out) {
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kFP8}) {
     if (name == DTypeName(t)) {

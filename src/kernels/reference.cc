@@ -22,6 +22,29 @@ double Element(const Tensor3& t, uint32_t head, uint32_t row, uint32_t j) {
   return f;
 }
 
+// Element j of latent row t, from its stored layout (attention.h, LatentType).
+double LatentElement(const Latent& c, uint32_t t, uint32_t j) {
+  const uint8_t* p = c.Row(t);
+  float scale;
+  switch (c.type) {
+    case LatentType::kF16:
+      return internal::LoadF16(p + 2 * j);
+    case LatentType::kBF16:
+      return internal::LoadBF16(p + 2 * j);
+    case LatentType::kFP8:
+      std::memcpy(&scale, p, 4);
+      return internal::LoadFp8(p + 4 + j, scale);
+    case LatentType::kFP8DsMla:
+      if (j >= c.dv) return internal::LoadBF16(p + c.dv + 4 * (c.dv / 128) + 2 * (j - c.dv));
+      std::memcpy(&scale, p + c.dv + 4 * (j / 128), 4);
+      return internal::LoadFp8(p + j, scale);
+    default:
+      float f;
+      std::memcpy(&f, p + 4 * j, sizeof(f));
+      return f;
+  }
+}
+
 bool Visible(int64_t query_pos, int64_t key_pos, int64_t window) {
   return key_pos <= query_pos && (window <= 0 || key_pos > query_pos - window);
 }
@@ -149,6 +172,57 @@ class ReferenceBackend final : public AttentionKernels {
           }
         }
         out[static_cast<size_t>(h) * s.nblocks + b] = static_cast<float>(score);
+      }
+    }
+  }
+
+  void AttendLatent(const LatentQueries& q, const LatentKeys& keys, float scale, int64_t window,
+                    const Partial& out) const override {
+    const uint32_t dk = keys.c.dk, dv = keys.c.dv;
+    std::vector<double> s, acc(dv);
+    std::vector<uint32_t> vis;
+    for (uint32_t h = 0; h < q.hq; ++h) {
+      for (uint32_t i = 0; i < q.m; ++i) {
+        const size_t r = static_cast<size_t>(h) * q.m + i;
+        const float* qrow = q.q + r * dk;
+        const int64_t qpos = q.pos0 + i;
+        std::vector<uint32_t> cand;
+        if (keys.rows == nullptr) {
+          for (uint32_t t = keys.begin; t < keys.end; ++t) cand.push_back(t);
+        } else {
+          for (int32_t c = 0; c < keys.counts[i]; ++c) {
+            cand.push_back(
+                static_cast<uint32_t>(keys.rows[static_cast<size_t>(i) * keys.stride + c]));
+          }
+        }
+        s.clear();
+        vis.clear();
+        for (uint32_t t : cand) {
+          if (!Visible(qpos, keys.pos0 + t, window)) continue;
+          double dot = 0.0;
+          for (uint32_t j = 0; j < dk; ++j)
+            dot += static_cast<double>(qrow[j]) * LatentElement(keys.c, t, j);
+          vis.push_back(t);
+          s.push_back(static_cast<double>(scale) * dot);
+        }
+        float* o = out.o + r * dv;
+        if (vis.empty()) {
+          out.m[r] = -std::numeric_limits<float>::infinity();
+          out.l[r] = 0.0f;
+          std::fill(o, o + dv, 0.0f);
+          continue;
+        }
+        const float m = static_cast<float>(*std::max_element(s.begin(), s.end()));
+        double l = 0.0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (size_t c = 0; c < vis.size(); ++c) {
+          const double p = std::exp(s[c] - m);
+          l += p;
+          for (uint32_t j = 0; j < dv; ++j) acc[j] += p * LatentElement(keys.c, vis[c], j);
+        }
+        out.m[r] = m;
+        out.l[r] = static_cast<float>(l);
+        for (uint32_t j = 0; j < dv; ++j) o[j] = static_cast<float>(acc[j]);
       }
     }
   }

@@ -51,8 +51,13 @@ std::string EncodePrefixMeta(const PrefixRecord& r) {
                 std::string(codec::FormatName(m.format)).c_str(),
                 static_cast<unsigned long long>(m.cache_generation), r.prefill_ms,
                 r.complete ? 1 : 0);
-  return "pion-prefix v1\ntenant=" + Hex(r.tenant) + "\nns=" + Hex(r.ns) +
-         "\nmodel=" + Hex(m.model) + "\nposition=" + Hex(m.position) + "\n" + num;
+  std::string meta = "pion-prefix v1\ntenant=" + Hex(r.tenant) + "\nns=" + Hex(r.ns) +
+                     "\nmodel=" + Hex(m.model) + "\nposition=" + Hex(m.position) + "\n" + num;
+  if (m.mla()) {  // absent: per-head (every file written before MLA namespaces existed)
+    meta += "layout=mla\nkv_lora_rank=" + std::to_string(m.kv_lora_rank) +
+            "\nrope_dim=" + std::to_string(m.rope_dim) + "\n";
+  }
+  return meta;
 }
 
 StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta) {
@@ -95,6 +100,18 @@ StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta) {
       r.prefill_ms = std::strtod(v.c_str(), nullptr);
     } else if (k == "complete") {
       r.complete = v == "1";
+    } else if (k == "layout") {  // optional fields: not counted in `seen`
+      if (v != "mla" && v != "heads") {
+        return Status(ErrorKind::kCorrupt, "prefix manifest field 'layout' is malformed");
+      }
+      m.layout = v == "mla" ? PrefixLayout::kMla : PrefixLayout::kHeads;
+      continue;
+    } else if (k == "kv_lora_rank") {
+      m.kv_lora_rank = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
+      continue;
+    } else if (k == "rope_dim") {
+      m.rope_dim = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
+      continue;
     } else {
       continue;
     }
@@ -104,6 +121,10 @@ StatusOr<PrefixRecord> DecodePrefixMeta(std::string_view meta) {
   if (seen < 12 || r.manifest.n_layers == 0 || r.manifest.n_tokens == 0 ||
       r.manifest.kv_heads == 0 || r.manifest.head_dim == 0) {
     return Status(ErrorKind::kCorrupt, "prefix manifest is incomplete");
+  }
+  if (r.manifest.mla() && (r.manifest.kv_heads != 1 || r.manifest.kv_lora_rank == 0 ||
+                           r.manifest.kv_lora_rank + r.manifest.rope_dim != r.manifest.head_dim)) {
+    return Status(ErrorKind::kCorrupt, "prefix manifest has an inconsistent MLA layout");
   }
   return r;
 }
@@ -136,7 +157,7 @@ StatusOr<std::vector<LoadedChunk>> ParsePrefixIndex(std::string_view block0) {
     for (int j = 0; j < 2; ++j) {
       for (int b = 0; b < 8; ++b) f[j] |= static_cast<uint64_t>(p[1 + 8 * j + b]) << (8 * b);
     }
-    if (p[0] > 1 || static_cast<int64_t>(f[0]) < 0) {
+    if (p[0] > 1 || static_cast<int64_t>(f[0]) < 0) {  // part 0: K (or the MLA latent), 1: V
       return Status(ErrorKind::kCorrupt, "prefix chunk index entry is malformed");
     }
     out.push_back(LoadedChunk{p[0], static_cast<int64_t>(f[0]), f[1]});

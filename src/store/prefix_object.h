@@ -1,9 +1,11 @@
 // How a KV.PREFIX namespace is laid out as a disk-tier object (store/disk/object_file.h).
 //
 // meta:    "pion-prefix v1" lines of key=value (tenant, ns, model, position, layout, codec,
-//          cache generation, prefill ms, committed rows); text, so a person can read it.
-// block 0: the chunk index: per chunk u8 part (0 = K, 1 = V), i64 chunk index, u64 written
-//          bitmap (little-endian, 17 bytes each).
+//          cache generation, prefill ms, committed rows; an MLA namespace adds layout=mla,
+//          kv_lora_rank, rope_dim); text, so a person can read it.
+// block 0: the chunk index: per chunk u8 part (0 = K, 1 = V; an MLA namespace's one part, 0,
+//          is its latent session), i64 chunk index, u64 written bitmap (little-endian, 17
+//          bytes each).
 // block i: the i-th indexed chunk's stored bytes (64 rows in the session's codec), written
 //          straight from the chunk buffers of a snapshot, no copy.
 #pragma once

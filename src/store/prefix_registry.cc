@@ -2,12 +2,29 @@
 
 namespace pion::store {
 
+std::string_view LayoutName(PrefixLayout l) { return l == PrefixLayout::kMla ? "mla" : "heads"; }
+
 std::string PrefixManifest::Describe() const {
   std::string s = "model '" + model + "' layout " + std::to_string(n_layers) + "x" +
-                  std::to_string(n_tokens) + "x" + std::to_string(kv_heads) + "x" +
-                  std::to_string(head_dim) + " " + std::string(codec::FormatName(format));
+                  std::to_string(n_tokens) + "x";
+  if (mla()) {
+    s += "MLA(" + std::to_string(kv_lora_rank) + "+" + std::to_string(rope_dim) + ")";
+  } else {
+    s += std::to_string(kv_heads) + "x" + std::to_string(head_dim);
+  }
+  s += " " + std::string(codec::FormatName(format));
   s += " position '" + position + "'";
   return s;
+}
+
+std::string PrefixManifest::DescribeLayout(std::string_view ns) const {
+  const std::string name(ns.substr(0, 128));
+  if (mla()) {
+    return "MLA latents (kv_lora_rank " + std::to_string(kv_lora_rank) + " + rope_dim " +
+           std::to_string(rope_dim) + " per token, one session '" + name + "_pl')";
+  }
+  return "per-head K/V (" + std::to_string(kv_heads) + " heads of " + std::to_string(head_dim) +
+         ", sessions '" + name + "_pk', '" + name + "_pv')";
 }
 
 StatusOr<PrefixEntry*> PrefixRegistry::Register(const TenantKey& ns, PrefixManifest m,

@@ -3,7 +3,11 @@
 // which position/RoPE contract, and at which generation.
 //
 // A namespace's K and V rows live in the V-store sessions "<ns>_pk" and "<ns>_pv" (same
-// shard); layer l's rows are ids [l*n_tokens, (l+1)*n_tokens). The registry never serves rows
+// shard); layer l's rows are ids [l*n_tokens, (l+1)*n_tokens). An MLA namespace (DeepSeek
+// V2/V3's Multi-head Latent Attention) has one session instead, "<ns>_pl": per token and layer
+// one latent row of kv_lora_rank compressed values then rope_dim decoupled-RoPE key values,
+// shared by every head. The layout is part of the identity: a per-head reader never gets an
+// MLA namespace's rows, nor an MLA reader a per-head one's. The registry never serves rows
 // itself: it decides whether a prefix is complete and whose it is. Generations are fences:
 // DROP + REGISTER of the same name gives a higher cache generation, so a reader holding the
 // old one is refused. Runs on the owning shard.
@@ -12,7 +16,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -23,26 +29,48 @@
 
 namespace pion::store {
 
+// How a namespace's rows are laid out: per-head K and V, or MLA latents.
+enum class PrefixLayout : uint8_t { kHeads, kMla };
+std::string_view LayoutName(PrefixLayout l);  // "heads", "mla"
+
+// The session suffixes of each layout, in part order (a saved file's parts).
+inline constexpr std::string_view kHeadsSuffixes[] = {"_pk", "_pv"};
+inline constexpr std::string_view kMlaSuffixes[] = {"_pl"};
+
 struct PrefixManifest {
   std::string model;     // MODEL id ("" when the client gave none)
   std::string position;  // POSITION / RoPE digest ("" when none)
   uint32_t n_layers = 0;
   uint32_t n_tokens = 0;
-  uint32_t kv_heads = 0;
-  uint32_t head_dim = 0;
+  uint32_t kv_heads = 0;  // kMla: 1 (one latent row per token)
+  uint32_t head_dim = 0;  // kMla: kv_lora_rank + rope_dim
   codec::Format format = codec::Format::kFp16;
   uint64_t cache_generation = 0;  // bumped by every DROP + REGISTER of the name
+  PrefixLayout layout = PrefixLayout::kHeads;
+  uint32_t kv_lora_rank = 0;  // kMla: the compressed values of a latent row (its V part)
+  uint32_t rope_dim = 0;      // kMla: the decoupled-RoPE key values after them
 
+  bool mla() const { return layout == PrefixLayout::kMla; }
   uint32_t dim() const { return kv_heads * head_dim; }
   uint64_t rows() const { return uint64_t{n_layers} * n_tokens; }
+  // The suffixes of its V-store sessions: "_pk", "_pv", or "_pl" for MLA.
+  std::span<const std::string_view> SessionSuffixes() const {
+    if (mla()) return kMlaSuffixes;
+    return kHeadsSuffixes;
+  }
   // Fields that define the contents (not the generation).
   bool SameIdentity(const PrefixManifest& o) const {
     return model == o.model && position == o.position && n_layers == o.n_layers &&
            n_tokens == o.n_tokens && kv_heads == o.kv_heads && head_dim == o.head_dim &&
-           format == o.format;
+           format == o.format && layout == o.layout && kv_lora_rank == o.kv_lora_rank &&
+           rope_dim == o.rope_dim;
   }
-  // "model m layout 32x4096x8x128 fp16 position p" for error messages.
+  // "model m layout 32x4096x8x128 fp16 position p" (MLA: "... layout 61x4096xMLA(512+64)
+  // fp8_ds_mla ...") for error messages.
   std::string Describe() const;
+  // "per-head K/V ('ns_pk', 'ns_pv')" / "MLA latents (kv_lora_rank 512 + rope_dim 64 per token,
+  // one session 'ns_pl')": what a reader of the other layout is told it holds.
+  std::string DescribeLayout(std::string_view ns) const;
 };
 
 struct PrefixEntry {

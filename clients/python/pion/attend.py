@@ -8,6 +8,12 @@ grouping h // (H_q / H_kv)). Every query returns an `AttendResult(out, lse, rece
 
 `merge_lse` merges two partial attentions with their log-sum-exps exactly as docs/PROTOCOL.md
 states (e.g. the server's prefix partial and the client's own suffix partial).
+
+MLA (DeepSeek V2/V3, absorbed): a slot of latent rows [N, kv_lora_rank + rope_dim] (store_mla,
+or store_from an MLA namespace); queries [H_q, dk] or [H_q, M, dk] — each head's query times
+W_UK (kv_lora_rank values) then its RoPE part — with the caller's softmax scale; `out` is
+[H_q, kv_lora_rank] or [H_q, M, kv_lora_rank] (apply W_UV to it) and `lse` [H_q] or [H_q, M]
+always.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import numpy as np
 
-from . import _wire, errors
+from . import _wire, codecs, errors
 
 if TYPE_CHECKING:
     from .client import Client
@@ -170,6 +176,32 @@ class Attend:
             args += ["POSITION", position]
         self._c.execute(*args, *_wire.admission(deadline_ms))
 
+    def store_mla(self, sid: str, layer: int, latents, kv_lora_rank: int = 512,
+                  rope_dim: int | None = None, dtype: str = "fp32", *,
+                  deadline_ms: int | None = None) -> None:
+        """Stores an MLA slot: N latent rows of kv_lora_rank + rope_dim values (ATTEND.PREFIX.STORE
+        ... MLA). dtype "fp32": latents float32 [N, kv_lora_rank + rope_dim]; "fp16", "bf16",
+        "fp8", "fp8_ds_mla": latents are the rows in that codec's RAW layout (bytes, or uint8
+        [N, row_bytes]: what V.FETCH ... RAW of such a session returns; pion.codecs)."""
+        if dtype == "fp32":
+            c = _wire.to_numpy(latents, np.float32)
+            if c.ndim != 2 or c.shape[1] < kv_lora_rank:
+                raise ValueError("latents must be [N, kv_lora_rank + rope_dim], got shape %s"
+                                 % (c.shape,))
+            rope = c.shape[1] - int(kv_lora_rank) if rope_dim is None else int(rope_dim)
+            n, blob = c.shape[0], _wire.f32(c)
+        else:
+            rope = 64 if rope_dim is None else int(rope_dim)
+            blob = bytes(np.asarray(latents, dtype=np.uint8).tobytes()) \
+                if not isinstance(latents, (bytes, bytearray, memoryview)) else bytes(latents)
+            rb = codecs.row_bytes(dtype, int(kv_lora_rank) + rope)
+            if len(blob) % rb:
+                raise ValueError("%d bytes is not a whole number of %s rows of %d bytes"
+                                 % (len(blob), dtype, rb))
+            n = len(blob) // rb
+        self._c.execute("ATTEND.PREFIX.STORE", sid, int(layer), "MLA", n, int(kv_lora_rank),
+                        rope, blob, "DTYPE", dtype, *_wire.admission(deadline_ms))
+
     def lookup(self, sid: str, layer: int) -> bool:
         """True when the slot exists (on the GPU, in memory or on disk)."""
         return _wire.status(self._c.execute("ATTEND.PREFIX.LOOKUP", sid, int(layer))) == "HIT"
@@ -186,8 +218,9 @@ class Attend:
         self._c.execute(*args)
 
     def info(self, sid: str) -> list[dict]:
-        """One dict per layer: layer, heads, rows, head_dim, dtype, bytes, tier (gpu, host or
-        disk), generation, source, backend."""
+        """One dict per layer: layer, heads, rows, head_dim, dtype, layout ("heads" or "mla"),
+        kv_lora_rank, rope_dim (0 for per-head slots), bytes, tier (gpu, host or disk),
+        generation, source, backend."""
         return [_wire.parse_map(m) for m in self._c.execute("ATTEND.PREFIX.INFO", sid)]
 
     def export(self, sid: str, layer: int) -> dict:
@@ -383,6 +416,82 @@ class Attend:
                                 *_tail(window, None, select, receipt, shared, deadline_ms,
                                        allow_approx))
         return self._result(reply, receipt, hq, 1, d, False, True, as_torch)
+
+    # --- MLA --------------------------------------------------------------------------------------
+    def query_mla(self, sid: str, layer: int, q, scale: float, kv_lora_rank: int = 512,
+                  window: int = 0, qpos: int | None = None, receipt: bool = False,
+                  as_torch: bool | None = None,
+                  deadline_ms: int | None = None) -> AttendResult:
+        """ATTEND.PREFIX.QUERY_MLA: q [H_q, dk] (decode) or [H_q, M, dk] (MTP / speculative: row
+        i at position qpos + i, default N; inside the rows they are causal among themselves),
+        dk = kv_lora_rank + rope_dim; `scale` the softmax scale. out [H_q(, M), kv_lora_rank],
+        lse [H_q(, M)]."""
+        qa, squeeze = _queries(q)
+        hq, m, dk = qa.shape
+        reply = self._c.execute("ATTEND.PREFIX.QUERY_MLA", sid, int(layer), hq, int(kv_lora_rank),
+                                dk - int(kv_lora_rank), repr(float(scale)), _wire.f32(qa),
+                                *_tail(window, qpos, None, receipt, deadline_ms=deadline_ms))
+        return self._mla_result(reply, receipt, hq, m, int(kv_lora_rank), squeeze, as_torch)
+
+    def query_mla_sparse(self, sid: str, layer: int, q, indices, scale: float, counts=None,
+                         kv_lora_rank: int = 512, window: int = 0, qpos: int | None = None,
+                         receipt: bool = False, as_torch: bool | None = None,
+                         deadline_ms: int | None = None) -> AttendResult:
+        """ATTEND.PREFIX.QUERY_MLA_SPARSE: query token i (all its heads) attends the latent rows
+        it lists — `indices` int [M, K] with `counts` [M], or a list of M sequences (ragged;
+        padded here): DeepSeek-V3.2's indexer output per token. q as query_mla."""
+        qa, squeeze = _queries(q)
+        hq, m, dk = qa.shape
+        if counts is None:
+            lists = [np.asarray(_wire.to_numpy(x), np.int64).reshape(-1) for x in indices]
+            if len(lists) != m:
+                raise ValueError("indices has %d tokens, q has %d" % (len(lists), m))
+            kmax = max(1, max(len(x) for x in lists))
+            idx = np.zeros((m, kmax), np.int32)
+            for i, x in enumerate(lists):
+                idx[i, :len(x)] = x
+            cnt = np.array([len(x) for x in lists], np.int32)
+        else:
+            idx = np.asarray(_wire.to_numpy(indices), np.int32)
+            cnt = np.asarray(_wire.to_numpy(counts), np.int32).reshape(-1)
+            if idx.ndim != 2:
+                raise ValueError("indices must be [M, K_sparse_max], got shape %s" % (idx.shape,))
+            kmax = idx.shape[1]
+        reply = self._c.execute("ATTEND.PREFIX.QUERY_MLA_SPARSE", sid, int(layer), hq,
+                                int(kv_lora_rank), dk - int(kv_lora_rank), repr(float(scale)),
+                                kmax, _wire.f32(qa), _wire.i32(idx), _wire.i32(cnt),
+                                *_tail(window, qpos, None, receipt, deadline_ms=deadline_ms))
+        return self._mla_result(reply, receipt, hq, m, int(kv_lora_rank), squeeze, as_torch)
+
+    def query_mla_fused(self, sid: str, layer: int, q, c_suf, scale: float,
+                        kv_lora_rank: int = 512, window: int = 0, receipt: bool = False,
+                        as_torch: bool | None = None,
+                        deadline_ms: int | None = None) -> AttendResult:
+        """ATTEND.PREFIX.QUERY_MLA_FUSED: c_suf float32 [S, dk] are the client's latents after
+        the prefix; the M queries are the last M of them and attend the prefix and the suffix
+        causally, merged by the server. q as query_mla; out and lse of the merged attention."""
+        qa, squeeze = _queries(q)
+        hq, m, dk = qa.shape
+        cs = _wire.to_numpy(c_suf, np.float32)
+        if cs.ndim != 2:
+            raise ValueError("c_suf must be [S, dk], got shape %s" % (cs.shape,))
+        reply = self._c.execute("ATTEND.PREFIX.QUERY_MLA_FUSED", sid, int(layer), hq,
+                                int(kv_lora_rank), dk - int(kv_lora_rank), repr(float(scale)),
+                                cs.shape[0], _wire.f32(qa), _wire.f32(cs),
+                                *_tail(window, None, None, receipt, deadline_ms=deadline_ms))
+        return self._mla_result(reply, receipt, hq, m, int(kv_lora_rank), squeeze, as_torch)
+
+    def _mla_result(self, reply, receipt, hq, m, dv, squeeze, as_torch) -> AttendResult:
+        rc = None
+        if receipt:
+            reply, rc_raw = reply
+            rc = parse_receipt(rc_raw)
+        a = np.frombuffer(reply, dtype="<f4")
+        if a.size != hq * m * (dv + 1):
+            raise ValueError("reply has %d floats, expected %d" % (a.size, hq * m * (dv + 1)))
+        out = a[:hq * m * dv].reshape((hq, dv) if squeeze else (hq, m, dv))
+        lse = a[hq * m * dv:].reshape((hq,) if squeeze else (hq, m))
+        return AttendResult(self._c._out(out, as_torch), self._c._out(lse, as_torch), rc)
 
     # --- internals ----------------------------------------------------------------------------
     def _slot_heads(self, sid: str, layer: int) -> int:

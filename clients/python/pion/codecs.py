@@ -1,5 +1,5 @@
 """RAW row decoding of every V-store codec in numpy (fp32, fp16, bf16, int8, turbo4/3/2, fp8,
-fp8_e5m2).
+fp8_e5m2, fp8_ds_mla).
 
 Written from src/store/codec/README.md (adapted from src/store/codec/reference_decode.py):
 decoding follows the document's float32 steps, so the result is bit-identical to the server's
@@ -16,9 +16,12 @@ import numpy as np
 
 from . import _pool
 
-FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8", "fp8_e5m2")
+FORMATS = ("fp32", "fp16", "bf16", "int8", "turbo4", "turbo3", "turbo2", "fp8", "fp8_e5m2",
+           "fp8_ds_mla")
 FP8 = ("fp8", "fp8_e5m2")  # rows [f32 scale][dim × fp8 byte]
 TURBO_BITS = {"turbo4": 4, "turbo3": 3, "turbo2": 2}
+# README "fp8_ds_mla" (DeepSeek-V3.2's MLA latent): [nope e4m3][nope/128 f32 scales][64 bf16]
+DS_MLA_GROUP, DS_MLA_ROPE = 128, 64
 DEFAULT_TURBO_BLOCK = 128
 
 # README "Centroid tables": float32 bit patterns, index 0 .. 2^B - 1.
@@ -212,6 +215,8 @@ def unpack_indices(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
 def default_block(fmt: str) -> int:
     """The block a session gets without `BLOCK n`: 32 for int8, 128 for turbo, 0 otherwise."""
     fmt = fmt.lower()
+    if fmt == "fp8_ds_mla":
+        return DS_MLA_GROUP
     return DEFAULT_TURBO_BLOCK if fmt in TURBO_BITS else 32 if fmt == "int8" else 0
 
 
@@ -229,6 +234,12 @@ def row_bytes(fmt: str, dim: int, block: int | None = None) -> int:
     if fmt in TURBO_BITS:
         n = block or DEFAULT_TURBO_BLOCK
         return (dim // n) * (2 + n * TURBO_BITS[fmt] // 8)
+    if fmt == "fp8_ds_mla":
+        nope = dim - DS_MLA_ROPE
+        if nope <= 0 or nope % DS_MLA_GROUP:
+            raise ValueError("fp8_ds_mla rows are kv_lora_rank + 64 values, kv_lora_rank a "
+                             "multiple of 128, got dim %d" % dim)
+        return nope + 4 * (nope // DS_MLA_GROUP) + 2 * DS_MLA_ROPE
     raise ValueError("format must be one of %s, got %r" % ("|".join(FORMATS), fmt))
 
 
@@ -283,7 +294,28 @@ def fp8_parts(data, dim: int):
     return rows[:, 4:], rows[:, :4].copy().view("<f4").reshape(-1)
 
 
+def ds_mla_parts(data, dim: int = 576):
+    """RAW fp8_ds_mla rows split without a copy: (q, scales, rope) — q uint8 [n_rows, nope] (the
+    e4m3 bytes, torch.float8_e4m3fn), scales float32 [n_rows, nope/128], rope uint16
+    [n_rows, 64] (bf16 bits). What FlashMLA's fp8 sparse decode reads, and decode()'s input."""
+    rb = row_bytes("fp8_ds_mla", dim)
+    nope = dim - DS_MLA_ROPE
+    rows = np.frombuffer(data, dtype=np.uint8).reshape(-1, rb)
+    groups = nope // DS_MLA_GROUP
+    scales = rows[:, nope:nope + 4 * groups].copy().view("<f4")
+    rope = rows[:, nope + 4 * groups:].copy().view("<u2")
+    return rows[:, :nope], scales, rope
+
+
 def _decode(fmt, dim, block, raw, n_rows):
+    if fmt == "fp8_ds_mla":
+        q, scales, rope = ds_mla_parts(raw, dim)
+        nope = dim - DS_MLA_ROPE
+        out = np.empty((n_rows, dim), dtype=np.float32)
+        vals = E4M3[q].reshape(n_rows, nope // DS_MLA_GROUP, DS_MLA_GROUP)
+        out[:, :nope] = (vals * scales[:, :, None]).reshape(n_rows, nope)
+        out[:, nope:] = bf16_to_f32(rope)
+        return out
     if fmt in FP8:
         rows = raw.reshape(n_rows, 4 + dim)
         scale = rows[:, :4].copy().view("<f4")  # [n_rows, 1]

@@ -7,6 +7,12 @@ whole layers with one V.STOREBATCH / V.FETCH RANGE per tensor, pipelined.
 Layouts of a layer's K or V (the `layout=` argument):
   "nhd" (default): [n_tokens, kv_heads, head_dim], the row order on the wire;
   "hnd":           [kv_heads, n_tokens, head_dim], transposed here.
+
+An MLA namespace (DeepSeek V2/V3's Multi-head Latent Attention: register_mla) keeps one latent
+row per token and layer instead, kv_lora_rank compressed values then rope_dim RoPE key values
+shared by every head, in one session `<ns>_pl` (store_latents / fetch_latents). Its layout is
+part of its identity: a per-head reader's lookup misses it, and reading its `_pk` raises
+MismatchError.
 """
 from __future__ import annotations
 
@@ -113,6 +119,71 @@ class KVPrefix:
             args += ["PREFILL_MS", repr(float(prefill_ms))]
         self._c.execute(*args)
         self._shapes[ns] = (int(n_layers), int(n_tokens), int(kv_heads), int(head_dim))
+
+    def register_mla(self, ns: str, n_layers: int, n_tokens: int, kv_lora_rank: int = 512,
+                     rope_dim: int = 64, fmt: str = "bf16", model: str | None = None,
+                     position: str | None = None, prefill_ms: float | None = None) -> None:
+        """Creates an MLA namespace (KV.PREFIX.REGISTER ... MLA <kv_lora_rank> <rope_dim>): per
+        layer and token one latent row of kv_lora_rank + rope_dim values in session `<ns>_pl`.
+        fmt: fp32, fp16, bf16, fp8 (e4m3, one scale per row) or fp8_ds_mla (DeepSeek-V3.2's
+        656-byte rows: 512 e4m3 with a scale per 128, 64 RoPE values in bf16)."""
+        args = ["KV.PREFIX.REGISTER", ns, int(n_layers), int(n_tokens), "MLA", int(kv_lora_rank),
+                int(rope_dim), fmt]
+        if model is not None:
+            args += ["MODEL", model]
+        if position is not None:
+            args += ["POSITION", position]
+        if prefill_ms is not None:
+            args += ["PREFILL_MS", repr(float(prefill_ms))]
+        self._c.execute(*args)
+        self._shapes[ns] = (int(n_layers), int(n_tokens), 1, int(kv_lora_rank) + int(rope_dim))
+
+    def store_latents(self, ns: str, layer: int, c, *, token_offset: int = 0) -> int:
+        """Writes layer `layer`'s latent rows of an MLA namespace: c float32 [t, kv_lora_rank +
+        rope_dim] (the compressed c_KV then the RoPE'd k_pe of each token) at tokens
+        token_offset .. token_offset+t. Returns t. Shapes are checked against the manifest
+        first (ValueError)."""
+        ca = _wire.to_numpy(c, np.float32)
+        n_layers, t_all, _, dk = self._shape(ns)
+        if ca.ndim != 2 or ca.shape[1] != dk:
+            n_layers, t_all, _, dk = self._shape(ns, fresh=True)
+        if ca.ndim != 2 or ca.shape[1] != dk:
+            raise ValueError("latents of shape %s do not match MLA namespace %r: expected "
+                             "(t, %d)" % (ca.shape, ns, dk))
+        if not 0 <= int(layer) < n_layers:
+            raise ValueError("layer %d is outside namespace %r's %d layers" % (layer, ns, n_layers))
+        t = ca.shape[0]
+        if token_offset < 0 or token_offset + t > t_all or t == 0:
+            raise ValueError("tokens [%d, %d) are outside namespace %r's %d tokens"
+                             % (token_offset, token_offset + t, ns, t_all))
+        self._c.execute("V.STOREBATCH", ns + "_pl", int(layer) * t_all + int(token_offset),
+                        _wire.f32(ca))
+        return t
+
+    def fetch_latents(self, ns: str, layer: int, *, decode: bool = True, model: str | None = None,
+                      generation: int | None = None, as_torch: bool | None = None):
+        """Layer `layer`'s latent rows of an MLA namespace: float32 [n_tokens, kv_lora_rank +
+        rope_dim], decoded here from the stored bytes (bit-identical to the server's decode);
+        decode=False: the stored rows themselves, uint8 [n_tokens, row_bytes] (fp8_ds_mla: what
+        FlashMLA's fp8 decode reads; pion.codecs.ds_mla_parts splits them). Over a Unix-socket
+        Client the bytes come from the shared-memory mapping."""
+        replies = self._c.execute_many([("KV.PREFIX.INFO", ns), ("V.INFO", ns + "_pl")])
+        m, vi = (_wire.parse_map(r) for r in replies)
+        t = m["n_tokens"]
+        lo, hi = int(layer) * t, (int(layer) + 1) * t
+        ch = self._c._shm_channel()
+        if ch is not None:
+            data = self._c._shm_copy(ch, ns + "_pl", lo, hi, model, generation)
+            self._c.last_fetch_path = "shm"
+        else:
+            data = self._c.execute("V.FETCH", ns + "_pl", "RANGE", lo, hi, "RAW",
+                                   *_identity(model, generation))
+            self._c.last_fetch_path = "tcp"
+        if not decode:
+            rows = np.frombuffer(data, dtype=np.uint8).reshape(t, vi["row_bytes"])
+            return self._c._out(rows, as_torch)
+        return self._c._out(codecs.decode(vi["format"], vi["dim"], vi["block"], data, t),
+                            as_torch)
 
     def store_layer(self, ns: str, layer: int, k, v, *, layout: str = "nhd",
                     token_offset: int = 0, n_tokens: int | None = None) -> int:
@@ -389,20 +460,24 @@ class KVPrefix:
         return out
 
     def lookup(self, ns: str, model: str | None = None, position: str | None = None,
-               generation: int | None = None, explain: bool = False):
+               generation: int | None = None, explain: bool = False, layout: str | None = None):
         """True (+HIT) when the namespace is complete and MODEL/POSITION match; False (+MISS)
-        otherwise. A GENERATION other than the namespace's raises MismatchError.
+        otherwise. A GENERATION other than the namespace's raises MismatchError. layout="mla"
+        looks up an MLA namespace (a lookup without it is a per-head reader's: an MLA namespace
+        misses it, reason "layout_differs").
 
         explain=True returns why instead, as a dict (KV.PREFIX.LOOKUP ... EXPLAIN): `result`
         ("HIT", "MISS" or "MISMATCH"), `reason` ("" for a hit; "not_registered",
-        "model_differs", "position_differs", "generation_differs", "incomplete", "corrupt",
-        "sessions_lost"), `detail` (a sentence), `expected` / `held` (the identity field that
+        "layout_differs", "model_differs", "position_differs", "generation_differs",
+        "incomplete", "corrupt", "sessions_lost"), `detail` (a sentence), `expected` / `held` (the identity field that
         differs), `committed_frontier` / `n_tokens`, `cache_generation`."""
         args = ["KV.PREFIX.LOOKUP", ns]
         if model is not None:
             args += ["MODEL", model]
         if position is not None:
             args += ["POSITION", position]
+        if layout is not None:
+            args += ["LAYOUT", layout]
         if generation is not None:
             args += ["GENERATION", int(generation)]
         if explain:

@@ -8,8 +8,8 @@
 namespace pion::codec {
 namespace {
 
-constexpr std::string_view kNames[] = {"fp32",   "fp16",   "bf16", "int8",    "turbo4",
-                                       "turbo3", "turbo2", "fp8",  "fp8_e5m2"};
+constexpr std::string_view kNames[] = {"fp32",   "fp16",   "bf16", "int8",     "turbo4",
+                                       "turbo3", "turbo2", "fp8",  "fp8_e5m2", "fp8_ds_mla"};
 constexpr uint32_t kInt8Block = 32;
 constexpr uint32_t kDefaultTurboBlock = 128;
 constexpr uint32_t kMinTurboBlock = 8;
@@ -89,6 +89,20 @@ StatusOr<RowCodec> RowCodec::Create(Format f, uint32_t dim, uint32_t block) {
       }
       return RowCodec(f, dim, 0, 4 + size_t{dim});
     }
+    case Format::kFp8DsMla: {
+      if (block != 0 && block != kDsMlaGroup) {
+        return Error("fp8_ds_mla scales groups of 128 values: block must be 128 (or 0), got " +
+                     std::to_string(block));
+      }
+      if (dim <= kDsMlaRope || (dim - kDsMlaRope) % kDsMlaGroup != 0) {
+        return Error(
+            "fp8_ds_mla rows are kv_lora_rank + 64 RoPE values, kv_lora_rank a positive multiple "
+            "of 128 (DeepSeek: 512 + 64 = 576), got dim " +
+            std::to_string(dim));
+      }
+      const size_t nope = dim - kDsMlaRope;
+      return RowCodec(f, dim, kDsMlaGroup, nope + 4 * (nope / kDsMlaGroup) + 2 * kDsMlaRope);
+    }
     case Format::kInt8: {
       if (block != 0 && block != kInt8Block) {
         return Error("int8 block must be 32 (or 0 for the default), got " + std::to_string(block));
@@ -130,6 +144,8 @@ void RowCodec::Encode(const float* rows, size_t n_rows, uint8_t* out) const {
       return internal::EncodeFp8(rows, n_rows, dim_, out);
     case Format::kFp8E5m2:
       return internal::EncodeFp8E5m2(rows, n_rows, dim_, out);
+    case Format::kFp8DsMla:
+      return internal::EncodeFp8DsMla(rows, n_rows, dim_, out);
     default:
       return internal::EncodeTurbo(TurboBits(format_), rows, n_rows, dim_, block_, out);
   }
@@ -151,6 +167,8 @@ void RowCodec::Decode(const uint8_t* in, size_t n_rows, float* out) const {
       return internal::DecodeFp8(in, n_rows, dim_, out);
     case Format::kFp8E5m2:
       return internal::DecodeFp8E5m2(in, n_rows, dim_, out);
+    case Format::kFp8DsMla:
+      return internal::DecodeFp8DsMla(in, n_rows, dim_, out);
     default:
       return internal::DecodeTurbo(TurboBits(format_), in, n_rows, dim_, block_, out);
   }

@@ -1,12 +1,13 @@
 // fp8: e4m3fn (README.md "fp8") or e5m2 (README.md "fp8_e5m2") values with one f32 scale per
-// row. The decode is a 256-entry table and one multiplication per value. The encode rounds on
-// the f32 bits (round to nearest even at the format's last mantissa bit, carries into the
-// exponent; the subnormal range by adding 2^23 in f32), branch-free per value: Highway compiles
-// this file once per x86 target (foreach_target) and the compiler vectorizes the loops for each
-// (SSE2 to AVX-512), HWY_DYNAMIC_DISPATCH picking the best the CPU runs. Integer operations and
-// exactly rounded f32 ones only (no contraction: -ffp-contract=off), so the same bytes on every
-// target; codec_reference_test checks them against a frexp / nearbyint reference over a dense
-// sweep of f32 values, on every target.
+// row; fp8_ds_mla (README.md): e4m3fn with one f32 scale per 128 values and a bf16 tail. The decode
+// is a 256-entry table and one multiplication per value. The encode rounds on the f32 bits (round
+// to nearest even at the format's last mantissa bit, carries into the exponent; the subnormal range
+// by adding 2^23 in f32), branch-free per value: Highway compiles this file once per x86 target
+// (foreach_target) and the compiler vectorizes the loops for each (SSE2 to AVX-512),
+// HWY_DYNAMIC_DISPATCH picking the best the CPU runs. Integer operations and exactly rounded f32
+// ones only (no contraction: -ffp-contract=off), so the same bytes on every target;
+// codec_reference_test checks them against a frexp / nearbyint reference over a dense sweep of f32
+// values, on every target.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "store/codec/codec_fp8.cc"
 #include <hwy/foreach_target.h>  // must precede highway.h; re-includes this file per target
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <limits>
 
+#include "store/codec/codec.h"  // kDsMlaGroup, kDsMlaRope
 #include "store/codec/codec_internal.h"
 
 #ifndef PION_CODEC_FP8_FORMATS_
@@ -109,39 +111,60 @@ HWY_INLINE uint8_t Round(float y) {
   return static_cast<uint8_t>((nan & is_nan) | ((sign | code) & ~is_nan));
 }
 
-// Rows [f32 scale][dim × byte]: scale = amax / kMax over the row's finite values, each value
-// ×(kMax / amax) rounded (÷ scale where kMax / amax overflows f32: rows whose largest value is
-// below ~kMax / FLT_MAX); ±inf as kInfCode. A row with no finite non-zero value (or one so small
-// that amax / kMax is 0) gets kEmptyScale.
+// n values → n bytes of format F and their scale: scale = amax / kMax over the finite values,
+// each value ×(kMax / amax) rounded (÷ scale where kMax / amax overflows f32: values whose
+// largest is below ~kMax / FLT_MAX); ±inf as kInfCode. With no finite non-zero value (or one so
+// small that amax / kMax is 0) the scale is kEmptyScale. A row of fp8 / fp8_e5m2 is one group;
+// fp8_ds_mla's compressed part is groups of 128.
+template <class F>
+HWY_INLINE float EncodeGroup(const float* HWY_RESTRICT x, uint32_t n, uint8_t* HWY_RESTRICT q) {
+  // amax over the finite values, as bits (non-negative floats order as their bits do, as
+  // signed integers too: a max reduction that vectorizes on SSE2).
+  int32_t amax_bits = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const int32_t a = std::bit_cast<int32_t>(x[i]) & 0x7FFFFFFF;
+    amax_bits = std::max(amax_bits, a < 0x7F800000 ? a : 0);
+  }
+  const float amax = std::bit_cast<float>(amax_bits);
+  float scale = amax / F::kMax, inv;
+  if (scale != 0) {
+    inv = F::kMax / amax;
+  } else {
+    scale = inv = F::kEmptyScale;
+  }
+  if (std::isfinite(inv)) {
+    for (uint32_t i = 0; i < n; ++i) q[i] = Round<F>(x[i] * inv);
+  } else {
+    for (uint32_t i = 0; i < n; ++i) q[i] = Round<F>(x[i] / scale);
+  }
+  for (uint32_t i = 0; i < n; ++i) {  // ±inf inputs: their codes
+    const uint32_t u = std::bit_cast<uint32_t>(x[i]);
+    const bool inf = (u & 0x7FFFFFFFu) == 0x7F800000u;
+    q[i] = inf ? static_cast<uint8_t>(F::kInfCode | ((u >> 24) & 0x80u)) : q[i];
+  }
+  return scale;
+}
+
+// Rows [f32 scale][dim × byte], the whole row one group.
 template <class F>
 void EncodeScaled(const float* HWY_RESTRICT rows, size_t n_rows, uint32_t dim,
                   uint8_t* HWY_RESTRICT out) {
   for (size_t r = 0; r < n_rows; ++r, rows += dim, out += 4 + dim) {
-    // amax over the finite values, as bits (non-negative floats order as their bits do, as
-    // signed integers too: a max reduction that vectorizes on SSE2).
-    int32_t amax_bits = 0;
-    for (uint32_t i = 0; i < dim; ++i) {
-      const int32_t a = std::bit_cast<int32_t>(rows[i]) & 0x7FFFFFFF;
-      amax_bits = std::max(amax_bits, a < 0x7F800000 ? a : 0);
-    }
-    const float amax = std::bit_cast<float>(amax_bits);
-    float scale = amax / F::kMax, inv;
-    if (scale != 0) {
-      inv = F::kMax / amax;
-    } else {
-      scale = inv = F::kEmptyScale;
-    }
+    const float scale = EncodeGroup<F>(rows, dim, out + 4);
     std::memcpy(out, &scale, 4);
-    uint8_t* q = out + 4;
-    if (std::isfinite(inv)) {
-      for (uint32_t i = 0; i < dim; ++i) q[i] = Round<F>(rows[i] * inv);
-    } else {
-      for (uint32_t i = 0; i < dim; ++i) q[i] = Round<F>(rows[i] / scale);
-    }
-    for (uint32_t i = 0; i < dim; ++i) {  // ±inf inputs: their codes
-      const uint32_t u = std::bit_cast<uint32_t>(rows[i]);
-      const bool inf = (u & 0x7FFFFFFFu) == 0x7F800000u;
-      q[i] = inf ? static_cast<uint8_t>(F::kInfCode | ((u >> 24) & 0x80u)) : q[i];
+  }
+}
+
+// fp8_ds_mla's compressed part of each row: [nope e4m3][nope/128 f32 scales] at the start of
+// rows of `row_bytes` (the RoPE part after them is written by the caller).
+void EncodeDsMlaNope(const float* HWY_RESTRICT rows, size_t n_rows, uint32_t dim, size_t row_bytes,
+                     uint8_t* HWY_RESTRICT out) {
+  const uint32_t nope = dim - kDsMlaRope;
+  for (size_t r = 0; r < n_rows; ++r, rows += dim, out += row_bytes) {
+    for (uint32_t g = 0; g < nope / kDsMlaGroup; ++g) {
+      const float scale =
+          EncodeGroup<E4m3>(rows + g * kDsMlaGroup, kDsMlaGroup, out + g * kDsMlaGroup);
+      std::memcpy(out + nope + 4 * g, &scale, 4);
     }
   }
 }
@@ -176,6 +199,12 @@ void DecodeScaled(const float* table, const uint8_t* in, size_t n_rows, uint32_t
 
 HWY_EXPORT(EncodeFp8);
 HWY_EXPORT(EncodeFp8E5m2);
+HWY_EXPORT(EncodeDsMlaNope);
+
+size_t DsMlaRowBytes(uint32_t dim) {
+  const size_t nope = dim - kDsMlaRope;
+  return nope + 4 * (nope / kDsMlaGroup) + 2 * kDsMlaRope;
+}
 
 void EncodeFp8(const float* rows, size_t n_rows, uint32_t dim, uint8_t* out) {
   HWY_DYNAMIC_DISPATCH(EncodeFp8)(rows, n_rows, dim, out);
@@ -191,6 +220,30 @@ void EncodeFp8E5m2(const float* rows, size_t n_rows, uint32_t dim, uint8_t* out)
 
 void DecodeFp8E5m2(const uint8_t* in, size_t n_rows, uint32_t dim, float* out) {
   DecodeScaled(fp8::TableOf<fp8::E5m2>(), in, n_rows, dim, out);
+}
+
+void EncodeFp8DsMla(const float* rows, size_t n_rows, uint32_t dim, uint8_t* out) {
+  const size_t rb = DsMlaRowBytes(dim), nope = dim - kDsMlaRope;
+  HWY_DYNAMIC_DISPATCH(EncodeDsMlaNope)(rows, n_rows, dim, rb, out);
+  const size_t rope_at = nope + 4 * (nope / kDsMlaGroup);
+  for (size_t r = 0; r < n_rows; ++r) {
+    EncodeBf16(rows + r * dim + nope, kDsMlaRope, out + r * rb + rope_at);
+  }
+}
+
+void DecodeFp8DsMla(const uint8_t* in, size_t n_rows, uint32_t dim, float* out) {
+  const float* table = fp8::TableOf<fp8::E4m3>();
+  const size_t rb = DsMlaRowBytes(dim), nope = dim - kDsMlaRope;
+  const size_t rope_at = nope + 4 * (nope / kDsMlaGroup);
+  for (size_t r = 0; r < n_rows; ++r, in += rb, out += dim) {
+    for (size_t g = 0; g < nope / kDsMlaGroup; ++g) {
+      float scale;
+      std::memcpy(&scale, in + nope + 4 * g, 4);
+      for (size_t i = g * kDsMlaGroup; i < (g + 1) * kDsMlaGroup; ++i)
+        out[i] = table[in[i]] * scale;
+    }
+    DecodeBf16(in + rope_at, kDsMlaRope, out + nope);
+  }
 }
 
 }  // namespace pion::codec::internal

@@ -162,6 +162,9 @@ void EncodeFp8(const float* rows, size_t n_rows, uint32_t dim, uint8_t* out);
 void DecodeFp8(const uint8_t* in, size_t n_rows, uint32_t dim, float* out);
 void EncodeFp8E5m2(const float* rows, size_t n_rows, uint32_t dim, uint8_t* out);
 void DecodeFp8E5m2(const uint8_t* in, size_t n_rows, uint32_t dim, float* out);
+// DeepSeek-V3.2's latent rows (README "fp8_ds_mla"); dim = kv_lora_rank + 64.
+void EncodeFp8DsMla(const float* rows, size_t n_rows, uint32_t dim, uint8_t* out);
+void DecodeFp8DsMla(const uint8_t* in, size_t n_rows, uint32_t dim, float* out);
 void EncodeTurbo(int bits, const float* rows, size_t n_rows, uint32_t dim, uint32_t block,
                  uint8_t* out);
 void DecodeTurbo(int bits, const uint8_t* in, size_t n_rows, uint32_t dim, uint32_t block,

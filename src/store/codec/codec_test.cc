@@ -68,9 +68,10 @@ double MeanRelativeMse(const std::vector<float>& x, const std::vector<float>& y,
 
 TEST(RowCodec, ParseAndNameFormats) {
   const std::pair<const char*, Format> kNames[] = {
-      {"fp32", Format::kFp32},     {"fp16", Format::kFp16},     {"bf16", Format::kBf16},
-      {"int8", Format::kInt8},     {"turbo4", Format::kTurbo4}, {"turbo3", Format::kTurbo3},
-      {"turbo2", Format::kTurbo2}, {"fp8", Format::kFp8},       {"fp8_e5m2", Format::kFp8E5m2}};
+      {"fp32", Format::kFp32},          {"fp16", Format::kFp16},     {"bf16", Format::kBf16},
+      {"int8", Format::kInt8},          {"turbo4", Format::kTurbo4}, {"turbo3", Format::kTurbo3},
+      {"turbo2", Format::kTurbo2},      {"fp8", Format::kFp8},       {"fp8_e5m2", Format::kFp8E5m2},
+      {"fp8_ds_mla", Format::kFp8DsMla}};
   for (const auto& [name, f] : kNames) {
     EXPECT_EQ(ParseFormat(name), f);
     EXPECT_EQ(FormatName(f), name);
@@ -82,7 +83,8 @@ TEST(RowCodec, ParseAndNameFormats) {
   EXPECT_EQ(ParseFormat("FP8_E5M2"), Format::kFp8E5m2);
   EXPECT_FALSE(ParseFormat("fp8_e4m3").has_value());
   EXPECT_FALSE(ParseFormat("e5m2").has_value());
-  EXPECT_EQ(FormatChoices(), "fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2");
+  EXPECT_EQ(ParseFormat("FP8_DS_MLA"), Format::kFp8DsMla);
+  EXPECT_EQ(FormatChoices(), "fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2|fp8_ds_mla");
   EXPECT_FALSE(ParseFormat("").has_value());
   EXPECT_FALSE(ParseFormat("turbo").has_value());
   EXPECT_FALSE(ParseFormat("fp16 ").has_value());
@@ -132,6 +134,9 @@ TEST(RowCodec, RowBytes) {
       {Format::kFp8, 3, 0, 7},
       {Format::kFp8E5m2, 128, 0, 4 + 128},
       {Format::kFp8E5m2, 1, 0, 5},
+      {Format::kFp8DsMla, 576, 0, 656},  // DeepSeek-V3.2: 512 + 4·4 + 64·2
+      {Format::kFp8DsMla, 576, 128, 656},
+      {Format::kFp8DsMla, 192, 0, 128 + 4 + 128},
   };
   for (const Case& c : kCases) {
     EXPECT_EQ(MustCreate(c.f, c.dim, c.block).row_bytes(), c.bytes)
@@ -164,6 +169,14 @@ TEST(RowCodec, InvalidDimOrBlockIsAnErrorNamingExpectedAndGot) {
       {Format::kFp8E5m2, 64, 8,
        "fp8_e5m2 has no blocks (one scale per row): block must be 0, got 8"},
       {Format::kFp8E5m2, 1048577, 0, "fp8_e5m2 dim must be in [1, 1048576], got 1048577"},
+      {Format::kFp8DsMla, 576, 64,
+       "fp8_ds_mla scales groups of 128 values: block must be 128 (or 0), got 64"},
+      {Format::kFp8DsMla, 512, 0,
+       "fp8_ds_mla rows are kv_lora_rank + 64 RoPE values, kv_lora_rank a positive multiple of "
+       "128 (DeepSeek: 512 + 64 = 576), got dim 512"},
+      {Format::kFp8DsMla, 64, 0,
+       "fp8_ds_mla rows are kv_lora_rank + 64 RoPE values, kv_lora_rank a positive multiple of "
+       "128 (DeepSeek: 512 + 64 = 576), got dim 64"},
   };
   for (const Case& c : kCases) {
     auto r = RowCodec::Create(c.f, c.dim, c.block);
@@ -171,11 +184,11 @@ TEST(RowCodec, InvalidDimOrBlockIsAnErrorNamingExpectedAndGot) {
     EXPECT_EQ(r.status().kind(), ErrorKind::kErr);
     EXPECT_EQ(r.status().message(), c.message);
   }
-  auto bad = RowCodec::Create(static_cast<Format>(9), 128);
+  auto bad = RowCodec::Create(static_cast<Format>(10), 128);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().message(),
-            "unknown value format 9, expected one of "
-            "fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2");
+            "unknown value format 10, expected one of "
+            "fp32|fp16|bf16|int8|turbo4|turbo3|turbo2|fp8|fp8_e5m2|fp8_ds_mla");
 }
 
 TEST(RowCodec, ZeroRowsIsANoOp) {
@@ -634,6 +647,67 @@ TEST(RowCodecSpecial, Fp8TinyRowsNeverTurnZerosIntoNan) {
   }
 }
 
+// DeepSeek-V3.2's latent layout: [512 e4m3][4 f32 scales, one per 128 values][64 bf16], 656
+// bytes; each group's scale is its amax / 448 and its values round like fp8's; the RoPE tail is
+// bf16 (README "fp8_ds_mla"). The group scales are independent: one large value costs only its
+// group's precision.
+TEST(RowCodecSpecial, Fp8DsMlaLayoutGroupsAndRope) {
+  RowCodec c = MustCreate(Format::kFp8DsMla, 576);
+  ASSERT_EQ(c.row_bytes(), 656u);
+  EXPECT_EQ(c.block(), 128u);
+  std::vector<float> x = GaussianRows(1, 576, 7);
+  x[130] = 1000.0f;  // group 1's amax
+  x[300] = kInf;     // group 2: saturates at ±448·scale, the scale from the finite values
+  x[520] = 3.0f;     // RoPE: bf16
+  std::vector<uint8_t> enc(656);
+  c.Encode(x.data(), 1, enc.data());
+  float scales[4];
+  std::memcpy(scales, enc.data() + 512, 16);
+  for (int g = 0; g < 4; ++g) {
+    float amax = 0;
+    for (int i = 0; i < 128; ++i) {
+      const float v = x[g * 128 + i];
+      if (std::isfinite(v)) amax = std::max(amax, std::fabs(v));
+    }
+    EXPECT_EQ(scales[g], amax / 448.0f) << "group " << g;
+  }
+  EXPECT_EQ(enc[130], 0x7E);                      // the group's largest value: ±448
+  EXPECT_EQ(enc[300], 0x7E);                      // +inf: 448
+  RowCodec e4m3 = MustCreate(Format::kFp8, 128);  // each group rounds like an fp8 row
+  std::vector<uint8_t> row(132);
+  e4m3.Encode(x.data() + 256, 1, row.data());
+  EXPECT_EQ(std::memcmp(row.data() + 4, enc.data() + 256, 128), 0);
+  for (int i = 0; i < 64; ++i) {
+    const uint32_t u = std::bit_cast<uint32_t>(x[512 + i]);
+    const uint16_t want = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    uint16_t got;
+    std::memcpy(&got, enc.data() + 528 + 2 * i, 2);
+    EXPECT_EQ(got, want) << "rope " << i;
+  }
+  std::vector<float> y(576);
+  c.Decode(enc.data(), 1, y.data());
+  EXPECT_NEAR(y[130], 1000.0f, 1e-3f);  // 448 · (1000 / 448): within f32 rounding
+  EXPECT_EQ(y[300], 448.0f * scales[2]);
+  EXPECT_EQ(y[520], 3.0f);
+  // Error: fp8's per group on the compressed part, bf16's on the RoPE part.
+  const std::vector<float> g = GaussianRows(1024, 576, 8);
+  const std::vector<float> back = RoundTrip(c, g);
+  double err = 0, norm = 0, rerr = 0, rnorm = 0;
+  for (size_t r = 0; r < 1024; ++r) {
+    for (int j = 0; j < 576; ++j) {
+      const double a = g[r * 576 + j], d = a - back[r * 576 + j];
+      (j < 512 ? err : rerr) += d * d;
+      (j < 512 ? norm : rnorm) += a * a;
+    }
+  }
+  std::cout << "  fp8_ds_mla relative MSE: latent " << err / norm << ", rope " << rerr / rnorm
+            << "\n";
+  EXPECT_LE(err / norm, 1.5e-3);
+  EXPECT_GE(err / norm, 3e-4);  // it stored e4m3, not more
+  EXPECT_LE(rerr / rnorm, 1.53e-5);
+  EXPECT_GE(rerr / rnorm, 1.3e-6);
+}
+
 TEST(RowCodec, ReadmeWorkedExample) {
   const std::vector<float> x = {0.5f, -1.25f, 2.0f, 0.0f, 3.5f, -0.75f, 1.0f, -2.5f};
   struct Case {
@@ -697,7 +771,7 @@ TEST(ReferenceDecodePy, ReproducesDecodeBitForBit) {
       {Format::kTurbo3, 1024, 0}, {Format::kTurbo2, 1024, 0},  {Format::kTurbo4, 256, 32},
       {Format::kTurbo3, 64, 8},   {Format::kTurbo2, 512, 512}, {Format::kTurbo3, 4096, 4096},
       {Format::kFp8, 1024, 0},    {Format::kFp8, 100, 0},      {Format::kFp8E5m2, 1024, 0},
-      {Format::kFp8E5m2, 100, 0}};
+      {Format::kFp8E5m2, 100, 0}, {Format::kFp8DsMla, 576, 0}, {Format::kFp8DsMla, 192, 0}};
   const std::string dir = testing::TempDir();
   for (const Case& c : kCases) {
     SCOPED_TRACE(std::string(FormatName(c.f)) + " dim " + std::to_string(c.dim));
@@ -708,7 +782,7 @@ TEST(ReferenceDecodePy, ReproducesDecodeBitForBit) {
     }
     std::fill(x.begin(), x.begin() + c.dim, 0.0f);  // a zero row
     if (c.f == Format::kFp16 || c.f == Format::kBf16 || c.f == Format::kFp32 ||
-        c.f == Format::kFp8 || c.f == Format::kFp8E5m2) {
+        c.f == Format::kFp8 || c.f == Format::kFp8E5m2 || c.f == Format::kFp8DsMla) {
       x[c.dim] = kInf;
       x[c.dim + 1] = -kNaN;
       x[c.dim + 2] = 1e20f;

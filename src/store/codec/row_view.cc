@@ -50,6 +50,11 @@ StatusOr<RowView> RowView::Create(const RowCodec& stored, uint32_t first, uint32
     }
   } else if (!all) {
     const Format f = stored.format();
+    if (f == Format::kFp8DsMla) {
+      return Error("RAW columns " + Cols(first, count) +
+                   " of an fp8_ds_mla row: its rows are whole latents (kv_lora_rank + 64); fetch "
+                   "them decoded (without RAW) or re-encoded (AS <codec>)");
+    }
     if (f == Format::kInt8 || Turbo(f)) {
       const uint32_t n = f == Format::kInt8 ? 32 : stored.block();
       const uint32_t end = first + count;
