@@ -7,8 +7,8 @@ value that followed it. The model: token embeddings plus a learned embedding of 
 token (a one-token shift, as in H3/Based's short convolution, so that a value token carries its
 key), two pre-norm attention-only layers with GQA (4 query heads, 2 K/V heads, head_dim 32) and
 no positional encoding — causal attention alone, so the retrieval learned on 64-token sequences
-holds on contexts of thousands of tokens. It trains in about 500 steps (~30 s on one core);
-`trained()` trains once per process and caches the model.
+holds on contexts of thousands of tokens. It trains in 450-650 steps (35-70 s on one core of
+the loaded 2-core dev box); `trained()` trains once per process and caches the model.
 
 For Pion the model is split at the query: `context_kv` gives every layer's K/V of a context
 (what a server stores as ATTEND.PREFIX slots), and `answer` runs one query token through the
@@ -167,6 +167,19 @@ class TrainedModel:
         torch = _torch()
         with torch.no_grad():
             return self.model(torch.from_numpy(ids)[None])[0, -1].double().numpy()
+
+
+def recall_queries(model: TrainedModel, ctx: Context, kv) -> np.ndarray:
+    """The query vectors of every key of ctx asked after it, per layer (dense attention):
+    float32 [len(ctx.keys), LAYERS, H_Q, hd]."""
+    out = np.zeros((len(ctx.keys), LAYERS, H_Q, HEAD_DIM), np.float32)
+    dense = dense_attend(kv)
+    for i, key in enumerate(ctx.keys):
+        def attend(layer, q, k_self, v_self):
+            out[i, layer] = q
+            return dense(layer, q, k_self, v_self)
+        model.answer(int(ctx.ids[-1]), int(key), attend)
+    return out
 
 
 def dense_scores(kv, layer, q, k_self):
