@@ -10,6 +10,9 @@ PKGS=(
   libgtest-dev libgmock-dev
   redis-server redis-tools
   python3 python3-pytest python3-redis python3-numpy python3-psutil
+  # tests/test_quality_trained.py trains a small model; OpenBLAS is libtorch's recommended BLAS
+  # (--no-install-recommends drops it): on the reference BLAS a training step is ~8x slower.
+  python3-torch libopenblas0-serial
   curl
   prometheus
   etcd-server etcd-client

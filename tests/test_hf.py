@@ -8,8 +8,11 @@ GPU machine (`scripts/test-gpu.sh` runs it), skipped elsewhere with the reason.
   GQA model (fp32 over TCP and over the Unix socket's shared memory; fp16 and bf16 models with
   their own codecs on a GPU), a sliding-window model (Mistral, window < prefix) and a hybrid
   with recurrent layers (LFM2: short-conv layers through SSM.PREFIX).
-- Lossy codecs (fp16 storage of an fp32 model, int8, turbo4): token agreement and logit error
-  printed; the generation must run and agree on the first token.
+- Lossy codecs (fp16 storage of an fp32 model, int8, turbo4): the first generated token is the
+  uncached model's (or that of its cache rounded to the codec by torch/numpy, an independent
+  encoder that reproduces the server's rows bit for bit), and the suffix logits' error relative
+  to their spread is at most LOSSY_LOGIT_SLACK times the rounding's own (bounds provisional until
+  measured on the GPU machine).
 - fp8 and fp8_e5m2 (e4m3fn / e5m2 with a scale per token row): Stage 1 from such a namespace,
   Stage 2 over the attention slots bound from it (fp8: the server attends over the e4m3 bytes;
   fp8_e5m2 decodes to fp32 slots) and, on a GPU, the IPC path: token agreement and logit error
@@ -247,12 +250,91 @@ def test_hybrid_recurrent_model_exact(server):
     assert miss == want and hit == want
 
 
+# Lossy codecs against the same model with its prefix K/V rounded by torch and numpy to the
+# codec as src/store/codec/README.md specifies (token rows over every K/V head, as KV.PREFIX stores
+# them; the encoders below reproduce the server's V.FETCH of the same rows bit for bit, checked
+# on the CPU box for fp16, int8 and turbo4/3/2). Pion's cache must give the suffix logits that
+# rounding gives — relative error (logit_rel_err) at most LOSSY_LOGIT_SLACK times the rounding's
+# own, plus 1e-3 — and its first token. PROVISIONAL: the codecs' logit errors on this model are
+# not measured yet (transformers is on the GPU machine only); expected from the codecs' relative
+# MSE (README table) scaled like fp8's 0.14: fp16 ~1e-3, int8 ~0.03, turbo4 ~0.5 of the spread.
+LOSSY_LOGIT_SLACK = 1.05
+
+
+def _token_rows(x):
+    """[B, H, T, D] -> float32 [B*T, H*D]: one row per token over every K/V head."""
+    b, h, t, d = x.shape
+    return x.float().permute(0, 2, 1, 3).reshape(b * t, h * d), (b, h, t, d)
+
+
+def _int8_rows(rows):
+    """q8_0-like: blocks of 32, fp16 scale amax/127, round half away from zero."""
+    n, dim = rows.shape
+    blocks = rows.reshape(n, dim // 32, 32)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).clamp(max=65504).half().float()
+    y = blocks * torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    q = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp(-127, 127)
+    return (q * scale).reshape(n, dim)
+
+
+def _turbo_rows(rows, bits, n=128):
+    """TurboQuant MSE (README "Encode"): rotate D2·H·D1, nearest Lloyd-Max centroid, norm
+    correction in fp16; decoded as the README's bit-exact decode."""
+    from pion import codecs as pc
+    x = rows.cpu().numpy().astype(np.float32).reshape(-1, n)
+    s1, s2 = pc.sign_vector(pc.SIGN_SEED_1, n), pc.sign_vector(pc.SIGN_SEED_2, n)
+    table = np.array(pc.CENTROID_BITS[bits], dtype=np.uint32).view(np.float32)
+    norm = np.sqrt((x * x).sum(-1, dtype=np.float32))[:, None]
+    inv = np.where(norm > 0, np.float32(1) / np.where(norm > 0, norm, 1), 0).astype(np.float32)
+    t = (pc.fwht(x * s1) * s2) * inv
+    half = 1 << (bits - 1)
+    count = (np.abs(t)[..., None] >= (table[half:-1] + table[half + 1:]) / 2).sum(-1)
+    c = table[np.where(t < 0, half - 1 - count, half + count)]
+    cnorm = np.sqrt((c * c).sum(-1, dtype=np.float32))[:, None]
+    s = np.minimum(norm / cnorm * np.float32(np.sqrt(n)), 65504).astype(np.float16)
+    k = np.where(norm > 0, s.astype(np.float32), 0) * np.float32(1.0 / n)
+    out = (pc.fwht(c * s2) * k) * s1
+    return torch.from_numpy(out.astype(np.float32).reshape(rows.shape)).to(rows.device)
+
+
+def codec_round_trip(x, codec):
+    """[B, H, T, D] K or V rounded to a V-store codec (fp16, int8, turbo4/3/2)."""
+    rows, (b, h, t, d) = _token_rows(x)
+    if codec == "fp16":
+        out = rows.half().float()
+    elif codec == "int8":
+        out = _int8_rows(rows)
+    else:
+        out = _turbo_rows(rows, int(codec[-1]))
+    return out.reshape(b, t, h, d).permute(0, 2, 1, 3).to(x.dtype)
+
+
 @pytest.mark.parametrize("codec", ["fp16", "int8", "turbo4"])
-def test_lossy_codecs_report_agreement(server, codec):
+def test_lossy_codecs_first_token_and_logit_error(server, codec):
     model = llama(0)
     want, _miss, hit, diff = check_exact(model, client_for(server), codec=codec,
                                          label="llama fp32, lossy")
-    assert len(hit) == NEW and np.isfinite(diff)  # reported, not asserted: lossy by design
+    prefix, suffix = prompt(1, 96), prompt(2, 8)
+    full = torch.cat([prefix, suffix])
+    want_logits = suffix_logits(model, full, 96)
+    with torch.no_grad():
+        own = model(input_ids=prefix[None].to(DEV), use_cache=True).past_key_values
+    rounded = map_cache(own, lambda x: codec_round_trip(x, codec))
+    ref_rel = logit_rel_err(suffix_logits(model, full, 96, rounded), want_logits)
+    ref_tokens = generate(model, full, map_cache(
+        model(input_ids=prefix[None].to(DEV), use_cache=True).past_key_values,
+        lambda x: codec_round_trip(x, codec)))
+    pc = pion.hf.PionPromptCache(model, client_for(server), codec=codec)
+    rel = logit_rel_err(suffix_logits(model, full, 96, pc.fetch(prefix)), want_logits)
+    bound = LOSSY_LOGIT_SLACK * ref_rel + 1e-3
+    print("\nllama fp32, %s cache: logit rel err %.3g (torch's rounding %.3g, bound %.3g), "
+          "tokens %d/%d (the rounding's %d/%d), first %s (exact %d, rounding %d)" % (
+              codec, rel, ref_rel, bound, sum(a == b for a, b in zip(want, hit)), NEW,
+              sum(a == b for a, b in zip(want, ref_tokens)), NEW, hit[0], want[0],
+              ref_tokens[0]))
+    assert len(hit) == NEW and np.isfinite(diff)
+    assert hit[0] in (want[0], ref_tokens[0])  # the exact model's, or the codec's own rounding's
+    assert 0 < ref_rel and rel <= bound
 
 
 # Pion's fp8 cache against the same model with its prefix K/V rounded to fp8 by torch (an

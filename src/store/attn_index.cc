@@ -386,8 +386,12 @@ void BuiltIndex::Calibrate(const ParallelRun& parallel) {
   plan_ = Plan{true, 0, 1.0};
   std::vector<double> recall(count), seconds(count);
   constexpr size_t kPiece = 8;  // probes a parallel piece searches
-  for (uint64_t ef = std::max<uint32_t>(k, 80);; ef *= 2) {
-    const uint32_t beam = static_cast<uint32_t>(std::min<uint64_t>(ef, n));
+  // Recall@k of every probe at one beam; returns the worse kind's mean recall and its lower
+  // bound (mean − 2 standard errors), and the probes' mean search time.
+  struct Measured {
+    double worst, worst_bound, search_s;
+  };
+  auto measure = [&](uint32_t beam) {
     parallel((count + kPiece - 1) / kPiece, [&](size_t piece) {
       for (size_t p = piece * kPiece; p < std::min(count, (piece + 1) * kPiece); ++p) {
         const auto s0 = std::chrono::steady_clock::now();
@@ -405,27 +409,34 @@ void BuiltIndex::Calibrate(const ParallelRun& parallel) {
         recall[p] = truth[p].empty() ? 1.0 : double(found) / truth[p].size();
       }
     });
-    // Per kind: the mean recall of its probes and a lower bound (mean − 2 standard errors);
-    // the kind with the lower bound counts.
-    double worst = 1.0, worst_bound = 1.0, search_s = 0;
+    Measured m{1.0, 1.0, 0};
     for (int kind = 0; kind < 2; ++kind) {
       const size_t a = kind == 0 ? 0 : per_kind, b = kind == 0 ? per_kind : count;
       double sum = 0, sum2 = 0;
       for (size_t p = a; p < b; ++p) {
         sum += recall[p];
         sum2 += recall[p] * recall[p];
-        search_s += seconds[p] / count;
+        m.search_s += seconds[p] / count;
       }
       const size_t c = b - a;
       const double mean = sum / c;
       const double var = c > 1 ? std::max(0.0, (sum2 - sum * mean) / (c - 1)) : 0.0;
       const double bound = mean - 2 * std::sqrt(var / c);
-      if (bound < worst_bound) worst_bound = bound, worst = mean;
+      if (bound < m.worst_bound) m.worst_bound = bound, m.worst = mean;
     }
-    recall_by_ef_.push_back({beam, worst});
-    if (search_s >= scan_s) break;  // wider beams only cost more than the exact scan
-    if (worst_bound >= kTargetRecall) {
-      plan_ = Plan{false, beam, worst};
+    return m;
+  };
+  constexpr uint32_t kFirstDefaultBeam = 80;
+  // The narrowest beam a query can ask for (EF below k searches with k): measured too, so that
+  // the receipt of a narrow EF reports its own recall rather than a wider beam's.
+  if (k < kFirstDefaultBeam && k < n) recall_by_ef_.push_back({k, measure(k).worst});
+  for (uint64_t ef = std::max<uint32_t>(k, kFirstDefaultBeam);; ef *= 2) {
+    const uint32_t beam = static_cast<uint32_t>(std::min<uint64_t>(ef, n));
+    const Measured m = measure(beam);
+    recall_by_ef_.push_back({beam, m.worst});
+    if (m.search_s >= scan_s) break;  // wider beams only cost more than the exact scan
+    if (m.worst_bound >= kTargetRecall) {
+      plan_ = Plan{false, beam, m.worst};
       break;
     }
     if (beam >= n) break;

@@ -126,7 +126,8 @@ class BuiltIndex {
   };
   const Plan& plan() const { return plan_; }
   // The calibrated recall@32 estimate of a search with beam ef: that of the largest measured
-  // beam not above ef (the smallest measured one's for a narrower beam: an upper bound).
+  // beam not above ef. The calibration measures beam 32 (the narrowest a recall@32 search
+  // uses) besides the doubling ones from 80, so a narrow EF reports its own beam's recall.
   double RecallAt(uint32_t ef) const;
 
   const IndexRows& rows() const { return rows_; }
