@@ -56,13 +56,6 @@ namespace pion::kernels::cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-#if HWY_TARGET <= HWY_AVX3
-constexpr size_t kTileVecs = 4;  // 32 vector registers: 16 accumulators + operands
-#else
-constexpr size_t kTileVecs = 2;  // 16 vector registers
-#endif
-constexpr size_t kTileKeys = 4;
-
 // One latent row → dk fp32 values (its stored layout: attention.h, LatentType).
 void WidenLatentRow(const Latent& c, uint32_t t, float* HWY_RESTRICT dst) {
   const uint8_t* src = c.Row(t);
@@ -106,96 +99,6 @@ const float* LatentRowsF32(const Latent& c, size_t t0, size_t n, float* buf) {
     }
   }
   return buf;
-}
-
-// S[t][lane] = Σ_j k[t][j] · qt[j][lane] for rows t in [0, nb) of width d, NV vectors of lanes.
-template <size_t NV>
-void LatentTileScores(const float* HWY_RESTRICT k, size_t nb, size_t d,
-                      const float* HWY_RESTRICT qt, size_t rt, float* HWY_RESTRICT s) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  size_t t = 0;
-  for (; t + kTileKeys <= nb; t += kTileKeys) {
-    VF acc[kTileKeys][NV];
-    for (size_t kk = 0; kk < kTileKeys; ++kk) {
-      for (size_t c = 0; c < NV; ++c) acc[kk][c] = hn::Zero(df);
-    }
-    const float* kt = k + t * d;
-    for (size_t j = 0; j < d; ++j) {
-      VF qv[NV];
-      for (size_t c = 0; c < NV; ++c) qv[c] = hn::LoadU(df, qt + j * rt + c * lanes);
-      for (size_t kk = 0; kk < kTileKeys; ++kk) {
-        const VF kb = hn::Set(df, kt[kk * d + j]);
-        for (size_t c = 0; c < NV; ++c) acc[kk][c] = hn::MulAdd(kb, qv[c], acc[kk][c]);
-      }
-    }
-    for (size_t kk = 0; kk < kTileKeys; ++kk) {
-      for (size_t c = 0; c < NV; ++c) hn::StoreU(acc[kk][c], df, s + (t + kk) * rt + c * lanes);
-    }
-  }
-  for (; t < nb; ++t) {
-    VF acc[NV];
-    for (size_t c = 0; c < NV; ++c) acc[c] = hn::Zero(df);
-    const float* kt = k + t * d;
-    for (size_t j = 0; j < d; ++j) {
-      const VF kb = hn::Set(df, kt[j]);
-      for (size_t c = 0; c < NV; ++c) {
-        acc[c] = hn::MulAdd(kb, hn::LoadU(df, qt + j * rt + c * lanes), acc[c]);
-      }
-    }
-    for (size_t c = 0; c < NV; ++c) hn::StoreU(acc[c], df, s + t * rt + c * lanes);
-  }
-}
-
-// ot[j][lane] = ot[j][lane] · alpha[lane] + Σ_t v[t][j] · p[t][lane] for j < dv, the value rows
-// `stride` floats apart (the first dv values of each widened latent row).
-template <size_t NV>
-void LatentTileAccumulate(const float* HWY_RESTRICT v, size_t nb, size_t dv, size_t stride,
-                          const float* HWY_RESTRICT p, const float* HWY_RESTRICT alpha, size_t rt,
-                          float* HWY_RESTRICT ot) {
-  const DF df;
-  const size_t lanes = hn::Lanes(df);
-  constexpr size_t kJ = 4;
-  VF va[NV];
-  for (size_t c = 0; c < NV; ++c) va[c] = hn::LoadU(df, alpha + c * lanes);
-  for (size_t j = 0; j < dv; j += kJ) {
-    VF acc[kJ][NV];
-    for (size_t jj = 0; jj < kJ; ++jj) {
-      for (size_t c = 0; c < NV; ++c) {
-        acc[jj][c] = hn::Mul(hn::LoadU(df, ot + (j + jj) * rt + c * lanes), va[c]);
-      }
-    }
-    for (size_t t = 0; t < nb; ++t) {
-      VF pv[NV];
-      for (size_t c = 0; c < NV; ++c) pv[c] = hn::LoadU(df, p + t * rt + c * lanes);
-      const float* vt = v + t * stride + j;
-      for (size_t jj = 0; jj < kJ; ++jj) {
-        const VF vb = hn::Set(df, vt[jj]);
-        for (size_t c = 0; c < NV; ++c) acc[jj][c] = hn::MulAdd(vb, pv[c], acc[jj][c]);
-      }
-    }
-    for (size_t jj = 0; jj < kJ; ++jj) {
-      for (size_t c = 0; c < NV; ++c) hn::StoreU(acc[jj][c], df, ot + (j + jj) * rt + c * lanes);
-    }
-  }
-}
-
-template <size_t NV>
-void LatentTileScoresN(size_t nv, const float* k, size_t nb, size_t d, const float* qt, size_t rt,
-                       float* s) {
-  if constexpr (NV > 1) {
-    if (nv < NV) return LatentTileScoresN<NV - 1>(nv, k, nb, d, qt, rt, s);
-  }
-  LatentTileScores<NV>(k, nb, d, qt, rt, s);
-}
-
-template <size_t NV>
-void LatentTileAccumulateN(size_t nv, const float* v, size_t nb, size_t dv, size_t stride,
-                           const float* p, const float* alpha, size_t rt, float* ot) {
-  if constexpr (NV > 1) {
-    if (nv < NV) return LatentTileAccumulateN<NV - 1>(nv, v, nb, dv, stride, p, alpha, rt, ot);
-  }
-  LatentTileAccumulate<NV>(v, nb, dv, stride, p, alpha, rt, ot);
 }
 
 // The running state of `n` query rows (global indices rows[0, n)) in tiles of rt lanes: their
@@ -252,7 +155,7 @@ class LatentTiles {
     for (size_t tile = 0; tile < tiles_; ++tile) {
       const size_t base = tile * rt_;
       const size_t nv = (std::min(n_ - base, rt_) + lanes_ - 1) / lanes_;
-      LatentTileScoresN<kTileVecs>(nv, k, nb, dk_, qt_ + tile * dk_ * rt_, rt_, s);
+      TileScoresN<kTileVecs>(nv, k, nb, dk_, qt_ + tile * dk_ * rt_, rt_, s);
       for (size_t c = 0; c < nv; ++c) {
         const size_t off = c * lanes_, at = base + off;
         const VF vlo = hn::LoadU(df, lo_ + at);
@@ -282,8 +185,8 @@ class LatentTiles {
         hn::StoreU(hn::MulAdd(hn::LoadU(df, l_ + at), a, sum), df, l_ + at);
         hn::StoreU(a, df, alpha_ + at);
       }
-      LatentTileAccumulateN<kTileVecs>(nv, k, nb, dv_, dk_, s, alpha_ + base, rt_,
-                                       ot_ + tile * dv_ * rt_);
+      TileAccumulateN<kTileVecs>(nv, k, nb, dv_, dk_, s, alpha_ + base, rt_,
+                                 ot_ + tile * dv_ * rt_);
     }
   }
 

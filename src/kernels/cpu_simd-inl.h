@@ -1,6 +1,7 @@
-// Per-target helpers shared by the CPU backend's Highway files (cpu_attention.cc, cpu_decode.cc):
-// fp16 conversion, row access and dot products. Included once per target after highway.h (the
-// include guard toggles with HWY_TARGET_TOGGLE, as Highway's own -inl.h headers do).
+// Per-target helpers shared by the CPU backend's Highway files (cpu_attention.cc, cpu_decode.cc,
+// cpu_mla.cc): fp16 conversion, row access, dot products and the many-rows tile kernels. Included
+// once per target after highway.h (the include guard toggles with HWY_TARGET_TOGGLE, as Highway's
+// own -inl.h headers do).
 #if defined(PION_KERNELS_CPU_SIMD_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef PION_KERNELS_CPU_SIMD_INL_H_
 #undef PION_KERNELS_CPU_SIMD_INL_H_
@@ -160,6 +161,106 @@ void AttendDecodeGroup(const Queries& q, const Keys& keys, float scale, int64_t 
 // key list of rows[0] (keys.rows != nullptr): each listed row is gathered once for all of them.
 void AttendSparseRows(const Queries& q, const Keys& keys, float scale, int64_t window,
                       const size_t* rows, size_t n, const Partial& out, Scratch& scratch);
+
+// ---- tile layout: many query rows in lanes (cpu_attention.cc's prefill, cpu_mla.cc) ---------
+// Query rows sit in lanes, NV vectors of them; a tile's rows are `rt` floats apart.
+
+#if HWY_TARGET <= HWY_AVX3
+constexpr size_t kTileVecs = 4;  // 32 vector registers: 16 accumulators + operands
+#else
+constexpr size_t kTileVecs = 2;  // 16 vector registers
+#endif
+constexpr size_t kTileKeys = 4;
+
+// S[t][lane] = Σ_j k[t][j] · qt[j][lane] for rows t in [0, nb) of width d, NV vectors of lanes.
+template <size_t NV>
+void TileScores(const float* HWY_RESTRICT k, size_t nb, size_t d, const float* HWY_RESTRICT qt,
+                size_t rt, float* HWY_RESTRICT s) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  size_t t = 0;
+  for (; t + kTileKeys <= nb; t += kTileKeys) {
+    VF acc[kTileKeys][NV];
+    for (size_t kk = 0; kk < kTileKeys; ++kk) {
+      for (size_t c = 0; c < NV; ++c) acc[kk][c] = hn::Zero(df);
+    }
+    const float* kt = k + t * d;
+    for (size_t j = 0; j < d; ++j) {
+      VF qv[NV];
+      for (size_t c = 0; c < NV; ++c) qv[c] = hn::LoadU(df, qt + j * rt + c * lanes);
+      for (size_t kk = 0; kk < kTileKeys; ++kk) {
+        const VF kb = hn::Set(df, kt[kk * d + j]);
+        for (size_t c = 0; c < NV; ++c) acc[kk][c] = hn::MulAdd(kb, qv[c], acc[kk][c]);
+      }
+    }
+    for (size_t kk = 0; kk < kTileKeys; ++kk) {
+      for (size_t c = 0; c < NV; ++c) hn::StoreU(acc[kk][c], df, s + (t + kk) * rt + c * lanes);
+    }
+  }
+  for (; t < nb; ++t) {
+    VF acc[NV];
+    for (size_t c = 0; c < NV; ++c) acc[c] = hn::Zero(df);
+    const float* kt = k + t * d;
+    for (size_t j = 0; j < d; ++j) {
+      const VF kb = hn::Set(df, kt[j]);
+      for (size_t c = 0; c < NV; ++c) {
+        acc[c] = hn::MulAdd(kb, hn::LoadU(df, qt + j * rt + c * lanes), acc[c]);
+      }
+    }
+    for (size_t c = 0; c < NV; ++c) hn::StoreU(acc[c], df, s + t * rt + c * lanes);
+  }
+}
+
+// ot[j][lane] = ot[j][lane] · alpha[lane] + Σ_t v[t][j] · p[t][lane] for j < dv, the value rows
+// `stride` floats apart (the first dv values of each widened latent row).
+template <size_t NV>
+void TileAccumulate(const float* HWY_RESTRICT v, size_t nb, size_t dv, size_t stride,
+                    const float* HWY_RESTRICT p, const float* HWY_RESTRICT alpha, size_t rt,
+                    float* HWY_RESTRICT ot) {
+  const DF df;
+  const size_t lanes = hn::Lanes(df);
+  constexpr size_t kJ = 4;
+  VF va[NV];
+  for (size_t c = 0; c < NV; ++c) va[c] = hn::LoadU(df, alpha + c * lanes);
+  for (size_t j = 0; j < dv; j += kJ) {
+    VF acc[kJ][NV];
+    for (size_t jj = 0; jj < kJ; ++jj) {
+      for (size_t c = 0; c < NV; ++c) {
+        acc[jj][c] = hn::Mul(hn::LoadU(df, ot + (j + jj) * rt + c * lanes), va[c]);
+      }
+    }
+    for (size_t t = 0; t < nb; ++t) {
+      VF pv[NV];
+      for (size_t c = 0; c < NV; ++c) pv[c] = hn::LoadU(df, p + t * rt + c * lanes);
+      const float* vt = v + t * stride + j;
+      for (size_t jj = 0; jj < kJ; ++jj) {
+        const VF vb = hn::Set(df, vt[jj]);
+        for (size_t c = 0; c < NV; ++c) acc[jj][c] = hn::MulAdd(vb, pv[c], acc[jj][c]);
+      }
+    }
+    for (size_t jj = 0; jj < kJ; ++jj) {
+      for (size_t c = 0; c < NV; ++c) hn::StoreU(acc[jj][c], df, ot + (j + jj) * rt + c * lanes);
+    }
+  }
+}
+
+template <size_t NV>
+void TileScoresN(size_t nv, const float* k, size_t nb, size_t d, const float* qt, size_t rt,
+                 float* s) {
+  if constexpr (NV > 1) {
+    if (nv < NV) return TileScoresN<NV - 1>(nv, k, nb, d, qt, rt, s);
+  }
+  TileScores<NV>(k, nb, d, qt, rt, s);
+}
+
+template <size_t NV>
+void TileAccumulateN(size_t nv, const float* v, size_t nb, size_t dv, size_t stride, const float* p,
+                     const float* alpha, size_t rt, float* ot) {
+  if constexpr (NV > 1) {
+    if (nv < NV) return TileAccumulateN<NV - 1>(nv, v, nb, dv, stride, p, alpha, rt, ot);
+  }
+  TileAccumulate<NV>(v, nb, dv, stride, p, alpha, rt, ot);
+}
 
 }  // namespace HWY_NAMESPACE
 }  // namespace pion::kernels::cpu
