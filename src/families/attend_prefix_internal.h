@@ -108,6 +108,11 @@ template <typename T>
 const T* As(const BufferRef& b) {
   return reinterpret_cast<const T*>(b->data());
 }
+// Validates `lists` index lists of a sparse query (list i: rows[i·kmax, i·kmax + counts[i]))
+// against a slot of n rows: each count in [0, kmax], each index in [0, n) and not repeated
+// within its list. `owner` names what a list belongs to in the error ("head", "token").
+Status CheckIndexLists(const int32_t* rows, const int32_t* counts, uint32_t lists, uint32_t kmax,
+                       uint32_t n, std::string_view owner);
 // "(name=v name=v ...)" for size errors.
 std::string Shape(std::initializer_list<std::pair<const char*, uint64_t>> dims);
 // Runs the job: brings the slot's bytes where it computes (parking the command while they are

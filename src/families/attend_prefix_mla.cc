@@ -154,29 +154,8 @@ void QueryMlaSparse(CommandContext& ctx, CmdArgs& args) {
   const int32_t* rows = As<int32_t>(idx.value());
   const int32_t* counts = As<int32_t>(cnt.value());
   const uint32_t n = h.slot->rows;
-  std::vector<uint64_t> seen((n + 63) / 64);
-  for (uint32_t i = 0; i < m; ++i) {
-    if (counts[i] < 0 || static_cast<uint32_t>(counts[i]) > kmax) {
-      return ctx.Error(Error("counts[" + std::to_string(i) + "] = " + std::to_string(counts[i]) +
-                             " is not in [0, K_sparse_max=" + std::to_string(kmax) + "]"));
-    }
-    std::fill(seen.begin(), seen.end(), 0);
-    for (int32_t j = 0; j < counts[i]; ++j) {
-      const int32_t t = rows[static_cast<size_t>(i) * kmax + j];
-      const std::string at = "indices[" + std::to_string(i) + "][" + std::to_string(j) + "] = ";
-      if (t < 0 || static_cast<uint32_t>(t) >= n) {
-        return ctx.Error(
-            Error(at + std::to_string(t) + " is out of range [0, N=" + std::to_string(n) + ")"));
-      }
-      uint64_t& word = seen[t / 64];
-      const uint64_t bit = uint64_t{1} << (t % 64);
-      if (word & bit) {
-        return ctx.Error(Error(at + std::to_string(t) + " repeats an earlier index of token " +
-                               std::to_string(i)));
-      }
-      word |= bit;
-    }
-  }
+  Status lists = CheckIndexLists(rows, counts, m, kmax, n, "token");
+  if (!lists.ok()) return ctx.Error(lists);
   SetMlaQueries(job.get(), h, q.value(), m, Form::kMlaSparse);
   job->plan.rows = rows;
   job->plan.counts = counts;

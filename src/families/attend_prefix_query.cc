@@ -73,6 +73,33 @@ Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_sele
 }
 
 // Takes argument i as a Buffer the job keeps (adopted when it was received into its own).
+Status CheckIndexLists(const int32_t* rows, const int32_t* counts, uint32_t lists, uint32_t kmax,
+                       uint32_t n, std::string_view owner) {
+  std::vector<uint64_t> seen((n + 63) / 64);
+  for (uint32_t i = 0; i < lists; ++i) {
+    if (counts[i] < 0 || static_cast<uint32_t>(counts[i]) > kmax) {
+      return Error("counts[" + std::to_string(i) + "] = " + std::to_string(counts[i]) +
+                   " is not in [0, K_sparse_max=" + std::to_string(kmax) + "]");
+    }
+    std::fill(seen.begin(), seen.end(), 0);
+    for (int32_t j = 0; j < counts[i]; ++j) {
+      const int32_t t = rows[static_cast<size_t>(i) * kmax + j];
+      const std::string at = "indices[" + std::to_string(i) + "][" + std::to_string(j) + "] = ";
+      if (t < 0 || static_cast<uint32_t>(t) >= n) {
+        return Error(at + std::to_string(t) + " is out of range [0, N=" + std::to_string(n) + ")");
+      }
+      uint64_t& word = seen[t / 64];
+      const uint64_t bit = uint64_t{1} << (t % 64);
+      if (word & bit) {
+        return Error(at + std::to_string(t) + " repeats an earlier index of " + std::string(owner) +
+                     " " + std::to_string(i));
+      }
+      word |= bit;
+    }
+  }
+  return Status::Ok();
+}
+
 StatusOr<BufferRef> Take(CmdArgs& args, size_t i, QueryJob* job) {
   auto b = args.TakeBuffer(i);
   if (!b.ok()) return b.status();
@@ -684,29 +711,8 @@ void QuerySparse(CommandContext& ctx, CmdArgs& args) {
   const int32_t* rows = As<int32_t>(idx.value());
   const int32_t* counts = As<int32_t>(cnt.value());
   const uint32_t n = h.slot->rows;
-  std::vector<uint64_t> seen((n + 63) / 64);
-  for (uint32_t hh = 0; hh < h.hq; ++hh) {
-    if (counts[hh] < 0 || static_cast<uint32_t>(counts[hh]) > kmax) {
-      return ctx.Error(Error("counts[" + std::to_string(hh) + "] = " + std::to_string(counts[hh]) +
-                             " is not in [0, K_sparse_max=" + std::to_string(kmax) + "]"));
-    }
-    std::fill(seen.begin(), seen.end(), 0);
-    for (int32_t j = 0; j < counts[hh]; ++j) {
-      const int32_t t = rows[static_cast<size_t>(hh) * kmax + j];
-      const std::string at = "indices[" + std::to_string(hh) + "][" + std::to_string(j) + "] = ";
-      if (t < 0 || static_cast<uint32_t>(t) >= n) {
-        return ctx.Error(
-            Error(at + std::to_string(t) + " is out of range [0, N=" + std::to_string(n) + ")"));
-      }
-      uint64_t& word = seen[t / 64];
-      const uint64_t bit = uint64_t{1} << (t % 64);
-      if (word & bit) {
-        return ctx.Error(Error(at + std::to_string(t) + " repeats an earlier index of head " +
-                               std::to_string(hh)));
-      }
-      word |= bit;
-    }
-  }
+  Status lists = CheckIndexLists(rows, counts, h.hq, kmax, n, "head");
+  if (!lists.ok()) return ctx.Error(lists);
   job->slot = h.slot;
   SetQueries(job.get(), q.value(), h.hq, 1, h.d);
   job->plan.form = Form::kSparse;
