@@ -40,6 +40,25 @@ class AttendResult(NamedTuple):
     receipt: Optional[dict]
 
 
+def _index_lists(indices, counts, n: int, owners: str, dim: str):
+    """A sparse query's index lists as (indices int32 [n, K], counts int32 [n], K): `indices`
+    [n, K] with `counts`, or a list of n sequences (ragged; padded here)."""
+    if counts is None:
+        lists = [np.asarray(_wire.to_numpy(x), np.int64).reshape(-1) for x in indices]
+        if len(lists) != n:
+            raise ValueError("indices has %d %s, q has %d" % (len(lists), owners, n))
+        kmax = max(1, max(len(x) for x in lists))
+        idx = np.zeros((n, kmax), np.int32)
+        for i, x in enumerate(lists):
+            idx[i, :len(x)] = x
+        return idx, np.array([len(x) for x in lists], np.int32), kmax
+    idx = np.asarray(_wire.to_numpy(indices), np.int32)
+    cnt = np.asarray(_wire.to_numpy(counts), np.int32).reshape(-1)
+    if idx.ndim != 2:
+        raise ValueError("indices must be [%s, K_sparse_max], got shape %s" % (dim, idx.shape))
+    return idx, cnt, idx.shape[1]
+
+
 def parse_receipt(reply) -> dict:
     """A receipt map as {str: value}: `exact` bool, `omitted_mass_estimate`/`micros` float,
     `support` list of int, `blocks` list of lists of int, the rest int or str."""
@@ -352,21 +371,7 @@ class Attend:
         sequences of row indexes (ragged; padded here). q [H, D]; out [H, D]."""
         qa = _single(q, "QUERY_SPARSE")
         h, d = qa.shape
-        if counts is None:
-            lists = [np.asarray(_wire.to_numpy(x), np.int64).reshape(-1) for x in indices]
-            if len(lists) != h:
-                raise ValueError("indices has %d heads, q has %d" % (len(lists), h))
-            kmax = max(1, max(len(x) for x in lists))
-            idx = np.zeros((h, kmax), np.int32)
-            for i, x in enumerate(lists):
-                idx[i, :len(x)] = x
-            cnt = np.array([len(x) for x in lists], np.int32)
-        else:
-            idx = np.asarray(_wire.to_numpy(indices), np.int32)
-            cnt = np.asarray(_wire.to_numpy(counts), np.int32).reshape(-1)
-            if idx.ndim != 2:
-                raise ValueError("indices must be [H, K_sparse_max], got shape %s" % (idx.shape,))
-            kmax = idx.shape[1]
+        idx, cnt, kmax = _index_lists(indices, counts, h, "heads", "H")
         reply = self._c.execute("ATTEND.PREFIX.QUERY_SPARSE", sid, int(layer), h, d, kmax,
                                 _wire.f32(qa), _wire.i32(idx), _wire.i32(cnt),
                                 *_tail(window, qpos, None, receipt, deadline_ms=deadline_ms,
@@ -442,21 +447,7 @@ class Attend:
         padded here): DeepSeek-V3.2's indexer output per token. q as query_mla."""
         qa, squeeze = _queries(q)
         hq, m, dk = qa.shape
-        if counts is None:
-            lists = [np.asarray(_wire.to_numpy(x), np.int64).reshape(-1) for x in indices]
-            if len(lists) != m:
-                raise ValueError("indices has %d tokens, q has %d" % (len(lists), m))
-            kmax = max(1, max(len(x) for x in lists))
-            idx = np.zeros((m, kmax), np.int32)
-            for i, x in enumerate(lists):
-                idx[i, :len(x)] = x
-            cnt = np.array([len(x) for x in lists], np.int32)
-        else:
-            idx = np.asarray(_wire.to_numpy(indices), np.int32)
-            cnt = np.asarray(_wire.to_numpy(counts), np.int32).reshape(-1)
-            if idx.ndim != 2:
-                raise ValueError("indices must be [M, K_sparse_max], got shape %s" % (idx.shape,))
-            kmax = idx.shape[1]
+        idx, cnt, kmax = _index_lists(indices, counts, m, "tokens", "M")
         reply = self._c.execute("ATTEND.PREFIX.QUERY_MLA_SPARSE", sid, int(layer), hq,
                                 int(kv_lora_rank), dk - int(kv_lora_rank), repr(float(scale)),
                                 kmax, _wire.f32(qa), _wire.i32(idx), _wire.i32(cnt),

@@ -65,6 +65,18 @@ def coalesce(pieces) -> list[list[int]]:
     return out
 
 
+def _identity_options(model, position, prefill_ms) -> list:
+    """KV.PREFIX.REGISTER's MODEL / POSITION / PREFILL_MS options, those given."""
+    out = []
+    if model is not None:
+        out += ["MODEL", model]
+    if position is not None:
+        out += ["POSITION", position]
+    if prefill_ms is not None:
+        out += ["PREFILL_MS", repr(float(prefill_ms))]
+    return out
+
+
 def _check_layout(layout: str) -> str:
     layout = layout.lower()
     if layout not in LAYOUTS:
@@ -111,13 +123,7 @@ class KVPrefix:
         manifest again is a no-op (prefill_ms may change); another raises MismatchError."""
         args = ["KV.PREFIX.REGISTER", ns, int(n_layers), int(n_tokens), int(kv_heads),
                 int(head_dim), fmt]
-        if model is not None:
-            args += ["MODEL", model]
-        if position is not None:
-            args += ["POSITION", position]
-        if prefill_ms is not None:
-            args += ["PREFILL_MS", repr(float(prefill_ms))]
-        self._c.execute(*args)
+        self._c.execute(*args, *_identity_options(model, position, prefill_ms))
         self._shapes[ns] = (int(n_layers), int(n_tokens), int(kv_heads), int(head_dim))
 
     def register_mla(self, ns: str, n_layers: int, n_tokens: int, kv_lora_rank: int = 512,
@@ -129,13 +135,7 @@ class KVPrefix:
         656-byte rows: 512 e4m3 with a scale per 128, 64 RoPE values in bf16)."""
         args = ["KV.PREFIX.REGISTER", ns, int(n_layers), int(n_tokens), "MLA", int(kv_lora_rank),
                 int(rope_dim), fmt]
-        if model is not None:
-            args += ["MODEL", model]
-        if position is not None:
-            args += ["POSITION", position]
-        if prefill_ms is not None:
-            args += ["PREFILL_MS", repr(float(prefill_ms))]
-        self._c.execute(*args)
+        self._c.execute(*args, *_identity_options(model, position, prefill_ms))
         self._shapes[ns] = (int(n_layers), int(n_tokens), 1, int(kv_lora_rank) + int(rope_dim))
 
     def store_latents(self, ns: str, layer: int, c, *, token_offset: int = 0) -> int:
