@@ -23,6 +23,21 @@ namespace pion::families::vstore {
 
 std::string SealedDir(server::Server& srv) { return srv.config().dir + "/vsnap"; }
 
+namespace {
+// The record of a sealed snapshot of session `key` (its codec's format, dim and block).
+store::SealedRecord RecordOf(server::Server& srv, const store::TenantKey& key, uint64_t snap,
+                             const codec::RowCodec& c) {
+  store::SealedRecord rec;
+  rec.tenant = srv.users().TenantName(key.tenant);
+  rec.sid = key.name;
+  rec.snapshot = snap;
+  rec.format = c.format();
+  rec.dim = c.dim();
+  rec.block = c.block();
+  return rec;
+}
+}  // namespace
+
 void Commit(server::CommandContext& ctx, proto::CmdArgs& args) {
   auto& srv = *ctx.server;
   auto& vs = ctx.shard->store().vstore;
@@ -47,14 +62,7 @@ void Commit(server::CommandContext& ctx, proto::CmdArgs& args) {
     return ctx.Error(
         Error("no snapshot " + std::to_string(snap) + " of session '" + key.name + "'"));
   }
-  store::SealedRecord rec;
-  rec.tenant = srv.users().TenantName(ctx.tenant);
-  rec.sid = key.name;
-  rec.snapshot = snap;
-  const auto& c = e->session->codec();
-  rec.format = c.format();
-  rec.dim = c.dim();
-  rec.block = c.block();
+  store::SealedRecord rec = RecordOf(srv, key, snap, e->session->codec());
   std::vector<residency::ObjectRef> chunks;
   std::vector<residency::Engine::SaveItem> items(1);
   items[0].bytes = store::ChunkIndex({&it->second}, &chunks);
@@ -252,14 +260,7 @@ void SaveImage(server::Server& srv, server::Shard& shard, const store::TenantKey
   const uint64_t snap = e->next_snapshot++;
   auto it = e->snapshots.emplace(snap, e->session->TakeSnapshot()).first;
   const uint64_t writes_then = e->writes;
-  store::SealedRecord rec;
-  rec.tenant = srv.users().TenantName(key.tenant);
-  rec.sid = key.name;
-  rec.snapshot = snap;
-  const auto& c = e->session->codec();
-  rec.format = c.format();
-  rec.dim = c.dim();
-  rec.block = c.block();
+  store::SealedRecord rec = RecordOf(srv, key, snap, e->session->codec());
   rec.image = true;
   std::vector<residency::ObjectRef> chunks;
   std::vector<residency::Engine::SaveItem> items(1);
