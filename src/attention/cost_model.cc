@@ -275,7 +275,10 @@ std::optional<uint32_t> AffordableTopK(const CostModel& model, const CostKey& ke
                                        double seconds_left, double dense_seconds) {
   const uint32_t b = std::max<uint32_t>(sparse.block, 1);
   const uint32_t nblocks = (rows + b - 1) / b;
-  if (nblocks < 3) return std::nullopt;
+  // The first and last blocks always count: a K_top of nblocks - 2 would choose every block, the
+  // exact answer under another name (and an estimate that says dense would not fit contradicts
+  // one that says every block would). The fallback leaves out at least one block.
+  if (nblocks < 4) return std::nullopt;
   auto seconds = [&](uint32_t k_top) -> std::optional<double> {
     sparse.k_top = k_top;
     return model.Estimate(key, WorkOf(sparse, rows, heads, dtype, summarized));
@@ -286,7 +289,7 @@ std::optional<uint32_t> AffordableTopK(const CostModel& model, const CostKey& ke
   constexpr double kMargin = 0.75;
   const double budget = kMargin * std::min(seconds_left, dense_seconds);
   // The largest K_top that fits (the estimate grows with K_top): a binary search.
-  uint32_t lo = 0, hi = nblocks - 2;
+  uint32_t lo = 0, hi = nblocks - 3;
   const auto least = seconds(1);
   if (!least || *least > budget) return std::nullopt;
   lo = 1;

@@ -108,7 +108,7 @@ void CalibrateCpu(CostModel& model, const kernels::AttentionKernels& kern, const
 // `dense_seconds`, both with a margin (the estimate must fit in 3/4 of the smaller: a large
 // K_top extrapolates from what was measured); nullopt when none does (fewer than one block, or
 // sparse would not be faster). `sparse` is the plan as it would run (form, block, shared set;
-// k_top is chosen).
+// k_top is chosen). It leaves out at least one block: never a K_top that chooses all of them.
 std::optional<uint32_t> AffordableTopK(const CostModel& model, const CostKey& key, Plan sparse,
                                        uint32_t rows, uint32_t heads, kernels::DType dtype,
                                        bool summarized, double seconds_left, double dense_seconds);

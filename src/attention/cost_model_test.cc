@@ -132,6 +132,13 @@ TEST(CostModel, ApproximateFallbackOnlyWhenSparseIsFasterAndInTime) {
   EXPECT_FALSE(AffordableTopK(m, key, s, rows, 8, DType::kF32, true, 10.0, 1e-6).has_value());
   // Not even one block in time: none.
   EXPECT_FALSE(AffordableTopK(m, key, s, rows, 8, DType::kF32, true, 1e-9, 1.0).has_value());
+  // Time for every block (an estimate that contradicts the dense one): still one block left
+  // out, so the answer is approximate as its receipt says, never all blocks under another name.
+  k = AffordableTopK(m, key, s, rows, 8, DType::kF32, true, 1e3, 1e3);
+  ASSERT_TRUE(k.has_value());
+  EXPECT_EQ(*k, rows / 64 - 3);
+  // Too few blocks to leave one out besides the first and the last: none.
+  EXPECT_FALSE(AffordableTopK(m, key, s, 192, 8, DType::kF32, true, 1e3, 1e3).has_value());
 }
 
 }  // namespace
