@@ -70,7 +70,7 @@ def receipt_map(flat) -> dict:
     else:
         items = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
     out = {_plain(k): _plain(v) for k, v in items}
-    for k in ("omitted_mass_estimate", "micros"):
+    for k in ("omitted_mass_estimate", "omitted_mass_bound", "micros"):
         out[k] = float(out[k])
     return out
 
@@ -572,11 +572,14 @@ def test_query_sparse_auto_matches_reference(shared_pion, case, select, dtype):
     if select == "quest":
         tail += ["SELECT", "quest"]
     chosen, nvis_blocks, allow, omitted = sparse_auto_ref(q[:, 0], k, hm, b, k_top, p, w, select)
-    ref, _, att = attend_ref(q, k, v, hm, [p], np.arange(n), w, allow)
-    _, _, vis = attend_ref(q, k, v, hm, [p], np.arange(n), w)
+    ref, lse_kept, att = attend_ref(q, k, v, hm, [p], np.arange(n), w, allow)
+    _, lse_all, vis = attend_ref(q, k, v, hm, [p], np.arange(n), w)
     out, rc = split_reply(r.execute_command(
         "ATTEND.PREFIX.QUERY_SPARSE_AUTO", sid, 0, hq, d, b, k_top, hkv, f32(q), i32(hm),
         *tail, "RECEIPT"))
+    # The bound is never below the true share left out (float64, over the slot's own rows).
+    true_share = np.mean(1 - np.exp(lse_kept[:, 0] - lse_all[:, 0]))
+    assert true_share - 1e-6 <= rc["omitted_mass_bound"] <= 1, (true_share, rc)
     got, _ = parse_out(out, hq, 1, d, False)
     assert [sorted(x) for x in rc["blocks"]] == chosen, (rc["blocks"], chosen)
     assert_close(got, ref)

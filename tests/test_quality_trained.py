@@ -25,9 +25,11 @@ Checked:
   block-mean proxy: rows·exp(q·mean/√D) of the blocks left out over that of all visible
   blocks, averaged over query heads), recomputed here from the stored K; against the true
   omitted mass (the dense softmax mass of the rows left out, numpy) it is printed per layer and
-  held to issue 55's goal (within ±0.02, or never below the true mass) — an expected failure:
-  on the retrieval layer it is off by -0.50..+0.59 (mean, B8) and -0.03..+0.75 (quest, B8);
-  on the broad layer within -0.08..+0.01 (mean) and 0..+0.1 (quest).
+  held to issue 55's ±0.02 — an expected failure: on the retrieval layer it is off by
+  -0.50..+0.59 (mean, B8) and -0.03..+0.75 (quest, B8); on the broad layer within
+  -0.08..+0.01 (mean) and 0..+0.1 (quest). The receipt's `omitted_mass_bound` (Quest's
+  per-block bound over the blocks left out against the exact mass attended) meets the goal's
+  other form: it is never below the true omitted mass, per head and SHARED, on every layer.
 
 Runtime on the 2-core dev box while it built C++: 163 s (training 57 s; 84 s of CPU in all).
 """
@@ -166,7 +168,7 @@ def check_receipt(kv, layer, q, ks, vs, block, k_top, shared, res, run):
     assert rc["rows_attended"] == ta.H_Q * ((k_top + 2) * block + 1)
     assert rc["rows_attended"] <= ta.H_Q * (N // BUDGET + 1)  # the 1/8 budget
     run.mass.append((layer, float(np.mean(true)), float(np.mean(proxy)),
-                     rc["omitted_mass_estimate"]))
+                     rc["omitted_mass_estimate"], rc["omitted_mass_bound"]))
     run.checked_calls += 1
 
 
@@ -248,10 +250,10 @@ def test_random_blocks_fail_the_accuracy_check(lab):
                                           ("quest", 32)], ids=lambda x: str(x))
 def test_omitted_mass_receipt_is_the_documented_proxy(lab, select, block):
     run = lab.sparse(select, False, block)
-    for layer, true, proxy, got in run.mass:
+    for layer, true, proxy, got, _ in run.mass:
         assert got == pytest.approx(proxy, abs=2e-4), (layer, got, proxy)
     for layer in range(ta.LAYERS):
-        m = np.array([x[1:] for x in run.mass if x[0] == layer])
+        m = np.array([x[1:4] for x in run.mass if x[0] == layer])
         d = m[:, 2] - m[:, 0]
         print("%s B=%d layer %d: true omitted mass mean %.3f (max %.3f), receipt mean %.3f; "
               "receipt - true in [%.3f, %.3f], |.| mean %.3f, below true %d/%d" % (
@@ -259,15 +261,36 @@ def test_omitted_mass_receipt_is_the_documented_proxy(lab, select, block):
                   d.min(), d.max(), np.abs(d).mean(), (d < 0).sum(), len(d)))
 
 
+@pytest.mark.parametrize("select,shared,block", [("mean", False, 8), ("quest", False, 8),
+                                                 ("mean", True, 16), ("quest", True, 32)],
+                         ids=lambda x: str(x))
+def test_omitted_mass_bound_is_never_below_the_true_mass(lab, select, shared, block):
+    """Issue 55's receipt goal, met as a bound: `omitted_mass_bound` (Quest's per-block bound on
+    q·k over the blocks left out, against the exact mass attended) is never below the true
+    omitted mass, on every layer of the trained model; its slack is printed per layer."""
+    run = lab.sparse(select, shared, block)
+    d = np.array([bound - true for _, true, _, _, bound in run.mass])
+    for layer in range(ta.LAYERS):
+        m = np.array([(x[1], x[4]) for x in run.mass if x[0] == layer])
+        print("%s%s B=%d layer %d: true omitted mass mean %.3f (max %.3f), bound mean %.3f "
+              "(bound - true: mean %.3f, max %.3f)" % (
+                  select, " SHARED" if shared else "", block, layer, m[:, 0].mean(),
+                  m[:, 0].max(), m[:, 1].mean(), (m[:, 1] - m[:, 0]).mean(),
+                  (m[:, 1] - m[:, 0]).max()))
+    assert (d >= -1e-6).all(), d.min()
+    assert all(0 <= x[4] <= 1 for x in run.mass)
+
+
 @pytest.mark.xfail(reason="issue 55 §5: on the retrieval layer the block-mean proxy is off by "
                    "up to ~0.8 either way (chosen blocks' mass is under-counted by their mean, "
-                   "left-out needles too); no summary-only estimate is within ±0.02 there",
+                   "left-out needles too); no summary-only estimate is within ±0.02 there — "
+                   "the receipt's omitted_mass_bound is the figure that meets the goal",
                    strict=False)
 @pytest.mark.parametrize("select", ["mean", "quest"])
-def test_omitted_mass_receipt_meets_the_issue_goal(lab, select):
+def test_omitted_mass_estimate_within_the_issue_goal(lab, select):
     run = lab.sparse(select, False, 8)
-    d = np.array([got - true for _, true, _, got in run.mass])
+    d = np.array([got - true for _, true, _, got, _ in run.mass])
     within = np.abs(d) <= MASS_GOAL
-    print("%s B=8: receipt within ±%.2f of the true omitted mass in %d/%d calls, below it in "
+    print("%s B=8: estimate within ±%.2f of the true omitted mass in %d/%d calls, below it in "
           "%d" % (select, MASS_GOAL, within.sum(), len(d), (d < -1e-6).sum()))
-    assert within.all() or (d >= -1e-6).all()
+    assert within.all()

@@ -12,7 +12,8 @@ Sections (--sections, default all):
           against Stage 2 dense; passkey accuracy by depth (the question fed token by token, the
           seven digits greedy) against dense; and per call the true omitted softmax mass —
           computed densely from the query, the model's own prefix keys and the blocks the
-          receipt names — against the receipt's `omitted_mass_estimate`.
+          receipt names — against the receipt's `omitted_mass_estimate` (a proxy) and
+          `omitted_mass_bound` (never below it).
   codecs  Stage 1 through PionPromptCache in every K/V codec: perplexity delta against bf16 and
           passkey accuracy, against the stored bytes per token.
 
@@ -175,7 +176,7 @@ class MassProbe:
         self.keys = {}
         for li in range(len(own.layers)):
             self.keys[li] = own.layers[li].keys[0].float()
-        self.pairs = []  # (true, estimate)
+        self.pairs = []  # (true, estimate, true max over heads, bound)
 
     def __call__(self, layer_idx, q, k_suf, v_suf, res):
         torch = self.lab.torch
@@ -199,7 +200,7 @@ class MassProbe:
                 kept[h, torch.tensor(blocks, device=q.device, dtype=torch.long)] = 1
         omitted = (bm * (1 - kept)).sum(-1)  # per head
         self.pairs.append((omitted.mean().item(), float(rc["omitted_mass_estimate"]),
-                           omitted.max().item()))
+                           omitted.max().item(), float(rc["omitted_mass_bound"])))
 
 
 def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
@@ -237,6 +238,7 @@ def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
                     probe_pairs += probe.pairs
                 t = np.array([p[0] for p in probe_pairs])
                 e = np.array([p[1] for p in probe_pairs])
+                u = np.array([p[3] for p in probe_pairs])
                 row = {"select": sel, "shared": shared, "budget": "1/%d" % b,
                        "nll_dense": float(np.mean(dense_nll)), "nll": float(np.mean(nlls)),
                        "ppl_delta_pct": 100 * (math.exp(np.mean(nlls) - np.mean(dense_nll)) - 1),
@@ -246,11 +248,16 @@ def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
                        "estimate_minus_true_min": float((e - t).min()),
                        "estimate_minus_true_max": float((e - t).max()),
                        "within_0.02": float(np.mean(np.abs(e - t) <= 0.02)),
-                       "below_true": float(np.mean(e < t - 1e-6))}
+                       "below_true": float(np.mean(e < t - 1e-6)),
+                       "bound_mean": float(u.mean()),
+                       "bound_minus_true_min": float((u - t).min()),
+                       "bound_minus_true_mean": float((u - t).mean()),
+                       "bound_below_true": float(np.mean(u < t - 1e-6))}
                 out["ppl"].append(row)
                 out["mass"].append({"select": sel, "shared": shared, "budget": b,
                                     "true": t[::max(1, len(t) // 400)].tolist(),
-                                    "estimate": e[::max(1, len(e) // 400)].tolist()})
+                                    "estimate": e[::max(1, len(e) // 400)].tolist(),
+                                    "bound": u[::max(1, len(u) // 400)].tolist()})
                 print("sparse ppl:", json.dumps(row), flush=True)
         # Needles: accuracy by depth, dense and sparse.
         for depth in DEPTHS:
@@ -342,15 +349,19 @@ def markdown(res: dict) -> list[str]:
         lines += ["## Sparse-auto decode (Stage 2) against dense", "",
                   "| select | budget | held-out ppl Δ | true omitted mass (mean, p95) | receipt "
                   "estimate (mean) | estimate − true (min, max) | within ±0.02 | estimate below "
-                  "true | calls |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "true | bound (mean) | bound − true (min, mean) | bound below true | calls |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in s["ppl"]:
             lines.append("| %s%s | %s | %+.2f %% | %.4f, %.4f | %.4f | %+.4f, %+.4f | %.1f %% | "
-                         "%.1f %% | %d |" % (
+                         "%.1f %% | %.4f | %+.4f, %+.4f | %.1f %% | %d |" % (
                              r["select"], " shared" if r["shared"] else "", r["budget"],
                              r["ppl_delta_pct"], r["true_omitted_mean"], r["true_omitted_p95"],
                              r["estimate_mean"], r["estimate_minus_true_min"],
                              r["estimate_minus_true_max"], 100 * r["within_0.02"],
-                             100 * r["below_true"], r["calls"]))
+                             100 * r["below_true"], r.get("bound_mean", float("nan")),
+                             r.get("bound_minus_true_min", float("nan")),
+                             r.get("bound_minus_true_mean", float("nan")),
+                             100 * r.get("bound_below_true", float("nan")), r["calls"]))
         modes = []
         for r in s["needle"]:
             if r["mode"] not in modes:
@@ -404,9 +415,13 @@ def plot(res: dict, out: Path) -> list[str]:
             ax.scatter(m["true"], m["estimate"], s=3, alpha=0.4,
                        label="%s%s 1/%d" % (m["select"], " sh" if m["shared"] else "",
                                             m["budget"]))
+            if m.get("bound"):
+                ax.scatter(m["true"], m["bound"], s=3, alpha=0.4, marker="x",
+                           label="bound, %s%s 1/%d" % (m["select"], " sh" if m["shared"] else "",
+                                                      m["budget"]))
         ax.plot([0, 1], [0, 1], "k--", lw=0.8)
         ax.set_xlabel("true omitted mass")
-        ax.set_ylabel("receipt's omitted_mass_estimate")
+        ax.set_ylabel("receipt: omitted_mass_estimate (o), omitted_mass_bound (x)")
         ax.legend(fontsize=6, markerscale=3)
         fig.tight_layout()
         fig.savefig(out / "receipt-vs-true.png", dpi=100)

@@ -222,6 +222,7 @@ void TopK(const kernels::AttentionKernels& kern, const Parallel& par, const Quer
     om += omitted[row];
   }
   r->omitted_mass_estimate = nrows ? om / nrows : 0;
+  r->omitted_mass_bound = r->omitted_mass_estimate;  // exact scores: the share itself
 }
 
 // Caller-chosen rows (M = 1): lists as given; the receipt counts the visible ones.
@@ -242,6 +243,7 @@ void CallerSparse(const kernels::AttentionKernels& kern, const Parallel& par, co
     r->rows_attended += seen;
     if (seen < e - b) r->exact = false;
   }
+  r->omitted_mass_bound = r->exact ? 0 : 1;  // nothing scored the rows left out
 }
 
 // SHARED sparse-auto: every head's block scores become the highest score of the query heads
@@ -262,14 +264,25 @@ void GroupMaxScores(const Queries& q, uint32_t groups, uint32_t nb, std::vector<
 
 // Sparse-auto over the prefix (M = 1): block scores, top K_top blocks plus the first and last
 // visible ones, then sparse attention over their rows.
+// With plan.mass_bound, `ub` receives each head's Quest bound per block (for the receipt's
+// omitted_mass_bound once the attended mass is known).
 void SparseAuto(const kernels::AttentionKernels& kern, const Parallel& par, const Plan& plan,
-                const Tensor3& k, const Tensor3& v, float scale, const Partial& out, Receipt* r) {
+                const Tensor3& k, const Tensor3& v, float scale, const Partial& out, Receipt* r,
+                std::vector<float>* ub) {
   const Queries& q = plan.q;
   const kernels::BlockSummaries& s = plan.summaries;
   const uint32_t nb = s.nblocks, B = s.block;
   auto [lo, hi] = VisibleFor(q.pos0, plan.window, 0, k.rows);
   std::vector<float> sel(static_cast<size_t>(q.hq) * nb), mean_scores;
   kern.ScoreBlocks(q, s, plan.selector, sel.data());
+  if (plan.mass_bound) {
+    if (plan.selector == kernels::BlockSelector::kQuest) {
+      *ub = sel;  // each head's own bound, before SHARED ranks by the group's
+    } else {
+      ub->resize(sel.size());
+      kern.ScoreBlocks(q, s, kernels::BlockSelector::kQuest, ub->data());
+    }
+  }
   if (plan.selector == kernels::BlockSelector::kMean) {
     mean_scores = sel;
   } else {
@@ -347,6 +360,7 @@ Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan
 
   // Prefix keys each query row may see (the support of an exact pass).
   std::vector<uint64_t> visible(nrows);
+  std::vector<float> ub;  // sparse-auto with mass_bound: Quest's bound per head and block
   for (size_t row = 0; row < nrows; ++row) {
     visible[row] = VisibleCount(q.pos0 + static_cast<int64_t>(row % q.m), plan.window, n);
     r->visible_rows += visible[row];
@@ -366,7 +380,7 @@ Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan
       break;
     case Form::kSparseAuto:
     case Form::kSparseAutoFused:
-      SparseAuto(kern, par, plan, k, v, scale, out_p, r);
+      SparseAuto(kern, par, plan, k, v, scale, out_p, r, &ub);
       break;
     case Form::kMla:
     case Form::kMlaSparse:
@@ -389,10 +403,50 @@ Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan
       r->support[row / q.m] += e - b;
     }
   }
+  if (!ub.empty() && q.m == 1) {  // sparse-auto: each head's bound against all it attended
+    auto [lo, hi] = VisibleFor(q.pos0, plan.window, 0, n);
+    double sum = 0;
+    for (uint32_t h = 0; h < q.hq; ++h) {
+      const float row_lse = out_p.l[h] > 0 ? out_p.m[h] + std::log(out_p.l[h])
+                                           : -std::numeric_limits<float>::infinity();
+      sum += OmittedMassBound(ub.data() + static_cast<size_t>(h) * plan.summaries.nblocks,
+                              r->blocks[h], plan.summaries.block, lo, hi, scale, row_lse);
+    }
+    r->omitted_mass_bound = q.hq ? sum / q.hq : 0;
+  }
   kernels::FinalizePartial(out_p, out, lse);
   r->micros =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   return Status::Ok();
+}
+
+double OmittedMassBound(const float* ub, const std::vector<uint32_t>& chosen, uint32_t block,
+                        uint64_t lo, uint64_t hi, float scale, float lse) {
+  if (lo >= hi || block == 0) return 0;
+  const uint64_t b_lo = lo / block, b_hi = (hi - 1) / block;
+  // log Σ rows_b · exp(scale · ub[b]) over the blocks left out, as a running log-sum-exp. The
+  // kernels' scores may round above the float bound (a GPU kernel's half-precision query, the
+  // dot product's order): a margin of 1e-3 of the exponent's size covers it.
+  double mx = -std::numeric_limits<double>::infinity(), acc = 0;
+  size_t c = 0;
+  for (uint64_t b = b_lo; b <= b_hi; ++b) {
+    while (c < chosen.size() && chosen[c] < b) ++c;
+    if (c < chosen.size() && chosen[c] == b) continue;
+    const uint64_t r0 = std::max(b * block, lo), r1 = std::min((b + 1) * block, hi);
+    const double e = static_cast<double>(scale) * ub[b];
+    const double t = std::log(static_cast<double>(r1 - r0)) + e + 1e-3 * (1 + std::abs(e));
+    if (t > mx) {
+      acc = acc * std::exp(mx - t) + 1;
+      mx = t;
+    } else {
+      acc += std::exp(t - mx);
+    }
+  }
+  if (acc == 0) return 0;
+  const double left = mx + std::log(acc);
+  if (!std::isfinite(static_cast<double>(lse))) return 1;
+  // left / (left + attended) in the log domain: a logistic of the difference.
+  return 1 / (1 + std::exp(static_cast<double>(lse) - left));
 }
 
 }  // namespace pion::attention

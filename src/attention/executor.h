@@ -58,6 +58,9 @@ struct Plan {
   // ranked by the highest of their scores (so the group reads each chosen K/V row once).
   bool shared_blocks = false;
   kernels::BlockSummaries summaries;  // filled for the slot's K, block size `block`
+  // Compute Receipt::omitted_mass_bound (asked with RECEIPT): for sparse-auto one more block
+  // scoring pass (Quest's bound) where the selector is mean.
+  bool mass_bound = false;
   // MLA forms (RunMla, over latent rows): q is [hq][m][dk] with q.d = dk (kv_lora_rank +
   // rope_dim; q.head_map unused: every head reads the one latent), outputs have dv =
   // kv_lora_rank values, `scale` is the caller's. kMlaSparse: rows/counts/stride are per query
@@ -75,8 +78,14 @@ struct Receipt {
   std::vector<std::vector<uint32_t>> blocks;  // sparse-auto: per query head, chosen blocks
   uint32_t blocks_total = 0;                  // sparse-auto: blocks visible per head
   double omitted_mass_estimate = 0;  // block-mean proxy (sparse-auto), exact scores (top_k)
-  uint32_t splits = 1;               // key-range pieces computed in parallel
-  double micros = 0;                 // the whole computation (pieces, merge)
+  // A bound never below the true share of softmax mass left out (mean over query rows; the
+  // mass of every row the query sees, prefix and suffix): sparse-auto from Quest's per-block
+  // bound on q·k over the blocks left out against the exact mass of the rows attended (with
+  // Plan::mass_bound; else 0), top_k the exact share, caller-chosen rows 1 unless they cover
+  // every visible key, exact forms 0.
+  double omitted_mass_bound = 0;
+  uint32_t splits = 1;  // key-range pieces computed in parallel
+  double micros = 0;    // the whole computation (pieces, merge)
   // Where the time of a split dense pass went (0 when it was not split): the latest start of a
   // piece after the pass began (the hand-off to the other threads), the longest piece, and the
   // merge of the pieces' partials.
@@ -115,6 +124,15 @@ Status RunMla(const kernels::AttentionKernels& kernels, const Parallel& parallel
 // split across `parallel`.
 void Summarize(const kernels::AttentionKernels& kernels, const Parallel& parallel,
                const kernels::Tensor3& k, const kernels::BlockSummaries& out);
+
+// Quest's bound on the share of softmax mass one sparse-auto query row left out (seed 004
+// §0x05J): every key of block b scores at most ub[b] (Σ_j max(q_j·min_j, q_j·max_j), unscaled),
+// so the visible blocks not `chosen` (ascending) hold at most Σ rows_b · exp(scale · ub[b]) of
+// exp-mass; against `lse`, the log of the exact exp-mass the row attended (chosen rows, and a
+// fused form's suffix), the share left out is at most that sum over itself plus the attended
+// mass. Visible rows [lo, hi) in blocks of `block` rows. 0 when every visible block was chosen.
+double OmittedMassBound(const float* ub, const std::vector<uint32_t>& chosen, uint32_t block,
+                        uint64_t lo, uint64_t hi, float scale, float lse);
 
 // How many key-range pieces a dense pass over `rows` rows should use with `threads` threads.
 uint32_t SplitsFor(uint64_t bytes_read, uint64_t rows, int threads);

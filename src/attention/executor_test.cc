@@ -203,6 +203,121 @@ TEST(Executor, FullSupportSparseFormsEqualDense) {
   }
 }
 
+// The receipt's omitted_mass_bound is never below the true share of softmax mass left out —
+// keys with needles (rows aligned with a head's query) at random depths, both selectors, per
+// head and SHARED, with a window and with a fused suffix — and is informative where the
+// chosen blocks hold the needles (the true share computed here in double from the scores).
+TEST(Executor, OmittedMassBoundIsNeverBelowTheTrueShare) {
+  std::mt19937 rng(21);
+  const uint32_t H = 2, HQ = 4, N = 4096, D = 64, B = 32, nb = N / B, S = 8;
+  Data kv(H, N, D, rng);
+  auto q = Randn(size_t{HQ} * D, rng);
+  auto map = Contiguous(HQ, H);
+  std::uniform_int_distribution<uint32_t> row(B, N - B - 1);
+  for (uint32_t h = 0; h < HQ; ++h) {  // three needles per query head, 3 q in its K/V head
+    for (int j = 0; j < 3; ++j) {
+      float* k = kv.k.data() + (size_t{static_cast<uint32_t>(map[h])} * N + row(rng)) * D;
+      for (uint32_t x = 0; x < D; ++x) k[x] = 3 * q[size_t{h} * D + x];
+    }
+  }
+  auto ks = Randn(size_t{H} * S * D, rng), vs = Randn(ks.size(), rng);
+  std::vector<float> mean(size_t{H} * nb * D), mn(mean.size()), mx(mean.size());
+  kernels::BlockSummaries s{mean.data(), mn.data(), mx.data(), H, nb, B, D};
+  kernels::CpuKernels().Summarize(kv.K(), s);
+  const double scale = 1 / std::sqrt(double{D});
+  auto score = [&](const std::vector<float>& keys, uint32_t rows, uint32_t h, uint32_t t) {
+    const float* k = keys.data() + (size_t{static_cast<uint32_t>(map[h])} * rows + t) * D;
+    double dot = 0;
+    for (uint32_t x = 0; x < D; ++x) dot += double{q[size_t{h} * D + x]} * k[x];
+    return dot * scale;
+  };
+  int informative = 0;
+  for (auto sel : {kernels::BlockSelector::kMean, kernels::BlockSelector::kQuest}) {
+    for (bool shared : {false, true}) {
+      for (int64_t window : {int64_t{0}, int64_t{1500}}) {
+        for (bool fused : {false, true}) {
+          for (uint32_t k_top : {2u, 8u, 32u}) {
+            Plan p;
+            p.form = fused ? Form::kSparseAutoFused : Form::kSparseAuto;
+            p.q = {q.data(), HQ, 1, D, map.data(), N};
+            p.window = window;
+            p.block = B;
+            p.k_top = k_top;
+            p.selector = sel;
+            p.shared_blocks = shared;
+            p.summaries = s;
+            p.mass_bound = true;
+            if (fused) {
+              p.k_suffix = {ks.data(), DType::kF32, H, S, D};
+              p.v_suffix = {vs.data(), DType::kF32, H, S, D};
+            }
+            Receipt r;
+            RunPlan(kernels::CpuKernels(), p, kv, 2, &r, HQ);
+            const int64_t pos = fused ? int64_t{N} + S - 1 : N;
+            const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+            double true_share = 0;
+            for (uint32_t h = 0; h < HQ; ++h) {
+              std::vector<double> sc;
+              std::vector<uint8_t> kept;
+              for (int64_t t = lo; t < N; ++t) {
+                sc.push_back(score(kv.k, N, h, static_cast<uint32_t>(t)));
+                const uint32_t b = static_cast<uint32_t>(t / B);
+                kept.push_back(std::binary_search(r.blocks[h].begin(), r.blocks[h].end(), b));
+              }
+              for (uint32_t t = 0; fused && t < S; ++t) {
+                sc.push_back(score(ks, S, h, t));
+                kept.push_back(1);
+              }
+              const double top = *std::max_element(sc.begin(), sc.end());
+              double all = 0, left = 0;
+              for (size_t i = 0; i < sc.size(); ++i) {
+                all += std::exp(sc[i] - top);
+                if (!kept[i]) left += std::exp(sc[i] - top);
+              }
+              true_share += left / all / HQ;
+            }
+            SCOPED_TRACE(testing::Message()
+                         << "selector " << static_cast<int>(sel) << " shared " << shared
+                         << " window " << window << " fused " << fused << " k_top " << k_top);
+            EXPECT_FALSE(r.exact);
+            EXPECT_GE(r.omitted_mass_bound, true_share);
+            EXPECT_LE(r.omitted_mass_bound, 1.0);
+            informative += r.omitted_mass_bound < 0.5;
+          }
+        }
+      }
+    }
+  }
+  // Quest ranks the needles' blocks first: its bounds there are far below 1.
+  EXPECT_GT(informative, 8);
+
+  // Without mass_bound: not computed (0); other forms: top_k exact, caller rows 1, dense 0.
+  Plan p;
+  p.form = Form::kSparseAuto;
+  p.q = {q.data(), HQ, 1, D, map.data(), N};
+  p.block = B;
+  p.k_top = 4;
+  p.summaries = s;
+  Receipt r;
+  RunPlan(kernels::CpuKernels(), p, kv, 2, &r, HQ);
+  EXPECT_EQ(r.omitted_mass_bound, 0.0);
+  p.form = Form::kTopK;
+  p.top_k = 64;
+  RunPlan(kernels::CpuKernels(), p, kv, 2, &r, HQ);
+  EXPECT_GT(r.omitted_mass_bound, 0.0);
+  EXPECT_EQ(r.omitted_mass_bound, r.omitted_mass_estimate);
+  std::vector<int32_t> rows(size_t{HQ} * 16, 5), counts(HQ, 1);
+  p.form = Form::kSparse;
+  p.rows = rows.data();
+  p.counts = counts.data();
+  p.stride = 16;
+  RunPlan(kernels::CpuKernels(), p, kv, 2, &r, HQ);
+  EXPECT_EQ(r.omitted_mass_bound, 1.0);
+  p.form = Form::kDense;
+  RunPlan(kernels::CpuKernels(), p, kv, 2, &r, HQ);
+  EXPECT_EQ(r.omitted_mass_bound, 0.0);
+}
+
 // SHARED sparse-auto: a group's heads choose the same blocks (by their highest scores), and the
 // result does not depend on how the query heads are split over threads (runs of whole groups
 // with a contiguous map, of single heads otherwise).

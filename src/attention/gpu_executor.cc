@@ -280,6 +280,7 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
   const uint8_t* h_exact = nullptr;
   const int32_t* h_blocks = nullptr;
   const int32_t* h_nchosen = nullptr;
+  const float* h_ub = nullptr;  // sparse-auto with mass_bound: Quest's bound per head and block
   uint32_t top_k = 0, b_lo = 0, b_hi = 0;
 
   switch (plan.form) {
@@ -387,6 +388,17 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
         b_lo = vis_lo / B;
         b_hi = (vis_hi - 1) / B;
       }
+      // The receipt's omitted_mass_bound: each head's own Quest bound per block (whatever the
+      // selector ranked by), read back with the receipt's numbers.
+      float* dub = nullptr;
+      if (plan.mass_bound && q.m == 1 && vis_lo < vis_hi) {
+        PION_ASSIGN(ub, job.Dev<float>(size_t{q.hq} * nb));
+        PION_ASSIGN(ub_mean, job.Dev<float>(size_t{q.hq} * nb));
+        PION_TRY(kernels::cuda::LaunchScoreBlocks(
+            dq, q.hq, q.d, dmap, summaries->dev_mean(), summaries->dev_min(), summaries->dev_max(),
+            nb, kernels::BlockSelector::kQuest, ub, ub_mean, job.stream()));
+        dub = ub;
+      }
       // SHARED without a suffix, where the one-launch kernel takes the shape: score, select,
       // attend and merge in the thread-block clusters of each K/V head (sparse_fused.cu). With
       // one query head per K/V head, choosing per head is choosing per group: the same launch.
@@ -468,6 +480,7 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
         PION_ASSIGN(hc, job.Down(counts, q.hq));
         PION_ASSIGN(ho, job.Down(omitted, q.hq));
         h_blocks = hb, h_nchosen = hn, h_counts = hc, h_omitted = ho;
+        if (dub != nullptr) PION_ASSIGN_TO(h_ub, job.Down(dub, size_t{q.hq} * nb));
       }
       break;
     }
@@ -499,6 +512,7 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
       om += h_omitted[row];
     }
     r->omitted_mass_estimate = nrows ? om / nrows : 0;
+    r->omitted_mass_bound = r->omitted_mass_estimate;  // exact scores: the share itself
   } else if (plan.form == Form::kSparseAuto || plan.form == Form::kSparseAutoFused) {
     r->blocks.assign(q.hq, {});
     double om = 0;
@@ -514,6 +528,17 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
       }
     }
     r->omitted_mass_estimate = q.hq ? om / q.hq : 0;
+    if (h_ub != nullptr) {  // each head's bound against all it attended (the final LSE)
+      const float* row_lse = hout + out_n;
+      double sum = 0;
+      for (uint32_t h = 0; h < q.hq; ++h) {
+        sum += OmittedMassBound(h_ub + size_t{h} * summaries->nblocks, r->blocks[h],
+                                summaries->block, vis_lo, vis_hi, scale, row_lse[h]);
+      }
+      r->omitted_mass_bound = sum / q.hq;
+    }
+  } else if (plan.form == Form::kSparse) {
+    r->omitted_mass_bound = r->exact ? 0 : 1;  // nothing scored the rows left out
   }
   if (fused) {
     for (uint32_t row = 0; row < nrows; ++row) {

@@ -211,6 +211,7 @@ void Check(const Case& c, uint32_t seed = 1, Receipt* receipt = nullptr) {
   p.q = {q.data(), c.hq, c.m, c.d, map.data(), c.qpos >= 0 ? c.qpos : int64_t{c.n}};
   p.window = c.window;
   p.top_k = c.top_k;
+  p.mass_bound = true;
   std::vector<float> ks, vs;
   if (c.suffix > 0) {
     ks = Randn(size_t{c.heads} * c.suffix * c.d, rng);
@@ -296,6 +297,8 @@ void Check(const Case& c, uint32_t seed = 1, Receipt* receipt = nullptr) {
   EXPECT_EQ(rg.blocks, rr.blocks);
   EXPECT_EQ(rg.blocks_total, rr.blocks_total);
   EXPECT_NEAR(rg.omitted_mass_estimate, rr.omitted_mass_estimate, 1e-4);
+  // The bound: one logistic of the LSE each computed (within the output's tolerance).
+  EXPECT_NEAR(rg.omitted_mass_bound, rr.omitted_mass_bound, 1e-2);
   if (receipt != nullptr) *receipt = rg;
   // fp8: what the storage costs, against the reference over the rows before encoding — for
   // the forms whose keys do not depend on the (fp8) scores.

@@ -123,6 +123,7 @@ void SparsePass(const kernels::AttentionKernels& kern, const Parallel& par, cons
     for (uint32_t h = 0; h < q.hq; ++h) r->support[h] += seen;
     r->rows_attended += seen * q.hq;
   }
+  r->omitted_mass_bound = r->exact ? 0 : 1;  // nothing scored the rows left out
 }
 
 }  // namespace

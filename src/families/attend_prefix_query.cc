@@ -3,6 +3,7 @@
 // takes a reference to the slot (so a concurrent STORE or eviction cannot change what it
 // reads), and hands the computation to the compute pool; the reply follows when it is done.
 // A full compute queue answers -BUSY. The math is attention::Run over kernels::AttentionKernels.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -193,7 +194,7 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
                   std::string_view backend) {
   const bool auto_form =
       job.plan.form == Form::kSparseAuto || job.plan.form == Form::kSparseAutoFused;
-  rb.Map(auto_form ? 24 : 21);
+  rb.Map(auto_form ? 25 : 22);
   rb.Bulk("exact");
   rb.Bool(r.exact);
   rb.Bulk("form");
@@ -238,6 +239,8 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
   }
   rb.Bulk("omitted_mass_estimate");
   rb.Double(r.omitted_mass_estimate, 6);
+  rb.Bulk("omitted_mass_bound");  // never below the true share (PROTOCOL.md): rounded up
+  rb.Double(std::min(1.0, std::ceil(r.omitted_mass_bound * 1e6) / 1e6), 6);
   rb.Bulk("splits");
   rb.Integer(r.splits);
   rb.Bulk("micros");
@@ -545,6 +548,7 @@ bool Admit(CommandContext& ctx, QueryJob* job) {
 void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
   server::Server* srv = ctx.server;
   server::Shard* shard = ctx.shard;
+  job->plan.mass_bound = job->receipt;     // its cost only where a receipt reports it
   if (!HoldBytes(ctx, job.get())) return;  // parked (promoted, then run again) or refused
   if (!Admit(ctx, job.get())) return;      // the deadline cannot be met (and no fallback)
   if (job->inline_run) {

@@ -28,8 +28,8 @@ from . import _wire, codecs, errors
 if TYPE_CHECKING:
     from .client import Client
 
-RECEIPT_FLOATS = ("omitted_mass_estimate", "micros", "queue_us", "piece_start_max_us",
-                  "piece_max_us", "merge_us", "estimate_us")
+RECEIPT_FLOATS = ("omitted_mass_estimate", "omitted_mass_bound", "micros", "queue_us",
+                  "piece_start_max_us", "piece_max_us", "merge_us", "estimate_us")
 SELECTS = ("mean", "quest")
 
 
