@@ -70,8 +70,9 @@ def receipt_map(flat) -> dict:
     else:
         items = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
     out = {_plain(k): _plain(v) for k, v in items}
-    for k in ("omitted_mass_estimate", "omitted_mass_bound", "micros"):
-        out[k] = float(out[k])
+    for k in ("omitted_mass_estimate", "omitted_mass_bound", "omitted_mass_exact", "micros"):
+        if k in out:
+            out[k] = float(out[k])
     return out
 
 
@@ -509,11 +510,16 @@ def test_query_sparse_matches_reference(shared_pion, case, dtype):
     indices[-1, :] = rng.permutation(n)[:kmax]  # past counts: never read
     p = n if qpos is None else qpos
     tail = ([w] if w else []) + (["QPOS", qpos] if qpos is not None else [])
-    ref, _, att = attend_ref(q, k, v, hm, [p], np.arange(n), w, allow)
-    _, _, vis = attend_ref(q, k, v, hm, [p], np.arange(n), w)
+    ref, lse_kept, att = attend_ref(q, k, v, hm, [p], np.arange(n), w, allow)
+    _, lse_all, vis = attend_ref(q, k, v, hm, [p], np.arange(n), w)
     out, rc = split_reply(r.execute_command(
         "ATTEND.PREFIX.QUERY_SPARSE", sid, 0, hq, d, kmax, f32(q), i32(indices), i32(counts),
-        *tail, "RECEIPT"))
+        *tail, "AUDIT"))
+    # AUDIT: the exact share of the mass the lists left out (the empty head: all of it).
+    with np.errstate(invalid="ignore"):
+        share = np.where(np.isfinite(lse_all[:, 0]), 1 - np.exp(lse_kept[:, 0] - lse_all[:, 0]), 0)
+    assert rc["omitted_mass_exact"] == pytest.approx(share.mean(), abs=2e-5), (share, rc)
+    assert rc["omitted_mass_bound"] == 1  # caller rows: nothing scored the rest
     got, _ = parse_out(out, hq, 1, d, False)
     assert_close(got, ref)
     assert np.all(got[-1] == 0)  # counts 0: no key
@@ -580,6 +586,14 @@ def test_query_sparse_auto_matches_reference(shared_pion, case, select, dtype):
     # The bound is never below the true share left out (float64, over the slot's own rows).
     true_share = np.mean(1 - np.exp(lse_kept[:, 0] - lse_all[:, 0]))
     assert true_share - 1e-6 <= rc["omitted_mass_bound"] <= 1, (true_share, rc)
+    assert "omitted_mass_exact" not in rc  # only with AUDIT
+    # AUDIT: the same answer, and the exact share from every visible key's score.
+    audited, ra = split_reply(r.execute_command(
+        "ATTEND.PREFIX.QUERY_SPARSE_AUTO", sid, 0, hq, d, b, k_top, hkv, f32(q), i32(hm),
+        *tail, "AUDIT"))
+    assert audited == out
+    assert ra["omitted_mass_exact"] == pytest.approx(true_share, abs=2e-5), (true_share, ra)
+    assert ra["omitted_mass_exact"] <= ra["omitted_mass_bound"] + 1e-6
     got, _ = parse_out(out, hq, 1, d, False)
     assert [sorted(x) for x in rc["blocks"]] == chosen, (rc["blocks"], chosen)
     assert_close(got, ref)
@@ -681,11 +695,16 @@ def test_query_sparse_auto_fused_matches_reference(shared_pion, case, select, dt
     chosen, nvis_blocks, allow, _ = sparse_auto_ref(q[:, 0], k, hm, b, k_top, p, w, select)
     allow_all = np.concatenate([allow, np.ones((hq, 1, s), bool)], 2)
     kk, vv = np.concatenate([k, ks], 1), np.concatenate([v, vs], 1)
-    ref, _, att = attend_ref(q, kk, vv, hm, [p], np.arange(n + s), w, allow_all)
-    _, _, vis = attend_ref(q, kk, vv, hm, [p], np.arange(n + s), w)
+    ref, lse_kept, att = attend_ref(q, kk, vv, hm, [p], np.arange(n + s), w, allow_all)
+    _, lse_all, vis = attend_ref(q, kk, vv, hm, [p], np.arange(n + s), w)
     out, rc = split_reply(r.execute_command(
         "ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", sid, 0, hq, d, b, k_top, hkv, s, f32(q),
-        f32(ks), f32(vs), i32(hm), *tail, "RECEIPT"))
+        f32(ks), f32(vs), i32(hm), *tail, "AUDIT"))
+    # The share of all the mass the row sees (prefix and suffix): exact with AUDIT, and the
+    # bound never below it.
+    share = np.mean(1 - np.exp(lse_kept[:, 0] - lse_all[:, 0]))
+    assert rc["omitted_mass_exact"] == pytest.approx(share, abs=2e-5), (share, rc)
+    assert share - 1e-6 <= rc["omitted_mass_bound"] <= 1, (share, rc)
     got, _ = parse_out(out, hq, 1, d, False)
     assert [sorted(x) for x in rc["blocks"]] == chosen, (rc["blocks"], chosen)
     assert_close(got, ref)
@@ -830,8 +849,10 @@ def test_fp8_exact_query_refused_and_allow_approx_answers_sparse(pion_factory):
         reply = c.call("ATTEND.PREFIX.QUERY", "big8", 0, h, d, 0, f32(q), "DEADLINE", deadline)
     assert isinstance(reply, RespError) and str(reply).startswith("TIMEOUT "), reply
     out, rc = split_reply(r.execute_command("ATTEND.PREFIX.QUERY", "big8", 0, h, d, 0, f32(q),
-                                            "RECEIPT", "DEADLINE", deadline, "ALLOW", "APPROX"))
+                                            "AUDIT", "DEADLINE", deadline, "ALLOW", "APPROX"))
     assert rc["exact"] == 0 and rc["form"] == "sparse_auto" and rc["dtype"] == "fp8", rc
+    # AUDIT: what the fallback left out, exactly; the bound never below it.
+    assert 0 < rc["omitted_mass_exact"] <= rc["omitted_mass_bound"] + 1e-6, rc
     assert "approx" in rc["fallback"] and rc["blocks_chosen"] > 0, rc
     k_top = int(rc["fallback"].split(" over ")[2].split(" blocks")[0])
     same = r.execute_command("ATTEND.PREFIX.QUERY_SPARSE_AUTO", "big8", 0, h, d, 64, k_top, h,
@@ -1414,7 +1435,7 @@ BAD = [
      "=ERR QPOS must be an integer in [0, 2^62], got '-3'"),
     (("ATTEND.PREFIX.QUERY", "e", 0, 2, 32, 0, Q2, 4, "BOGUS"),
      "=ERR unexpected argument 'BOGUS'; expected [<fa_window>] then any of QPOS, RECEIPT, "
-     "DEADLINE <ms>, ALLOW APPROX"),
+     "AUDIT, DEADLINE <ms>, ALLOW APPROX"),
     (("ATTEND.PREFIX.QUERY", "e", 0, 2, 32, 0, Q2, "RECEIPT", 4),
      "^ERR unexpected argument '4'"),
     (("ATTEND.PREFIX.QUERY", "e", 0, 2, 32, 0, Q2, "SELECT", "mean"),

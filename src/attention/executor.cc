@@ -223,11 +223,50 @@ void TopK(const kernels::AttentionKernels& kern, const Parallel& par, const Quer
   }
   r->omitted_mass_estimate = nrows ? om / nrows : 0;
   r->omitted_mass_bound = r->omitted_mass_estimate;  // exact scores: the share itself
+  r->omitted_mass_exact = r->omitted_mass_estimate;
+}
+
+// AUDIT: per query head (M = 1), the log of Σ exp(score) over its visible prefix keys
+// [lo, hi) that its list (rows[h·stride ..], counts[h]) left out — every visible key scored
+// with the kernels' own Scores; −inf where none was left out.
+std::vector<double> LogLeftOutExact(const kernels::AttentionKernels& kern, const Parallel& par,
+                                    const Queries& q, const Tensor3& k, const Tensor3& v,
+                                    float scale, int64_t window, uint32_t lo, uint32_t hi,
+                                    const int32_t* rows, const int32_t* counts, size_t stride) {
+  std::vector<double> out(q.hq, -std::numeric_limits<double>::infinity());
+  if (lo >= hi) return out;
+  const size_t groups = std::min<size_t>(q.hq, std::max(par.threads, 1));
+  par.For(groups, [&](size_t g) {
+    std::vector<float> scores(hi - lo);
+    std::vector<uint8_t> kept(hi - lo);
+    for (size_t h = q.hq * g / groups; h < q.hq * (g + 1) / groups; ++h) {
+      Queries one = HeadView(q, static_cast<uint32_t>(h));
+      one.m = 1;
+      kern.Scores(one, Keys{k, v, 0, lo, hi}, scale, window, scores.data());
+      std::fill(kept.begin(), kept.end(), 0);
+      for (int32_t j = 0; j < counts[h]; ++j) {
+        const int64_t t = rows[h * stride + j];
+        if (t >= lo && t < hi) kept[t - lo] = 1;
+      }
+      double mx = -std::numeric_limits<double>::infinity();
+      for (uint32_t t = 0; t < hi - lo; ++t) {
+        if (!kept[t]) mx = std::max(mx, static_cast<double>(scores[t]));
+      }
+      if (mx == -std::numeric_limits<double>::infinity()) continue;
+      double sum = 0;
+      for (uint32_t t = 0; t < hi - lo; ++t) {
+        if (!kept[t]) sum += std::exp(static_cast<double>(scores[t]) - mx);
+      }
+      out[h] = mx + std::log(sum);
+    }
+  });
+  return out;
 }
 
 // Caller-chosen rows (M = 1): lists as given; the receipt counts the visible ones.
 void CallerSparse(const kernels::AttentionKernels& kern, const Parallel& par, const Plan& plan,
-                  const Tensor3& k, const Tensor3& v, float scale, const Partial& out, Receipt* r) {
+                  const Tensor3& k, const Tensor3& v, float scale, const Partial& out, Receipt* r,
+                  std::vector<double>* log_left) {
   const Queries& q = plan.q;
   std::vector<int32_t> rows(plan.rows, plan.rows + static_cast<size_t>(q.hq) * plan.stride);
   std::vector<int32_t> counts(plan.counts, plan.counts + q.hq);
@@ -244,6 +283,10 @@ void CallerSparse(const kernels::AttentionKernels& kern, const Parallel& par, co
     if (seen < e - b) r->exact = false;
   }
   r->omitted_mass_bound = r->exact ? 0 : 1;  // nothing scored the rows left out
+  if (plan.audit && !r->exact) {
+    *log_left = LogLeftOutExact(kern, par, q, k, v, scale, plan.window, b, e, plan.rows,
+                                plan.counts, plan.stride);
+  }
 }
 
 // SHARED sparse-auto: every head's block scores become the highest score of the query heads
@@ -265,10 +308,11 @@ void GroupMaxScores(const Queries& q, uint32_t groups, uint32_t nb, std::vector<
 // Sparse-auto over the prefix (M = 1): block scores, top K_top blocks plus the first and last
 // visible ones, then sparse attention over their rows.
 // With plan.mass_bound, `ub` receives each head's Quest bound per block (for the receipt's
-// omitted_mass_bound once the attended mass is known).
+// omitted_mass_bound once the attended mass is known); with plan.audit, `log_left` the exact
+// exp-mass each head left out.
 void SparseAuto(const kernels::AttentionKernels& kern, const Parallel& par, const Plan& plan,
                 const Tensor3& k, const Tensor3& v, float scale, const Partial& out, Receipt* r,
-                std::vector<float>* ub) {
+                std::vector<float>* ub, std::vector<double>* log_left) {
   const Queries& q = plan.q;
   const kernels::BlockSummaries& s = plan.summaries;
   const uint32_t nb = s.nblocks, B = s.block;
@@ -337,6 +381,10 @@ void SparseAuto(const kernels::AttentionKernels& kern, const Parallel& par, cons
     }
   }
   r->omitted_mass_estimate = q.hq ? om / q.hq : 0;
+  if (plan.audit && !r->exact) {
+    *log_left = LogLeftOutExact(kern, par, q, k, v, scale, plan.window, lo, hi, rows.data(),
+                                counts.data(), stride);
+  }
   // SHARED: a group's heads have one list; the kernels read each listed key once for them.
   SparsePass(kern, par, q, k, v, rows, counts, stride, scale, plan.window, out, plan.shared_blocks);
 }
@@ -360,7 +408,8 @@ Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan
 
   // Prefix keys each query row may see (the support of an exact pass).
   std::vector<uint64_t> visible(nrows);
-  std::vector<float> ub;  // sparse-auto with mass_bound: Quest's bound per head and block
+  std::vector<float> ub;         // sparse-auto with mass_bound: Quest's bound per head and block
+  std::vector<double> log_left;  // AUDIT: the exact exp-mass each head left out (log)
   for (size_t row = 0; row < nrows; ++row) {
     visible[row] = VisibleCount(q.pos0 + static_cast<int64_t>(row % q.m), plan.window, n);
     r->visible_rows += visible[row];
@@ -376,11 +425,11 @@ Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan
       TopK(kern, par, q, k, v, std::min(plan.top_k, n), scale, plan.window, out_p, r);
       break;
     case Form::kSparse:
-      CallerSparse(kern, par, plan, k, v, scale, out_p, r);
+      CallerSparse(kern, par, plan, k, v, scale, out_p, r, &log_left);
       break;
     case Form::kSparseAuto:
     case Form::kSparseAutoFused:
-      SparseAuto(kern, par, plan, k, v, scale, out_p, r, &ub);
+      SparseAuto(kern, par, plan, k, v, scale, out_p, r, &ub, &log_left);
       break;
     case Form::kMla:
     case Form::kMlaSparse:
@@ -414,6 +463,15 @@ Status Run(const kernels::AttentionKernels& kern, const Parallel& par, Plan plan
     }
     r->omitted_mass_bound = q.hq ? sum / q.hq : 0;
   }
+  if (!log_left.empty()) {  // M = 1: each head's exact share against all it attended
+    double sum = 0;
+    for (uint32_t h = 0; h < q.hq; ++h) {
+      const float row_lse = out_p.l[h] > 0 ? out_p.m[h] + std::log(out_p.l[h])
+                                           : -std::numeric_limits<float>::infinity();
+      sum += ShareLeftOut(log_left[h], row_lse);
+    }
+    r->omitted_mass_exact = q.hq ? sum / q.hq : 0;
+  }
   kernels::FinalizePartial(out_p, out, lse);
   r->micros =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
@@ -443,10 +501,14 @@ double OmittedMassBound(const float* ub, const std::vector<uint32_t>& chosen, ui
     }
   }
   if (acc == 0) return 0;
-  const double left = mx + std::log(acc);
+  return ShareLeftOut(mx + std::log(acc), lse);
+}
+
+double ShareLeftOut(double log_left, float lse) {
+  if (log_left == -std::numeric_limits<double>::infinity()) return 0;
   if (!std::isfinite(static_cast<double>(lse))) return 1;
   // left / (left + attended) in the log domain: a logistic of the difference.
-  return 1 / (1 + std::exp(static_cast<double>(lse) - left));
+  return 1 / (1 + std::exp(static_cast<double>(lse) - log_left));
 }
 
 }  // namespace pion::attention

@@ -61,6 +61,8 @@ struct Plan {
   // Compute Receipt::omitted_mass_bound (asked with RECEIPT): for sparse-auto one more block
   // scoring pass (Quest's bound) where the selector is mean.
   bool mass_bound = false;
+  // Compute Receipt::omitted_mass_exact (AUDIT): every visible prefix key scored once more.
+  bool audit = false;
   // MLA forms (RunMla, over latent rows): q is [hq][m][dk] with q.d = dk (kv_lora_rank +
   // rope_dim; q.head_map unused: every head reads the one latent), outputs have dv =
   // kv_lora_rank values, `scale` is the caller's. kMlaSparse: rows/counts/stride are per query
@@ -84,6 +86,10 @@ struct Receipt {
   // Plan::mass_bound; else 0), top_k the exact share, caller-chosen rows 1 unless they cover
   // every visible key, exact forms 0.
   double omitted_mass_bound = 0;
+  // With Plan::audit: the true share left out (mean over query rows, of all the mass the row
+  // sees) — sparse-auto and caller-chosen rows from every visible prefix key's exact score,
+  // top_k its exact estimate, 0 for exact forms.
+  double omitted_mass_exact = 0;
   uint32_t splits = 1;  // key-range pieces computed in parallel
   double micros = 0;    // the whole computation (pieces, merge)
   // Where the time of a split dense pass went (0 when it was not split): the latest start of a
@@ -133,6 +139,10 @@ void Summarize(const kernels::AttentionKernels& kernels, const Parallel& paralle
 // mass. Visible rows [lo, hi) in blocks of `block` rows. 0 when every visible block was chosen.
 double OmittedMassBound(const float* ub, const std::vector<uint32_t>& chosen, uint32_t block,
                         uint64_t lo, uint64_t hi, float scale, float lse);
+
+// The share of softmax mass a row left out, from the log of the exp-mass of the keys it left
+// out (`log_left`, −inf for none) and `lse`, the log of the exp-mass it attended.
+double ShareLeftOut(double log_left, float lse);
 
 // How many key-range pieces a dense pass over `rows` rows should use with `threads` threads.
 uint32_t SplitsFor(uint64_t bytes_read, uint64_t rows, int threads);

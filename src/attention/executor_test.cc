@@ -247,6 +247,7 @@ TEST(Executor, OmittedMassBoundIsNeverBelowTheTrueShare) {
             p.shared_blocks = shared;
             p.summaries = s;
             p.mass_bound = true;
+            p.audit = true;
             if (fused) {
               p.k_suffix = {ks.data(), DType::kF32, H, S, D};
               p.v_suffix = {vs.data(), DType::kF32, H, S, D};
@@ -282,6 +283,8 @@ TEST(Executor, OmittedMassBoundIsNeverBelowTheTrueShare) {
             EXPECT_FALSE(r.exact);
             EXPECT_GE(r.omitted_mass_bound, true_share);
             EXPECT_LE(r.omitted_mass_bound, 1.0);
+            // AUDIT: the exact share, from every visible key's score.
+            EXPECT_NEAR(r.omitted_mass_exact, true_share, 1e-5);
             informative += r.omitted_mass_bound < 0.5;
           }
         }
@@ -311,8 +314,16 @@ TEST(Executor, OmittedMassBoundIsNeverBelowTheTrueShare) {
   p.rows = rows.data();
   p.counts = counts.data();
   p.stride = 16;
+  p.audit = true;
   RunPlan(kernels::CpuKernels(), p, kv, 2, &r, HQ);
   EXPECT_EQ(r.omitted_mass_bound, 1.0);
+  double caller_share = 0;  // each head attended row 5 only
+  for (uint32_t h = 0; h < HQ; ++h) {
+    double all = 0;
+    for (uint32_t t = 0; t < N; ++t) all += std::exp(score(kv.k, N, h, t) - score(kv.k, N, h, 5));
+    caller_share += (1 - 1 / all) / HQ;
+  }
+  EXPECT_NEAR(r.omitted_mass_exact, caller_share, 1e-5);
   p.form = Form::kDense;
   RunPlan(kernels::CpuKernels(), p, kv, 2, &r, HQ);
   EXPECT_EQ(r.omitted_mass_bound, 0.0);

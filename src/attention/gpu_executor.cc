@@ -1,8 +1,10 @@
 #include "attention/gpu_executor.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "attention/visibility.h"
@@ -280,7 +282,8 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
   const uint8_t* h_exact = nullptr;
   const int32_t* h_blocks = nullptr;
   const int32_t* h_nchosen = nullptr;
-  const float* h_ub = nullptr;  // sparse-auto with mass_bound: Quest's bound per head and block
+  const float* h_ub = nullptr;      // sparse-auto with mass_bound: Quest's bound per head and block
+  const float* h_scores = nullptr;  // AUDIT (M = 1): every row's exact scores [hq][n]
   uint32_t top_k = 0, b_lo = 0, b_hi = 0;
 
   switch (plan.form) {
@@ -355,6 +358,11 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
       PION_TRY(AllocParts(job, splits, nrows, q.d, &parts));
       PION_TRY(SparseLaunch(job, base, q.head_map, list, counts, plan.stride, &parts, splits, fin));
       r->splits = splits;
+      if (plan.audit && q.m == 1 && vis_lo < vis_hi) {
+        PION_ASSIGN(scores, job.Dev<float>(size_t{q.hq} * n));
+        PION_TRY(kernels::cuda::LaunchScores(base, dmap, 0, q.hq, scores, job.stream()));
+        PION_ASSIGN_TO(h_scores, job.Down(scores, size_t{q.hq} * n));
+      }
       for (uint32_t h = 0; h < q.hq; ++h) {
         uint64_t seen = 0;
         for (int32_t j = 0; j < plan.counts[h]; ++j) {
@@ -391,6 +399,12 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
       // The receipt's omitted_mass_bound: each head's own Quest bound per block (whatever the
       // selector ranked by), read back with the receipt's numbers.
       float* dub = nullptr;
+      float* dscores = nullptr;
+      if (plan.audit && q.m == 1 && vis_lo < vis_hi) {
+        PION_ASSIGN(scores, job.Dev<float>(size_t{q.hq} * n));
+        PION_TRY(kernels::cuda::LaunchScores(base, dmap, 0, q.hq, scores, job.stream()));
+        dscores = scores;
+      }
       if (plan.mass_bound && q.m == 1 && vis_lo < vis_hi) {
         PION_ASSIGN(ub, job.Dev<float>(size_t{q.hq} * nb));
         PION_ASSIGN(ub_mean, job.Dev<float>(size_t{q.hq} * nb));
@@ -481,6 +495,7 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
         PION_ASSIGN(ho, job.Down(omitted, q.hq));
         h_blocks = hb, h_nchosen = hn, h_counts = hc, h_omitted = ho;
         if (dub != nullptr) PION_ASSIGN_TO(h_ub, job.Down(dub, size_t{q.hq} * nb));
+        if (dscores != nullptr) PION_ASSIGN_TO(h_scores, job.Down(dscores, size_t{q.hq} * n));
       }
       break;
     }
@@ -539,6 +554,38 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
     }
   } else if (plan.form == Form::kSparse) {
     r->omitted_mass_bound = r->exact ? 0 : 1;  // nothing scored the rows left out
+  }
+  if (plan.form == Form::kTopK) r->omitted_mass_exact = r->omitted_mass_estimate;
+  if (h_scores != nullptr && !r->exact) {  // AUDIT: the exact share, every visible key scored
+    const float* row_lse = hout + out_n;
+    std::vector<uint8_t> kept(vis_hi - vis_lo);
+    double sum = 0;
+    for (uint32_t h = 0; h < q.hq; ++h) {
+      std::fill(kept.begin(), kept.end(), 0);
+      if (plan.form == Form::kSparse) {
+        for (int32_t j = 0; j < plan.counts[h]; ++j) {
+          const int64_t t = plan.rows[size_t{h} * plan.stride + j];
+          if (t >= vis_lo && t < vis_hi) kept[t - vis_lo] = 1;
+        }
+      } else {
+        for (uint32_t b : r->blocks[h]) {
+          const uint64_t r0 = std::max<uint64_t>(uint64_t{b} * summaries->block, vis_lo);
+          const uint64_t r1 = std::min<uint64_t>(uint64_t{b + 1} * summaries->block, vis_hi);
+          for (uint64_t t = r0; t < r1; ++t) kept[t - vis_lo] = 1;
+        }
+      }
+      const float* sc = h_scores + size_t{h} * n;
+      double mx = -std::numeric_limits<double>::infinity(), acc = 0;
+      for (uint64_t t = vis_lo; t < vis_hi; ++t) {
+        if (!kept[t - vis_lo]) mx = std::max(mx, static_cast<double>(sc[t]));
+      }
+      for (uint64_t t = vis_lo; mx > -std::numeric_limits<double>::infinity() && t < vis_hi; ++t) {
+        if (!kept[t - vis_lo]) acc += std::exp(static_cast<double>(sc[t]) - mx);
+      }
+      sum += ShareLeftOut(acc > 0 ? mx + std::log(acc) : -std::numeric_limits<double>::infinity(),
+                          row_lse[h]);
+    }
+    r->omitted_mass_exact = sum / q.hq;
   }
   if (fused) {
     for (uint32_t row = 0; row < nrows; ++row) {

@@ -83,6 +83,7 @@ struct QueryJob {
   size_t out_rows = 0;
   bool with_lse = false;
   bool receipt = false;
+  bool audit = false;  // AUDIT: the receipt also has the exact omitted mass
   // When it was handed to the compute pool (queue_us in the receipt); unset when it ran inline.
   std::optional<std::chrono::steady_clock::time_point> submitted;
 };
@@ -90,18 +91,20 @@ struct QueryJob {
 // Positions stay far from int64 overflow: QPOS + M, and position − window, are always exact.
 constexpr int64_t kMaxPosition = int64_t{1} << 62;
 
-// The optional tail: [<fa_window>] [QPOS <p>] [SELECT mean|quest] [SHARED] [RECEIPT].
+// The optional tail: [<fa_window>] [QPOS <p>] [SELECT mean|quest] [SHARED] [RECEIPT] [AUDIT].
 struct Tail {
   int64_t window = 0;
   std::optional<int64_t> qpos;
   kernels::BlockSelector selector = kernels::BlockSelector::kMean;
   bool shared = false;
   bool receipt = false;
+  bool audit = false;  // AUDIT: a receipt with the exact omitted mass (implies RECEIPT)
 };
 
 // `admission`: the DEADLINE / ALLOW APPROX options the command also takes, for the error.
+// allow_audit: the per-head forms take AUDIT (the MLA forms do not).
 Status ParseTail(const proto::CmdArgs& args, size_t i, bool allow_qpos, bool allow_select,
-                 std::string_view admission, Tail* t);
+                 bool allow_audit, std::string_view admission, Tail* t);
 // Takes argument i as a Buffer the job keeps (adopted when it was received into its own).
 StatusOr<BufferRef> Take(proto::CmdArgs& args, size_t i, QueryJob* job);
 template <typename T>

@@ -110,7 +110,7 @@ void QueryMla(CommandContext& ctx, CmdArgs& args) {
   MlaHead h;
   Status s = ParseMlaHead(ctx, args, &h);
   Tail tail;
-  if (s.ok()) s = ParseTail(args, 8, true, false, AdmissionOptionsHint(ctx.spec), &tail);
+  if (s.ok()) s = ParseTail(args, 8, true, false, false, AdmissionOptionsHint(ctx.spec), &tail);
   if (!s.ok()) return ctx.Error(s);
   auto job = std::make_shared<QueryJob>();
   auto q = Take(args, 7, job.get());
@@ -134,7 +134,7 @@ void QueryMlaSparse(CommandContext& ctx, CmdArgs& args) {
   Status s = ParseMlaHead(ctx, args, &h);
   if (s.ok()) s = ParseCount(args[7], "K_sparse_max", kMaxRows, &kmax);
   Tail tail;
-  if (s.ok()) s = ParseTail(args, 11, true, false, AdmissionOptionsHint(ctx.spec), &tail);
+  if (s.ok()) s = ParseTail(args, 11, true, false, false, AdmissionOptionsHint(ctx.spec), &tail);
   if (!s.ok()) return ctx.Error(s);
   auto job = std::make_shared<QueryJob>();
   auto q = Take(args, 8, job.get());
@@ -176,7 +176,7 @@ void QueryMlaFused(CommandContext& ctx, CmdArgs& args) {
   Status s = ParseMlaHead(ctx, args, &h);
   if (s.ok()) s = ParseCount(args[7], "S_suf", kMaxRows, &s_suf);
   Tail tail;
-  if (s.ok()) s = ParseTail(args, 10, false, false, AdmissionOptionsHint(ctx.spec), &tail);
+  if (s.ok()) s = ParseTail(args, 10, false, false, false, AdmissionOptionsHint(ctx.spec), &tail);
   if (!s.ok()) return ctx.Error(s);
   auto job = std::make_shared<QueryJob>();
   auto q = Take(args, 8, job.get());

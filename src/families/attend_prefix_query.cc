@@ -27,7 +27,7 @@ using server::CommandContext;
 
 // `admission`: the DEADLINE / ALLOW APPROX options the command also takes, for the error.
 Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_select,
-                 std::string_view admission, Tail* t) {
+                 bool allow_audit, std::string_view admission, Tail* t) {
   if (i < args.size()) {
     int64_t w;
     if (ParseInt64(args[i], &w)) {
@@ -36,13 +36,15 @@ Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_sele
       ++i;
     }
   }
-  std::string expected = "RECEIPT";
+  std::string expected = allow_audit ? "RECEIPT, AUDIT" : "RECEIPT";
   if (allow_qpos) expected = "QPOS, " + expected;
   if (allow_select) expected = "SELECT, SHARED, " + expected;
   expected += admission;
   for (; i < args.size(); ++i) {
     if (EqualsIgnoreCase(args[i], "RECEIPT")) {
       t->receipt = true;
+    } else if (allow_audit && EqualsIgnoreCase(args[i], "AUDIT")) {
+      t->receipt = t->audit = true;
     } else if (allow_qpos && EqualsIgnoreCase(args[i], "QPOS")) {
       if (i + 1 >= args.size()) return Error("QPOS needs a position");
       int64_t p;
@@ -194,7 +196,7 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
                   std::string_view backend) {
   const bool auto_form =
       job.plan.form == Form::kSparseAuto || job.plan.form == Form::kSparseAutoFused;
-  rb.Map(auto_form ? 25 : 22);
+  rb.Map((auto_form ? 25 : 22) + (job.audit ? 1 : 0));
   rb.Bulk("exact");
   rb.Bool(r.exact);
   rb.Bulk("form");
@@ -241,6 +243,10 @@ void WriteReceipt(proto::ReplyBuilder& rb, const QueryJob& job, const attention:
   rb.Double(r.omitted_mass_estimate, 6);
   rb.Bulk("omitted_mass_bound");  // never below the true share (PROTOCOL.md): rounded up
   rb.Double(std::min(1.0, std::ceil(r.omitted_mass_bound * 1e6) / 1e6), 6);
+  if (job.audit) {  // AUDIT: every visible key scored
+    rb.Bulk("omitted_mass_exact");
+    rb.Double(r.omitted_mass_exact, 6);
+  }
   rb.Bulk("splits");
   rb.Integer(r.splits);
   rb.Bulk("micros");
@@ -548,7 +554,8 @@ bool Admit(CommandContext& ctx, QueryJob* job) {
 void Submit(CommandContext& ctx, std::shared_ptr<QueryJob> job) {
   server::Server* srv = ctx.server;
   server::Shard* shard = ctx.shard;
-  job->plan.mass_bound = job->receipt;     // its cost only where a receipt reports it
+  job->plan.mass_bound = job->receipt;  // its cost only where a receipt reports it
+  job->plan.audit = job->audit;
   if (!HoldBytes(ctx, job.get())) return;  // parked (promoted, then run again) or refused
   if (!Admit(ctx, job.get())) return;      // the deadline cannot be met (and no fallback)
   if (job->inline_run) {
@@ -630,7 +637,7 @@ void Query(CommandContext& ctx, CmdArgs& args) {
   auto job = std::make_shared<QueryJob>();
   if (s.ok()) s = ContiguousHeadMap(*h.slot, h.hq, job.get());
   Tail tail;
-  if (s.ok()) s = ParseTail(args, 7, true, false, AdmissionOptionsHint(ctx.spec), &tail);
+  if (s.ok()) s = ParseTail(args, 7, true, false, true, AdmissionOptionsHint(ctx.spec), &tail);
   if (!s.ok()) return ctx.Error(s);
   auto q = Take(args, 6, job.get());
   if (!q.ok()) return ctx.Error(q.status());
@@ -646,6 +653,7 @@ void Query(CommandContext& ctx, CmdArgs& args) {
   job->out_rows = uint64_t{h.hq} * m;
   job->with_lse = m > 1;
   job->receipt = tail.receipt;
+  job->audit = tail.audit;
   Submit(ctx, std::move(job));
 }
 
@@ -659,7 +667,7 @@ void QueryFused(CommandContext& ctx, CmdArgs& args) {
   if (s.ok()) s = ParseCount(args[6], "H_kv", kMaxHeads, &h_kv);
   if (s.ok()) s = CheckSlot(*h.slot, h.d, h_kv);
   Tail tail;
-  if (s.ok()) s = ParseTail(args, 11, false, false, AdmissionOptionsHint(ctx.spec), &tail);
+  if (s.ok()) s = ParseTail(args, 11, false, false, true, AdmissionOptionsHint(ctx.spec), &tail);
   if (!s.ok()) return ctx.Error(s);
   auto job = std::make_shared<QueryJob>();
   auto q = Take(args, 7, job.get());
@@ -679,6 +687,7 @@ void QueryFused(CommandContext& ctx, CmdArgs& args) {
   job->plan.window = tail.window;
   job->out_rows = uint64_t{h.hq} * m;
   job->receipt = tail.receipt;
+  job->audit = tail.audit;
   Submit(ctx, std::move(job));
 }
 
@@ -693,7 +702,7 @@ void QuerySparse(CommandContext& ctx, CmdArgs& args) {
   auto job = std::make_shared<QueryJob>();
   if (s.ok()) s = ContiguousHeadMap(*h.slot, h.hq, job.get());
   Tail tail;
-  if (s.ok()) s = ParseTail(args, 9, true, false, AdmissionOptionsHint(ctx.spec), &tail);
+  if (s.ok()) s = ParseTail(args, 9, true, false, true, AdmissionOptionsHint(ctx.spec), &tail);
   if (s.ok()) {
     s = CheckBlobSize("Q_blob", "H*D*4 " + Shape({{"H", h.hq}, {"D", h.d}}),
                       uint64_t{h.hq} * h.d * 4, args[6].size());
@@ -727,6 +736,7 @@ void QuerySparse(CommandContext& ctx, CmdArgs& args) {
   job->plan.q.pos0 = tail.qpos.value_or(n);
   job->out_rows = h.hq;
   job->receipt = tail.receipt;
+  job->audit = tail.audit;
   Submit(ctx, std::move(job));
 }
 
@@ -746,7 +756,8 @@ void QuerySparseAutoImpl(CommandContext& ctx, CmdArgs& args, bool fused) {
   if (s.ok()) s = CheckSlot(*h.slot, h.d, h_kv);
   const size_t qi = fused ? 9 : 8, map_i = fused ? 12 : 9;
   Tail tail;
-  if (s.ok()) s = ParseTail(args, map_i + 1, !fused, true, AdmissionOptionsHint(ctx.spec), &tail);
+  if (s.ok())
+    s = ParseTail(args, map_i + 1, !fused, true, true, AdmissionOptionsHint(ctx.spec), &tail);
   if (s.ok()) {
     s = CheckBlobSize("Q_blob", "H_q*D*4 " + Shape({{"H_q", h.hq}, {"D", h.d}}),
                       uint64_t{h.hq} * h.d * 4, args[qi].size());
@@ -776,6 +787,7 @@ void QuerySparseAutoImpl(CommandContext& ctx, CmdArgs& args, bool fused) {
   job->plan.q.pos0 = tail.qpos.value_or(h.slot->rows);
   job->out_rows = h.hq;
   job->receipt = tail.receipt;
+  job->audit = tail.audit;
   Submit(ctx, std::move(job));
 }
 
@@ -794,36 +806,36 @@ void RegisterQueryCommands(server::Server& srv) {
   // The options after a form's arguments (ParseTail), which the dispatcher looks among for
   // DEADLINE and ALLOW APPROX.
   const std::vector<TrailingOption> kTail = {
-      {"RECEIPT", 0}, {"QPOS", 1}, {"SELECT", 1}, {"SHARED", 0}};
-  r.Register(
-      WithOptions({"ATTEND.PREFIX.QUERY", -7, kRead, 1, 1, 1, Query, "attend_prefix",
-                   "Attention of Q over the slot: M=1 -> H*D fp32; M>1 -> H*M*D fp32 then LSE H*M. "
-                   "top_k 0 = dense and exact.",
-                   "<sid> <layer> <H> <D> <top_k> <Q_blob> [<fa_window>] [QPOS <p>] [RECEIPT]"},
-                  kTail));
+      {"RECEIPT", 0}, {"AUDIT", 0}, {"QPOS", 1}, {"SELECT", 1}, {"SHARED", 0}};
+  r.Register(WithOptions(
+      {"ATTEND.PREFIX.QUERY", -7, kRead, 1, 1, 1, Query, "attend_prefix",
+       "Attention of Q over the slot: M=1 -> H*D fp32; M>1 -> H*M*D fp32 then LSE H*M. "
+       "top_k 0 = dense and exact.",
+       "<sid> <layer> <H> <D> <top_k> <Q_blob> [<fa_window>] [QPOS <p>] [RECEIPT] [AUDIT]"},
+      kTail));
   r.Register(
       WithOptions({"ATTEND.PREFIX.QUERY_FUSED", -11, kRead, 1, 1, 1, QueryFused, "attend_prefix",
                    "Prefix + causal suffix attention merged in one call; H_q*M*D fp32.",
                    "<sid> <layer> <H_q> <D> <S_suf> <H_kv> <Q> <K_suf> <V_suf> <head_map> "
-                   "[<fa_window>] [RECEIPT]"},
+                   "[<fa_window>] [RECEIPT] [AUDIT]"},
                   kTail));
   r.Register(
       WithOptions({"ATTEND.PREFIX.QUERY_SPARSE", -9, kRead, 1, 1, 1, QuerySparse, "attend_prefix",
                    "M=1 attention over caller-chosen rows per head; H*D fp32.",
                    "<sid> <layer> <H> <D> <K_sparse_max> <Q> <indices> <counts> [<fa_window>] "
-                   "[QPOS <p>] [RECEIPT]"},
+                   "[QPOS <p>] [RECEIPT] [AUDIT]"},
                   kTail));
   r.Register(WithOptions(
       {"ATTEND.PREFIX.QUERY_SPARSE_AUTO", -10, kRead, 1, 1, 1, QuerySparseAuto, "attend_prefix",
        "M=1 attention over the K_top best blocks of B rows (+ first and last); H_q*D fp32.",
        "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <Q> <head_map> [<fa_window>] "
-       "[QPOS <p>] [SELECT mean|quest] [SHARED] [RECEIPT]"},
+       "[QPOS <p>] [SELECT mean|quest] [SHARED] [RECEIPT] [AUDIT]"},
       kTail));
   r.Register(WithOptions(
       {"ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", -13, kRead, 1, 1, 1, QuerySparseAutoFused,
        "attend_prefix", "Sparse-auto over the prefix plus the dense suffix, merged; H_q*D fp32.",
        "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <S_suf> <Q> <K_suf> <V_suf> <head_map> "
-       "[<fa_window>] [SELECT mean|quest] [SHARED] [RECEIPT]"},
+       "[<fa_window>] [SELECT mean|quest] [SHARED] [RECEIPT] [AUDIT]"},
       kTail));
 }
 

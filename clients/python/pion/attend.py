@@ -28,8 +28,8 @@ from . import _wire, codecs, errors
 if TYPE_CHECKING:
     from .client import Client
 
-RECEIPT_FLOATS = ("omitted_mass_estimate", "omitted_mass_bound", "micros", "queue_us",
-                  "piece_start_max_us", "piece_max_us", "merge_us", "estimate_us")
+RECEIPT_FLOATS = ("omitted_mass_estimate", "omitted_mass_bound", "omitted_mass_exact", "micros",
+                  "queue_us", "piece_start_max_us", "piece_max_us", "merge_us", "estimate_us")
 SELECTS = ("mean", "quest")
 
 
@@ -134,7 +134,9 @@ def _tail(window=0, qpos=None, select=None, receipt=False, shared=False, deadlin
         args += ["SELECT", select]
     if shared:
         args.append("SHARED")
-    if receipt:
+    if receipt == "audit":  # a receipt with omitted_mass_exact (every visible key scored)
+        args.append("AUDIT")
+    elif receipt:
         args.append("RECEIPT")
     return args + _wire.admission(deadline_ms, allow_approx)
 
