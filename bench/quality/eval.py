@@ -176,7 +176,7 @@ class MassProbe:
         self.keys = {}
         for li in range(len(own.layers)):
             self.keys[li] = own.layers[li].keys[0].float()
-        self.pairs = []  # (true, estimate, true max over heads, bound)
+        self.pairs = []  # (true, estimate, true max over heads, bound, the server's AUDIT)
 
     def __call__(self, layer_idx, q, k_suf, v_suf, res):
         torch = self.lab.torch
@@ -200,7 +200,8 @@ class MassProbe:
                 kept[h, torch.tensor(blocks, device=q.device, dtype=torch.long)] = 1
         omitted = (bm * (1 - kept)).sum(-1)  # per head
         self.pairs.append((omitted.mean().item(), float(rc["omitted_mass_estimate"]),
-                           omitted.max().item(), float(rc["omitted_mass_bound"])))
+                           omitted.max().item(), float(rc["omitted_mass_bound"]),
+                           float(rc.get("omitted_mass_exact", float("nan")))))
 
 
 def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
@@ -228,7 +229,7 @@ def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
                     probe = MassProbe(lab, lab.own_cache(prefix), lab.args.block, hq, hkv)
                     off.sparse = hf.SparseAuto(block_size=lab.args.block, budget=1 / b,
                                                select=sel, shared=shared, receipts=[],
-                                               observe=probe,
+                                               observe=probe, audit=True,
                                                dense_layers=tuple(lab.args.dense_layers))
                     cache = off.prepare(prefix)
                     with off.session(cache):
@@ -239,6 +240,7 @@ def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
                 t = np.array([p[0] for p in probe_pairs])
                 e = np.array([p[1] for p in probe_pairs])
                 u = np.array([p[3] for p in probe_pairs])
+                x = np.array([p[4] for p in probe_pairs])
                 row = {"select": sel, "shared": shared, "budget": "1/%d" % b,
                        "nll_dense": float(np.mean(dense_nll)), "nll": float(np.mean(nlls)),
                        "ppl_delta_pct": 100 * (math.exp(np.mean(nlls) - np.mean(dense_nll)) - 1),
@@ -252,7 +254,8 @@ def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
                        "bound_mean": float(u.mean()),
                        "bound_minus_true_min": float((u - t).min()),
                        "bound_minus_true_mean": float((u - t).mean()),
-                       "bound_below_true": float(np.mean(u < t - 1e-6))}
+                       "bound_below_true": float(np.mean(u < t - 1e-6)),
+                       "audit_max_abs_diff": float(np.abs(x - t).max())}
                 out["ppl"].append(row)
                 out["mass"].append({"select": sel, "shared": shared, "budget": b,
                                     "true": t[::max(1, len(t) // 400)].tolist(),

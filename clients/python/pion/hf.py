@@ -825,7 +825,9 @@ class SparseAuto:
     `budget` is the share of the prefix's blocks of `block_size` rows attended, the first and
     last included (k_top = ceil(budget · blocks) − 2, at least 0). `dense_layers`: model layer
     indexes kept exact (Quest keeps its first two). `receipts`: a list to which every sparse
-    call appends (model layer index, receipt) — the blocks chosen and the omitted-mass estimate.
+    call appends (model layer index, receipt) — the blocks chosen, the omitted-mass estimate
+    and its bound; with `audit` the receipt also has `omitted_mass_exact` (the server scores
+    every prefix key once more: costlier than the sparse step it audits — sample it).
     `observe(layer_idx, q, k_suf, v_suf, result)`, when given, sees every sparse call (q [H_q, D],
     k_suf/v_suf [H_kv, S, D] fp32 tensors; result an AttendResult, with its receipt when
     `receipts` is a list) — e.g. to compute the true omitted mass densely."""
@@ -835,6 +837,7 @@ class SparseAuto:
     shared: bool = False
     dense_layers: tuple = ()
     receipts: list | None = None
+    audit: bool = False
     observe: Any = None
 
     def k_top(self, prefix_rows: int) -> int:
@@ -877,7 +880,7 @@ def _pion_attention(module, query, key, value, attention_mask, scaling=None, dro
         res = client.attend.query_sparse_auto_fused(
             s.sid, slot, q[:, 0], k_suf, v_suf, sp.block_size, sp.k_top(s.prefix_rows),
             window=s.window, select=sp.select, shared=sp.shared,
-            receipt=sp.receipts is not None)
+            receipt="audit" if sp.audit else sp.receipts is not None)
         if sp.receipts is not None:
             sp.receipts.append((layer_idx, res.receipt))
         if sp.observe is not None:
