@@ -242,7 +242,7 @@ def topk_allow(q, k, head_map, pos_q, window, top_k):
     return allow, omitted
 
 
-def sparse_auto_ref(q, k, head_map, b, k_top, p, window, select, shared=False):
+def sparse_auto_ref(q, k, head_map, b, k_top, p, window, select, shared=False, recent=0):
     """M=1 block choice over the prefix k [Hkv][N][D] for queries q [Hq][D] at position p.
     shared (SHARED): each block's score is the highest of the query heads mapped to the same
     K/V head, so they choose together. Returns (chosen blocks per head, number of visible
@@ -275,12 +275,14 @@ def sparse_auto_ref(q, k, head_map, b, k_top, p, window, select, shared=False):
         score = head_score(h)
         if shared:
             score = np.max([head_score(h2) for h2 in range(hq) if head_map[h2] == g], axis=0)
-        cands = list(range(fb + 1, lb))
+        forced = set(range(max(fb + 1, lb - recent), lb))  # RECENT: before the last block
+        cands = [i for i in range(fb + 1, lb) if i not in forced]
         cands.sort(key=lambda i: -score[i])
-        chosen = sorted({fb, lb} | set(cands[:k_top]))
-        if len(cands) > k_top > 0:  # the seeds must not produce a near-tie at the cut
-            gap = score[cands[k_top - 1]] - score[cands[k_top]]
-            assert gap > 1e-4 * (1 + abs(score[cands[k_top]])), "near-tie: pick another seed"
+        keep = k_top - len(forced)
+        chosen = sorted({fb, lb} | forced | set(cands[:keep]))
+        if len(cands) > keep > 0:  # the seeds must not produce a near-tie at the cut
+            gap = score[cands[keep - 1]] - score[cands[keep]]
+            assert gap > 1e-4 * (1 + abs(score[cands[keep]])), "near-tie: pick another seed"
         chosen_all.append(chosen)
         for i in chosen:
             allow[h, 0, i * b:(i + 1) * b] = True
@@ -726,6 +728,55 @@ def test_query_sparse_auto_fused_matches_reference(shared_pion, case, select, dt
                               f32(ks), f32(vs), i32(hm), *([w] if w else []))
     assert_close(parse_out(a, hq, 1, d, False)[0], parse_out(fused, hq, 1, d, False)[0])
 
+
+
+@pytest.mark.parametrize("select,shared", [("mean", False), ("quest", True)])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_sparse_auto_recent_blocks_are_always_chosen(shared_pion, select, shared, fused):
+    """RECENT r: the r visible blocks before the last are chosen whatever their scores (and
+    count in K_top); the rest of K_top by score, as numpy chooses them; RECENT > K_top is
+    refused."""
+    r = shared_pion.client()
+    rng = np.random.default_rng(808 + fused * 2 + shared)
+    hq, hkv, n, d, b, k_top, recent, s = 8, 2, 320, 32, 16, 6, 3, 4
+    k, v = rnd(rng, hkv, n, d), rnd(rng, hkv, n, d)
+    # The recent blocks' keys point away from the queries: by score they would never be chosen.
+    q = rnd(rng, hq, 1, d, scale=2.0)
+    hm = np.asarray(contiguous_map(hq, hkv))
+    for g in range(hkv):
+        k[g, n - (recent + 1) * b:n - b] = -3 * q[hm == g, 0].mean(0)
+    sid = "recent%d%d%s" % (fused, shared, select)
+    store(r, sid, 0, k, v)
+    tail = ["SELECT", select] + (["SHARED"] if shared else []) + ["RECENT", recent, "AUDIT"]
+    if fused:
+        ks, vs = rnd(rng, hkv, s, d), rnd(rng, hkv, s, d)
+        args = ("ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", sid, 0, hq, d, b, k_top, hkv, s, f32(q),
+                f32(ks), f32(vs), i32(hm))
+    else:
+        args = ("ATTEND.PREFIX.QUERY_SPARSE_AUTO", sid, 0, hq, d, b, k_top, hkv, f32(q), i32(hm))
+    out, rc = split_reply(r.execute_command(*args, *tail))
+    p = n + s - 1 if fused else n
+    chosen, _, allow, _ = sparse_auto_ref(q[:, 0], k, hm, b, k_top, p, 0, select, shared, recent)
+    nb = n // b
+    for h in range(hq):
+        assert set(range(nb - 1 - recent, nb - 1)) <= set(rc["blocks"][h]), rc["blocks"][h]
+    assert [sorted(x) for x in rc["blocks"]] == chosen, (rc["blocks"], chosen)
+    # Without RECENT those blocks are not chosen: the option is what put them there.
+    _, rc0 = split_reply(r.execute_command(*args, "SELECT", select,
+                                           *(["SHARED"] if shared else []), "RECEIPT"))
+    assert not set(range(nb - 1 - recent, nb - 1)) & set(rc0["blocks"][0]), rc0["blocks"][0]
+    if fused:
+        allow = np.concatenate([allow, np.ones((hq, 1, s), bool)], 2)
+        kk, vv = np.concatenate([k, ks], 1), np.concatenate([v, vs], 1)
+    else:
+        kk, vv = k, v
+    ref, _, _ = attend_ref(q, kk, vv, hm, [p], np.arange(kk.shape[1]), 0, allow)
+    assert_close(parse_out(out, hq, 1, d, False)[0], ref)
+    assert 0 < rc["omitted_mass_exact"] <= rc["omitted_mass_bound"] + 1e-6
+    with pytest.raises(Exception, match="RECENT 7 exceeds K_top 6"):
+        r.execute_command(*args, "RECENT", 7)
+    with pytest.raises(Exception, match="RECENT needs a whole number of blocks"):
+        r.execute_command(*args, "RECENT", "x")
 
 # ------------------------------------------------------------------------------------------
 # fp8 slots: what fp8 storage costs against fp32, persistence, the approximate fallback

@@ -286,6 +286,31 @@ class Omitted:
                           float(receipt["omitted_mass_exact"])))
 
 
+class Profile:
+    """Where a dense decode step's attention mass lies, per layer: the local suffix, the last
+    64 / 256 / 1024 prefix rows, the first 64 (the sink), the rest of the prefix."""
+    SPANS = ("suffix", "last64", "last256", "last1024", "first64")
+
+    def __init__(self, model: Llama, case: Case):
+        self.model, self.case = model, case
+        self.mass = [[] for _ in range(model.layers)]
+
+    def __call__(self, layer, q, ks, vs):
+        torch, m = self.model.torch, self.model
+        g = m.hq // m.hkv
+        kp = self.case.kv[layer][0].repeat_interleave(g, 0).double()
+        kse = ks.repeat_interleave(g, 0).double()
+        s = torch.cat([torch.einsum("hd,hpd->hp", q.double(), kp),
+                       torch.einsum("hd,hsd->hs", q.double(), kse)], 1) / math.sqrt(m.d)
+        p = torch.softmax(s, 1)  # [Hq, P + S]
+        n = kp.shape[1]
+        pre = p[:, :n]
+        self.mass[layer].append([p[:, n:].sum(1).mean().item()] +
+                                [pre[:, max(0, n - w):].sum(1).mean().item()
+                                 for w in (64, 256, 1024)] +
+                                [pre[:, :64].sum(1).mean().item()])
+
+
 def section_sparse(model: Llama, client, cases: list[Case], args) -> dict:
     torch = model.torch
     out = {"check": [], "rows": []}
@@ -293,17 +318,21 @@ def section_sparse(model: Llama, client, cases: list[Case], args) -> dict:
         for i, (k, v) in enumerate(case.kv):
             client.attend.store("lab%d" % ci, i, k.numpy(), v.numpy())
 
-    def dense_attend(ci):
+    def dense_attend(ci, profile=None):
         def f(layer, q, ks, vs):
+            if profile is not None:
+                profile(layer, q, ks, vs)
             r = client.attend.query_fused("lab%d" % ci, layer, q[:, None].numpy(), ks.numpy(),
                                           vs.numpy())
             return torch.from_numpy(np.asarray(r.out, np.float32).reshape(q.shape).copy())
         return f
 
     dense_nll, dense_logits = [], []
+    profiles = []
     for ci, case in enumerate(cases):
         t0 = time.perf_counter()
-        lg = decode(model, case, dense_attend(ci))
+        profiles.append(Profile(model, case))
+        lg = decode(model, case, dense_attend(ci, profiles[-1]))
         dense_logits.append(lg)
         dense_nll.append(nll(model, lg, case.cont))
         # Stage 2 dense is the model: the decode's logits against the full forward's.
@@ -316,49 +345,58 @@ def section_sparse(model: Llama, client, cases: list[Case], args) -> dict:
         print("dense seq %d: max |dlogit| vs full forward %.2e, agree %.3f, nll %.4f (%.1f s)"
               % (ci, diff, agree, dense_nll[-1], time.perf_counter() - t0), flush=True)
     base = float(np.mean(dense_nll))
+    out["profile"] = [dict(zip(Profile.SPANS, np.mean(sum((p.mass[i] for p in profiles), []),
+                                                      0).tolist()))
+                      for i in range(model.layers)]
     selects = [(s.split("+")[0], s.endswith("+shared")) for s in args.selects.split(",")]
-    for policy, dense_layers in parse_policies(args.policies):
-        for block in [int(x) for x in args.blocks.split(",")]:
-            for sel, shared in selects:
-                for b in [int(x) for x in args.budgets.split(",")]:
-                    nlls, probes = [], []
-                    t0 = time.perf_counter()
-                    for ci, case in enumerate(cases):
-                        blocks = -(-len(case.prefix) // block)
-                        k_top = max(0, int(math.ceil(blocks / b)) - 2)
-                        probe = Omitted(model, case, block)
-                        dense = dense_attend(ci)
+    configs = [(policy, dense_layers, block, sel, shared, b, rec)
+               for policy, dense_layers in parse_policies(args.policies)
+               for block in [int(x) for x in args.blocks.split(",")]
+               for sel, shared in selects
+               for b in [int(x) for x in args.budgets.split(",")]
+               for rec in [int(x) for x in args.recents.split(",")]]
+    for policy, dense_layers, block, sel, shared, b, rec in configs:
+        nlls, probes = [], []
+        t0 = time.perf_counter()
+        for ci, case in enumerate(cases):
+            blocks = -(-len(case.prefix) // block)
+            k_top = max(0, int(math.ceil(blocks / b)) - 2)
+            recent = min(rec, k_top)
+            probe = Omitted(model, case, block)
+            dense = dense_attend(ci)
 
-                        def f(layer, q, ks, vs, ci=ci, k_top=k_top, probe=probe, dense=dense):
-                            if layer in dense_layers:
-                                return dense(layer, q, ks, vs)
-                            r = client.attend.query_sparse_auto_fused(
-                                "lab%d" % ci, layer, q.numpy(), ks.numpy(), vs.numpy(), block,
-                                k_top, select=sel, shared=shared, receipt="audit")
-                            probe(layer, q, ks, vs, r.receipt)
-                            return torch.from_numpy(np.asarray(r.out, np.float32).copy())
-                        lg = decode(model, case, f)
-                        nlls.append(nll(model, lg, case.cont))
-                        probes += probe.rows
-                    t = np.array([p[1] for p in probes])
-                    e = np.array([p[2] for p in probes])
-                    u = np.array([p[3] for p in probes])
-                    x = np.array([p[4] for p in probes])
-                    row = {"policy": policy, "block": block, "select": sel, "shared": shared,
-                           "budget": "1/%d" % b, "nll": float(np.mean(nlls)),
-                           "ppl_delta_pct": 100 * (math.exp(np.mean(nlls) - base) - 1),
-                           "calls": len(t), "true_mean": float(t.mean()),
-                           "true_p95": float(np.percentile(t, 95)),
-                           "estimate_mean": float(e.mean()),
-                           "estimate_minus_true": [float((e - t).min()), float((e - t).max())],
-                           "estimate_within_0.02": float(np.mean(np.abs(e - t) <= 0.02)),
-                           "bound_mean": float(u.mean()),
-                           "bound_minus_true_mean": float((u - t).mean()),
-                           "bound_below_true": int((u < t - 1e-6).sum()),
-                           "audit_max_abs_diff": float(np.abs(x - t).max()),
-                           "seconds": time.perf_counter() - t0}
-                    out["rows"].append(row)
-                    print("sparse:", json.dumps(row), flush=True)
+            def f(layer, q, ks, vs, ci=ci, k_top=k_top, probe=probe, dense=dense,
+                  recent=recent):
+                if layer in dense_layers:
+                    return dense(layer, q, ks, vs)
+                r = client.attend.query_sparse_auto_fused(
+                    "lab%d" % ci, layer, q.numpy(), ks.numpy(), vs.numpy(), block,
+                    k_top, select=sel, shared=shared, receipt="audit", recent=recent)
+                probe(layer, q, ks, vs, r.receipt)
+                return torch.from_numpy(np.asarray(r.out, np.float32).copy())
+            lg = decode(model, case, f)
+            nlls.append(nll(model, lg, case.cont))
+            probes += probe.rows
+        t = np.array([p[1] for p in probes])
+        e = np.array([p[2] for p in probes])
+        u = np.array([p[3] for p in probes])
+        x = np.array([p[4] for p in probes])
+        row = {"policy": policy, "block": block, "select": sel, "shared": shared,
+               "recent": rec,
+               "budget": "1/%d" % b, "nll": float(np.mean(nlls)),
+               "ppl_delta_pct": 100 * (math.exp(np.mean(nlls) - base) - 1),
+               "calls": len(t), "true_mean": float(t.mean()),
+               "true_p95": float(np.percentile(t, 95)),
+               "estimate_mean": float(e.mean()),
+               "estimate_minus_true": [float((e - t).min()), float((e - t).max())],
+               "estimate_within_0.02": float(np.mean(np.abs(e - t) <= 0.02)),
+               "bound_mean": float(u.mean()),
+               "bound_minus_true_mean": float((u - t).mean()),
+               "bound_below_true": int((u < t - 1e-6).sum()),
+               "audit_max_abs_diff": float(np.abs(x - t).max()),
+               "seconds": time.perf_counter() - t0}
+        out["rows"].append(row)
+        print("sparse:", json.dumps(row), flush=True)
     out["nll_dense"] = base
     return out
 
@@ -408,6 +446,12 @@ def report(res: dict, path: Path) -> None:
     lines = ["# Quality lab on the CPU backend (%s)" % res["date"], "",
              "Command: `%s` at %s on %s (%s); model: %s." % (
                  res["command"], res["commit"], res["machine"], res["cpu"], res["model"]), ""]
+    if "heldout_loss" in res:
+        lines += ["The model here (plain torch, fp32 over the bf16 weights) on this machine's held-out "
+                  "text: %.4f nats/byte over 8 windows of %d bytes (train.py logged %.4f on the GPU "
+                  "machine's held-out files)." % (res["heldout_loss"]["here"], res["args"]["prefix"],
+                                                  res["heldout_loss"]["train_py"] or float("nan")),
+                  ""]
     if "sparse" in res:
         s = res["sparse"]
         lines += ["## Stage 2 dense is the model", "",
@@ -417,16 +461,23 @@ def report(res: dict, path: Path) -> None:
             lines.append("| %d | %.2e | %.3f | %.4f | %.4f |" % (
                 c["seq"], c["max_dlogit_vs_full_forward"], c["agree"], c["nll_full"],
                 c["nll_stage2_dense"]))
+        if "profile" in s:
+            lines += ["", "## Where dense decode attention lies (mean share of softmax mass)", "",
+                      "| layer | suffix | last 64 prefix rows | last 256 | last 1024 | first 64 |",
+                      "|---|---:|---:|---:|---:|---:|"]
+            for i, p in enumerate(s["profile"]):
+                lines.append("| %d | %.3f | %.3f | %.3f | %.3f | %.3f |" % (
+                    i, p["suffix"], p["last64"], p["last256"], p["last1024"], p["first64"]))
         lines += ["", "## Sparse-auto decode against dense", "",
-                  "| dense layers | B | select | budget | ppl Δ | true omitted (mean, p95) | "
+                  "| dense layers | B | select | RECENT | budget | ppl Δ | true omitted (mean, p95) | "
                   "estimate mean | estimate − true (min, max) | within ±0.02 | bound mean | "
                   "bound − true (mean) | bound below true | AUDIT − true (max abs) | calls |",
-                  "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in s["rows"]:
-            lines.append("| %s | %d | %s%s | %s | %+.2f %% | %.3f, %.3f | %.3f | %+.3f, %+.3f | "
+            lines.append("| %s | %d | %s%s | %d | %s | %+.2f %% | %.3f, %.3f | %.3f | %+.3f, %+.3f | "
                          "%.1f %% | %.3f | %+.3f | %d | %.1e | %d |" % (
                              r["policy"], r["block"], r["select"], " shared" if r["shared"]
-                             else "", r["budget"], r["ppl_delta_pct"], r["true_mean"],
+                             else "", r.get("recent", 0), r["budget"], r["ppl_delta_pct"], r["true_mean"],
                              r["true_p95"], r["estimate_mean"], r["estimate_minus_true"][0],
                              r["estimate_minus_true"][1], 100 * r["estimate_within_0.02"],
                              r["bound_mean"], r["bound_minus_true_mean"], r["bound_below_true"],
@@ -467,6 +518,8 @@ def main() -> int:
     ap.add_argument("--blocks", default="16,64")
     ap.add_argument("--budgets", default="8,16")
     ap.add_argument("--selects", default="mean,mean+shared,quest,quest+shared")
+    ap.add_argument("--recents", default="0",
+                    help="RECENT blocks (before the last) always attended, per run: e.g. 0,4")
     ap.add_argument("--policies", default="none,0-1",
                     help="layers kept dense per run: none, a-b, or a+b+c")
     ap.add_argument("--codecs", default=",".join(CODECS))

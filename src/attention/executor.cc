@@ -333,6 +333,14 @@ void SparseAuto(const kernels::AttentionKernels& kern, const Parallel& par, cons
     mean_scores.resize(sel.size());
     kern.ScoreBlocks(q, s, kernels::BlockSelector::kMean, mean_scores.data());
   }
+  if (plan.recent > 0 && lo < hi) {  // RECENT: the blocks before the last rank first
+    const uint32_t b_hi = (hi - 1) / B, b_lo = lo / B;
+    const uint32_t from = std::max(b_lo + 1, b_hi - std::min(b_hi, plan.recent));
+    for (uint32_t h = 0; h < q.hq; ++h) {
+      float* hs = sel.data() + static_cast<size_t>(h) * nb;
+      for (uint32_t b = from; b < b_hi; ++b) hs[b] = std::numeric_limits<float>::infinity();
+    }
+  }
   if (plan.shared_blocks) GroupMaxScores(q, k.heads, nb, &sel);
   const uint32_t stride = std::min<uint64_t>(static_cast<uint64_t>(plan.k_top + 2) * B, k.rows);
   std::vector<int32_t> rows(static_cast<size_t>(q.hq) * stride);

@@ -57,6 +57,9 @@ struct Plan {
   // SHARED: the query heads of one K/V head choose one set of blocks together, each block
   // ranked by the highest of their scores (so the group reads each chosen K/V row once).
   bool shared_blocks = false;
+  // RECENT: the `recent` visible blocks before the last are always among the chosen (they
+  // count in k_top): a decode step's local context, whatever the scores say.
+  uint32_t recent = 0;
   kernels::BlockSummaries summaries;  // filled for the slot's K, block size `block`
   // Compute Receipt::omitted_mass_bound (asked with RECEIPT): for sparse-auto one more block
   // scoring pass (Quest's bound) where the selector is mean.

@@ -420,7 +420,8 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
       const uint32_t group =
           q.m == 1 ? kernels::cuda::GroupMembers(q.hq, q.head_map, slot.heads, f.members) : 0;
       const bool one_launch =
-          vis_lo < vis_hi && (plan.shared_blocks || group == 1) && fin != nullptr &&
+          vis_lo < vis_hi && plan.recent == 0 && (plan.shared_blocks || group == 1) &&
+          fin != nullptr &&
           kernels::cuda::SparseAutoSharedFits(slot.dtype, q.d, group,
                                               static_cast<uint32_t>(b_hi - b_lo + 1), slot.heads);
       if (one_launch) {
@@ -472,9 +473,13 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
             plan.shared_blocks ? group_pass.splits : SparseSplitsFor(base, q.head_map, stride);
         PION_TRY(AllocParts(job, splits + suf_pass.splits, nrows, q.d, &parts));
         if (vis_lo < vis_hi) {
-          PION_TRY(kernels::cuda::LaunchScoreBlocks(dq, q.hq, q.d, dmap, summaries->dev_mean(),
-                                                    summaries->dev_min(), summaries->dev_max(), nb,
-                                                    plan.selector, sel, ms, job.stream()));
+          // RECENT: the blocks before the last visible one score +inf (always chosen).
+          const uint32_t force_hi = plan.recent > 0 ? b_hi : 0;
+          const uint32_t force_lo =
+              plan.recent > 0 ? std::max(b_lo + 1, b_hi - std::min(b_hi, plan.recent)) : 0;
+          PION_TRY(kernels::cuda::LaunchScoreBlocks(
+              dq, q.hq, q.d, dmap, summaries->dev_mean(), summaries->dev_min(),
+              summaries->dev_max(), nb, plan.selector, sel, ms, job.stream(), force_lo, force_hi));
           // SHARED: each head ranks the blocks by its group's highest scores.
           PION_TRY(kernels::cuda::LaunchSelectBlocks(
               sel, ms, dmap, q.hq, plan.shared_blocks, nb, B, vis_lo, vis_hi, plan.k_top, scale,

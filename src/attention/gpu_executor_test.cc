@@ -185,6 +185,7 @@ struct Case {
   uint32_t top_k = 0, block = 32, k_top = 4, suffix = 0;
   kernels::BlockSelector selector = kernels::BlockSelector::kMean;
   bool shared = false;  // SHARED sparse-auto
+  uint32_t recent = 0;  // RECENT sparse-auto
   Keys keys = Keys::kRandom;
   int64_t poison_from = -1;  // MakeSlot: NaN rows from there on (rows no query sees)
 };
@@ -195,7 +196,7 @@ std::string Describe(const Case& c) {
          " n=" + std::to_string(c.n) + " d=" + std::to_string(c.d) +
          " dtype=" + std::string(kernels::DTypeName(c.dtype)) +
          " window=" + std::to_string(c.window) + " qpos=" + std::to_string(c.qpos) +
-         (c.shared ? " shared" : "");
+         (c.shared ? " shared" : "") + " recent=" + std::to_string(c.recent);
 }
 
 // `receipt`: the GPU run's receipt, for checks of the path it took.
@@ -241,6 +242,7 @@ void Check(const Case& c, uint32_t seed = 1, Receipt* receipt = nullptr) {
     p.k_top = c.k_top;
     p.selector = c.selector;
     p.shared_blocks = c.shared;
+    p.recent = c.recent;
     host_sum.block = c.block;
     host_sum.nblocks = (c.n + c.block - 1) / c.block;
     const size_t ns = size_t{c.heads} * host_sum.nblocks * c.d;
@@ -988,6 +990,12 @@ TEST(GpuExecutor, SparseAuto) {
           Check(c);
           c.form = Form::kSparseAutoFused;
           c.suffix = 30;
+          Check(c);
+          // RECENT (the four launches: the one-launch kernel does not take it).
+          c.recent = std::min(k_top, 2u);
+          c.form = Form::kSparseAuto;
+          c.suffix = 0;
+          c.window = 0;
           Check(c);
         }
       }

@@ -91,12 +91,14 @@ struct QueryJob {
 // Positions stay far from int64 overflow: QPOS + M, and position − window, are always exact.
 constexpr int64_t kMaxPosition = int64_t{1} << 62;
 
-// The optional tail: [<fa_window>] [QPOS <p>] [SELECT mean|quest] [SHARED] [RECEIPT] [AUDIT].
+// The optional tail: [<fa_window>] [QPOS <p>] [SELECT mean|quest] [SHARED] [RECENT <blocks>]
+// [RECEIPT] [AUDIT].
 struct Tail {
   int64_t window = 0;
   std::optional<int64_t> qpos;
   kernels::BlockSelector selector = kernels::BlockSelector::kMean;
   bool shared = false;
+  uint32_t recent = 0;  // RECENT <blocks> (the sparse-auto forms)
   bool receipt = false;
   bool audit = false;  // AUDIT: a receipt with the exact omitted mass (implies RECEIPT)
 };

@@ -38,7 +38,7 @@ Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_sele
   }
   std::string expected = allow_audit ? "RECEIPT, AUDIT" : "RECEIPT";
   if (allow_qpos) expected = "QPOS, " + expected;
-  if (allow_select) expected = "SELECT, SHARED, " + expected;
+  if (allow_select) expected = "SELECT, SHARED, RECENT, " + expected;
   expected += admission;
   for (; i < args.size(); ++i) {
     if (EqualsIgnoreCase(args[i], "RECEIPT")) {
@@ -67,6 +67,15 @@ Status ParseTail(const CmdArgs& args, size_t i, bool allow_qpos, bool allow_sele
       ++i;
     } else if (allow_select && EqualsIgnoreCase(args[i], "SHARED")) {
       t->shared = true;
+    } else if (allow_select && EqualsIgnoreCase(args[i], "RECENT")) {
+      uint64_t r = 0;
+      if (i + 1 >= args.size() || !ParseUint(args[i + 1], "RECENT", &r).ok() || r > kMaxRows) {
+        return Error("RECENT needs a whole number of blocks in [0, " + std::to_string(kMaxRows) +
+                     "], got '" +
+                     std::string(i + 1 < args.size() ? args[i + 1].substr(0, 32) : "") + "'");
+      }
+      t->recent = static_cast<uint32_t>(r);
+      ++i;
     } else {
       return Error("unexpected argument '" + std::string(args[i].substr(0, 32)) +
                    "'; expected [<fa_window>] then any of " + expected);
@@ -742,7 +751,7 @@ void QuerySparse(CommandContext& ctx, CmdArgs& args) {
 
 // ATTEND.PREFIX.QUERY_SPARSE_AUTO[_FUSED] <sid> <layer> <H_q> <D> <B> <K_top> <H_kv>
 //   [<S_suf>] <Q> [<K_suf> <V_suf>] <head_map> [<fa_window>] [QPOS p] [SELECT mean|quest]
-//   [SHARED] [RECEIPT]
+//   [SHARED] [RECENT blocks] [RECEIPT] [AUDIT]
 void QuerySparseAutoImpl(CommandContext& ctx, CmdArgs& args, bool fused) {
   Head h;
   uint32_t block = 0, h_kv = 0, s_suf = 0;
@@ -758,6 +767,10 @@ void QuerySparseAutoImpl(CommandContext& ctx, CmdArgs& args, bool fused) {
   Tail tail;
   if (s.ok())
     s = ParseTail(args, map_i + 1, !fused, true, true, AdmissionOptionsHint(ctx.spec), &tail);
+  if (s.ok() && tail.recent > k_top) {
+    s = Error("RECENT " + std::to_string(tail.recent) + " exceeds K_top " + std::to_string(k_top) +
+              ": the recent blocks are among the K_top chosen");
+  }
   if (s.ok()) {
     s = CheckBlobSize("Q_blob", "H_q*D*4 " + Shape({{"H_q", h.hq}, {"D", h.d}}),
                       uint64_t{h.hq} * h.d * 4, args[qi].size());
@@ -782,6 +795,7 @@ void QuerySparseAutoImpl(CommandContext& ctx, CmdArgs& args, bool fused) {
   job->plan.k_top = static_cast<uint32_t>(k_top);
   job->plan.selector = tail.selector;
   job->plan.shared_blocks = tail.shared;
+  job->plan.recent = tail.recent;
   job->plan.summaries = job->summaries->View(h.slot->heads, h.slot->d);
   job->plan.window = tail.window;
   job->plan.q.pos0 = tail.qpos.value_or(h.slot->rows);
@@ -805,8 +819,8 @@ void RegisterQueryCommands(server::Server& srv) {
   constexpr uint32_t kRead = kCmdKvCache | kCmdReadOnly | kCmdDeadline | kCmdApprox;
   // The options after a form's arguments (ParseTail), which the dispatcher looks among for
   // DEADLINE and ALLOW APPROX.
-  const std::vector<TrailingOption> kTail = {
-      {"RECEIPT", 0}, {"AUDIT", 0}, {"QPOS", 1}, {"SELECT", 1}, {"SHARED", 0}};
+  const std::vector<TrailingOption> kTail = {{"RECEIPT", 0}, {"AUDIT", 0},  {"QPOS", 1},
+                                             {"SELECT", 1},  {"SHARED", 0}, {"RECENT", 1}};
   r.Register(WithOptions(
       {"ATTEND.PREFIX.QUERY", -7, kRead, 1, 1, 1, Query, "attend_prefix",
        "Attention of Q over the slot: M=1 -> H*D fp32; M>1 -> H*M*D fp32 then LSE H*M. "
@@ -829,13 +843,13 @@ void RegisterQueryCommands(server::Server& srv) {
       {"ATTEND.PREFIX.QUERY_SPARSE_AUTO", -10, kRead, 1, 1, 1, QuerySparseAuto, "attend_prefix",
        "M=1 attention over the K_top best blocks of B rows (+ first and last); H_q*D fp32.",
        "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <Q> <head_map> [<fa_window>] "
-       "[QPOS <p>] [SELECT mean|quest] [SHARED] [RECEIPT] [AUDIT]"},
+       "[QPOS <p>] [SELECT mean|quest] [SHARED] [RECENT <blocks>] [RECEIPT] [AUDIT]"},
       kTail));
   r.Register(WithOptions(
       {"ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED", -13, kRead, 1, 1, 1, QuerySparseAutoFused,
        "attend_prefix", "Sparse-auto over the prefix plus the dense suffix, merged; H_q*D fp32.",
        "<sid> <layer> <H_q> <D> <B> <K_top> <H_kv> <S_suf> <Q> <K_suf> <V_suf> <head_map> "
-       "[<fa_window>] [SELECT mean|quest] [SHARED] [RECEIPT] [AUDIT]"},
+       "[<fa_window>] [SELECT mean|quest] [SHARED] [RECENT <blocks>] [RECEIPT] [AUDIT]"},
       kTail));
 }
 

@@ -122,7 +122,7 @@ def _kv(x, what: str) -> np.ndarray:
 
 
 def _tail(window=0, qpos=None, select=None, receipt=False, shared=False, deadline_ms=None,
-          allow_approx=False) -> list:
+          allow_approx=False, recent=0) -> list:
     args = []
     if window:
         args.append(int(window))
@@ -134,6 +134,8 @@ def _tail(window=0, qpos=None, select=None, receipt=False, shared=False, deadlin
         args += ["SELECT", select]
     if shared:
         args.append("SHARED")
+    if recent:
+        args += ["RECENT", int(recent)]
     if receipt == "audit":  # a receipt with omitted_mass_exact (every visible key scored)
         args.append("AUDIT")
     elif receipt:
@@ -385,12 +387,13 @@ class Attend:
                           qpos: int | None = None, select: str = "mean", shared: bool = False,
                           receipt: bool = False, as_torch: bool | None = None,
                           deadline_ms: int | None = None,
-                          allow_approx: bool = False) -> AttendResult:
+                          allow_approx: bool = False, recent: int = 0) -> AttendResult:
         """ATTEND.PREFIX.QUERY_SPARSE_AUTO: each query head (q [H_q, D]) scores the prefix's
         blocks of `block_size` rows (`select` "mean" or "quest") and attends the k_top best
         plus the first and last visible block; with `shared` the query heads of one K/V head
         choose one set together (each block ranked by their highest score), so the server
-        reads each chosen row once per group. `h_kv` is the slot's K/V head count (None:
+        reads each chosen row once per group; `recent` blocks before the last are always
+        among the k_top (a decode step's local context). `h_kv` is the slot's K/V head count (None:
         read with ATTEND.PREFIX.INFO, one more round trip). out [H_q, D]."""
         qa = _single(q, "QUERY_SPARSE_AUTO")
         hq, d = qa.shape
@@ -400,7 +403,7 @@ class Attend:
         reply = self._c.execute("ATTEND.PREFIX.QUERY_SPARSE_AUTO", sid, int(layer), hq, d,
                                 int(block_size), int(k_top), int(h_kv), _wire.f32(qa),
                                 _wire.i32(hm), *_tail(window, qpos, select, receipt, shared,
-                                                      deadline_ms, allow_approx))
+                                                      deadline_ms, allow_approx, recent))
         return self._result(reply, receipt, hq, 1, d, False, True, as_torch)
 
     def query_sparse_auto_fused(self, sid: str, layer: int, q, k_suf, v_suf, block_size: int,
@@ -408,10 +411,10 @@ class Attend:
                                 select: str = "mean", shared: bool = False,
                                 receipt: bool = False,
                                 as_torch: bool | None = None, deadline_ms: int | None = None,
-                                allow_approx: bool = False) -> AttendResult:
+                                allow_approx: bool = False, recent: int = 0) -> AttendResult:
         """ATTEND.PREFIX.QUERY_SPARSE_AUTO_FUSED: one query per head (q [H_q, D]) at the last
         suffix position: sparse-auto over the prefix plus the dense causal suffix (k_suf,
-        v_suf [H_kv, S, D]), merged. out [H_q, D]."""
+        v_suf [H_kv, S, D]), merged (`recent` as in query_sparse_auto). out [H_q, D]."""
         qa = _single(q, "QUERY_SPARSE_AUTO_FUSED")
         ks, vs = _kv(k_suf, "K_suf"), _kv(v_suf, "V_suf")
         hq, d = qa.shape
@@ -421,7 +424,7 @@ class Attend:
                                 int(block_size), int(k_top), hkv, s, _wire.f32(qa),
                                 _wire.f32(ks), _wire.f32(vs), _wire.i32(hm),
                                 *_tail(window, None, select, receipt, shared, deadline_ms,
-                                       allow_approx))
+                                       allow_approx, recent))
         return self._result(reply, receipt, hq, 1, d, False, True, as_torch)
 
     # --- MLA --------------------------------------------------------------------------------------

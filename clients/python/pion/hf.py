@@ -824,7 +824,8 @@ class SparseAuto:
 
     `budget` is the share of the prefix's blocks of `block_size` rows attended, the first and
     last included (k_top = ceil(budget · blocks) − 2, at least 0). `dense_layers`: model layer
-    indexes kept exact (Quest keeps its first two). `receipts`: a list to which every sparse
+    indexes kept exact (Quest keeps its first two). `recent`: blocks before the last always
+    among those attended (counted in the budget): a decode step's local context. `receipts`: a list to which every sparse
     call appends (model layer index, receipt) — the blocks chosen, the omitted-mass estimate
     and its bound; with `audit` the receipt also has `omitted_mass_exact` (the server scores
     every prefix key once more: costlier than the sparse step it audits — sample it).
@@ -836,6 +837,7 @@ class SparseAuto:
     select: str = "mean"
     shared: bool = False
     dense_layers: tuple = ()
+    recent: int = 0
     receipts: list | None = None
     audit: bool = False
     observe: Any = None
@@ -880,6 +882,7 @@ def _pion_attention(module, query, key, value, attention_mask, scaling=None, dro
         res = client.attend.query_sparse_auto_fused(
             s.sid, slot, q[:, 0], k_suf, v_suf, sp.block_size, sp.k_top(s.prefix_rows),
             window=s.window, select=sp.select, shared=sp.shared,
+            recent=min(sp.recent, sp.k_top(s.prefix_rows)),
             receipt="audit" if sp.audit else sp.receipts is not None)
         if sp.receipts is not None:
             sp.receipts.append((layer_idx, res.receipt))

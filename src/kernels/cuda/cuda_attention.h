@@ -315,9 +315,11 @@ Status LaunchSummarize(const void* k, DType dtype, const float* scales, uint32_t
                        uint32_t rows, uint32_t d, uint32_t block, uint32_t nblocks, float* mean,
                        float* min, float* max, void* stream);
 // sel[h*nb + b] by the selector, mean_scores[h*nb + b] = q·mean (both unscaled). q is M=1.
+// Blocks [force_lo, force_hi) get sel +inf (RECENT: always chosen), their mean scores as ever.
 Status LaunchScoreBlocks(const float* q, uint32_t hq, uint32_t d, const int32_t* head_map,
                          const float* mean, const float* min, const float* max, uint32_t nblocks,
-                         BlockSelector selector, float* sel, float* mean_scores, void* stream);
+                         BlockSelector selector, float* sel, float* mean_scores, void* stream,
+                         uint32_t force_lo = 0, uint32_t force_hi = 0);
 // Visible rows [lo, hi) (hi > lo), blocks b_lo = lo/B .. b_hi = (hi-1)/B. Per head h:
 // blocks[h*(k_top+2) ..] ascending chosen blocks (nchosen[h] of them), list[h*stride ..] their
 // visible rows ascending (counts[h]), omitted[h] the block-mean proxy of the mass left out.

@@ -88,8 +88,8 @@ Status LaunchSummarize(const void*, DType, const float*, uint32_t, uint32_t, uin
   return NoCuda();
 }
 Status LaunchScoreBlocks(const float*, uint32_t, uint32_t, const int32_t*, const float*,
-                         const float*, const float*, uint32_t, BlockSelector, float*, float*,
-                         void*) {
+                         const float*, const float*, uint32_t, BlockSelector, float*, float*, void*,
+                         uint32_t, uint32_t) {
   return NoCuda();
 }
 Status LaunchSelectBlocks(const float*, const float*, const int32_t*, uint32_t, bool, uint32_t,

@@ -154,7 +154,8 @@ constexpr int kScoreRun = 8;
 template <bool kQuest>
 __global__ void __launch_bounds__(256)
     ScoreBlocks(const float* q, uint32_t d, const int32_t* head_map, const float* mean,
-                const float* mn, const float* mx, uint32_t nb, float* sel, float* mean_scores) {
+                const float* mn, const float* mx, uint32_t nb, float* sel, float* mean_scores,
+                uint32_t force_lo, uint32_t force_hi) {
   const uint32_t h = blockIdx.y;
   const uint32_t b0 = (blockIdx.x * kScoreWarps + (threadIdx.x >> 5)) * kScoreRun;
   const int lane = threadIdx.x & 31;
@@ -194,8 +195,9 @@ __global__ void __launch_bounds__(256)
     for (int r = 0; r < kScoreRun; ++r) {
       if (r == lane) dv = dot[r], bv = bound[r];
     }
-    mean_scores[size_t{h} * nb + b0 + lane] = dv;
-    sel[size_t{h} * nb + b0 + lane] = kQuest ? bv : dv;
+    const uint32_t b = b0 + lane;
+    mean_scores[size_t{h} * nb + b] = dv;
+    sel[size_t{h} * nb + b] = b >= force_lo && b < force_hi ? INFINITY : kQuest ? bv : dv;
   }
 }
 
@@ -387,16 +389,17 @@ Status LaunchSummarize(const void* k, DType dtype, const float* scales, uint32_t
 
 Status LaunchScoreBlocks(const float* q, uint32_t hq, uint32_t d, const int32_t* head_map,
                          const float* mean, const float* min, const float* max, uint32_t nblocks,
-                         BlockSelector selector, float* sel, float* mean_scores, void* stream) {
+                         BlockSelector selector, float* sel, float* mean_scores, void* stream,
+                         uint32_t force_lo, uint32_t force_hi) {
   if (hq == 0 || nblocks == 0) return Status::Ok();
   dim3 grid((nblocks + kScoreWarps * kScoreRun - 1) / (kScoreWarps * kScoreRun), hq);
   auto st = static_cast<cudaStream_t>(stream);
   if (selector == BlockSelector::kQuest) {
     ScoreBlocks<true><<<grid, 32 * kScoreWarps, 0, st>>>(q, d, head_map, mean, min, max, nblocks,
-                                                         sel, mean_scores);
+                                                         sel, mean_scores, force_lo, force_hi);
   } else {
     ScoreBlocks<false><<<grid, 32 * kScoreWarps, 0, st>>>(q, d, head_map, mean, min, max, nblocks,
-                                                          sel, mean_scores);
+                                                          sel, mean_scores, force_lo, force_hi);
   }
   return KernelStatus("block score kernel");
 }
