@@ -248,16 +248,7 @@ std::vector<double> LogLeftOutExact(const kernels::AttentionKernels& kern, const
         const int64_t t = rows[h * stride + j];
         if (t >= lo && t < hi) kept[t - lo] = 1;
       }
-      double mx = -std::numeric_limits<double>::infinity();
-      for (uint32_t t = 0; t < hi - lo; ++t) {
-        if (!kept[t]) mx = std::max(mx, static_cast<double>(scores[t]));
-      }
-      if (mx == -std::numeric_limits<double>::infinity()) continue;
-      double sum = 0;
-      for (uint32_t t = 0; t < hi - lo; ++t) {
-        if (!kept[t]) sum += std::exp(static_cast<double>(scores[t]) - mx);
-      }
-      out[h] = mx + std::log(sum);
+      out[h] = LogSumExpLeftOut(scores.data(), kept.data(), hi - lo);
     }
   });
   return out;
@@ -510,6 +501,19 @@ double OmittedMassBound(const float* ub, const std::vector<uint32_t>& chosen, ui
   }
   if (acc == 0) return 0;
   return ShareLeftOut(mx + std::log(acc), lse);
+}
+
+double LogSumExpLeftOut(const float* scores, const uint8_t* kept, size_t n) {
+  double mx = -std::numeric_limits<double>::infinity();
+  for (size_t t = 0; t < n; ++t) {
+    if (!kept[t]) mx = std::max(mx, static_cast<double>(scores[t]));
+  }
+  if (mx == -std::numeric_limits<double>::infinity()) return mx;
+  double sum = 0;
+  for (size_t t = 0; t < n; ++t) {
+    if (!kept[t]) sum += std::exp(static_cast<double>(scores[t]) - mx);
+  }
+  return mx + std::log(sum);
 }
 
 double ShareLeftOut(double log_left, float lse) {

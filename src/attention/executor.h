@@ -143,6 +143,10 @@ void Summarize(const kernels::AttentionKernels& kernels, const Parallel& paralle
 double OmittedMassBound(const float* ub, const std::vector<uint32_t>& chosen, uint32_t block,
                         uint64_t lo, uint64_t hi, float scale, float lse);
 
+// log Σ exp(scores[t]) over the t < n not `kept` (AUDIT: the exact exp-mass a row left out);
+// −inf when every t was kept.
+double LogSumExpLeftOut(const float* scores, const uint8_t* kept, size_t n);
+
 // The share of softmax mass a row left out, from the log of the exp-mass of the keys it left
 // out (`log_left`, −inf for none) and `lse`, the log of the exp-mass it attended.
 double ShareLeftOut(double log_left, float lse);

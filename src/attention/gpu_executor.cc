@@ -579,16 +579,8 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
           for (uint64_t t = r0; t < r1; ++t) kept[t - vis_lo] = 1;
         }
       }
-      const float* sc = h_scores + size_t{h} * n;
-      double mx = -std::numeric_limits<double>::infinity(), acc = 0;
-      for (uint64_t t = vis_lo; t < vis_hi; ++t) {
-        if (!kept[t - vis_lo]) mx = std::max(mx, static_cast<double>(sc[t]));
-      }
-      for (uint64_t t = vis_lo; mx > -std::numeric_limits<double>::infinity() && t < vis_hi; ++t) {
-        if (!kept[t - vis_lo]) acc += std::exp(static_cast<double>(sc[t]) - mx);
-      }
-      sum += ShareLeftOut(acc > 0 ? mx + std::log(acc) : -std::numeric_limits<double>::infinity(),
-                          row_lse[h]);
+      const float* sc = h_scores + size_t{h} * n + vis_lo;  // row h's visible scores
+      sum += ShareLeftOut(LogSumExpLeftOut(sc, kept.data(), kept.size()), row_lse[h]);
     }
     r->omitted_mass_exact = sum / q.hq;
   }
