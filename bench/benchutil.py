@@ -2,6 +2,7 @@
 GPU machine's Python has no psutil or redis of its own)."""
 from __future__ import annotations
 
+import platform
 import socket
 import subprocess
 import tempfile
@@ -35,6 +36,17 @@ def start_pion(binary: str, args: list[str], prefix: str = "pion-bench-"):
     proc.kill()
     raise RuntimeError("pion-server did not answer on port %d: %s"
                        % (port, (work / "server.log").read_text()[-2000:]))
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name (/proc/cpuinfo), for a results file."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def report(lines: list[str], out: str | Path | None) -> None:

@@ -38,6 +38,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -51,6 +52,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "clients" / "python"))
 import train  # noqa: E402
+from benchutil import cpu_model  # noqa: E402
 
 CODECS = ["fp32", "bf16", "fp16", "fp8", "fp8_e5m2", "int8", "turbo4", "turbo3", "turbo2"]
 
@@ -171,24 +173,19 @@ class Llama:
 
 
 # ---- the lab ----------------------------------------------------------------------------------
-def start_server(binary: Path, work: Path):
-    from benchutil import free_port
+def start_server(binary: Path):
+    """pion-server (CPU backend) on a free port and a Unix socket: (process, its directory,
+    a client on the socket)."""
+    import tempfile
+    from benchutil import start_pion
     import pion
-    port = free_port()
-    sock = str(work / "pion.sock")
-    log = open(work / "server.log", "w")
-    p = subprocess.Popen([str(binary), "--port", str(port), "--metrics-port", "0",
-                          "--binary-port", "0", "--dir", str(work / "data"), "--unixsocket",
-                          sock, "--attention-backend", "cpu", "--workers", "2",
-                          "--maxmemory", "8gb"], stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(400):
-        try:
-            c = pion.Client(unix_socket_path=sock, socket_timeout=300)
-            if c.ping():
-                return p, c
-        except Exception:  # noqa: BLE001 - starting
-            time.sleep(0.05)
-    raise RuntimeError("pion-server did not start (see %s)" % log.name)
+    sock_dir = Path(tempfile.mkdtemp(prefix="pion-cpu-lab-sock-"))
+    proc, _, work = start_pion(str(binary), ["--binary-port", "0", "--unixsocket",
+                                             str(sock_dir / "pion.sock"), "--attention-backend",
+                                             "cpu", "--workers", "2", "--maxmemory", "8gb"],
+                               prefix="pion-cpu-lab-")
+    return proc, [work, sock_dir], pion.Client(unix_socket_path=str(sock_dir / "pion.sock"),
+                                               socket_timeout=300)
 
 
 def parse_policies(text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -496,16 +493,6 @@ def report(res: dict, path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", default=str(HERE / "out"))
@@ -533,7 +520,7 @@ def main() -> int:
     _, held, info = train.corpus(train.package_roots(), 40 << 20)
     print("held-out text: %d files, %d bytes" % (info["heldout_files"], len(held)), flush=True)
     res = {"date": dt.date.today().isoformat(), "command": " ".join(sys.argv),
-           "machine": "%s, %d CPUs" % (platform.node(), os.cpu_count()), "cpu": cpu_name(),
+           "machine": "%s, %d CPUs" % (platform.node(), os.cpu_count()), "cpu": cpu_model(),
            "model": "%s (%d layers, %d/%d heads of %d; trained %s steps on %s)" % (
                args.ckpt, model.layers, model.hq, model.hkv, model.d,
                model.cfg.get("pion_quality", {}).get("steps_done"),
@@ -559,19 +546,19 @@ def main() -> int:
     t0 = time.perf_counter()
     cases = [Case(model, held, i, args.prefix, args.cont) for i in range(args.seqs)]
     print("prefill of %d sequences: %.1f s" % (args.seqs, time.perf_counter() - t0), flush=True)
-    import tempfile
-    with tempfile.TemporaryDirectory(prefix="pion-cpu-lab-") as work:
-        proc, client = start_server(Path(args.bin), Path(work))
-        try:
-            sections = args.sections.split(",")
-            if "sparse" in sections:
-                res["sparse"] = section_sparse(model, client, cases, args)
-                (out / "quality-cpu.json").write_text(json.dumps(res, indent=1))
-            if "codecs" in sections:
-                res["codecs"] = section_codecs(model, client, cases, args)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+    proc, dirs, client = start_server(Path(args.bin))
+    try:
+        sections = args.sections.split(",")
+        if "sparse" in sections:
+            res["sparse"] = section_sparse(model, client, cases, args)
+            (out / "quality-cpu.json").write_text(json.dumps(res, indent=1))
+        if "codecs" in sections:
+            res["codecs"] = section_codecs(model, client, cases, args)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
     (out / "quality-cpu.json").write_text(json.dumps(res, indent=1))
     report(res, out / "quality-cpu.md")
     print((out / "quality-cpu.md").read_text())
