@@ -497,11 +497,34 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   a.lse = DevAlloc<float>(hq);
   // K/V rows read: per query head, or per K/V head when shared (the worst case: no overlap).
   const double bytes = 2.0 * kernels::TensorBytes(t, shared ? hkv : hq, stride, d);
+  // Distinct sets of K/V and block summaries read in turn (PION_BENCH_ROTATE), as a model's
+  // decode step reads layer after layer: no call finds its summaries or rows in L2.
+  const uint32_t sets = RotateSets();
+  const size_t tensor_bytes = kernels::TensorBytes(t, hkv, n, d);
+  const auto ks = Copies(a.k, tensor_bytes, sets), vs = Copies(a.v, tensor_bytes, sets);
+  const auto means = Copies(mean, ns * sizeof(float), sets),
+             mins = Copies(mn, ns * sizeof(float), sets),
+             maxs = Copies(mx, ns * sizeof(float), sets);
+  size_t turn = 0;
+  const float *cur_mean = mean, *cur_min = mn, *cur_max = mx;
+  // Points the launches at set i.
+  auto use = [&](size_t i) {
+    a.k = ks[i];
+    a.v = vs[i];
+    a.k_scale = kernels::MakeTensor(a.k, t, hkv, n, d).scales;
+    a.v_scale = kernels::MakeTensor(a.v, t, hkv, n, d).scales;
+    cur_mean = static_cast<const float*>(means[i]);
+    cur_min = static_cast<const float*>(mins[i]);
+    cur_max = static_cast<const float*>(maxs[i]);
+  };
+  auto next = [&] {
+    if (sets > 1) use(turn++ % sets);
+  };
   // The launch sequence, or its first `stages` launches (PION_BENCH_STAGES=1 times each
   // prefix: scores, select, attend, combine — the differences place the time).
   auto run = [&](int stages) {
     if (stages >= 1) {
-      Ok(kernels::cuda::LaunchScoreBlocks(a.q, hq, d, dmap, mean, mn, mx, nb,
+      Ok(kernels::cuda::LaunchScoreBlocks(a.q, hq, d, dmap, cur_mean, cur_min, cur_max, nb,
                                           kernels::BlockSelector::kMean, sel, ms, s));
     }
     if (stages >= 2) {
@@ -517,7 +540,12 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
   };
   double us_launches = 0;
   const double us = TimeUs(
-      s, [&] { run(4); }, 200, &us_launches);
+      s,
+      [&] {
+        next();
+        run(4);
+      },
+      200, &us_launches, static_cast<int>(sets));
   std::string stage_us;
   const char* stages = std::getenv("PION_BENCH_STAGES");
   if (stages != nullptr && stages[0] == '1') {
@@ -525,7 +553,12 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
       char buf[32];
       std::snprintf(buf, sizeof buf, "%s%.2f", k > 1 ? ", " : "",
                     TimeUs(
-                        s, [&] { run(k); }, 200));
+                        s,
+                        [&] {
+                          next();
+                          run(k);
+                        },
+                        200, nullptr, static_cast<int>(sets)));
       stage_us += buf;
     }
   }
@@ -567,6 +600,21 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
     f.nchosen = DevAlloc<int32_t>(hq);
     f.counts = DevAlloc<int32_t>(hq);
     f.omitted = DevAlloc<float>(hq);
+    // Set i for the one launch as for the four.
+    auto fuse_next = [&] {
+      next();
+      f.k = a.k;
+      f.v = a.v;
+      f.mean = cur_mean;
+      f.min = cur_min;
+      f.max = cur_max;
+    };
+    use(0);
+    f.k = a.k;
+    f.v = a.v;
+    f.mean = cur_mean;
+    f.min = cur_min;
+    f.max = cur_max;
     run(4);
     Ok(kernels::cuda::LaunchSparseAutoShared(f, s));
     CK(cudaStreamSynchronize(s));
@@ -585,7 +633,12 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
     }
     double fused_launches = 0;
     const double fused_us = TimeUs(
-        s, [&] { Ok(kernels::cuda::LaunchSparseAutoShared(f, s)); }, 200, &fused_launches);
+        s,
+        [&] {
+          fuse_next();
+          Ok(kernels::cuda::LaunchSparseAutoShared(f, s));
+        },
+        200, &fused_launches, static_cast<int>(sets));
     // PION_BENCH_TRACE=1: one more launch with clock64 marks at the phase boundaries, each
     // phase's mean over the blocks in µs (at the SM clock the device reports).
     std::string phases;
@@ -629,9 +682,9 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
       "{\"kind\": \"sparse_auto\", \"dtype\": \"%s\", \"hq\": %u, \"hkv\": %u, \"m\": 1, \"n\": "
       "%u, \"d\": %u, \"block\": %u, \"k_top\": %u, \"budget\": %u, \"us\": %.2f, "
       "\"us_launches\": %.2f, \"bytes\": %.0f, \"splits\": %u, \"shared\": %s, \"path\": \"%s\", "
-      "\"stage_us\": [%s]%s}\n",
+      "\"sets\": %u, \"stage_us\": [%s]%s}\n",
       TypeName(t), hq, hkv, n, d, block, k_top, stride, us, us_launches, bytes, a.splits,
-      shared ? "true" : "false", kernels::cuda::UsesTensorCores(a) ? "tensor-core" : "simt",
+      shared ? "true" : "false", kernels::cuda::UsesTensorCores(a) ? "tensor-core" : "simt", sets,
       stage_us.c_str(), fused_json.c_str());
   return 0;
 }

@@ -52,6 +52,33 @@ CODECS = ["bf16", "fp16", "fp8", "fp8_e5m2", "int8", "turbo4", "turbo3", "turbo2
 DEPTHS = [0.05, 0.25, 0.5, 0.75, 0.95]
 
 
+def parse_mode(text: str, dense_layers: list[int]) -> dict:
+    """One --selects entry: SELECT[+shared][+r<blocks>][+l<layers>] — the selector (mean or
+    quest), SHARED, RECENT blocks, and the first <layers> model layers kept dense (Quest keeps
+    two; --dense-layers applies where +l is not given)."""
+    parts = text.split("+")
+    mode = {"name": text, "select": parts[0], "shared": False, "recent": 0,
+            "dense_layers": tuple(dense_layers)}
+    if mode["select"] not in ("mean", "quest"):
+        raise SystemExit("--selects: %r: the selector is mean or quest" % text)
+    for p in parts[1:]:
+        if p == "shared":
+            mode["shared"] = True
+        elif p[:1] == "r" and p[1:].isdigit():
+            mode["recent"] = int(p[1:])
+        elif p[:1] == "l" and p[1:].isdigit():
+            mode["dense_layers"] = tuple(range(int(p[1:])))
+        else:
+            raise SystemExit("--selects: %r: unknown part %r (shared, r<N>, l<N>)" % (text, p))
+    return mode
+
+
+def sparse_auto(hf, mode: dict, block: int, budget: int, **kw):
+    return hf.SparseAuto(block_size=block, budget=1 / budget, select=mode["select"],
+                         shared=mode["shared"], recent=mode["recent"],
+                         dense_layers=mode["dense_layers"], **kw)
+
+
 def start_server(binary: Path, work: Path, backend: str):
     from benchutil import free_port
     import pion
@@ -204,7 +231,7 @@ class MassProbe:
                            float(rc.get("omitted_mass_exact", float("nan")))))
 
 
-def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
+def section_sparse(lab: Lab, hf, budgets, selects, needle_budgets) -> dict:
     torch = lab.torch
     cfg = lab.model.config
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -222,15 +249,13 @@ def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
                 lg = lab.step_logits(cont[:-1], cache)
             off.release(cache)
             dense_nll.append(lab.nll(lg, cont[1:]))
-        for sel, shared in selects:
+        for mode in selects:
             for b in budgets:
                 nlls, probe_pairs = [], []
                 for (prefix, cont) in cases:
                     probe = MassProbe(lab, lab.own_cache(prefix), lab.args.block, hq, hkv)
-                    off.sparse = hf.SparseAuto(block_size=lab.args.block, budget=1 / b,
-                                               select=sel, shared=shared, receipts=[],
-                                               observe=probe, audit=True,
-                                               dense_layers=tuple(lab.args.dense_layers))
+                    off.sparse = sparse_auto(hf, mode, lab.args.block, b, receipts=[],
+                                             observe=probe, audit=True)
                     cache = off.prepare(prefix)
                     with off.session(cache):
                         lg = lab.step_logits(cont[:-1], cache)
@@ -241,7 +266,9 @@ def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
                 e = np.array([p[1] for p in probe_pairs])
                 u = np.array([p[3] for p in probe_pairs])
                 x = np.array([p[4] for p in probe_pairs])
-                row = {"select": sel, "shared": shared, "budget": "1/%d" % b,
+                row = {"select": mode["name"], "shared": mode["shared"],
+                       "recent": mode["recent"], "dense_layers": list(mode["dense_layers"]),
+                       "budget": "1/%d" % b,
                        "nll_dense": float(np.mean(dense_nll)), "nll": float(np.mean(nlls)),
                        "ppl_delta_pct": 100 * (math.exp(np.mean(nlls) - np.mean(dense_nll)) - 1),
                        "calls": len(t), "true_omitted_mean": float(t.mean()),
@@ -257,7 +284,7 @@ def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
                        "bound_below_true": float(np.mean(u < t - 1e-6)),
                        "audit_max_abs_diff": float(np.abs(x - t).max())}
                 out["ppl"].append(row)
-                out["mass"].append({"select": sel, "shared": shared, "budget": b,
+                out["mass"].append({"select": mode["name"], "shared": False, "budget": b,
                                     "true": t[::max(1, len(t) // 400)].tolist(),
                                     "estimate": e[::max(1, len(e) // 400)].tolist(),
                                     "bound": u[::max(1, len(u) // 400)].tolist()})
@@ -266,14 +293,13 @@ def section_sparse(lab: Lab, hf, budgets, selects) -> dict:
         for depth in DEPTHS:
             cases = [lab.needle_case(i, depth) for i in range(lab.args.needles)]
             modes = [("dense", None)] + [
-                ("%s%s 1/%d" % (sel, " shared" if sh else "", b),
-                 (sel, sh, b)) for sel, sh in selects for b in budgets]
+                ("%s 1/%d" % (m["name"], b), (m, b)) for m in selects
+                for b in needle_budgets]
             for name, mode in modes:
                 right = 0
                 for prefix, question, digits in cases:
-                    off.sparse = None if mode is None else hf.SparseAuto(
-                        block_size=lab.args.block, budget=1 / mode[2], select=mode[0],
-                        shared=mode[1], dense_layers=tuple(lab.args.dense_layers))
+                    off.sparse = None if mode is None else sparse_auto(
+                        hf, mode[0], lab.args.block, mode[1])
                     cache = off.prepare(prefix)
                     with off.session(cache):
                         lg = lab.step_logits(question, cache)
@@ -327,6 +353,12 @@ def section_codecs(lab: Lab, hf, codecs) -> dict:
     return {"rows": rows}
 
 
+def label(r: dict) -> str:
+    """A row's mode: its --selects entry (older results: select and a shared flag)."""
+    name = r["select"]
+    return name + (" shared" if r.get("shared") and "+" not in name else "")
+
+
 def markdown(res: dict) -> list[str]:
     a = res["args"]
     lines = ["# Quality on trained attention: the quality lab's model through Pion", "",
@@ -357,7 +389,7 @@ def markdown(res: dict) -> list[str]:
         for r in s["ppl"]:
             lines.append("| %s%s | %s | %+.2f %% | %.4f, %.4f | %.4f | %+.4f, %+.4f | %.1f %% | "
                          "%.1f %% | %.4f | %+.4f, %+.4f | %.1f %% | %d |" % (
-                             r["select"], " shared" if r["shared"] else "", r["budget"],
+                             label(r), "", r["budget"],
                              r["ppl_delta_pct"], r["true_omitted_mean"], r["true_omitted_p95"],
                              r["estimate_mean"], r["estimate_minus_true_min"],
                              r["estimate_minus_true_max"], 100 * r["within_0.02"],
@@ -401,11 +433,11 @@ def plot(res: dict, out: Path) -> list[str]:
     if "sparse" in res:
         s = res["sparse"]
         fig, ax = plt.subplots(figsize=(6, 4))
-        for key in sorted({(r["select"], r["shared"]) for r in s["ppl"]}):
-            rr = [r for r in s["ppl"] if (r["select"], r["shared"]) == key]
+        for key in sorted({label(r) for r in s["ppl"]}):
+            rr = [r for r in s["ppl"] if label(r) == key]
             xs = [int(r["budget"].split("/")[1]) for r in rr]
             ax.plot(xs, [r["ppl_delta_pct"] for r in rr], "o-",
-                    label="%s%s" % (key[0], " shared" if key[1] else ""))
+                    label=key)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget 1/x of the prefix's blocks")
         ax.set_ylabel("held-out perplexity delta vs dense (%)")
@@ -416,12 +448,10 @@ def plot(res: dict, out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(5, 5))
         for m in s["mass"]:
             ax.scatter(m["true"], m["estimate"], s=3, alpha=0.4,
-                       label="%s%s 1/%d" % (m["select"], " sh" if m["shared"] else "",
-                                            m["budget"]))
+                       label="%s 1/%d" % (label(m), m["budget"]))
             if m.get("bound"):
                 ax.scatter(m["true"], m["bound"], s=3, alpha=0.4, marker="x",
-                           label="bound, %s%s 1/%d" % (m["select"], " sh" if m["shared"] else "",
-                                                      m["budget"]))
+                           label="bound, %s 1/%d" % (label(m), m["budget"]))
         ax.plot([0, 1], [0, 1], "k--", lw=0.8)
         ax.set_xlabel("true omitted mass")
         ax.set_ylabel("receipt: omitted_mass_estimate (o), omitted_mass_bound (x)")
@@ -456,10 +486,16 @@ def main() -> int:
     ap.add_argument("--needles", type=int, default=8)
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--budgets", default="4,8,16,32")
-    ap.add_argument("--selects", default="mean,quest,mean+shared,quest+shared")
-    ap.add_argument("--dense-layers", default="")
+    ap.add_argument("--selects", default="mean,quest,mean+shared,quest+shared",
+                    help="comma-separated SELECT[+shared][+r<blocks>][+l<layers>]: the "
+                         "selector, SHARED, RECENT blocks, the first layers kept dense")
+    ap.add_argument("--needle-budgets", default="",
+                    help="the budgets the passkeys are decoded at (default: --budgets)")
+    ap.add_argument("--dense-layers", default="",
+                    help="model layers kept exact for every --selects entry without +l")
     ap.add_argument("--codecs", default=",".join(CODECS))
-    ap.add_argument("--corpus-mb", type=int, default=300)
+    ap.add_argument("--corpus-mb", type=int, default=400,
+                    help="train.py's --corpus-mb (the held-out split is the same files then)")
     ap.add_argument("--plot", default=None, help="only draw the PNGs of a quality.json")
     args = ap.parse_args()
     if args.plot:
@@ -500,7 +536,9 @@ def main() -> int:
                    "command": "python3 bench/quality/eval.py " + " ".join(sys.argv[1:])}
             secs = args.sections.split(",")
             budgets = [int(x) for x in args.budgets.split(",")]
-            selects = [(s.split("+")[0], s.endswith("+shared")) for s in args.selects.split(",")]
+            selects = [parse_mode(m, args.dense_layers) for m in args.selects.split(",")]
+            needle_budgets = ([int(x) for x in args.needle_budgets.split(",")]
+                              if args.needle_budgets else budgets)
             def keep():  # after each section: a run cut short still leaves what it measured
                 res["seconds"] = round(time.time() - t0, 1)
                 (out / "quality.json").write_text(json.dumps(res, indent=1))
@@ -510,7 +548,7 @@ def main() -> int:
                 res["exact"] = section_exact(lab, hf)
                 keep()
             if "sparse" in secs:
-                res["sparse"] = section_sparse(lab, hf, budgets, selects)
+                res["sparse"] = section_sparse(lab, hf, budgets, selects, needle_budgets)
                 keep()
             if "codecs" in secs:
                 res["codecs"] = section_codecs(lab, hf, args.codecs.split(","))
