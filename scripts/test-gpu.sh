@@ -6,8 +6,9 @@
 #      decode's 16- and 32-key tiles), racecheck on them, on the one-launch SHARED
 #      sparse-auto's test, and memcheck and racecheck on the eight-group batched kernel's
 #      (BatchedSmoke) and the streaming decode's (StreamDecodeSmoke) — fp16, bf16 and fp8, each
-#      in a process of its own — and memcheck on back-to-back overlapping decodes
-#      (StreamDecodeBackToBack);
+#      in a process of its own — memcheck on back-to-back overlapping decodes
+#      (StreamDecodeBackToBack) and on the selection paths (top-k, sparse-auto with RECENT, the
+#      receipts' bound and AUDIT);
 #   3. the Stage 2 and residency end-to-end suites against a real pion-server with
 #      --attention-backend cuda (and pion-server-faults for the failed-GPU-copy case);
 #   4. the transformers integration (tests/test_hf.py: Stage 1 over TCP, shm and CUDA IPC; Stage 2).
@@ -68,6 +69,9 @@ sanitizers() {
     run memcheck GpuExecutor.StreamDecodeSmoke
     run racecheck GpuExecutor.StreamDecodeSmoke
     run memcheck GpuExecutor.StreamDecodeBackToBack
+    # The selection paths: top-k, sparse-auto with RECENT, the receipt's bound and AUDIT's
+    # rescoring (downloads of every visible key's score).
+    run memcheck 'GpuExecutor.TopK:GpuExecutor.SparseAuto:GpuExecutor.SparseAutoTiedAndCrowdedScores'
   else
     echo "compute-sanitizer not found: the sanitizer runs need it" >&2
     failed+=("compute-sanitizer (not found)")
