@@ -24,6 +24,9 @@ Sections (--sections, default all):
   codecs  Stage 1: the prefix's K/V stored in a KV.PREFIX namespace of every codec, fetched
           back decoded, and the continuation computed over them locally: perplexity delta
           against bf16 and bytes per token.
+  needles passkeys (four keys in --needle-prefix bytes of held-out text, the asked one at each
+          depth): the question fed and seven digits decoded greedily a decode step at a time
+          through Stage 2, dense and in every sparse mode at --needle-budget — accuracy by depth.
 
 Writes <out>/quality-cpu.json and <out>/quality-cpu.md.
 
@@ -53,6 +56,7 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "clients" / "python"))
 import train  # noqa: E402
 from benchutil import cpu_model  # noqa: E402
+from eval import oracle_omitted  # noqa: E402
 
 CODECS = ["fp32", "bf16", "fp16", "fp8", "fp8_e5m2", "int8", "turbo4", "turbo3", "turbo2"]
 
@@ -280,7 +284,8 @@ class Omitted:
         true = (bm * (1 - kept)).sum(-1).mean().item()
         self.rows.append((layer, true, float(receipt["omitted_mass_estimate"]),
                           float(receipt["omitted_mass_bound"]),
-                          float(receipt["omitted_mass_exact"])))
+                          float(receipt["omitted_mass_exact"]),
+                          oracle_omitted(torch, bm, [len(b) for b in receipt["blocks"]])))
 
 
 class Profile:
@@ -378,12 +383,14 @@ def section_sparse(model: Llama, client, cases: list[Case], args) -> dict:
         e = np.array([p[2] for p in probes])
         u = np.array([p[3] for p in probes])
         x = np.array([p[4] for p in probes])
+        o = np.array([p[5] for p in probes])
         row = {"policy": policy, "block": block, "select": sel, "shared": shared,
                "recent": rec,
                "budget": "1/%d" % b, "nll": float(np.mean(nlls)),
                "ppl_delta_pct": 100 * (math.exp(np.mean(nlls) - base) - 1),
                "calls": len(t), "true_mean": float(t.mean()),
                "true_p95": float(np.percentile(t, 95)),
+               "oracle_mean": float(o.mean()),
                "estimate_mean": float(e.mean()),
                "estimate_minus_true": [float((e - t).min()), float((e - t).max())],
                "estimate_within_0.02": float(np.mean(np.abs(e - t) <= 0.02)),
@@ -396,6 +403,89 @@ def section_sparse(model: Llama, client, cases: list[Case], args) -> dict:
         print("sparse:", json.dumps(row), flush=True)
     out["nll_dense"] = base
     return out
+
+
+DEPTHS = (0.05, 0.25, 0.5, 0.75, 0.95)
+
+
+def section_needles(model: Llama, client, held: np.ndarray, args) -> dict:
+    """Passkey accuracy by depth, dense and sparse: four keys planted in --needle-prefix bytes of
+    held-out text, the one at the depth asked; the question fed a decode step at a time through
+    Stage 2 (dense QUERY_FUSED, or each --selects/--policies/--recents mode at --needle-budget),
+    then seven digits decoded greedily the same way."""
+    torch = model.torch
+    q_len = len(train.passkey_query("abcdef"))
+    sel_modes = [(s.split("+")[0], s.endswith("+shared")) for s in args.selects.split(",")]
+    modes = [("dense", None)] + [
+        ("%s%s%s%s 1/%d" % (sel, " shared" if sh else "", " RECENT %d" % rec if rec else "",
+                            " dense %s" % policy if dl else "", args.needle_budget),
+         (sel, sh, rec, dl))
+        for policy, dl in parse_policies(args.policies) for sel, sh in sel_modes
+        for rec in [int(x) for x in args.recents.split(",")]]
+    right = {name: {d: 0 for d in DEPTHS} for name, _ in modes}
+    cases = 0
+    for depth in DEPTHS:
+        for i in range(args.needles):
+            rnd = random.Random(2000 + i * 7 + int(depth * 100))
+            seq, _, meta = train.retrieval_sequence(
+                held, args.needle_prefix + q_len + 9, rnd, keys=4,
+                depths=[depth] + [rnd.random() for _ in range(3)], ask=[0])
+            _, digits, _, ans = meta[0]
+            ids = torch.tensor(seq.astype(np.int64))
+            q0 = ans - q_len
+            prefix, question = ids[:q0], ids[q0:ans]
+            kv, _ = model.prefill(prefix)
+            slot = "needle"
+            for li, (k, v) in enumerate(kv):
+                client.attend.store(slot, li, k.numpy(), v.numpy())
+            blocks = -(-q0 // args.needle_block)
+            k_top = max(0, int(math.ceil(blocks / args.needle_budget)) - 2)
+            for name, mode in modes:
+                def f(layer, q, ks, vs, mode=mode):
+                    if mode is None or layer in mode[3]:
+                        r = client.attend.query_fused(slot, layer, q[:, None].numpy(),
+                                                      ks.numpy(), vs.numpy())
+                        return torch.from_numpy(
+                            np.asarray(r.out, np.float32).reshape(q.shape).copy())
+                    r = client.attend.query_sparse_auto_fused(
+                        slot, layer, q.numpy(), ks.numpy(), vs.numpy(), args.needle_block,
+                        k_top, select=mode[0], shared=mode[1], recent=min(mode[2], k_top))
+                    return torch.from_numpy(np.asarray(r.out, np.float32).copy())
+                got = greedy_after(model, q0, question, 7, f)
+                right[name][depth] += got == digits
+            client.attend.drop(slot)
+            cases += 1
+            print("needle depth %.2f #%d: %s" % (depth, i, json.dumps(
+                {n: right[n][depth] for n, _ in modes})), flush=True)
+    return {"prefix": args.needle_prefix, "budget": "1/%d" % args.needle_budget,
+            "block": args.needle_block, "per_depth": args.needles,
+            "accuracy": {n: {"%.2f" % d: right[n][d] / args.needles for d in DEPTHS}
+                         for n, _ in modes}}
+
+
+def greedy_after(model: Llama, n: int, feed, n_new: int, attend) -> str:
+    """Feeds `feed` one decode step at a time after a prefix of n rows, then decodes n_new
+    tokens greedily; each layer's attention is attend(layer, q, k_suf, v_suf)."""
+    torch = model.torch
+    suffix = [([], []) for _ in range(model.layers)]
+    toks = feed.tolist()
+    out = []
+    with torch.no_grad():
+        t = 0
+        while len(out) < n_new:
+            tok = toks[t] if t < len(toks) else out[-1]
+            x = model.embed[tok][None]
+            pos = torch.tensor([n + t])
+            for i in range(model.layers):
+                q, k, v = model.qkv(i, x, pos)
+                suffix[i][0].append(k)
+                suffix[i][1].append(v)
+                a = attend(i, q[:, 0], torch.cat(suffix[i][0], 1), torch.cat(suffix[i][1], 1))
+                x = model.finish(i, x, a.reshape(1, -1))
+            if t >= len(toks) - 1:
+                out.append(int(model.logits(x)[0].argmax()))
+            t += 1
+    return bytes(out).decode("latin-1")
 
 
 def section_codecs(model: Llama, client, cases: list[Case], args) -> dict:
@@ -467,15 +557,17 @@ def report(res: dict, path: Path) -> None:
                     i, p["suffix"], p["last64"], p["last256"], p["last1024"], p["first64"]))
         lines += ["", "## Sparse-auto decode against dense", "",
                   "| dense layers | B | select | RECENT | budget | ppl Δ | true omitted (mean, p95) | "
-                  "estimate mean | estimate − true (min, max) | within ±0.02 | bound mean | "
+                  "oracle omitted (mean) | estimate mean | estimate − true (min, max) | within ±0.02 | bound mean | "
                   "bound − true (mean) | bound below true | AUDIT − true (max abs) | calls |",
-                  "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in s["rows"]:
-            lines.append("| %s | %d | %s%s | %d | %s | %+.2f %% | %.3f, %.3f | %.3f | %+.3f, %+.3f | "
+            lines.append("| %s | %d | %s%s | %d | %s | %+.2f %% | %.3f, %.3f | %s | %.3f | "
+                         "%+.3f, %+.3f | "
                          "%.1f %% | %.3f | %+.3f | %d | %.1e | %d |" % (
                              r["policy"], r["block"], r["select"], " shared" if r["shared"]
                              else "", r.get("recent", 0), r["budget"], r["ppl_delta_pct"], r["true_mean"],
-                             r["true_p95"], r["estimate_mean"], r["estimate_minus_true"][0],
+                             r["true_p95"], "%.3f" % r["oracle_mean"] if "oracle_mean" in r
+                             else "-", r["estimate_mean"], r["estimate_minus_true"][0],
                              r["estimate_minus_true"][1], 100 * r["estimate_within_0.02"],
                              r["bound_mean"], r["bound_minus_true_mean"], r["bound_below_true"],
                              r["audit_max_abs_diff"], r["calls"]))
@@ -489,6 +581,16 @@ def report(res: dict, path: Path) -> None:
                 r["codec"], "%.0f" % r["bytes_per_token"] if r["bytes_per_token"] else "?",
                 r["nll"], "%+.3f %%" % r["ppl_delta_vs_bf16_pct"]
                 if r["ppl_delta_vs_bf16_pct"] is not None else "-"))
+        lines.append("")
+    if "needles" in res:
+        nd = res["needles"]
+        lines += ["## Passkeys by depth (%d bytes before the question, %d a depth, block %d, "
+                  "sparse at %s)" % (nd["prefix"], nd["per_depth"], nd["block"], nd["budget"]),
+                  "", "| mode | " + " | ".join("%.2f" % d for d in DEPTHS) + " |",
+                  "|---|" + "---:|" * len(DEPTHS)]
+        for name, acc in nd["accuracy"].items():
+            lines.append("| %s | " % name + " | ".join("%.2f" % acc["%.2f" % d] for d in DEPTHS)
+                         + " |")
         lines.append("")
     path.write_text("\n".join(lines))
 
@@ -510,6 +612,11 @@ def main() -> int:
     ap.add_argument("--policies", default="none,0-1",
                     help="layers kept dense per run: none, a-b, or a+b+c")
     ap.add_argument("--codecs", default=",".join(CODECS))
+    ap.add_argument("--needles", type=int, default=2, help="passkeys per depth (needles)")
+    ap.add_argument("--needle-prefix", type=int, default=4096,
+                    help="the bytes before a passkey question (needles)")
+    ap.add_argument("--needle-budget", type=int, default=16)
+    ap.add_argument("--needle-block", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--check", action="store_true",
                     help="also the model's held-out loss over 8 windows of the context")
@@ -544,16 +651,20 @@ def main() -> int:
         print("held-out loss here %.4f nats/byte (train.py logged %s)" % (
             np.mean(losses), trained), flush=True)
     t0 = time.perf_counter()
-    cases = [Case(model, held, i, args.prefix, args.cont) for i in range(args.seqs)]
-    print("prefill of %d sequences: %.1f s" % (args.seqs, time.perf_counter() - t0), flush=True)
+    sections = args.sections.split(",")
+    cases = ([Case(model, held, i, args.prefix, args.cont) for i in range(args.seqs)]
+             if {"sparse", "codecs"} & set(sections) else [])
+    print("prefill of %d sequences: %.1f s" % (len(cases), time.perf_counter() - t0), flush=True)
     proc, dirs, client = start_server(Path(args.bin))
     try:
-        sections = args.sections.split(",")
         if "sparse" in sections:
             res["sparse"] = section_sparse(model, client, cases, args)
             (out / "quality-cpu.json").write_text(json.dumps(res, indent=1))
         if "codecs" in sections:
             res["codecs"] = section_codecs(model, client, cases, args)
+            (out / "quality-cpu.json").write_text(json.dumps(res, indent=1))
+        if "needles" in sections:
+            res["needles"] = section_needles(model, client, held, args)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
