@@ -600,9 +600,8 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
     f.nchosen = DevAlloc<int32_t>(hq);
     f.counts = DevAlloc<int32_t>(hq);
     f.omitted = DevAlloc<float>(hq);
-    // Set i for the one launch as for the four.
-    auto fuse_next = [&] {
-      next();
+    // The one launch reads the set the four launches read.
+    auto fuse_set = [&] {
       f.k = a.k;
       f.v = a.v;
       f.mean = cur_mean;
@@ -610,11 +609,7 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
       f.max = cur_max;
     };
     use(0);
-    f.k = a.k;
-    f.v = a.v;
-    f.mean = cur_mean;
-    f.min = cur_min;
-    f.max = cur_max;
+    fuse_set();
     run(4);
     Ok(kernels::cuda::LaunchSparseAutoShared(f, s));
     CK(cudaStreamSynchronize(s));
@@ -635,7 +630,8 @@ int SparseAuto(DType t, uint32_t hq, uint32_t hkv, uint32_t n, uint32_t d, uint3
     const double fused_us = TimeUs(
         s,
         [&] {
-          fuse_next();
+          next();
+          fuse_set();
           Ok(kernels::cuda::LaunchSparseAutoShared(f, s));
         },
         200, &fused_launches, static_cast<int>(sets));
