@@ -75,3 +75,25 @@ def test_batches_are_deterministic(tr):
     assert a[0].shape == (8, 1024) and a[1].shape == (8, 1024)
     carrying = sum(b"passkey of" in row.tobytes() for row in a[0])
     assert 0 < carrying < 8 and (a[1].sum(1) > 0).sum() == carrying
+
+
+def test_recall_drills_ask_every_planted_key(tr):
+    """The curriculum's short phase: each retrieval sequence asks all of its 2-8 keys (each
+    name planted once and asked once, with the same digits), and the weighted bytes are exactly
+    the asked digits."""
+    import re
+    text = text_bytes(20000)
+    xs, ws = tr.batch(text, 32, 1024, 1.0, random.Random(3), ask_all=True)
+    for x, w in zip(xs, ws):
+        s = x.tobytes()
+        found = [(m.group(1), m.group(2), m.start(2))
+                 for m in re.finditer(rb"passkey of ([a-z]{6}) is ([0-9]{7})", s)]
+        names = {n for n, _, _ in found}
+        assert 2 <= len(names) <= 8 and len(found) == 2 * len(names), s[-300:]
+        weighted = set(np.flatnonzero(w).tolist())
+        want = set()
+        for name in names:
+            (_, d1, _), (_, d2, at) = [f for f in found if f[0] == name]
+            assert d1 == d2
+            want |= set(range(at, at + 7))  # the asked occurrence: the later one
+        assert weighted == want
