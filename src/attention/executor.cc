@@ -325,11 +325,10 @@ void SparseAuto(const kernels::AttentionKernels& kern, const Parallel& par, cons
     kern.ScoreBlocks(q, s, kernels::BlockSelector::kMean, mean_scores.data());
   }
   if (plan.recent > 0 && lo < hi) {  // RECENT: the blocks before the last rank first
-    const uint32_t b_hi = (hi - 1) / B, b_lo = lo / B;
-    const uint32_t from = std::max(b_lo + 1, b_hi - std::min(b_hi, plan.recent));
+    const auto [from, to] = RecentBlocks(lo / B, (hi - 1) / B, plan.recent);
     for (uint32_t h = 0; h < q.hq; ++h) {
       float* hs = sel.data() + static_cast<size_t>(h) * nb;
-      for (uint32_t b = from; b < b_hi; ++b) hs[b] = std::numeric_limits<float>::infinity();
+      for (uint32_t b = from; b < to; ++b) hs[b] = std::numeric_limits<float>::infinity();
     }
   }
   if (plan.shared_blocks) GroupMaxScores(q, k.heads, nb, &sel);
@@ -501,6 +500,11 @@ double OmittedMassBound(const float* ub, const std::vector<uint32_t>& chosen, ui
   }
   if (acc == 0) return 0;
   return ShareLeftOut(mx + std::log(acc), lse);
+}
+
+std::pair<uint32_t, uint32_t> RecentBlocks(uint32_t b_lo, uint32_t b_hi, uint32_t recent) {
+  if (recent == 0) return {0, 0};
+  return {std::max(b_lo + 1, b_hi - std::min(b_hi, recent)), b_hi};
 }
 
 double LogSumExpLeftOut(const float* scores, const uint8_t* kept, size_t n) {

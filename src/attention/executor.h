@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -142,6 +143,10 @@ void Summarize(const kernels::AttentionKernels& kernels, const Parallel& paralle
 // mass. Visible rows [lo, hi) in blocks of `block` rows. 0 when every visible block was chosen.
 double OmittedMassBound(const float* ub, const std::vector<uint32_t>& chosen, uint32_t block,
                         uint64_t lo, uint64_t hi, float scale, float lse);
+
+// RECENT: the blocks [first, second) that always rank first — the `recent` visible blocks
+// before the last of blocks b_lo..b_hi, never the first (chosen anyway); empty for 0.
+std::pair<uint32_t, uint32_t> RecentBlocks(uint32_t b_lo, uint32_t b_hi, uint32_t recent);
 
 // log Σ exp(scores[t]) over the t < n not `kept` (AUDIT: the exact exp-mass a row left out);
 // −inf when every t was kept.

@@ -474,9 +474,7 @@ Status RunGpu(Plan plan, const Slot& slot, const residency::GpuReplica& copy, Su
         PION_TRY(AllocParts(job, splits + suf_pass.splits, nrows, q.d, &parts));
         if (vis_lo < vis_hi) {
           // RECENT: the blocks before the last visible one score +inf (always chosen).
-          const uint32_t force_hi = plan.recent > 0 ? b_hi : 0;
-          const uint32_t force_lo =
-              plan.recent > 0 ? std::max(b_lo + 1, b_hi - std::min(b_hi, plan.recent)) : 0;
+          const auto [force_lo, force_hi] = RecentBlocks(b_lo, b_hi, plan.recent);
           PION_TRY(kernels::cuda::LaunchScoreBlocks(
               dq, q.hq, q.d, dmap, summaries->dev_mean(), summaries->dev_min(),
               summaries->dev_max(), nb, plan.selector, sel, ms, job.stream(), force_lo, force_hi));
