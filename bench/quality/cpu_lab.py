@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "clients" / "python"))
 import train  # noqa: E402
 from benchutil import cpu_model  # noqa: E402
-from eval import oracle_omitted  # noqa: E402
+from eval import mass_columns, oracle_omitted  # noqa: E402
 
 CODECS = ["fp32", "bf16", "fp16", "fp8", "fp8_e5m2", "int8", "turbo4", "turbo3", "turbo2"]
 
@@ -240,18 +240,24 @@ def decode(model: Llama, case: Case, attend):
     suffix = [([], []) for _ in range(model.layers)]
     with torch.no_grad():
         for t in range(1, len(feed)):
-            tok = feed[t]
-            pos = torch.tensor([n + t - 1])
-            x = model.embed[tok][None]
-            for i in range(model.layers):
-                q, k, v = model.qkv(i, x, pos)
-                suffix[i][0].append(k)
-                suffix[i][1].append(v)
-                ks, vs = torch.cat(suffix[i][0], 1), torch.cat(suffix[i][1], 1)
-                a = attend(i, q[:, 0], ks, vs)
-                x = model.finish(i, x, a.reshape(1, -1))
-            out.append(model.logits(x)[0])
+            out.append(step(model, feed[t], n + t - 1, suffix, attend))
     return torch.stack(out)
+
+
+def step(model: Llama, tok, pos: int, suffix, attend):
+    """One decode step: token tok at position pos, its keys and values appended to each
+    layer's local suffix (lists of [Hkv, 1, D]), each layer's attention
+    attend(layer, q [Hq, D], k_suf, v_suf) -> [Hq, D]. Returns the logits [vocab]."""
+    torch = model.torch
+    x = model.embed[tok][None]
+    p = torch.tensor([pos])
+    for i in range(model.layers):
+        q, k, v = model.qkv(i, x, p)
+        suffix[i][0].append(k)
+        suffix[i][1].append(v)
+        a = attend(i, q[:, 0], torch.cat(suffix[i][0], 1), torch.cat(suffix[i][1], 1))
+        x = model.finish(i, x, a.reshape(1, -1))
+    return model.logits(x)[0]
 
 
 def nll(model, logits, targets) -> float:
@@ -264,7 +270,7 @@ class Omitted:
 
     def __init__(self, model: Llama, case: Case, block: int):
         self.model, self.case, self.block = model, case, block
-        self.rows = []  # (layer, true mean over heads, estimate, bound, the server's audit)
+        self.rows = []  # (true mean over heads, estimate, bound, the server's audit, oracle)
 
     def __call__(self, layer, q, ks, vs, receipt):
         torch, m = self.model.torch, self.model
@@ -282,7 +288,7 @@ class Omitted:
         for h, blocks in enumerate(receipt["blocks"]):
             kept[h, list(blocks)] = 1
         true = (bm * (1 - kept)).sum(-1).mean().item()
-        self.rows.append((layer, true, float(receipt["omitted_mass_estimate"]),
+        self.rows.append((true, float(receipt["omitted_mass_estimate"]),
                           float(receipt["omitted_mass_bound"]),
                           float(receipt["omitted_mass_exact"]),
                           oracle_omitted(torch, bm, [len(b) for b in receipt["blocks"]])))
@@ -379,11 +385,7 @@ def section_sparse(model: Llama, client, cases: list[Case], args) -> dict:
             lg = decode(model, case, f)
             nlls.append(nll(model, lg, case.cont))
             probes += probe.rows
-        t = np.array([p[1] for p in probes])
-        e = np.array([p[2] for p in probes])
-        u = np.array([p[3] for p in probes])
-        x = np.array([p[4] for p in probes])
-        o = np.array([p[5] for p in probes])
+        t, e, u, x, o = mass_columns(probes)
         row = {"policy": policy, "block": block, "select": sel, "shared": shared,
                "recent": rec,
                "budget": "1/%d" % b, "nll": float(np.mean(nlls)),
@@ -414,7 +416,6 @@ def section_needles(model: Llama, client, held: np.ndarray, args) -> dict:
     Stage 2 (dense QUERY_FUSED, or each --selects/--policies/--recents mode at --needle-budget),
     then seven digits decoded greedily the same way."""
     torch = model.torch
-    q_len = len(train.passkey_query("abcdef"))
     sel_modes = [(s.split("+")[0], s.endswith("+shared")) for s in args.selects.split(",")]
     modes = [("dense", None)] + [
         ("%s%s%s%s 1/%d" % (sel, " shared" if sh else "", " RECENT %d" % rec if rec else "",
@@ -426,13 +427,8 @@ def section_needles(model: Llama, client, held: np.ndarray, args) -> dict:
     cases = 0
     for depth in DEPTHS:
         for i in range(args.needles):
-            rnd = random.Random(2000 + i * 7 + int(depth * 100))
-            seq, _, meta = train.retrieval_sequence(
-                held, args.needle_prefix + q_len + 9, rnd, keys=4,
-                depths=[depth] + [rnd.random() for _ in range(3)], ask=[0])
-            _, digits, _, ans = meta[0]
+            seq, q0, ans, digits = train.needle(held, args.needle_prefix, i, depth)
             ids = torch.tensor(seq.astype(np.int64))
-            q0 = ans - q_len
             prefix, question = ids[:q0], ids[q0:ans]
             kv, _ = model.prefill(prefix)
             slot = "needle"
@@ -466,24 +462,15 @@ def section_needles(model: Llama, client, held: np.ndarray, args) -> dict:
 def greedy_after(model: Llama, n: int, feed, n_new: int, attend) -> str:
     """Feeds `feed` one decode step at a time after a prefix of n rows, then decodes n_new
     tokens greedily; each layer's attention is attend(layer, q, k_suf, v_suf)."""
-    torch = model.torch
     suffix = [([], []) for _ in range(model.layers)]
     toks = feed.tolist()
     out = []
-    with torch.no_grad():
+    with model.torch.no_grad():
         t = 0
         while len(out) < n_new:
-            tok = toks[t] if t < len(toks) else out[-1]
-            x = model.embed[tok][None]
-            pos = torch.tensor([n + t])
-            for i in range(model.layers):
-                q, k, v = model.qkv(i, x, pos)
-                suffix[i][0].append(k)
-                suffix[i][1].append(v)
-                a = attend(i, q[:, 0], torch.cat(suffix[i][0], 1), torch.cat(suffix[i][1], 1))
-                x = model.finish(i, x, a.reshape(1, -1))
+            logits = step(model, toks[t] if t < len(toks) else out[-1], n + t, suffix, attend)
             if t >= len(toks) - 1:
-                out.append(int(model.logits(x)[0].argmax()))
+                out.append(int(logits.argmax()))
             t += 1
     return bytes(out).decode("latin-1")
 

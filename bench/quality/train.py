@@ -163,6 +163,19 @@ def retrieval_sequence(text: np.ndarray, length: int, rnd: random.Random,
     return np.frombuffer(seq, np.uint8).copy(), weights, meta
 
 
+def needle(text: np.ndarray, prefix_len: int, i: int, depth: float
+           ) -> tuple[np.ndarray, int, int, str]:
+    """The evaluations' passkey case i at `depth`: four keys planted in prefix_len bytes of
+    text, the one at `depth` asked at the end. (bytes, where its question starts, where its
+    answer starts, the answer's digits)."""
+    rnd = random.Random(2000 + i * 7 + int(depth * 100))
+    q_len = len(passkey_query("abcdef"))
+    seq, _, meta = retrieval_sequence(text, prefix_len + q_len + 9, rnd, keys=4,
+                                      depths=[depth] + [rnd.random() for _ in range(3)], ask=[0])
+    _, digits, _, ans = meta[0]
+    return seq, ans - q_len, ans, digits
+
+
 def batch(text: np.ndarray, n: int, length: int, share: float, rnd: random.Random,
           ask_all: bool = False):
     """n sequences of `length` bytes, a `share` of them retrieval sequences (ask_all: every
